@@ -1,0 +1,308 @@
+"""The local training job: a real tiny Megatron-Core GPT that saves real torch_dist checkpoints.
+
+Run it with torchrun (gloo on CPU, nccl where CUDA is available):
+
+    torchrun --standalone --nproc_per_node 2 infra/local_job/train.py --save DIR --train-iters 8
+
+It writes Megatron-LM's layout: ``DIR/iter_%07d/`` through ``dist_checkpointing.save`` with the
+state Megatron-LM's ``generate_state_dict`` saves (args with consumed_train_samples, iteration,
+model, optimizer, opt_param_scheduler, rng_state, num_floating_point_operations_so_far), then
+``DIR/latest_checkpointed_iteration.txt``. Its data is synthetic but deterministic: sample ``i``
+of the dataset is a function of ``(data_seed, i)`` and the order is Megatron's pretraining
+sampler over a seeded permutation, so a resumed run sees exactly the batches it should.
+"""
+
+import argparse
+import os
+import random
+import sys
+import time
+from functools import partial
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cpu_shim  # noqa: E402  (must patch torch before megatron is imported)
+
+cpu_shim.install()
+
+import megatron.core  # noqa: E402
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import ShardedObject  # noqa: E402
+from megatron.core.dist_checkpointing.serialization import (  # noqa: E402
+    get_default_save_sharded_strategy,
+)
+from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: E402
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa: E402
+    FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.distributed import (  # noqa: E402
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+)
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+CHECKPOINT_VERSION = 3.0
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--save", required=True, help="save directory (Megatron-LM --save)")
+    p.add_argument("--train-iters", type=int, default=8)
+    p.add_argument("--save-interval", type=int, default=4)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=128)
+    p.add_argument("--seq-length", type=int, default=32)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--global-batch-size", type=int, default=8)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--min-lr", type=float, default=1e-4)
+    p.add_argument("--lr-warmup-samples", type=int, default=16)
+    p.add_argument("--lr-decay-samples", type=int, default=10_000)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--data-seed", type=int, default=4321)
+    p.add_argument("--dataset-size", type=int, default=100_000)
+    p.add_argument("--verify-integrity", action="store_true",
+                   help="also write Megatron's integrity.json (sha256 of every file)")
+    return p.parse_args(argv)
+
+
+def init_distributed(args):
+    """One process group per job; gloo on CPU, nccl on GPU."""
+    # The checkpoint writer otherwise starts a *spawn* Manager on first save (7-14 s here);
+    # a fork-context queue created before the process group exists costs well under a second.
+    filesystem_async.get_write_results_queue(mp_mode="fork")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    torch.distributed.init_process_group(backend=backend)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size
+    )
+    args.world_size = torch.distributed.get_world_size()
+    args.data_parallel_size = parallel_state.get_data_parallel_world_size()
+    args.pipeline_model_parallel_size = 1
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % per_step:
+        raise SystemExit(
+            f"--global-batch-size {args.global_batch_size} is not a multiple of "
+            f"micro-batch-size x data-parallel size = {per_step}"
+        )
+    args.num_microbatches = args.global_batch_size // per_step
+
+
+def set_seeds(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build(args):
+    config = TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_dtype=torch.float32,
+    )
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.seq_length,
+    )
+    if torch.cuda.is_available():
+        gpt.cuda()
+    model = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=False),
+        module=gpt,
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=0.01,
+                        clip_grad=1.0, use_distributed_optimizer=False),
+        [model],
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_samples,
+        lr_decay_steps=args.lr_decay_samples,
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=args.lr_decay_samples,
+        wd_incr_style="constant",
+    )
+    return config, model, optimizer, scheduler
+
+
+class SyntheticDataset:
+    """Sample ``i`` is an arithmetic token sequence drawn from ``(data_seed, i)``: learnable, and
+    identical in every run and on every rank."""
+
+    def __init__(self, args):
+        self.args = args
+        self.order = np.random.default_rng(args.data_seed).permutation(args.dataset_size)
+
+    def sample_id(self, position):
+        return int(self.order[position % self.args.dataset_size])
+
+    def tokens(self, sample_id):
+        g = np.random.default_rng([self.args.data_seed, sample_id])
+        start, stride = g.integers(0, self.args.vocab_size, size=2)
+        steps = np.arange(self.args.seq_length + 1)
+        return torch.from_numpy((start + (stride | 1) * steps) % self.args.vocab_size)
+
+
+def iteration_batches(args, dataset, consumed):
+    """Megatron's pretraining sampler: the global batch is the next ``global_batch_size``
+    positions; each micro batch of ``micro_batch_size x dp`` positions is split by DP rank."""
+    dp_rank = parallel_state.get_data_parallel_rank()
+    per_step = args.micro_batch_size * args.data_parallel_size
+    for m in range(args.num_microbatches):
+        first = consumed + m * per_step + dp_rank * args.micro_batch_size
+        ids = [dataset.sample_id(p) for p in range(first, first + args.micro_batch_size)]
+        tokens = torch.stack([dataset.tokens(i) for i in ids])
+        yield tokens
+
+
+def forward_step(causal_mask, data_iterator, model):
+    tokens = next(data_iterator)
+    if torch.cuda.is_available():
+        tokens = tokens.cuda()
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+    losses = model(inputs, positions, causal_mask, labels=labels)
+
+    def loss_func(output):
+        loss = output.float().mean()
+        return loss, {"lm loss": loss.detach()}
+
+    return losses, loss_func
+
+
+def rng_state_object(args):
+    """Megatron-LM's RNG state, a ShardedObject family over the (PP, TP) grid."""
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    pp, tp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+    return ShardedObject(
+        "rng_state",
+        [state],
+        (args.pipeline_model_parallel_size, args.tensor_model_parallel_size),
+        (pp, tp),
+        replica_id=parallel_state.get_data_parallel_rank(),
+    )
+
+
+def saved_args(args, iteration, consumed):
+    """The args Megatron-LM stores: the run's settings plus its progress counters."""
+    saved = argparse.Namespace(**vars(args))
+    saved.iteration = iteration
+    saved.consumed_train_samples = consumed
+    saved.ckpt_format = "torch_dist"
+    return saved
+
+
+def save_checkpoint(args, model, optimizer, scheduler, iteration, consumed, flops):
+    directory = os.path.join(args.save, f"iter_{iteration:07d}")
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+    torch.distributed.barrier()
+    content_metadata = {
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+        "megatron_core_version": megatron.core.__version__,
+        "torch_version": str(torch.__version__),
+    }
+    model_sd = model.module.sharded_state_dict()
+    state_dict = {
+        "args": saved_args(args, iteration, consumed),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, metadata=content_metadata),
+        "opt_param_scheduler": scheduler.state_dict(),
+        "rng_state": rng_state_object(args),
+        "num_floating_point_operations_so_far": flops,
+    }
+    start = time.perf_counter()
+    # Megatron-LM's default (--ckpt-fully-parallel-save): replicated shards are spread over the
+    # data-parallel ranks, so every rank writes its own __<rank>_<n>.distcp files.
+    strategy = FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy(),
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+    )
+    dist_checkpointing.save(
+        state_dict, directory, sharded_strategy=strategy, content_metadata=content_metadata,
+        verify_integrity=args.verify_integrity,
+    )
+    if torch.distributed.get_rank() == 0:
+        # Megatron-LM's own tracker, written the way Megatron-LM writes it (plain, not atomic).
+        with open(os.path.join(args.save, TRACKER), "w") as f:
+            f.write(str(iteration))
+        print(f"saved checkpoint iteration {iteration} to {directory} "
+              f"in {time.perf_counter() - start:.2f}s", flush=True)
+    torch.distributed.barrier()
+
+
+def train(args):
+    init_distributed(args)
+    set_seeds(args.seed)
+    config, model, optimizer, scheduler = build(args)
+    dataset = SyntheticDataset(args)
+    causal_mask = torch.triu(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool), 1)
+    causal_mask = causal_mask[None, None]
+    forward_backward = get_forward_backward_func()
+    iteration, consumed, flops = 0, 0, 0.0
+    while iteration < args.train_iters:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(
+            forward_step_func=partial(forward_step, causal_mask),
+            data_iterator=iteration_batches(args, dataset, consumed),
+            model=model,
+            num_microbatches=args.num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+        )
+        _, grad_norm, _ = optimizer.step()
+        scheduler.step(increment=args.global_batch_size)
+        iteration += 1
+        consumed += args.global_batch_size
+        loss = torch.stack([x["lm loss"] for x in losses]).mean().item()
+        if torch.distributed.get_rank() == 0:
+            print(f"iteration {iteration} consumed {consumed} lr {scheduler.get_lr(optimizer.param_groups[0]):.3e} "
+                  f"loss {loss:.6f} grad_norm {grad_norm:.6f}", flush=True)
+        if iteration % args.save_interval == 0:
+            save_checkpoint(args, model, optimizer, scheduler, iteration, consumed, flops)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    # The guard is load-bearing: megatron's checkpoint writer starts processes that re-import
+    # __main__; without it they would re-run the training job and hang the save.
+    train(parse_args())

@@ -1,0 +1,1 @@
+"""Checkpoint verification, manifests, promotion and retention for Megatron torch_dist saves."""

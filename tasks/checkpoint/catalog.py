@@ -1,0 +1,76 @@
+"""The catalog: every checkpoint in a save directory with its state, derived on demand.
+
+It owns no file. A checkpoint's state comes from its manifest (the verifier's) and a cheap
+completeness check (stat only); "promoted" from the pointer; pins from the pin folder. Deriving
+it each time means it can never disagree with the files it describes.
+"""
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tasks.checkpoint import layout
+from tasks.checkpoint.manifest import read_manifest
+from tasks.checkpoint.pins import pins as read_pins
+from tasks.checkpoint.pointer import read_pointer
+from tasks.checkpoint.verify import State, VerifyOptions, completeness
+from tasks.errors import CkptopsError, UsageError
+
+UNVERIFIED = "unverified"
+
+
+@dataclass
+class CheckpointInfo:
+    iteration: int
+    directory: str
+    state: str
+    reason: str
+    size_bytes: int
+    verified_at: str | None = None
+    checked_at: str | None = None
+    consumed_train_samples: int | None = None
+    promoted: bool = False
+    pins: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _size(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+
+
+def describe(directory: Path, options: VerifyOptions) -> CheckpointInfo:
+    iteration = layout.parse_iter_dir(directory.name)
+    info = CheckpointInfo(iteration, directory.name, UNVERIFIED, "complete, not verified yet", _size(directory))
+    progress, why = completeness(directory, options)
+    if progress is State.IN_PROGRESS:
+        info.state, info.reason = progress.value, why
+        return info
+    try:
+        manifest = read_manifest(directory)
+    except CkptopsError as e:
+        info.state, info.reason = State.INVALID.value, str(e)
+        return info
+    if manifest is not None:
+        info.state, info.reason = manifest.status, manifest.reason
+        info.verified_at, info.checked_at = manifest.verified_at, manifest.checked_at
+        info.consumed_train_samples = manifest.consumed_train_samples
+    elif progress is State.INVALID:
+        info.state, info.reason = progress.value, why
+    return info
+
+
+def catalog(save_dir: Path, options: VerifyOptions) -> list[CheckpointInfo]:
+    """Every checkpoint in ``save_dir``, oldest first."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        raise UsageError(f"{save_dir}: no such save directory")
+    pointer = read_pointer(save_dir)
+    pinned = read_pins(save_dir)
+    infos = []
+    for iteration in layout.list_iterations(save_dir):
+        info = describe(save_dir / layout.iter_dir_name(iteration), options)
+        info.promoted = iteration == pointer
+        info.pins = sorted(pinned.get(iteration, []))
+        infos.append(info)
+    return infos

@@ -1,0 +1,195 @@
+"""Reading a torch_dist checkpoint's index and small objects without trusting its pickles.
+
+PyTorch DCP keeps its index in ``.metadata``, a pickle, and DCP's own reader unpickles it with
+no restriction. Megatron stores its common state (args, iteration, scheduler) as a pickled object
+inside the data files. Neither is loaded with full unpickling here: ``.metadata`` goes through an
+allowlist of DCP's own dataclasses and torch's dtypes, and the common state through
+``torch.load(weights_only=True)`` with megatron-core's own safe-globals list.
+"""
+
+import argparse
+import dataclasses
+import enum
+import io
+import os
+import pickle
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+
+from tasks.errors import CkptopsError
+
+_DCP_MODULES = ("torch.distributed.checkpoint.", "megatron.core.dist_checkpointing.")
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+_EXPLICIT = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+_SHARD_KEY = re.compile(r"^(?P<family>.+)/shard_(?P<offset>[\d.]+)_(?P<shape>[\d.]+)$")
+
+
+class CheckFailed(CkptopsError):
+    """One check failed; ``file`` and ``check`` say where, the message says what."""
+
+    def __init__(self, check: str, file: str | None, detail: str):
+        self.check, self.file, self.detail = check, file, detail
+        where = f"{file}: " if file else ""
+        super().__init__(f"{where}{detail} [{check}]")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only DCP's metadata dataclasses and enums, torch.Size, and torch dtype constants."""
+
+    def find_class(self, module, name):
+        if (module, name) in _EXPLICIT:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS):
+            return getattr(torch, name)
+        if module.startswith(_DCP_MODULES):
+            cls = super().find_class(module, name)
+            if isinstance(cls, type) and (dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)):
+                return cls
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+
+
+def load_dcp_metadata(path: Path) -> Metadata:
+    """Unpickle a DCP ``.metadata`` file through the allowlist."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckFailed("dcp-metadata", path.name, "missing") from None
+    except Exception as e:  # a garbled pickle can raise nearly anything
+        raise CheckFailed("dcp-metadata", path.name, f"unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckFailed("dcp-metadata", path.name, "not a DCP Metadata object with storage data")
+    return metadata
+
+
+@dataclass(frozen=True)
+class Record:
+    """One serialized item in a data file: a tensor chunk or a pickled object."""
+
+    key: str
+    file: str
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class ObjectShard:
+    family: str
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+@dataclass
+class DcpIndex:
+    metadata: Metadata
+    tensors: dict[str, TensorStorageMetadata]
+    objects: dict[str, BytesStorageMetadata]
+    records: dict[tuple[str, tuple[int, ...] | None], Record]
+
+    def files(self) -> dict[str, list[Record]]:
+        """Records grouped by data file, each list in file order."""
+        grouped: dict[str, list[Record]] = {}
+        for record in self.records.values():
+            grouped.setdefault(record.file, []).append(record)
+        for records in grouped.values():
+            records.sort(key=lambda r: r.offset)
+        return grouped
+
+    def object_shards(self) -> list[ObjectShard]:
+        shards = []
+        for key in self.objects:
+            match = _SHARD_KEY.match(key)
+            if match:
+                shards.append(ObjectShard(
+                    match["family"],
+                    tuple(int(x) for x in match["offset"].split(".")),
+                    tuple(int(x) for x in match["shape"].split(".")),
+                ))
+        return shards
+
+
+def build_index(metadata: Metadata) -> DcpIndex:
+    tensors, objects = {}, {}
+    for fqn, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            tensors[fqn] = item
+        elif isinstance(item, BytesStorageMetadata):
+            objects[fqn] = item
+    records = {}
+    for index, info in metadata.storage_data.items():
+        offset = None if index.offset is None else tuple(index.offset)
+        label = index.fqn if offset is None else f"{index.fqn}@{list(offset)}"
+        records[(index.fqn, offset)] = Record(label, info.relative_path, int(info.offset), int(info.length))
+    return DcpIndex(metadata, tensors, objects, records)
+
+
+def read_record(directory: Path, record: Record) -> bytes:
+    with open(directory / record.file, "rb") as f:
+        data = os.pread(f.fileno(), record.length, record.offset)
+    if len(data) != record.length:
+        raise CheckFailed("files", record.file, f"record '{record.key}' is cut short")
+    return data
+
+
+_STDLIB_SAFE = [argparse.Namespace, SimpleNamespace]
+
+
+def load_common_state(directory: Path, index: DcpIndex) -> dict:
+    """Megatron's common state (args, iteration, scheduler, optimizer groups), loaded safely.
+
+    Megatron >= 0.19 keeps it as the sharded object ``common_state/shard_0_1``; <= 0.18 in
+    ``common.pt``. The stdlib types cover most jobs without importing megatron (7 s); args that
+    hold megatron's enums need megatron-core's own allowlist, imported only then.
+    """
+    record = index.records.get(("common_state/shard_0_1", None))
+    if record is not None:
+        source, name = io.BytesIO(read_record(directory, record)), record.file
+    elif (directory / "common.pt").exists():
+        source, name = directory / "common.pt", "common.pt"
+    else:
+        raise CheckFailed("state", None, "no common state (neither common_state/shard_0_1 nor common.pt)")
+    loaded = _weights_only_load(source, name)
+    if record is not None:  # megatron stores the list of the object's shards' data
+        loaded = loaded[0] if isinstance(loaded, list) and loaded else loaded
+    if not isinstance(loaded, dict):
+        raise CheckFailed("state", name, f"common state is a {type(loaded).__name__}, not a dict")
+    return loaded
+
+
+def _weights_only_load(source, name: str):
+    def attempt():
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
+        with torch.serialization.safe_globals(_STDLIB_SAFE):
+            return torch.load(source, weights_only=True, map_location="cpu")
+
+    try:
+        return attempt()
+    except pickle.UnpicklingError:
+        with warnings.catch_warnings():  # megatron warns about every optional extra it lacks
+            warnings.simplefilter("ignore")
+            import megatron.core.safe_globals as megatron_safe
+
+        megatron_safe.register_safe_globals()
+    except Exception as e:
+        raise CheckFailed("state", name, f"common state unreadable ({type(e).__name__})") from None
+    try:
+        return attempt()
+    except Exception as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        hint = f"unsupported global {found.group(1)}" if found else type(e).__name__
+        raise CheckFailed("state", name, f"common state refused by the safe loader ({hint})") from None

@@ -1,0 +1,53 @@
+"""The per-job lock: one verify-promote-retain run per save directory at a time.
+
+An advisory ``flock`` on ``<save>/.ckptops.lock``. The kernel drops it when the holder dies, so a
+crashed run never leaves the job locked. (On Lustre this needs the ``flock`` mount option; on NFS
+v4 it maps to byte-range locks.) The file's content names the holder for the error message only.
+"""
+
+import fcntl
+import json
+import os
+import socket
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from tasks.checkpoint.layout import LOCK
+from tasks.errors import LockTimeout
+
+_POLL_SECONDS = 0.1
+
+
+def _holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {info.get('pid')} on {info.get('host')} since {info.get('since')}"
+    except ValueError:
+        return "an unknown holder"
+
+
+@contextmanager
+def job_lock(save_dir: Path, timeout_seconds: float):
+    """Hold the save directory's lock; raise LockTimeout naming the holder after the timeout."""
+    path = Path(save_dir) / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise LockTimeout(
+                        f"{path}: held by {_holder(fd)}; gave up after {timeout_seconds:.0f}s"
+                    ) from None
+                time.sleep(_POLL_SECONDS)
+        stamp = {"pid": os.getpid(), "host": socket.gethostname(),
+                 "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(stamp).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock

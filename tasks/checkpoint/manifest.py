@@ -1,0 +1,98 @@
+"""The manifest: what a verified checkpoint is, written into it as ``manifest.json``.
+
+The verifier owns this file and is its only writer. Its ``files`` are the reference every later
+re-verification, copy and restore compares against; they are taken from the first verification
+that passed and never replaced afterwards (a failing re-verification changes ``status`` and
+``checks`` but keeps the reference, so the evidence of what the bytes should be survives).
+"""
+
+import json
+import socket
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tasks import __version__
+from tasks.checkpoint.layout import MANIFEST
+from tasks.errors import CkptopsError
+from tasks.storage.local import atomic_write
+
+SCHEMA_VERSION = 1
+HASH_ALGORITHM = "blake3"
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class FileEntry:
+    path: str
+    size: int
+    hash: str
+
+
+@dataclass
+class CheckResult:
+    name: str
+    ok: bool
+    detail: str
+    file: str | None = None
+
+
+@dataclass
+class Manifest:
+    job: str
+    iteration: int
+    status: str
+    reason: str
+    consumed_train_samples: int | None
+    writer: dict
+    layout: dict
+    files: list[FileEntry]
+    totals: dict
+    checks: list[CheckResult]
+    verified_at: str | None
+    checked_at: str
+    verifier: dict = field(default_factory=lambda: {"ckptops": __version__, "host": socket.gethostname()})
+    hash_algorithm: str = HASH_ALGORITHM
+    archive: dict | None = None
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def valid(self) -> bool:
+        return self.status == "valid"
+
+    def file_map(self) -> dict[str, FileEntry]:
+        return {f.path: f for f in self.files}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Manifest":
+        data = dict(data)
+        data["files"] = [FileEntry(**f) for f in data["files"]]
+        data["checks"] = [CheckResult(**c) for c in data["checks"]]
+        return cls(**data)
+
+
+def read_manifest(directory: Path) -> Manifest | None:
+    """The checkpoint's manifest, or None if it has never been verified."""
+    path = Path(directory) / MANIFEST
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise CkptopsError(f"{path}: unreadable manifest ({e})") from None
+    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+        raise CkptopsError(f"{path}: unknown manifest schema {data.get('schema_version') if isinstance(data, dict) else None!r}")
+    try:
+        return Manifest.from_dict(data)
+    except (TypeError, KeyError) as e:
+        raise CkptopsError(f"{path}: malformed manifest ({e})") from None
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    atomic_write(Path(directory) / MANIFEST, manifest.to_json().encode())

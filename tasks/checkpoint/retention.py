@@ -1,0 +1,77 @@
+"""Retention: keep the newest K verified checkpoints, delete older ones, never anything at risk.
+
+Never deleted: the promoted checkpoint, anything newer than it (it may still be saving or
+waiting for verification), anything pinned, anything not verified valid. A failed checkpoint is
+kept and reported: it is evidence, and deleting it is a human decision. Nothing at all is deleted
+before a first promotion. Deletion runs apart from verification and under the job lock, and each
+checkpoint disappears atomically (rename, then delete) so no reader sees half of one.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tasks.checkpoint import layout
+from tasks.checkpoint.catalog import CheckpointInfo, catalog
+from tasks.checkpoint.lock import job_lock
+from tasks.checkpoint.pins import pins as read_pins
+from tasks.checkpoint.pointer import read_pointer
+from tasks.checkpoint.verify import State, VerifyOptions
+from tasks.storage.local import purge_trash, remove_tree
+
+
+@dataclass
+class RetentionPlan:
+    keep_verified: int
+    pointer: int | None
+    delete: list[int] = field(default_factory=list)
+    kept: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> list[int]:
+        return [i for i, why in self.kept.items() if why.startswith(State.INVALID.value)]
+
+
+def plan_retention(infos: list[CheckpointInfo], pointer: int | None, keep_verified: int) -> RetentionPlan:
+    """Pure decision from the catalog: which iterations go, and why each other one stays."""
+    if keep_verified < 2:
+        raise ValueError("keep_verified must be at least 2")
+    plan = RetentionPlan(keep_verified, pointer)
+    valid = sorted((i.iteration for i in infos if i.state == State.VALID.value), reverse=True)
+    newest_valid = set(valid[:keep_verified])
+    for info in infos:
+        it = info.iteration
+        if info.state != State.VALID.value:
+            plan.kept[it] = f"{info.state}: {info.reason}"
+        elif pointer is None:
+            plan.kept[it] = "nothing promoted yet"
+        elif it == pointer:
+            plan.kept[it] = "promoted"
+        elif it > pointer:
+            plan.kept[it] = "newer than the promoted checkpoint"
+        elif info.pins:
+            plan.kept[it] = f"pinned by {', '.join(info.pins)}"
+        elif it in newest_valid:
+            plan.kept[it] = f"among the newest {keep_verified} verified"
+        else:
+            plan.delete.append(it)
+    return plan
+
+
+def retain(save_dir: Path, options: VerifyOptions, keep_verified: int, lock_timeout_seconds: float,
+           dry_run: bool = False) -> tuple[RetentionPlan, list[int]]:
+    """Plan under the lock, then delete; pins and the pointer are re-read before each delete."""
+    save_dir = Path(save_dir)
+    with job_lock(save_dir, lock_timeout_seconds):
+        plan = plan_retention(catalog(save_dir, options), read_pointer(save_dir), keep_verified)
+        if dry_run:
+            return plan, []
+        purge_trash(save_dir)
+        deleted = []
+        for iteration in plan.delete:
+            if iteration in read_pins(save_dir) or iteration == read_pointer(save_dir):
+                plan.kept[iteration] = "pinned or promoted since planning"
+                continue
+            remove_tree(save_dir / layout.iter_dir_name(iteration))
+            deleted.append(iteration)
+        plan.delete = deleted
+        return plan, deleted

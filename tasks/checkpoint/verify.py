@@ -1,0 +1,507 @@
+"""Decide whether a Megatron torch_dist checkpoint is whole, and record the answer in its manifest.
+
+A checkpoint is in one of three states:
+- ``in-progress``: still being written (no ``metadata.json`` yet, shards newer than it, an
+  expected ``integrity.json`` not there yet, or files changing while we read). Never failed,
+  never promoted, no manifest written: the caller waits and asks again.
+- ``invalid``: some check failed. The manifest records every check; the first failure, as one
+  line naming the file and the check, is the reason.
+- ``valid``: every check passed.
+
+The checks, cheapest first: completeness, ``metadata.json``, DCP ``.metadata``, data files
+present and long enough with none unreferenced, every chunk and object backed by a record inside
+its file, chunks tiling each tensor exactly, object families covering their grids, then one read
+of every byte (BLAKE3 per file, CRC-32 per record, SHA-256 where ``integrity.json`` asks for it),
+the reference manifest when there is one, and the state Megatron-LM needs to resume.
+"""
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from tasks.checkpoint import layout
+from tasks.checkpoint.dcp import CheckFailed, DcpIndex, build_index, load_common_state, load_dcp_metadata
+from tasks.checkpoint.manifest import (
+    CheckResult,
+    FileEntry,
+    Manifest,
+    now_iso,
+    read_manifest,
+    write_manifest,
+)
+from tasks.checkpoint.scan import FileScan, scan_files
+from tasks.errors import CkptopsError, UsageError
+
+
+class State(StrEnum):
+    VALID = "valid"
+    INVALID = "invalid"
+    IN_PROGRESS = "in-progress"
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    job: str
+    megatron_core_version: str | None = None
+    writes_integrity_json: bool = False
+    abandon_after_seconds: float = 6 * 3600
+    threads: int = 0
+    write_manifest: bool = True
+
+    @classmethod
+    def from_profile(cls, profile, save_dir: Path | None = None, **overrides) -> "VerifyOptions":
+        """Options for a save directory; the profile's job name applies only to its own save_dir."""
+        own = save_dir is None or Path(save_dir).resolve() == profile.job.save_dir.resolve()
+        return cls(
+            job=profile.job.name if own else Path(save_dir).resolve().name,
+            megatron_core_version=profile.job.megatron_core_version if own else None,
+            writes_integrity_json=profile.job.writes_integrity_json if own else False,
+            abandon_after_seconds=profile.verify.abandon_after_seconds,
+            threads=profile.verify.threads,
+            **overrides,
+        )
+
+
+@dataclass
+class Verification:
+    directory: Path
+    iteration: int
+    state: State
+    reason: str
+    checks: list[CheckResult] = field(default_factory=list)
+    manifest: Manifest | None = None
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.state is State.VALID
+
+    @property
+    def throughput_gbps(self) -> float:
+        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def line(self) -> str:
+        return f"{self.state.value.upper()} {self.directory.name}: {self.reason}"
+
+
+def _newest_mtime(directory: Path) -> float:
+    times = [p.stat().st_mtime for p in directory.iterdir() if p.is_file()]
+    return max(times, default=directory.stat().st_mtime)
+
+
+def _newer_checkpoint_complete(directory: Path) -> bool:
+    """A later iteration finished saving, so this one never will (Megatron saves in order)."""
+    iteration = layout.parse_iter_dir(directory.name)
+    parent = directory.parent
+    return any(
+        (parent / layout.iter_dir_name(i) / layout.METADATA_JSON).exists()
+        for i in layout.list_iterations(parent)
+        if i > iteration
+    )
+
+
+def completeness(directory: Path, options: VerifyOptions) -> tuple[State | None, str]:
+    """Cheap (stat only): ``(IN_PROGRESS, why)``, ``(INVALID, why)`` for an abandoned save, or
+    ``(None, "")`` when the save has finished and the checkpoint can be checked."""
+    metadata_json = directory / layout.METADATA_JSON
+    if not metadata_json.exists():
+        idle = time.time() - _newest_mtime(directory)
+        if _newer_checkpoint_complete(directory):
+            return State.INVALID, f"{layout.METADATA_JSON}: missing, and a newer checkpoint finished saving [complete]"
+        if idle > options.abandon_after_seconds:
+            return State.INVALID, f"{layout.METADATA_JSON}: missing, no change for {idle:.0f}s [complete]"
+        return State.IN_PROGRESS, f"{layout.METADATA_JSON}: not written yet"
+    finished = metadata_json.stat().st_mtime_ns
+    for path in directory.glob(f"*{layout.DATA_SUFFIX}"):
+        if path.stat().st_mtime_ns > finished:
+            return State.IN_PROGRESS, f"{path.name}: newer than {layout.METADATA_JSON} (being re-saved)"
+    if options.writes_integrity_json and not (directory / layout.INTEGRITY_JSON).exists():
+        return State.IN_PROGRESS, f"{layout.INTEGRITY_JSON}: not written yet"
+    return None, ""
+
+
+class _Checks:
+    """Collects check results; the first failure is the checkpoint's one-line reason."""
+
+    def __init__(self):
+        self.results: list[CheckResult] = []
+
+    def passed(self, name: str, detail: str) -> None:
+        self.results.append(CheckResult(name, True, detail))
+
+    def failed(self, name: str, file: str | None, detail: str) -> None:
+        self.results.append(CheckResult(name, False, detail, file))
+
+    def record(self, failure: CheckFailed) -> None:
+        self.failed(failure.check, failure.file, failure.detail)
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        return [r for r in self.results if not r.ok]
+
+    def reason(self) -> str:
+        first = self.failures[0]
+        more = len(self.failures) - 1
+        where = f"{first.file}: " if first.file else ""
+        return f"{where}{first.detail} [{first.name}]" + (f" (+{more} more)" if more else "")
+
+
+def _tiles_exactly(size: tuple[int, ...], chunks) -> str | None:
+    """None if the chunks cover ``size`` with no gap and no overlap, else what is wrong."""
+    total = math.prod(size)
+    boxes = []
+    for chunk in chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(offsets) != len(size) or any(o < 0 or o + s > d for o, s, d in zip(offsets, sizes, size)):
+            return f"chunk at {list(offsets)} of size {list(sizes)} lies outside the shape {list(size)}"
+        boxes.append((offsets, sizes))
+    covered = sum(math.prod(s) for _, s in boxes)
+    # Sweep along the first dimension: only chunks whose first-dimension spans meet can overlap.
+    boxes.sort()
+    for i, (oa, sa) in enumerate(boxes):
+        for ob, sb in boxes[i + 1:]:
+            if size and ob[0] >= oa[0] + sa[0]:
+                break
+            if all(b < a + la and a < b + lb for a, la, b, lb in zip(oa, sa, ob, sb)):
+                return f"chunks at {list(oa)} and {list(ob)} overlap"
+    if covered != total:
+        return f"chunks cover {covered} of {total} elements (a gap)"
+    return None
+
+
+def _grid_missing(shards) -> str | None:
+    shape = shards[0].shape
+    if any(s.shape != shape for s in shards):
+        return "shards disagree on the grid shape"
+    have = {s.offset for s in shards}
+    expected = math.prod(shape)
+    if len(have) != expected:
+        return f"{len(have)} of {expected} grid cells present"
+    if any(any(o >= d for o, d in zip(s.offset, shape)) for s in shards):
+        return "a shard lies outside the grid"
+    return None
+
+
+class _Verifier:
+    def __init__(self, directory: Path, iteration: int, options: VerifyOptions, progress):
+        self.directory = directory
+        self.iteration = iteration
+        self.options = options
+        self.progress = progress
+        self.checks = _Checks()
+        self.index: DcpIndex | None = None
+        self.backend: dict = {}
+        self.scans: dict[str, FileScan] = {}
+        self.common: dict | None = None
+        self.reference: Manifest | None = None
+        self.integrity: dict[str, str] = {}
+
+    def run(self) -> None:
+        self._check_metadata_json()
+        self._load_reference()
+        self._load_index()
+        if self.index is not None:
+            self._check_files()
+            self._check_records()
+            self._check_coverage()
+            self._check_objects()
+        self._read_integrity_json()
+        self._scan_content()
+        self._check_integrity_json()
+        self._check_against_reference()
+        if self.index is not None:
+            self._check_state()
+
+    def _check_metadata_json(self) -> None:
+        name = layout.METADATA_JSON
+        try:
+            config = json.loads((self.directory / name).read_text())
+            backend = config["sharded_backend"]
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            self.checks.failed(name, name, f"unreadable or not a Megatron config ({type(e).__name__}: {e})")
+            return
+        if backend not in layout.KNOWN_BACKENDS:
+            self.checks.failed(name, name, f"unknown sharded_backend {backend!r}")
+            return
+        self.backend = config
+        self.checks.passed(name, f"{backend} v{config.get('sharded_backend_version')}")
+
+    def _load_reference(self) -> None:
+        try:
+            manifest = read_manifest(self.directory)
+        except CkptopsError as e:
+            self.checks.failed("manifest", layout.MANIFEST, str(e).split(": ", 1)[-1])
+            return
+        # Only a manifest written by a passing verification is a reference for the bytes.
+        if manifest is not None and manifest.files and manifest.verified_at:
+            self.reference = manifest
+
+    def _load_index(self) -> None:
+        try:
+            self.index = build_index(load_dcp_metadata(self.directory / layout.DCP_METADATA))
+        except CheckFailed as e:
+            self.checks.record(e)
+            return
+        self.checks.passed("dcp-metadata", f"{len(self.index.tensors)} tensors, "
+                                           f"{len(self.index.objects)} objects, {len(self.index.records)} records")
+
+    def _check_files(self) -> None:
+        referenced = self.index.files()
+        bad = False
+        for name, records in sorted(referenced.items()):
+            path = self.directory / name
+            if not path.is_file():
+                self.checks.failed("files", name, "referenced by .metadata but missing")
+                bad = True
+                continue
+            size, needed = path.stat().st_size, max(r.end for r in records)
+            if size < needed:
+                self.checks.failed("files", name, f"truncated: {size} bytes, records need {needed}")
+                bad = True
+        for path in sorted(self.directory.glob(f"*{layout.DATA_SUFFIX}")):
+            if path.name not in referenced:
+                self.checks.failed("files", path.name, "data file not referenced by .metadata")
+                bad = True
+        if not bad:
+            self.checks.passed("files", f"{len(referenced)} data files present and long enough")
+
+    def _check_records(self) -> None:
+        bad = False
+        for fqn, item in self.index.tensors.items():
+            for chunk in item.chunks:
+                if (fqn, tuple(chunk.offsets)) not in self.index.records:
+                    self.checks.failed("records", None, f"tensor '{fqn}' chunk at {list(chunk.offsets)} has no record")
+                    bad = True
+        for fqn in self.index.objects:
+            if (fqn, None) not in self.index.records:
+                self.checks.failed("records", None, f"object '{fqn}' has no record")
+                bad = True
+        for name, records in self.index.files().items():
+            for before, after in zip(records, records[1:]):
+                if after.offset < before.end:
+                    self.checks.failed("records", name, f"records '{before.key}' and '{after.key}' overlap")
+                    bad = True
+        if not bad:
+            self.checks.passed("records", "every chunk and object has its own record")
+
+    def _check_coverage(self) -> None:
+        bad = False
+        for fqn, item in sorted(self.index.tensors.items()):
+            problem = _tiles_exactly(tuple(item.size), item.chunks)
+            if problem:
+                self.checks.failed("coverage", layout.DCP_METADATA, f"tensor '{fqn}': {problem}")
+                bad = True
+        if not bad:
+            self.checks.passed("coverage", f"{len(self.index.tensors)} tensors tiled exactly")
+
+    def _check_objects(self) -> None:
+        families: dict[str, list] = {}
+        for shard in self.index.object_shards():
+            families.setdefault(shard.family, []).append(shard)
+        bad = False
+        for family, shards in sorted(families.items()):
+            problem = _grid_missing(shards)
+            if problem:
+                self.checks.failed("objects", layout.DCP_METADATA, f"object family '{family}': {problem}")
+                bad = True
+        if not bad:
+            self.checks.passed("objects", f"{len(families)} sharded-object families cover their grids")
+
+    def _read_integrity_json(self) -> None:
+        path = self.directory / layout.INTEGRITY_JSON
+        if not path.exists():
+            return
+        try:
+            data = json.loads(path.read_text())
+            if data.get("algorithm", "sha256") != "sha256":
+                raise ValueError(f"algorithm {data.get('algorithm')!r} is not sha256")
+            self.integrity = {str(k): str(v) for k, v in data["files"].items()}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            self.checks.failed(layout.INTEGRITY_JSON, layout.INTEGRITY_JSON, f"unreadable ({e})")
+
+    def _top_level_files(self) -> list[str]:
+        return sorted(
+            p.name for p in self.directory.iterdir() if p.is_file() and not layout.is_own_file(p.name)
+        )
+
+    def _scan_content(self) -> None:
+        referenced = self.index.files() if self.index is not None else {}
+        present = self._top_level_files()
+        files = {name: referenced.get(name, []) for name in present}
+        self.scans = scan_files(self.directory, files, set(self.integrity) & set(present),
+                                self.options.threads, self.progress)
+        bad = False
+        for name, scan in sorted(self.scans.items()):
+            if scan.error:
+                self.checks.failed("crc", name, scan.error)
+                bad = True
+            for failure in scan.failures:
+                self.checks.failed("crc", name, failure)
+                bad = True
+        records = sum(s.records for s in self.scans.values())
+        if not bad:
+            self.checks.passed("crc", f"{records} records' CRCs match")
+
+    def _check_integrity_json(self) -> None:
+        if not self.integrity:
+            return
+        bad = False
+        for name, expected in sorted(self.integrity.items()):
+            scan = self.scans.get(name)
+            if scan is None:
+                self.checks.failed(layout.INTEGRITY_JSON, name, "listed in integrity.json but missing")
+                bad = True
+            elif scan.sha256 != expected:
+                self.checks.failed(layout.INTEGRITY_JSON, name, "sha256 differs from integrity.json")
+                bad = True
+        if not bad:
+            self.checks.passed(layout.INTEGRITY_JSON, f"{len(self.integrity)} files match")
+
+    def _check_against_reference(self) -> None:
+        if self.reference is None:
+            return
+        bad = False
+        expected = self.reference.file_map()
+        for name, entry in sorted(expected.items()):
+            scan = self.scans.get(name)
+            if scan is None:
+                self.checks.failed("manifest", name, "in the manifest but missing")
+                bad = True
+            elif scan.size != entry.size:
+                self.checks.failed("manifest", name, f"size {scan.size}, manifest says {entry.size}")
+                bad = True
+            elif scan.blake3 != entry.hash:
+                self.checks.failed("manifest", name, "content differs from the manifest (blake3)")
+                bad = True
+        extra = sorted(set(self.scans) - set(expected))
+        if extra:
+            self.checks.failed("manifest", extra[0], f"not in the manifest ({len(extra)} such files)")
+            bad = True
+        if not bad:
+            self.checks.passed("manifest", f"{len(expected)} files match the manifest")
+
+    def _check_state(self) -> None:
+        try:
+            self.common = load_common_state(self.directory, self.index)
+        except CheckFailed as e:
+            self.checks.record(e)
+            return
+        args = self.common.get("args")
+        missing = [k for k in ("iteration", "args", "opt_param_scheduler") if k not in self.common]
+        if args is not None and getattr(args, "consumed_train_samples", None) is None:
+            missing.append("args.consumed_train_samples")
+        keys = list(self.index.tensors) + list(self.index.objects)
+        if not any(not k.startswith(("optimizer.", "rng_state/", "common_state/")) for k in self.index.tensors):
+            missing.append("model tensors")
+        if not getattr(args, "no_save_optim", False) and not any(k.startswith("optimizer.") for k in keys):
+            missing.append("optimizer state")
+        if not getattr(args, "no_save_rng", False) and not any(k.startswith("rng_state/") for k in keys):
+            missing.append("rng_state")
+        if missing:
+            self.checks.failed("state", None, f"required state missing: {', '.join(missing)}")
+        else:
+            self.checks.passed("state", "model, optimizer, scheduler, RNG and common state present")
+        stored = self.common.get("iteration")
+        if stored != self.iteration:
+            self.checks.failed("iteration", None, f"checkpoint says iteration {stored}, directory says {self.iteration}")
+        else:
+            self.checks.passed("iteration", f"iteration {stored} matches the directory")
+
+    def changed_files(self) -> list[str]:
+        return sorted(name for name, scan in self.scans.items() if scan.changed)
+
+    def manifest(self) -> Manifest:
+        args = (self.common or {}).get("args")
+        content = (self.common or {}).get("content_metadata") or {}
+        failures = self.checks.failures
+        observed = [FileEntry(name, s.size, s.blake3 or "") for name, s in sorted(self.scans.items())]
+        valid = not failures
+        reference = self.reference
+        checked_at = now_iso()
+        return Manifest(
+            job=self.options.job,
+            iteration=self.iteration,
+            status=State.VALID.value if valid else State.INVALID.value,
+            reason="all checks passed" if valid else self.checks.reason(),
+            consumed_train_samples=getattr(args, "consumed_train_samples", None),
+            writer=self._writer(content),
+            layout=self._layout(args),
+            files=reference.files if reference else observed,
+            totals={
+                "files": len(observed),
+                "bytes": sum(f.size for f in observed),
+                "tensors": len(self.index.tensors) if self.index else 0,
+                "objects": len(self.index.objects) if self.index else 0,
+                "records": len(self.index.records) if self.index else 0,
+            },
+            checks=self.checks.results,
+            verified_at=reference.verified_at if reference else (checked_at if valid else None),
+            checked_at=checked_at,
+            archive=reference.archive if reference else None,
+        )
+
+    def _writer(self, content: dict) -> dict:
+        recorded = content.get("megatron_core_version")
+        return {
+            "megatron_core": recorded or self.options.megatron_core_version,
+            "megatron_core_source": "checkpoint" if recorded else ("profile" if self.options.megatron_core_version else "unknown"),
+            "torch": content.get("torch_version"),
+            "sharded_backend": self.backend.get("sharded_backend"),
+            "sharded_backend_version": self.backend.get("sharded_backend_version"),
+            "dcp_metadata_version": getattr(self.index.metadata, "version", None) if self.index else None,
+            "checkpoint_version": (self.common or {}).get("checkpoint_version"),
+        }
+
+    @staticmethod
+    def _layout(args) -> dict:
+        get = lambda name: getattr(args, name, None)  # noqa: E731
+        return {
+            "tensor_parallel": get("tensor_model_parallel_size"),
+            "pipeline_parallel": get("pipeline_model_parallel_size"),
+            "data_parallel": get("data_parallel_size"),
+            "world_size": get("world_size"),
+        }
+
+
+def checkpoint_iteration(directory: Path) -> int:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UsageError(f"{directory}: no such checkpoint directory")
+    iteration = layout.parse_iter_dir(directory.name)
+    if iteration is None:
+        raise UsageError(f"{directory}: not a checkpoint directory (expected iter_NNNNNNN)")
+    return iteration
+
+
+def verify_checkpoint(directory: Path, options: VerifyOptions,
+                      progress: Callable[[int], None] | None = None) -> Verification:
+    """Verify one checkpoint directory and (unless it is still in progress) write its manifest."""
+    directory = Path(directory).resolve()
+    iteration = checkpoint_iteration(directory)
+    started = time.monotonic()
+    state, reason = completeness(directory, options)
+    if state is State.IN_PROGRESS:
+        return Verification(directory, iteration, state, reason)
+    verifier = _Verifier(directory, iteration, options, progress)
+    if state is State.INVALID:
+        verifier.checks.failed("complete", layout.METADATA_JSON, reason.split(": ", 1)[1].rsplit(" [", 1)[0])
+    else:
+        verifier.run()
+    bytes_read = sum(s.size for s in verifier.scans.values())
+    seconds = time.monotonic() - started
+    changed = verifier.changed_files()
+    if changed or completeness(directory, options)[0] is State.IN_PROGRESS:
+        # Whatever we read is void: the writer is still at work.
+        what = f"{changed[0]}: changed while being read" if changed else "being re-saved"
+        return Verification(directory, iteration, State.IN_PROGRESS, what, verifier.checks.results,
+                            bytes_read=bytes_read, seconds=seconds)
+    manifest = verifier.manifest()
+    if options.write_manifest:
+        write_manifest(directory, manifest)
+    return Verification(directory, iteration, State(manifest.status), manifest.reason,
+                        manifest.checks, manifest, bytes_read, seconds)

@@ -1,0 +1,229 @@
+"""``ckptops``: the command line for humans and scripts. It calls the same task code as the flows.
+
+Exit codes: 0 success (for ``verify``: valid), 1 the thing checked is not good (invalid, in
+progress, a failed step), 2 bad usage or unreadable input. An expected failure prints one line
+naming the file and the check, never a traceback.
+"""
+
+import json
+import sys
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from tasks.errors import CkptopsError
+from tasks.profile import Profile, load_profile
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Verify, promote and keep training checkpoints you can trust.")
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+ProfileOpt = Annotated[Optional[str], typer.Option("--profile", "-p", help="profile name in profiles/ or a YAML path [default: local]")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print the result as JSON")]
+
+
+def _fail(error: CkptopsError) -> None:
+    err.print(f"ckptops: {error}", markup=False)
+    raise typer.Exit(error.exit_code)
+
+
+@contextmanager
+def _expected_errors():
+    try:
+        yield
+    except CkptopsError as e:
+        _fail(e)
+
+
+@contextmanager
+def _byte_progress(description: str, total: int, enabled: bool):
+    """A progress bar on stderr for long reads; nothing when piped or asked for JSON."""
+    if not enabled or not err.is_terminal:
+        yield None
+        return
+    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+               TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file()) if path.is_dir() else 0
+
+
+def _save_dir(profile: Profile, given: Optional[Path]) -> Path:
+    return (given or profile.job.save_dir).resolve()
+
+
+def _options(profile: Profile, save_dir: Path, **overrides):
+    from tasks.checkpoint.verify import VerifyOptions
+
+    return VerifyOptions.from_profile(profile, save_dir, **overrides)
+
+
+@app.command()
+def verify(
+    path: Annotated[Path, typer.Argument(help="a checkpoint directory, iter_NNNNNNN")],
+    as_json: JsonOpt = False,
+    profile: ProfileOpt = None,
+    read_only: Annotated[bool, typer.Option("--read-only", help="do not write manifest.json")] = False,
+):
+    """Verify one checkpoint: exit 0 valid, 1 invalid or still in progress, 2 unreadable input."""
+    with _expected_errors():
+        from tasks.checkpoint.verify import checkpoint_iteration, verify_checkpoint
+
+        prof = load_profile(profile)
+        checkpoint_iteration(path)
+        options = _options(prof, path.resolve().parent, write_manifest=not read_only)
+        with _byte_progress(f"verify {path.name}", _dir_bytes(path), not as_json) as progress:
+            result = verify_checkpoint(path, options, progress)
+    if as_json:
+        out.print_json(json.dumps({
+            "directory": str(result.directory), "iteration": result.iteration,
+            "state": result.state.value, "reason": result.reason, "bytes_read": result.bytes_read,
+            "seconds": round(result.seconds, 3), "checks": [asdict(c) for c in result.checks],
+        }))
+    else:
+        stats = f" ({result.bytes_read / 1e6:.1f} MB in {result.seconds:.2f}s, {result.throughput_gbps:.2f} GB/s)"
+        out.print(result.line() + (stats if result.bytes_read else ""), markup=False)
+    raise typer.Exit(0 if result.ok else 1)
+
+
+@app.command()
+def promote(
+    save_dir: Annotated[Optional[Path], typer.Argument(help="the job's save directory [default: the profile's]")] = None,
+    iteration: Annotated[Optional[int], typer.Option("--iteration", "-i", help="promote this iteration (verified valid) instead of the newest")] = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Verify new complete checkpoints, oldest first, and point to the newest that passed (or to N)."""
+    with _expected_errors():
+        from tasks.checkpoint.promote import promote as run_promote
+
+        prof = load_profile(profile)
+        directory = _save_dir(prof, save_dir)
+        options = _options(prof, directory)
+
+        def report(result):
+            if not as_json:
+                out.print(result.line(), markup=False)
+
+        report_ = run_promote(directory, options, prof.verify.lock_timeout_seconds, iteration,
+                              on_verified=report)
+    if as_json:
+        out.print_json(json.dumps({
+            "previous": report_.previous, "current": report_.current, "changed": report_.changed,
+            "message": report_.message,
+            "verified": [{"iteration": v.iteration, "state": v.state.value, "reason": v.reason}
+                         for v in report_.verifications],
+        }))
+    else:
+        arrow = f"{report_.previous} -> {report_.current}" if report_.changed else f"stays at {report_.current}"
+        out.print(f"latest verified: {arrow} ({report_.message})", markup=False)
+    raise typer.Exit(1 if report_.failed else 0)
+
+
+@app.command()
+def status(
+    save_dir: Annotated[Optional[Path], typer.Argument(help="the job's save directory [default: the profile's]")] = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Every checkpoint with its state, size, verification time and promotion."""
+    with _expected_errors():
+        from tasks.checkpoint.catalog import catalog
+
+        prof = load_profile(profile)
+        directory = _save_dir(prof, save_dir)
+        infos = catalog(directory, _options(prof, directory))
+    if as_json:
+        out.print_json(json.dumps([i.to_dict() for i in infos]))
+        return
+    out.print(status_table(directory, infos))
+
+
+def status_table(save_dir: Path, infos) -> Table:
+    table = Table(title=f"checkpoints in {save_dir}", title_justify="left")
+    for column in ("iteration", "state", "size", "consumed", "verified at", "promoted", "pins", "reason"):
+        table.add_column(column, overflow="fold")
+    colour = {"valid": "green", "invalid": "red", "in-progress": "yellow"}
+    for i in infos:
+        table.add_row(
+            str(i.iteration), f"[{colour.get(i.state, 'white')}]{i.state}[/]", f"{i.size_bytes / 1e6:.1f} MB",
+            "" if i.consumed_train_samples is None else str(i.consumed_train_samples),
+            i.verified_at or "", "yes" if i.promoted else "", ", ".join(i.pins),
+            "" if i.state == "valid" else i.reason,
+        )
+    return table
+
+
+@app.command()
+def retain(
+    save_dir: Annotated[Optional[Path], typer.Argument(help="the job's save directory [default: the profile's]")] = None,
+    keep: Annotated[Optional[int], typer.Option("--keep", help="verified checkpoints to keep [default: the profile's]")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="show the plan, delete nothing")] = False,
+    profile: ProfileOpt = None,
+):
+    """Delete verified checkpoints older than the newest K (never the promoted, newer or pinned)."""
+    with _expected_errors():
+        from tasks.checkpoint.retention import retain as run_retain
+
+        prof = load_profile(profile)
+        directory = _save_dir(prof, save_dir)
+        keep_verified = keep if keep is not None else prof.retention.keep_verified
+        if keep_verified < 2:
+            raise CkptopsError("--keep: at least 2 (the newest may still be in use)")
+        plan, deleted = run_retain(directory, _options(prof, directory), keep_verified,
+                                   prof.verify.lock_timeout_seconds, dry_run)
+    verb = "would delete" if dry_run else "deleted"
+    targets = plan.delete if dry_run else deleted
+    out.print(f"{verb}: {', '.join(map(str, targets)) or 'nothing'}", markup=False)
+    for iteration, why in sorted(plan.kept.items()):
+        out.print(f"kept {iteration}: {why}", markup=False)
+    if plan.failed:
+        err.print(f"ckptops: failed checkpoints kept for inspection: {', '.join(map(str, plan.failed))}")
+
+
+@app.command()
+def pin(
+    iteration: Annotated[int, typer.Argument()],
+    reason: Annotated[str, typer.Option("--reason", help="why it must be kept")],
+    save_dir: Annotated[Optional[Path], typer.Option("--save-dir")] = None,
+    holder: Annotated[str, typer.Option("--holder")] = "operator",
+    profile: ProfileOpt = None,
+):
+    """Keep a checkpoint whatever retention says."""
+    with _expected_errors():
+        from tasks.checkpoint.pins import pin as do_pin
+
+        path = do_pin(_save_dir(load_profile(profile), save_dir), iteration, holder, reason)
+    out.print(f"pinned {iteration} ({path.name})", markup=False)
+
+
+@app.command()
+def unpin(
+    iteration: Annotated[int, typer.Argument()],
+    save_dir: Annotated[Optional[Path], typer.Option("--save-dir")] = None,
+    holder: Annotated[str, typer.Option("--holder")] = "operator",
+    profile: ProfileOpt = None,
+):
+    """Remove a pin."""
+    with _expected_errors():
+        from tasks.checkpoint.pins import unpin as do_unpin
+
+        removed = do_unpin(_save_dir(load_profile(profile), save_dir), iteration, holder)
+    out.print(f"{'unpinned' if removed else 'was not pinned by ' + holder}: {iteration}", markup=False)
+    raise typer.Exit(0 if removed else 1)
+
+
+def main() -> None:
+    # Typer exits 2 on usage errors, like the rest of our input errors.
+    sys.exit(app())

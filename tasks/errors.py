@@ -1,0 +1,21 @@
+"""The error types every layer shares.
+
+A ``CkptopsError`` is an expected failure: its message is one line naming the file, node, key or
+check at fault, and the CLI prints it without a traceback. Anything else is a bug.
+"""
+
+
+class CkptopsError(Exception):
+    """An expected failure with a one-line, actionable message."""
+
+    exit_code = 1
+
+
+class UsageError(CkptopsError):
+    """Bad input from the caller: a path that is not there, a bad profile value, a bad flag."""
+
+    exit_code = 2
+
+
+class LockTimeout(CkptopsError):
+    """Another run holds the job's lock for longer than we were willing to wait."""

@@ -1,0 +1,152 @@
+"""Profiles: one YAML per cluster or job, validated by one schema.
+
+``profiles/local.yaml`` is the embedded default. Relative paths in a profile are relative to the
+profile file, so a profile and the data it names can move together. Unknown keys are errors (a
+misspelt ``keep_verfied`` must not silently fall back to a default), and every error names the
+file and the key.
+"""
+
+from pathlib import Path
+from typing import Annotated
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tasks.errors import UsageError
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+DEFAULT_PROFILE = "local"
+
+Slug = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
+Positive = Annotated[float, Field(gt=0)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Layout(_Section):
+    """The job's parallel layout; the world size is their product."""
+
+    tensor_parallel: Annotated[int, Field(ge=1)] = 1
+    pipeline_parallel: Annotated[int, Field(ge=1)] = 1
+    data_parallel: Annotated[int, Field(ge=1)] = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+
+class Job(_Section):
+    name: Slug
+    save_dir: Path
+    megatron_core_version: str | None = Field(
+        default=None,
+        description="the version the job pins; recorded in manifests of checkpoints that do not "
+        "carry their writer's version themselves",
+    )
+    layout: Layout = Layout()
+    writes_integrity_json: bool = Field(
+        default=False,
+        description="the job saves with --verify-integrity: a checkpoint without integrity.json "
+        "is then still being finalised",
+    )
+    checkpoint_bytes: Annotated[int, Field(gt=0)] | None = None
+
+
+class Verify(_Section):
+    threads: Annotated[int, Field(ge=0)] = Field(
+        default=0, description="files hashed in parallel; 0 means one per CPU core"
+    )
+    abandon_after_seconds: Positive = Field(
+        default=6 * 3600,
+        description="a checkpoint without metadata.json whose files have not changed for this "
+        "long will never finish: it is reported invalid instead of in progress",
+    )
+    wait_timeout_seconds: Annotated[float, Field(ge=0)] = 900
+    poll_seconds: Positive = 10
+    lock_timeout_seconds: Annotated[float, Field(ge=0)] = 600
+
+
+class Retention(_Section):
+    keep_verified: Annotated[int, Field(ge=2)] = Field(
+        default=3,
+        description="verified checkpoints kept; at least 2, because the newest may be the one "
+        "a resumed run is reading while the next is being verified",
+    )
+
+
+class Prefect(_Section):
+    api_url: str = "http://127.0.0.1:4200/api"
+    home: Path | None = None
+    poll_interval_seconds: Annotated[int, Field(ge=10)] = 60
+
+
+class LocalJob(_Section):
+    """How the demo runs the local training job (embedded default only)."""
+
+    nproc: Annotated[int, Field(ge=1)] = 2
+    train_iters: Annotated[int, Field(ge=1)] = 12
+    save_interval: Annotated[int, Field(ge=1)] = 4
+    timeout_seconds: Positive = 600
+
+
+class Profile(_Section):
+    job: Job
+    verify: Verify = Verify()
+    retention: Retention = Retention()
+    prefect: Prefect = Prefect()
+    local_job: LocalJob | None = None
+    source: Path | None = Field(default=None, exclude=True)
+
+    @model_validator(mode="after")
+    def _local_job_matches_layout(self):
+        if self.local_job and self.local_job.nproc != self.job.layout.world_size:
+            raise ValueError(
+                f"local_job.nproc ({self.local_job.nproc}) must equal the layout's world size "
+                f"({self.job.layout.world_size})"
+            )
+        return self
+
+
+def _resolve_paths(data: dict, base: Path) -> dict:
+    """Make the profile's relative paths relative to the profile file, not the caller's cwd."""
+    for section, key in (("job", "save_dir"), ("prefect", "home")):
+        value = (data.get(section) or {}).get(key)
+        if isinstance(value, str) and not Path(value).is_absolute():
+            data[section][key] = str((base / value).resolve())
+    return data
+
+
+def _one_line(error: ValidationError, path: Path) -> str:
+    first = error.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
+    return f"{path}: {key}: {first['msg']}{more}"
+
+
+def profile_path(name_or_path: str | Path | None) -> Path:
+    """A profile name (``local``) looks in ``profiles/``; anything with a suffix is a path."""
+    value = str(name_or_path or DEFAULT_PROFILE)
+    if value.endswith((".yaml", ".yml")) or "/" in value:
+        return Path(value)
+    return PROFILES_DIR / f"{value}.yaml"
+
+
+def load_profile(name_or_path: str | Path | None = None) -> Profile:
+    path = profile_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{path}: profile not found") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise UsageError(f"{path}:{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: a profile must be a mapping with a 'job' section")
+    try:
+        profile = Profile.model_validate(_resolve_paths(data, path.resolve().parent))
+    except ValidationError as e:
+        raise UsageError(_one_line(e, path)) from None
+    return profile.model_copy(update={"source": path.resolve()})
