@@ -13,10 +13,15 @@ sampler over a seeded permutation, so a resumed run sees exactly the batches it 
 """
 
 import argparse
+import importlib.metadata
+import json
 import os
 import random
 import sys
 import time
+import urllib.request
+import uuid
+from datetime import datetime, timezone
 from functools import partial
 
 import numpy as np
@@ -27,7 +32,6 @@ import cpu_shim  # noqa: E402  (must patch torch before megatron is imported)
 
 cpu_shim.install()
 
-import megatron.core  # noqa: E402
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import ShardedObject  # noqa: E402
 from megatron.core.dist_checkpointing.serialization import (  # noqa: E402
@@ -74,6 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--dataset-size", type=int, default=100_000)
     p.add_argument("--verify-integrity", action="store_true",
                    help="also write Megatron's integrity.json (sha256 of every file)")
+    p.add_argument("--notify-url", default=None,
+                   help="Prefect API URL: post training.checkpoint.saved after each save")
+    p.add_argument("--job-name", default="local-tiny", help="names the event's resource")
     return p.parse_args(argv)
 
 
@@ -234,7 +241,9 @@ def save_checkpoint(args, model, optimizer, scheduler, iteration, consumed, flop
     content_metadata = {
         "singleton_local_shards": False,
         "chained_optim_avoid_prefix": True,
-        "megatron_core_version": megatron.core.__version__,
+        # The installed distribution's version: megatron.core.__version__ appends the git
+        # hash of whatever repository the job happens to run in.
+        "megatron_core_version": importlib.metadata.version("megatron-core"),
         "torch_version": str(torch.__version__),
     }
     model_sd = model.module.sharded_state_dict()
@@ -265,7 +274,29 @@ def save_checkpoint(args, model, optimizer, scheduler, iteration, consumed, flop
             f.write(str(iteration))
         print(f"saved checkpoint iteration {iteration} to {directory} "
               f"in {time.perf_counter() - start:.2f}s", flush=True)
+        if args.notify_url:
+            notify_saved(args, iteration, directory)
     torch.distributed.barrier()
+
+
+def notify_saved(args, iteration, directory):
+    """Tell Prefect a checkpoint was saved: one plain HTTP POST, so a job needs no Prefect
+    installed. Best effort with a short timeout: a down server must never stall training."""
+    event = [{
+        "id": str(uuid.uuid4()),
+        "occurred": datetime.now(timezone.utc).isoformat(),
+        "event": "training.checkpoint.saved",
+        "resource": {"prefect.resource.id": f"ckptops.job.{args.job_name}"},
+        "payload": {"iteration": iteration, "directory": directory},
+    }]
+    request = urllib.request.Request(
+        f"{args.notify_url.rstrip('/')}/events", data=json.dumps(event).encode(),
+        headers={"Content-Type": "application/json"}, method="POST",
+    )
+    try:
+        urllib.request.urlopen(request, timeout=5).close()
+    except OSError as e:
+        print(f"could not post training.checkpoint.saved to {args.notify_url}: {e}", flush=True)
 
 
 def train(args):

@@ -57,21 +57,27 @@ def plan_retention(infos: list[CheckpointInfo], pointer: int | None, keep_verifi
     return plan
 
 
+def apply_retention(save_dir: Path, options: VerifyOptions, keep_verified: int,
+                    dry_run: bool = False) -> tuple[RetentionPlan, list[int]]:
+    """Plan, then delete (the caller holds the job lock). Pins and the pointer are re-read
+    before each delete: a drill may have pinned a checkpoint since the plan was made."""
+    save_dir = Path(save_dir)
+    plan = plan_retention(catalog(save_dir, options), read_pointer(save_dir), keep_verified)
+    if dry_run:
+        return plan, []
+    purge_trash(save_dir)
+    deleted = []
+    for iteration in list(plan.delete):
+        if iteration in read_pins(save_dir) or iteration == read_pointer(save_dir):
+            plan.kept[iteration] = "pinned or promoted since planning"
+            plan.delete.remove(iteration)
+            continue
+        remove_tree(save_dir / layout.iter_dir_name(iteration))
+        deleted.append(iteration)
+    return plan, deleted
+
+
 def retain(save_dir: Path, options: VerifyOptions, keep_verified: int, lock_timeout_seconds: float,
            dry_run: bool = False) -> tuple[RetentionPlan, list[int]]:
-    """Plan under the lock, then delete; pins and the pointer are re-read before each delete."""
-    save_dir = Path(save_dir)
     with job_lock(save_dir, lock_timeout_seconds):
-        plan = plan_retention(catalog(save_dir, options), read_pointer(save_dir), keep_verified)
-        if dry_run:
-            return plan, []
-        purge_trash(save_dir)
-        deleted = []
-        for iteration in plan.delete:
-            if iteration in read_pins(save_dir) or iteration == read_pointer(save_dir):
-                plan.kept[iteration] = "pinned or promoted since planning"
-                continue
-            remove_tree(save_dir / layout.iter_dir_name(iteration))
-            deleted.append(iteration)
-        plan.delete = deleted
-        return plan, deleted
+        return apply_retention(save_dir, options, keep_verified, dry_run)

@@ -117,9 +117,12 @@ def completeness(directory: Path, options: VerifyOptions) -> tuple[State | None,
             return State.INVALID, f"{layout.METADATA_JSON}: missing, no change for {idle:.0f}s [complete]"
         return State.IN_PROGRESS, f"{layout.METADATA_JSON}: not written yet"
     finished = metadata_json.stat().st_mtime_ns
-    for path in directory.glob(f"*{layout.DATA_SUFFIX}"):
-        if path.stat().st_mtime_ns > finished:
-            return State.IN_PROGRESS, f"{path.name}: newer than {layout.METADATA_JSON} (being re-saved)"
+    newer = sorted(p.name for p in directory.glob(f"*{layout.DATA_SUFFIX}") if p.stat().st_mtime_ns > finished)
+    # Megatron re-saving into an existing directory leaves the old metadata.json visible while
+    # new shards are written. Only while they keep changing: shards modified after the save and
+    # then left alone are judged by their bytes, not waited for forever.
+    if newer and time.time() - _newest_mtime(directory) <= options.abandon_after_seconds:
+        return State.IN_PROGRESS, f"{newer[0]}: newer than {layout.METADATA_JSON} (being re-saved)"
     if options.writes_integrity_json and not (directory / layout.INTEGRITY_JSON).exists():
         return State.IN_PROGRESS, f"{layout.INTEGRITY_JSON}: not written yet"
     return None, ""
@@ -391,6 +394,8 @@ class _Verifier:
         except CheckFailed as e:
             self.checks.record(e)
             return
+        record = self.index.records.get(("common_state/shard_0_1", None))
+        where = record.file if record else "common.pt"
         args = self.common.get("args")
         missing = [k for k in ("iteration", "args", "opt_param_scheduler") if k not in self.common]
         if args is not None and getattr(args, "consumed_train_samples", None) is None:
@@ -403,12 +408,12 @@ class _Verifier:
         if not getattr(args, "no_save_rng", False) and not any(k.startswith("rng_state/") for k in keys):
             missing.append("rng_state")
         if missing:
-            self.checks.failed("state", None, f"required state missing: {', '.join(missing)}")
+            self.checks.failed("state", where, f"required state missing: {', '.join(missing)}")
         else:
             self.checks.passed("state", "model, optimizer, scheduler, RNG and common state present")
         stored = self.common.get("iteration")
         if stored != self.iteration:
-            self.checks.failed("iteration", None, f"checkpoint says iteration {stored}, directory says {self.iteration}")
+            self.checks.failed("iteration", where, f"common state says iteration {stored}, the directory {self.iteration}")
         else:
             self.checks.passed("iteration", f"iteration {stored} matches the directory")
 

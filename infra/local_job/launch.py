@@ -1,0 +1,68 @@
+"""Launch the local training job with torchrun, with a timeout and clean-up of every child.
+
+Megatron's failure modes on CPU hang rather than crash, and a dead rank leaves megatron's
+writer Manager orphaned: the job runs in its own process group, which is killed as a whole on
+timeout or failure.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tasks.errors import CkptopsError
+
+TRAIN = Path(__file__).with_name("train.py")
+
+
+def torchrun_command(nproc: int, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(TRAIN), *args]
+
+
+def job_env() -> dict[str, str]:
+    # One thread per rank: two ranks on two cores, no oversubscription.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+def start_local_job(save_dir: Path, *, nproc: int = 2, train_iters: int = 8, save_interval: int = 4,
+                    log: Path | None = None, extra: list[str] = ()) -> tuple[subprocess.Popen, Path]:
+    """Start training into ``save_dir`` in the background; pair with ``wait_local_job``."""
+    save_dir = Path(save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    log = Path(log or save_dir.parent / f"{save_dir.name}-train.log")
+    args = ["--save", str(save_dir), "--train-iters", str(train_iters), "--save-interval", str(save_interval), *extra]
+    with open(log, "wb") as sink:
+        process = subprocess.Popen(torchrun_command(nproc, args), stdout=sink, stderr=subprocess.STDOUT,
+                                   env=job_env(), start_new_session=True)
+    return process, log
+
+
+def wait_local_job(process: subprocess.Popen, log: Path, timeout_seconds: float) -> None:
+    """Wait for the job; on timeout or failure kill its whole process group and raise."""
+    try:
+        code = process.wait(timeout=timeout_seconds)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        _kill_group(process)
+    if code != 0:
+        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+        what = f"timed out after {timeout_seconds:.0f}s" if code is None else f"exited {code}"
+        raise CkptopsError(f"{log}: local training job {what}: {' | '.join(tail)}")
+
+
+def run_local_job(save_dir: Path, *, timeout_seconds: float = 600, **kwargs) -> Path:
+    """Train and save into ``save_dir``; return the log path. Raises CkptopsError on failure."""
+    process, log = start_local_job(save_dir, **kwargs)
+    wait_local_job(process, log, timeout_seconds)
+    return log
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()

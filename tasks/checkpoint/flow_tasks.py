@@ -1,0 +1,136 @@
+"""Thin Prefect wrappers around the checkpoint code, and the artifacts the UI shows.
+
+One task per checkpoint step, never one per file: a checkpoint has thousands of files, and
+Prefect's task-run bookkeeping (20-45 ms each, a SQLite database behind it) would cost more than
+the hashing. Files are parallelised inside ``verify_checkpoint`` with threads instead.
+"""
+
+import time
+from pathlib import Path
+
+from prefect import get_client, task
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+
+from tasks.checkpoint import layout
+from tasks.checkpoint.promote import choose_target, pending, point_to, wait_until_complete
+from tasks.checkpoint.retention import RetentionPlan, apply_retention
+from tasks.checkpoint.verify import State, Verification, VerifyOptions, verify_checkpoint
+from tasks.profile import Profile
+
+_PROGRESS_EVERY_SECONDS = 1.0
+
+
+def job_limit_name(job: str) -> str:
+    return f"ckptops-job-{job}"
+
+
+@task(name="ensure-job-limit")
+def ensure_job_limit(job: str) -> str:
+    """The global concurrency limit (one slot) that serialises runs on one job across workers."""
+    name = job_limit_name(job)
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(name, 1)
+    return name
+
+
+@task(name="find-pending")
+def find_pending(save_dir: Path, options: VerifyOptions) -> list[int]:
+    return pending(save_dir, options)
+
+
+@task(name="wait-for-save")
+def wait_for_save(save_dir: Path, iteration: int, options: VerifyOptions, timeout_seconds: float,
+                  poll_seconds: float) -> tuple[State | None, str]:
+    return wait_until_complete(save_dir / layout.iter_dir_name(iteration), options,
+                               timeout_seconds, poll_seconds)
+
+
+class _ProgressArtifact:
+    """Feeds a Prefect progress artifact from the verifier's byte counter, at most once a second."""
+
+    def __init__(self, total: int, description: str):
+        self.total, self.done, self.last = max(total, 1), 0, 0.0
+        self.id = create_progress_artifact(progress=0.0, description=description)
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.last >= _PROGRESS_EVERY_SECONDS:
+            self.last = now
+            update_progress_artifact(self.id, progress=min(100.0, 100.0 * self.done / self.total))
+
+    def close(self) -> None:
+        update_progress_artifact(self.id, progress=100.0)
+
+
+@task(name="verify-checkpoint", task_run_name="verify-{iteration}")
+def verify_one(save_dir: Path, iteration: int, options: VerifyOptions) -> Verification:
+    directory = save_dir / layout.iter_dir_name(iteration)
+    total = sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+    progress = _ProgressArtifact(total, f"verifying {directory.name} ({total / 1e9:.2f} GB)")
+    try:
+        return verify_checkpoint(directory, options, progress)
+    finally:
+        progress.close()
+
+
+@task(name="promote")
+def promote_newest(save_dir: Path, options: VerifyOptions, requested: int | None) -> tuple[int | None, str]:
+    target, why = choose_target(save_dir, options, requested)
+    if target is not None:
+        point_to(save_dir, target)
+    return target, why
+
+
+@task(name="retention")
+def retention(save_dir: Path, options: VerifyOptions, keep_verified: int) -> tuple[RetentionPlan, list[int]]:
+    return apply_retention(save_dir, options, keep_verified)
+
+
+def check_rows(verifications: list[Verification]) -> list[dict]:
+    return [
+        {"iteration": v.iteration, "check": c.name, "result": "pass" if c.ok else "FAIL",
+         "file": c.file or "", "detail": c.detail}
+        for v in verifications
+        for c in v.checks
+    ]
+
+
+def summary_markdown(profile: Profile, previous: int | None, current: int | None, why: str,
+                     verifications: list[Verification], waited_out: list[tuple[int, str]],
+                     plan: RetentionPlan | None, deleted: list[int]) -> str:
+    lines = [f"# verify-and-promote: {profile.job.name}", "",
+             f"- save directory: `{profile.job.save_dir}`",
+             f"- latest verified: **{current}** (was {previous}; {why})", ""]
+    if verifications:
+        lines += ["| iteration | state | files | GB | seconds | GB/s | reason |",
+                  "|---:|---|---:|---:|---:|---:|---|"]
+        for v in verifications:
+            files = v.manifest.totals["files"] if v.manifest else 0
+            lines.append(f"| {v.iteration} | {v.state.value} | {files} | {v.bytes_read / 1e9:.3f} | "
+                         f"{v.seconds:.2f} | {v.throughput_gbps:.2f} | {v.reason} |")
+        total_bytes = sum(v.bytes_read for v in verifications)
+        total_seconds = sum(v.seconds for v in verifications)
+        rate = total_bytes / total_seconds / 1e9 if total_seconds else 0.0
+        lines += ["", f"Totals: {len(verifications)} checkpoints, {total_bytes / 1e9:.3f} GB read "
+                      f"in {total_seconds:.2f} s ({rate:.2f} GB/s)."]
+    else:
+        lines.append("No new complete checkpoint to verify.")
+    for iteration, why_waiting in waited_out:
+        lines.append(f"- iteration {iteration} still in progress after the wait ({why_waiting}); the next run picks it up")
+    if plan is not None:
+        lines.append(f"- retention (keep {plan.keep_verified}): deleted {deleted or 'nothing'}; "
+                     f"failed kept for inspection: {plan.failed or 'none'}")
+    return "\n".join(lines) + "\n"
+
+
+@task(name="publish-report")
+def publish_report(job: str, rows: list[dict], markdown: str) -> None:
+    if rows:
+        create_table_artifact(table=rows, key=f"verify-checks-{job}", description="checks per checkpoint")
+    create_markdown_artifact(markdown=markdown, key=f"verify-summary-{job}", description="verify-and-promote summary")
