@@ -23,7 +23,7 @@ from tasks.checkpoint.flow_tasks import (
 )
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.pointer import read_pointer
-from tasks.checkpoint.verify import State, VerifyOptions
+from tasks.checkpoint.state import State, VerifyOptions
 from tasks.profile import load_profile
 
 

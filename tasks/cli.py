@@ -64,7 +64,7 @@ def _save_dir(profile: Profile, given: Optional[Path]) -> Path:
 
 
 def _options(profile: Profile, save_dir: Path, **overrides):
-    from tasks.checkpoint.verify import VerifyOptions
+    from tasks.checkpoint.state import VerifyOptions
 
     return VerifyOptions.from_profile(profile, save_dir, **overrides)
 
@@ -93,7 +93,7 @@ def verify(
         }))
     else:
         stats = f" ({result.bytes_read / 1e6:.1f} MB in {result.seconds:.2f}s, {result.throughput_gbps:.2f} GB/s)"
-        out.print(result.line() + (stats if result.bytes_read else ""), markup=False)
+        out.print(result.line() + (stats if result.ok else ""), markup=False)
     raise typer.Exit(0 if result.ok else 1)
 
 
@@ -152,14 +152,15 @@ def status(
 
 def status_table(save_dir: Path, infos) -> Table:
     table = Table(title=f"checkpoints in {save_dir}", title_justify="left")
-    for column in ("iteration", "state", "size", "consumed", "verified at", "promoted", "pins", "reason"):
-        table.add_column(column, overflow="fold")
+    for column in ("iteration", "state", "size", "consumed", "verified at (UTC)", "promoted", "pins"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("reason", overflow="fold")
     colour = {"valid": "green", "invalid": "red", "in-progress": "yellow"}
     for i in infos:
         table.add_row(
             str(i.iteration), f"[{colour.get(i.state, 'white')}]{i.state}[/]", f"{i.size_bytes / 1e6:.1f} MB",
             "" if i.consumed_train_samples is None else str(i.consumed_train_samples),
-            i.verified_at or "", "yes" if i.promoted else "", ", ".join(i.pins),
+            (i.verified_at or "").replace("T", " ")[:19], "yes" if i.promoted else "", ", ".join(i.pins),
             "" if i.state == "valid" else i.reason,
         )
     return table

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from infra.local_job.launch import run_local_job
-from tasks.checkpoint.verify import VerifyOptions
+from tasks.checkpoint.state import VerifyOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 ITERATIONS = [4, 8, 12, 16, 20, 24]

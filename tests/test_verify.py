@@ -12,7 +12,8 @@ import torch
 from tasks.checkpoint.dcp import build_index, load_dcp_metadata
 from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.scan import plan_crc_ranges
-from tasks.checkpoint.verify import State, verify_checkpoint
+from tasks.checkpoint.state import State
+from tasks.checkpoint.verify import verify_checkpoint
 from tests.conftest import flip_byte, iter_dir
 
 

@@ -12,7 +12,7 @@ from tasks.checkpoint import layout
 from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.pins import pins as read_pins
 from tasks.checkpoint.pointer import read_pointer
-from tasks.checkpoint.verify import State, VerifyOptions, completeness
+from tasks.checkpoint.state import State, VerifyOptions, completeness
 from tasks.errors import CkptopsError, UsageError
 
 UNVERIFIED = "unverified"

@@ -19,7 +19,8 @@ from prefect.artifacts import (
 from tasks.checkpoint import layout
 from tasks.checkpoint.promote import choose_target, pending, point_to, wait_until_complete
 from tasks.checkpoint.retention import RetentionPlan, apply_retention
-from tasks.checkpoint.verify import State, Verification, VerifyOptions, verify_checkpoint
+from tasks.checkpoint.state import State, VerifyOptions
+from tasks.checkpoint.verify import Verification, verify_checkpoint
 from tasks.profile import Profile
 
 _PROGRESS_EVERY_SECONDS = 1.0

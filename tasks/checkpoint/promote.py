@@ -18,7 +18,8 @@ from tasks.checkpoint.catalog import UNVERIFIED, catalog
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.pointer import read_pointer, write_pointer
-from tasks.checkpoint.verify import State, Verification, VerifyOptions, completeness, verify_checkpoint
+from tasks.checkpoint.state import State, VerifyOptions, completeness
+from tasks.checkpoint.verify import Verification, verify_checkpoint
 from tasks.errors import CkptopsError
 
 

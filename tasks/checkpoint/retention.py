@@ -15,7 +15,7 @@ from tasks.checkpoint.catalog import CheckpointInfo, catalog
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.pins import pins as read_pins
 from tasks.checkpoint.pointer import read_pointer
-from tasks.checkpoint.verify import State, VerifyOptions
+from tasks.checkpoint.state import State, VerifyOptions
 from tasks.storage.local import purge_trash, remove_tree
 
 

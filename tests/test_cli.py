@@ -1,0 +1,78 @@
+"""The ckptops command as users run it: exit codes, one-line errors, no tracebacks."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from tests.conftest import ROOT, iter_dir
+
+CKPTOPS = Path(os.environ.get("VIRTUAL_ENV", ROOT / ".venv")) / "bin" / "ckptops"
+
+
+def ckptops(*args):
+    return subprocess.run([str(CKPTOPS), *map(str, args)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def test_verify_valid_exits_0_with_one_line(save_dir):
+    result = ckptops("verify", iter_dir(save_dir, 4))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("VALID iter_0000004: all checks passed")
+    assert len(result.stdout.strip().splitlines()) == 1
+
+
+def test_verify_invalid_exits_1_naming_file_and_check_without_traceback(save_dir):
+    (iter_dir(save_dir, 4) / "__1_0.distcp").unlink()
+    result = ckptops("verify", iter_dir(save_dir, 4))
+    assert result.returncode == 1
+    assert result.stdout.strip() == (
+        "INVALID iter_0000004: __1_0.distcp: referenced by .metadata but missing [files] (+1 more)")
+    assert "Traceback" not in result.stderr
+
+
+def test_verify_in_progress_exits_1(save_dir):
+    (iter_dir(save_dir, 24) / "metadata.json").unlink()
+    result = ckptops("verify", iter_dir(save_dir, 24))
+    assert result.returncode == 1 and result.stdout.startswith("IN-PROGRESS iter_0000024: metadata.json")
+
+
+def test_verify_json(save_dir):
+    result = ckptops("verify", "--json", iter_dir(save_dir, 8))
+    data = json.loads(result.stdout)
+    assert result.returncode == 0 and data["state"] == "valid" and data["iteration"] == 8
+    assert {c["name"] for c in data["checks"]} >= {"crc", "coverage", "state"}
+
+
+def test_usage_and_unreadable_input_exit_2(save_dir, tmp_path):
+    missing = ckptops("verify", tmp_path / "iter_0000001")
+    assert missing.returncode == 2 and missing.stderr.strip() == f"ckptops: {tmp_path}/iter_0000001: no such checkpoint directory"
+    assert ckptops("verify").returncode == 2
+    bad_profile = tmp_path / "p.yaml"
+    bad_profile.write_text("job: {name: x, save_dir: /x}\nretention: {keep_verified: 0}\n")
+    result = ckptops("promote", save_dir, "--profile", bad_profile)
+    assert result.returncode == 2 and "retention.keep_verified" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_promote_then_status(save_dir):
+    result = ckptops("promote", save_dir)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "latest verified: None -> 24 (first promotion)"
+    rows = json.loads(ckptops("status", save_dir, "--json").stdout)
+    assert [(r["iteration"], r["state"], r["promoted"]) for r in rows] == [
+        (4, "valid", False), (8, "valid", False), (12, "valid", False), (16, "valid", False),
+        (20, "valid", False), (24, "valid", True)]
+    assert all(r["size_bytes"] > 1_000_000 and r["verified_at"] for r in rows)
+    table = ckptops("status", save_dir)
+    assert table.returncode == 0 and "24" in table.stdout and "valid" in table.stdout
+
+
+def test_retain_and_pins_from_the_command_line(save_dir):
+    assert ckptops("promote", save_dir).returncode == 0
+    assert ckptops("pin", 4, "--reason", "keep for the paper", "--save-dir", save_dir).returncode == 0
+    dry = ckptops("retain", save_dir, "--keep", 3, "--dry-run")
+    assert dry.stdout.splitlines()[0] == "would delete: 8, 12"
+    done = ckptops("retain", save_dir, "--keep", 3)
+    assert done.stdout.splitlines()[0] == "deleted: 8, 12"
+    assert sorted(p.name for p in save_dir.glob("iter_*")) == [
+        "iter_0000004", "iter_0000016", "iter_0000020", "iter_0000024"]
+    assert ckptops("retain", save_dir, "--keep", 1).returncode == 1

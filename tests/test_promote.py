@@ -1,0 +1,149 @@
+"""Promotion: the pointer is atomic under crashes, exclusive under concurrency, and only ever
+names a checkpoint proven valid."""
+
+import os
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.checkpoint.layout import POINTER
+from tasks.checkpoint.pointer import read_pointer, write_pointer
+from tasks.checkpoint.promote import choose_target, promote
+from tasks.checkpoint.state import State
+from tasks.checkpoint.verify import verify_checkpoint
+from tasks.errors import CkptopsError
+from tests.conftest import ROOT, flip_byte, iter_dir
+from tests.test_verify import tensor_data_offset
+
+CHILD = ROOT / "tests" / "helpers" / "promote_child.py"
+STEPS = ["_write_temp", "_fsync_file", "_replace", "_fsync_dir"]
+
+
+def child(*args, **kwargs):
+    return subprocess.run([sys.executable, str(CHILD), *map(str, args)], cwd=ROOT, timeout=120,
+                          capture_output=True, text=True, **kwargs)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("step", STEPS)
+def test_kill_at_each_step_leaves_old_or_new_pointer(tmp_path, step, when):
+    write_pointer(tmp_path, 8)
+    result = child("crash", tmp_path, 12, step, when)
+    assert result.returncode == -9, result.stderr
+    value = read_pointer(tmp_path)
+    # Up to the rename the old value stands; from the rename on, the new one.
+    renamed = STEPS.index(step) > STEPS.index("_replace") or (step == "_replace" and when == "after")
+    assert value == (12 if renamed else 8)
+    assert (tmp_path / POINTER).read_text() == f"{value}\n"
+    write_pointer(tmp_path, 16)  # the next promotion clears whatever the crash left
+    assert read_pointer(tmp_path) == 16
+    assert sorted(p.name for p in tmp_path.iterdir()) == [POINTER]
+
+
+def test_kill_halfway_through_the_write(tmp_path):
+    write_pointer(tmp_path, 8)
+    assert child("torn", tmp_path, 123456).returncode == -9
+    assert read_pointer(tmp_path) == 8
+
+
+@pytest.mark.parametrize("step", STEPS[:3])
+def test_failure_at_each_step_keeps_old_pointer_and_no_temp(tmp_path, step):
+    write_pointer(tmp_path, 8)
+    result = child("fail", tmp_path, 12, step)
+    assert result.returncode == 1 and "No space left on device" in result.stderr
+    assert read_pointer(tmp_path) == 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == [POINTER]
+
+
+def test_garbled_pointer_is_reported_not_trusted(tmp_path):
+    (tmp_path / POINTER).write_text("12\x00\x00")
+    with pytest.raises(CkptopsError, match=f"{POINTER}: garbled pointer"):
+        read_pointer(tmp_path)
+
+
+def _read_line(process, timeout=120.0) -> str:
+    ready, _, _ = select.select([process.stdout], [], [], timeout)
+    assert ready, "child did not answer in time"
+    return process.stdout.readline().strip()
+
+
+def test_concurrent_promotions_do_not_interleave(save_dir, tmp_path):
+    log = tmp_path / "sections.log"
+    hold = lambda name, timeout: subprocess.Popen(  # noqa: E731
+        [sys.executable, str(CHILD), "hold", str(save_dir), name, str(timeout), str(log)], cwd=ROOT,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    a = hold("A", 120)
+    try:
+        assert _read_line(a) == "inside"
+        # While A holds the lock, a run that will not wait is refused, naming the holder.
+        refused = child("hold", save_dir, "C", 0, log)
+        assert refused.returncode == 3 and f"held by pid {a.pid}" in refused.stdout
+        b = hold("B", 120)
+        a.stdin.write("go\n")
+        a.stdin.flush()
+        assert a.wait(timeout=120) == 0
+        assert _read_line(b) == "inside"
+        b.stdin.write("go\n")
+        b.stdin.flush()
+        assert b.wait(timeout=120) == 0
+    finally:
+        for p in (a,):
+            p.kill()
+    assert log.read_text().split() == ["A-enter", "A-exit", "B-enter", "B-exit"]
+    assert read_pointer(save_dir) == 24
+
+
+def test_promote_verifies_oldest_first_and_points_to_newest_valid(save_dir, options):
+    seen = []
+    report = promote(save_dir, options, 10, on_verified=lambda v: seen.append(v.iteration))
+    assert seen == [4, 8, 12, 16, 20, 24]
+    assert report.previous is None and report.current == 24 and report.changed
+    assert read_pointer(save_dir) == 24
+
+
+def test_newest_failed_checkpoint_is_not_promoted(save_dir, options):
+    directory = iter_dir(save_dir, 24)
+    flip_byte(directory / "__0_0.distcp", tensor_data_offset(directory, "__0_0.distcp"))
+    report = promote(save_dir, options, 10)
+    assert [v.iteration for v in report.failed] == [24]
+    assert report.current == 20 and read_pointer(save_dir) == 20
+
+
+def test_in_progress_checkpoint_is_neither_failed_nor_promoted(save_dir, options):
+    (iter_dir(save_dir, 24) / "metadata.json").unlink()
+    report = promote(save_dir, options, 10)
+    assert [v.iteration for v in report.in_progress] == [24] and not report.failed
+    assert read_pointer(save_dir) == 20
+    assert not (iter_dir(save_dir, 24) / "manifest.json").exists()
+
+
+def test_pointer_never_moves_backwards_on_its_own(save_dir, options):
+    promote(save_dir, options, 10)
+    assert read_pointer(save_dir) == 24
+    # A late run that only saw older checkpoints must not undo the newer promotion.
+    target, why = choose_target(save_dir, options)
+    assert target == 24 and why == "already the newest verified"
+
+
+def test_pointer_leaves_a_checkpoint_found_invalid_on_reverification(save_dir, options):
+    promote(save_dir, options, 10)
+    directory = iter_dir(save_dir, 24)
+    flip_byte(directory / "__1_0.distcp", tensor_data_offset(directory, "__1_0.distcp"))
+    assert verify_checkpoint(directory, options).state is State.INVALID
+    report = promote(save_dir, options, 10)
+    assert report.current == 20 and "iter_0000024" in report.message and "invalid" in report.message
+
+
+def test_explicit_iteration_must_be_valid(save_dir, options):
+    report = promote(save_dir, options, 10, requested=8)
+    assert report.current == 8 and read_pointer(save_dir) == 8
+    directory = iter_dir(save_dir, 12)
+    (directory / "__1_0.distcp").unlink()
+    with pytest.raises(CkptopsError, match="iter_0000012: not promotable, it is invalid"):
+        promote(save_dir, options, 10, requested=12)
+    assert read_pointer(save_dir) == 8
+    with pytest.raises(CkptopsError, match="iter_0000099: no such checkpoint"):
+        promote(save_dir, options, 10, requested=99)

@@ -1,0 +1,65 @@
+"""Retention on real checkpoints: exactly the right ones remain."""
+
+from tasks.checkpoint.catalog import catalog
+from tasks.checkpoint.pins import pin, pinned
+from tasks.checkpoint.pointer import read_pointer
+from tasks.checkpoint.promote import promote
+from tasks.checkpoint.retention import plan_retention, retain
+from tasks.checkpoint.state import State
+from tasks.checkpoint.verify import verify_checkpoint
+from tests.conftest import flip_byte, iter_dir
+from tests.test_verify import tensor_data_offset
+
+
+def remaining(save_dir):
+    return sorted(int(p.name[5:]) for p in save_dir.glob("iter_*"))
+
+
+def test_keep_three_of_six_with_one_failed_and_one_in_progress(save_dir, options):
+    broken = iter_dir(save_dir, 12)
+    flip_byte(broken / "__0_0.distcp", tensor_data_offset(broken, "__0_0.distcp"))
+    (iter_dir(save_dir, 24) / "metadata.json").unlink()  # the newest is still being written
+    promote(save_dir, options, 10)
+    assert read_pointer(save_dir) == 20
+    states = {i.iteration: i.state for i in catalog(save_dir, options)}
+    assert states == {4: "valid", 8: "valid", 12: "invalid", 16: "valid", 20: "valid", 24: "in-progress"}
+
+    plan, deleted = retain(save_dir, options, keep_verified=3, lock_timeout_seconds=10)
+    # Valid: 4, 8, 16, 20 -> the newest three stay; 12 is failed (kept, reported), 24 in progress.
+    assert deleted == [4]
+    assert remaining(save_dir) == [8, 12, 16, 20, 24]
+    assert plan.failed == [12]
+    assert plan.kept[20] == "promoted" and plan.kept[24].startswith("in-progress")
+    assert not list(save_dir.glob(".ckptops-trash-*"))
+    # Running again changes nothing.
+    assert retain(save_dir, options, keep_verified=3, lock_timeout_seconds=10)[1] == []
+
+
+def test_nothing_is_deleted_before_a_first_promotion(save_dir, options):
+    for it in (4, 8, 12, 16, 20, 24):
+        assert verify_checkpoint(iter_dir(save_dir, it), options).state is State.VALID
+    plan, deleted = retain(save_dir, options, keep_verified=2, lock_timeout_seconds=10)
+    assert deleted == [] and remaining(save_dir) == [4, 8, 12, 16, 20, 24]
+    assert set(plan.kept.values()) == {"nothing promoted yet"}
+
+
+def test_newer_than_promoted_and_pinned_survive(save_dir, options):
+    promote(save_dir, options, 10, requested=None)
+    promote(save_dir, options, 10, requested=12)  # operator rolled back to 12
+    pin(save_dir, 4, "operator", "before the lr change")
+    with pinned(save_dir, 8, "drill-test", "restore drill reading"):
+        plan, deleted = retain(save_dir, options, keep_verified=2, lock_timeout_seconds=10)
+    assert deleted == []
+    assert plan.kept[4] == "pinned by operator" and plan.kept[8] == "pinned by drill-test"
+    assert plan.kept[16] == plan.kept[20] == plan.kept[24] == "newer than the promoted checkpoint"
+    # Once the drill's lease ends, 8 may go; the operator's pin still holds 4.
+    _, deleted = retain(save_dir, options, keep_verified=2, lock_timeout_seconds=10)
+    assert deleted == [8] and remaining(save_dir) == [4, 12, 16, 20, 24]
+
+
+def test_plan_is_a_pure_function_of_the_catalog(save_dir, options):
+    promote(save_dir, options, 10)
+    infos = catalog(save_dir, options)
+    plan = plan_retention(infos, 24, 3)
+    assert plan.delete == [4, 8, 12]
+    assert remaining(save_dir) == [4, 8, 12, 16, 20, 24]
