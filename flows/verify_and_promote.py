@@ -26,6 +26,8 @@ from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.state import State, VerifyOptions
 from tasks.profile import load_profile
 
+_MIN_SLOT_WAIT_SECONDS = 30
+
 
 @flow(name="verify-and-promote", log_prints=True)
 def verify_and_promote(profile: str = "local", iteration: int | None = None,
@@ -36,7 +38,11 @@ def verify_and_promote(profile: str = "local", iteration: int | None = None,
     options = VerifyOptions.from_profile(prof)
     wait = prof.verify.wait_timeout_seconds if wait_timeout_seconds is None else wait_timeout_seconds
     limit = ensure_job_limit(prof.job.name)
-    with concurrency(limit, occupy=1, strict=True, timeout_seconds=prof.verify.lock_timeout_seconds), \
+    # The Prefect limit serialises runs across workers and shows who waits in the UI; the file
+    # lock also keeps out the CLI and hosts on other Prefect servers. Prefect's slot acquisition
+    # needs a moment even when the slot is free, hence the floor.
+    slot_timeout = max(prof.verify.lock_timeout_seconds, _MIN_SLOT_WAIT_SECONDS)
+    with concurrency(limit, occupy=1, strict=True, timeout_seconds=slot_timeout), \
             job_lock(save_dir, prof.verify.lock_timeout_seconds):
         previous = read_pointer(save_dir)
         todo = [iteration] if iteration is not None else find_pending(save_dir, options)

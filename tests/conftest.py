@@ -72,10 +72,18 @@ def prefect_api(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
     url = f"http://127.0.0.1:{free_port()}/api"
     process = start_server(url, home, home / "server.log", timeout_seconds=300)
+    # Both: the settings context for this thread, the environment for threads and subprocesses.
+    saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_HOME")}
+    os.environ.update(PREFECT_API_URL=url, PREFECT_HOME=str(home))
     try:
         with temporary_settings({PREFECT_API_URL: url, PREFECT_HOME: str(home)}):
             yield url
     finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(timeout=30)

@@ -5,7 +5,8 @@ Prefect's task-run bookkeeping (20-45 ms each, a SQLite database behind it) woul
 the hashing. Files are parallelised inside ``verify_checkpoint`` with threads instead.
 """
 
-import time
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 from prefect import get_client, task
@@ -51,33 +52,35 @@ def wait_for_save(save_dir: Path, iteration: int, options: VerifyOptions, timeou
                                timeout_seconds, poll_seconds)
 
 
-class _ProgressArtifact:
-    """Feeds a Prefect progress artifact from the verifier's byte counter, at most once a second."""
+class _ByteCounter:
+    """Counts bytes verified; called from the verifier's worker threads."""
 
-    def __init__(self, total: int, description: str):
-        self.total, self.done, self.last = max(total, 1), 0, 0.0
-        self.id = create_progress_artifact(progress=0.0, description=description)
+    def __init__(self):
+        self.done = 0
+        self._lock = threading.Lock()
 
     def __call__(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if now - self.last >= _PROGRESS_EVERY_SECONDS:
-            self.last = now
-            update_progress_artifact(self.id, progress=min(100.0, 100.0 * self.done / self.total))
-
-    def close(self) -> None:
-        update_progress_artifact(self.id, progress=100.0)
+        with self._lock:
+            self.done += n
 
 
 @task(name="verify-checkpoint", task_run_name="verify-{iteration}")
 def verify_one(save_dir: Path, iteration: int, options: VerifyOptions) -> Verification:
+    """Verify one checkpoint while a progress artifact follows it in the UI.
+
+    The verification runs in a helper thread; this (the task's) thread owns the Prefect context
+    and updates the artifact once a second, so the hashing threads never wait on the API.
+    """
     directory = save_dir / layout.iter_dir_name(iteration)
-    total = sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
-    progress = _ProgressArtifact(total, f"verifying {directory.name} ({total / 1e9:.2f} GB)")
-    try:
-        return verify_checkpoint(directory, options, progress)
-    finally:
-        progress.close()
+    total = max(1, sum(p.stat().st_size for p in directory.iterdir() if p.is_file()))
+    artifact = create_progress_artifact(progress=0.0, description=f"verifying {directory.name} ({total / 1e9:.2f} GB)")
+    counter = _ByteCounter()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(verify_checkpoint, directory, options, counter)
+        while not wait([future], timeout=_PROGRESS_EVERY_SECONDS).done:
+            update_progress_artifact(artifact, progress=min(100.0, 100.0 * counter.done / total))
+    update_progress_artifact(artifact, progress=100.0)
+    return future.result()
 
 
 @task(name="promote")

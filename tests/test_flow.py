@@ -1,0 +1,112 @@
+"""The verify-and-promote flow against a real Prefect server, and its deployments and trigger."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from datetime import datetime, timezone
+
+import pytest
+from prefect.artifacts import Artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+from flows.verify_and_promote import verify_and_promote
+from tasks.checkpoint.lock import job_lock
+from tasks.checkpoint.pointer import read_pointer
+from tests.conftest import ROOT, flip_byte, iter_dir
+from tests.test_verify import tensor_data_offset
+
+pytestmark = pytest.mark.slow
+
+
+def write_profile(tmp_path, save_dir, name="flow-test", lock_timeout=30):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(
+        f"job: {{name: {name}, save_dir: {save_dir}, megatron_core_version: '0.19.2',"
+        f" layout: {{data_parallel: 2}}}}\n"
+        f"verify: {{wait_timeout_seconds: 0, poll_seconds: 1, lock_timeout_seconds: {lock_timeout}}}\n"
+        "retention: {keep_verified: 3}\n"
+    )
+    return str(path)
+
+
+def test_flow_verifies_promotes_retains_and_publishes(prefect_api, save_dir, tmp_path):
+    state = verify_and_promote(profile=write_profile(tmp_path, save_dir), return_state=True)
+    assert state.is_completed(), state.message
+    assert state.message == "latest verified: 24 (first promotion)"
+    assert read_pointer(save_dir) == 24
+    assert sorted(p.name for p in save_dir.glob("iter_*")) == ["iter_0000016", "iter_0000020", "iter_0000024"]
+
+    table = Artifact.get("verify-checks-flow-test")
+    rows = json.loads(table.data)
+    assert {r["iteration"] for r in rows} == {4, 8, 12, 16, 20, 24}
+    assert all(r["result"] == "pass" for r in rows)
+    summary = Artifact.get("verify-summary-flow-test").data
+    assert "latest verified: **24** (was None; first promotion)" in summary
+    assert "Totals: 6 checkpoints" in summary and "deleted [4, 8, 12]" in summary
+
+    again = verify_and_promote(profile=write_profile(tmp_path, save_dir), return_state=True)
+    assert again.is_completed() and again.message == "latest verified: 24 (already the newest verified)"
+
+
+def test_flow_fails_naming_the_bad_checkpoint_and_keeps_the_good_one(prefect_api, save_dir, tmp_path):
+    directory = iter_dir(save_dir, 24)
+    flip_byte(directory / "__0_0.distcp", tensor_data_offset(directory, "__0_0.distcp"))
+    state = verify_and_promote(profile=write_profile(tmp_path, save_dir, "flow-bad"), return_state=True)
+    assert state.is_failed()
+    assert state.message.startswith("INVALID iter_0000024: __0_0.distcp: ") and "[crc]" in state.message
+    assert read_pointer(save_dir) == 20
+    rows = json.loads(Artifact.get("verify-checks-flow-bad").data)
+    assert any(r["iteration"] == 24 and r["result"] == "FAIL" and r["file"] == "__0_0.distcp" for r in rows)
+
+
+def test_flow_does_not_run_while_another_run_holds_the_job(prefect_api, save_dir, tmp_path):
+    profile = write_profile(tmp_path, save_dir, "flow-locked", lock_timeout=0)
+    with job_lock(save_dir, 0):
+        state = verify_and_promote(profile=profile, return_state=True)
+    assert state.is_failed() and ".ckptops.lock: held by pid" in state.message
+    assert read_pointer(save_dir) is None
+    assert not list(save_dir.glob("iter_*/manifest.json"))
+
+
+def _prefect(*args, env):
+    return subprocess.run([sys.executable, "-m", "prefect", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_deployments_register_and_the_saved_event_starts_a_run(prefect_api):
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "CKPTOPS_ROOT": str(ROOT)}
+    created = _prefect("work-pool", "create", "ckptops", "--type", "process", env=env)
+    assert created.returncode == 0, created.stdout + created.stderr
+    deployed = _prefect("deploy", "--all", "--prefect-file", "infra/prefect.yaml", env=env)
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("verify-and-promote/local-tiny")
+        assert deployment.parameters == {"profile": "local"}
+        assert deployment.schedules and deployment.schedules[0].schedule.interval.total_seconds() == 30
+
+        # What the training job does after a save: a plain HTTP POST, no Prefect client.
+        event = [{"id": str(uuid.uuid4()), "occurred": datetime.now(timezone.utc).isoformat(),
+                  "event": "training.checkpoint.saved",
+                  "resource": {"prefect.resource.id": "ckptops.job.local-tiny"},
+                  "payload": {"iteration": 4}}]
+        request = urllib.request.Request(f"{prefect_api}/events", data=json.dumps(event).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            assert reply.status in (200, 201, 202, 204)
+
+        # The trigger runs inside the server; poll (bounded) until it has created the run.
+        deadline = time.monotonic() + 90
+        triggered = []
+        while not triggered and time.monotonic() < deadline:
+            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
+            triggered = [r for r in runs if r.created_by and r.created_by.type == "AUTOMATION"]
+            if not triggered:
+                time.sleep(0.5)
+        assert triggered, "no flow run was created by the training.checkpoint.saved trigger"
+        assert triggered[0].parameters == {"profile": "local"}
