@@ -60,4 +60,7 @@ def verify_and_promote(profile: str = "local", iteration: int | None = None,
     failed = [v for v in verifications if v.state is State.INVALID]
     if failed:
         return Failed(message="; ".join(v.line() for v in failed))
-    return Completed(message=f"latest verified: {current} ({why})")
+    done = f"verified {', '.join(str(v.iteration) for v in verifications)}; " if verifications else ""
+    kept_waiting = f"; still in progress: {', '.join(str(i) for i, _ in waited_out)}" if waited_out else ""
+    gone = f"; retention deleted {', '.join(map(str, deleted))}" if deleted else ""
+    return Completed(message=f"{done}latest verified: {current} ({why}){gone}{kept_waiting}")

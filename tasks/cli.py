@@ -151,18 +151,26 @@ def status(
 
 
 def status_table(save_dir: Path, infos) -> Table:
+    """The status table; the pins and reason columns appear only when something needs them."""
+    show_pins = any(i.pins for i in infos)
+    show_reason = any(i.state != "valid" for i in infos)
     table = Table(title=f"checkpoints in {save_dir}", title_justify="left")
-    for column in ("iteration", "state", "size", "consumed", "verified at (UTC)", "promoted", "pins"):
+    columns = ["iteration", "state", "size", "consumed", "verified (UTC)", "promoted"]
+    columns += ["pins"] * show_pins
+    for column in columns:
         table.add_column(column, no_wrap=True)
-    table.add_column("reason", overflow="fold")
+    if show_reason:
+        table.add_column("reason", overflow="fold")
     colour = {"valid": "green", "invalid": "red", "in-progress": "yellow"}
     for i in infos:
-        table.add_row(
+        row = [
             str(i.iteration), f"[{colour.get(i.state, 'white')}]{i.state}[/]", f"{i.size_bytes / 1e6:.1f} MB",
             "" if i.consumed_train_samples is None else str(i.consumed_train_samples),
-            (i.verified_at or "").replace("T", " ")[:19], "yes" if i.promoted else "", ", ".join(i.pins),
-            "" if i.state == "valid" else i.reason,
-        )
+            (i.verified_at or "").replace("T", " ")[:19], "yes" if i.promoted else "",
+        ]
+        row += [", ".join(i.pins)] * show_pins
+        row += ["" if i.state == "valid" else i.reason] * show_reason
+        table.add_row(*row)
     return table
 
 

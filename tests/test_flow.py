@@ -37,7 +37,8 @@ def write_profile(tmp_path, save_dir, name="flow-test", lock_timeout=30):
 def test_flow_verifies_promotes_retains_and_publishes(prefect_api, save_dir, tmp_path):
     state = verify_and_promote(profile=write_profile(tmp_path, save_dir), return_state=True)
     assert state.is_completed(), state.message
-    assert state.message == "latest verified: 24 (first promotion)"
+    assert state.message == ("verified 4, 8, 12, 16, 20, 24; latest verified: 24 (first promotion); "
+                             "retention deleted 4, 8, 12")
     assert read_pointer(save_dir) == 24
     assert sorted(p.name for p in save_dir.glob("iter_*")) == ["iter_0000016", "iter_0000020", "iter_0000024"]
 

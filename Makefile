@@ -1,0 +1,33 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# Each creates or refreshes .venv by itself (Python 3.12, as .python-version says).
+
+PYTHON ?= python3.12
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: venv test demo bench clean
+
+venv: $(STAMP)
+
+# Rebuilt when pyproject.toml changes or the venv is not a 3.12 one.
+$(STAMP): pyproject.toml
+	@if ! $(BIN)/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then \
+		rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); fi
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+test: venv
+	$(BIN)/python -m pytest
+
+demo: venv
+	$(BIN)/python -m infra.demo
+
+# Needs b3sum for the reference column (Debian: apt-get install b3sum).
+bench: venv
+	@command -v b3sum >/dev/null || { echo "make bench: b3sum not found (apt-get install b3sum)"; exit 2; }
+	$(BIN)/python -m tests.bench.bench_verify
+
+clean:
+	rm -rf $(VENV) data/bench

@@ -1,0 +1,109 @@
+"""``make demo``: the main job on the embedded default (profiles/local.yaml), end to end.
+
+1. start (or reuse) the local Prefect server, UI on http://127.0.0.1:4200;
+2. run the local tiny Megatron-Core job (2 CPU ranks) for a few save intervals, posting a
+   ``training.checkpoint.saved`` event to Prefect after each save;
+3. run the verify-and-promote flow as each checkpoint lands, and once more at the end;
+4. print the status table and where to look in the UI.
+
+The demo owns the embedded default's save directory and starts it empty each time.
+"""
+
+import os
+import shutil
+import sys
+import time
+
+from rich.console import Console
+
+from tasks.errors import CkptopsError
+from tasks.profile import load_profile
+from tasks.prefect_server import server_env, start_server
+
+console = Console(highlight=False)
+
+
+def _ui_url(api_url: str) -> str:
+    return api_url.removesuffix("/api").removesuffix("/")
+
+
+def _training_at(log) -> str:
+    """The newest 'iteration N' line of the job's log, for the progress line."""
+    try:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("iteration ")]
+    except FileNotFoundError:
+        return "starting"
+    return f"iteration {lines[-1].split()[1]}" if lines else "starting (torch and megatron imports)"
+
+
+def _completed_iterations(save_dir, options) -> set[int]:
+    from tasks.checkpoint.layout import iter_dir_name, list_iterations
+    from tasks.checkpoint.state import completeness
+
+    return {i for i in list_iterations(save_dir)
+            if completeness(save_dir / iter_dir_name(i), options)[0] is None}
+
+
+def main() -> int:
+    profile = load_profile()
+    job, api_url = profile.local_job, profile.prefect.api_url
+    home = profile.prefect.home
+    with console.status(f"Prefect server at {_ui_url(api_url)} (a first start takes about 30 s)..."):
+        started = start_server(api_url, home, home / "server.log")
+    console.print(f"Prefect server: {'started' if started else 'reused'} at {_ui_url(api_url)}"
+                  f" (log: {home / 'server.log'})")
+    # Before prefect is imported: this process and its threads are clients of that server.
+    os.environ.update(server_env(api_url, home))
+
+    from flows.verify_and_promote import verify_and_promote
+    from infra.local_job.launch import start_local_job, wait_local_job
+    from tasks.checkpoint.catalog import catalog
+    from tasks.checkpoint.state import VerifyOptions
+    from tasks.cli import status_table
+
+    save_dir = profile.job.save_dir
+    if save_dir.exists():
+        shutil.rmtree(save_dir)
+    options = VerifyOptions.from_profile(profile)
+    console.print(f"training: {job.train_iters} iterations, a checkpoint every {job.save_interval}, "
+                  f"{job.nproc} CPU ranks -> {save_dir}")
+    process, log = start_local_job(
+        save_dir, nproc=job.nproc, train_iters=job.train_iters, save_interval=job.save_interval,
+        extra=["--notify-url", api_url, "--job-name", profile.job.name],
+    )
+    handled: set[int] = set()
+    deadline = time.monotonic() + job.timeout_seconds
+
+    def run_flow(why: str):
+        state = verify_and_promote(profile="local", return_state=True)
+        console.print(f"verify-and-promote ({why}): {state.name}: {state.message}")
+        return state
+
+    with console.status("training: starting") as status:
+        while process.poll() is None and time.monotonic() < deadline:
+            fresh = _completed_iterations(save_dir, options) - handled
+            if fresh:
+                status.update(f"verify-and-promote: new checkpoint(s) {sorted(fresh)}")
+                run_flow(f"checkpoint(s) {sorted(fresh)} saved")
+                handled |= fresh
+            else:
+                status.update(f"training: {_training_at(log)} of {job.train_iters}")
+                time.sleep(0.5)
+    wait_local_job(process, log, max(1.0, deadline - time.monotonic()))
+    with console.status("verify-and-promote: after the last save"):
+        state = run_flow("training finished")
+
+    console.print()
+    console.print(status_table(save_dir, catalog(save_dir, options)))
+    ui = _ui_url(api_url)
+    console.print(f"\nPrefect UI: {ui}  (flow runs: {ui}/runs, artifacts: {ui}/artifacts)")
+    console.print(f"training log: {log}")
+    return 0 if state.is_completed() else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except CkptopsError as e:
+        Console(stderr=True).print(f"demo: {e}", markup=False)
+        sys.exit(1)

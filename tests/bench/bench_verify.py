@@ -1,0 +1,132 @@
+"""``make bench``: verification and promotion, beside plain references measured in the same run.
+
+The checkpoint is a real one from the local training job, made large (a 213M-parameter GPT with
+Adam state, about 2.6 GB in two data files) and kept in data/bench/ for later runs. Every row reads
+the same files from the page cache (a warm-up read comes first), so the rows compare the work
+done per byte, not the disk. Each row is the median of several runs.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from infra.local_job.launch import run_local_job
+from tasks.checkpoint.layout import iter_dir_name
+from tasks.checkpoint.lock import job_lock
+from tasks.checkpoint.promote import choose_target, point_to
+from tasks.checkpoint.state import VerifyOptions
+from tasks.checkpoint.verify import verify_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "data" / "bench"
+REPEATS = 5
+LARGE_MODEL = ["--hidden-size", "1536", "--num-layers", "4", "--num-attention-heads", "12",
+               "--vocab-size", "32768", "--micro-batch-size", "1", "--global-batch-size", "2"]
+console = Console(highlight=False)
+
+
+def checkpoint(name: str, iterations: int, extra: list[str]) -> Path:
+    save = BENCH / name
+    directory = save / iter_dir_name(iterations)
+    if not (directory / "metadata.json").exists():
+        with console.status(f"training the {name} bench checkpoint (local job, CPU)..."):
+            run_local_job(save, train_iters=iterations, save_interval=iterations, timeout_seconds=1800, extra=extra)
+    return directory
+
+
+def data_files(directory: Path) -> list[str]:
+    return sorted(str(p) for p in directory.iterdir() if p.is_file() and p.name != "manifest.json")
+
+
+def median_seconds(action, repeats: int = REPEATS) -> float:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def shell(command: list[str]):
+    return lambda: subprocess.run(command, check=True, stdout=subprocess.DEVNULL, timeout=600)
+
+
+def main() -> int:
+    large = checkpoint("large", 2, LARGE_MODEL)
+    small = checkpoint("small", 4, [])
+    files = data_files(large)
+    size = sum(os.path.getsize(f) for f in files)
+    (large / "manifest.json").unlink(missing_ok=True)
+    shell(["cat", *files])()  # warm the page cache
+    options = VerifyOptions(job="bench", write_manifest=False)
+    cores = os.cpu_count()
+
+    rows = []
+
+    def row(name, seconds, nbytes=size):
+        rows.append({"step": name, "bytes": nbytes, "seconds": seconds,
+                     "gbps": nbytes / seconds / 1e9 if nbytes else None})
+
+    with console.status("measuring the references and verification..."):
+        row("cat > /dev/null (plain read)", median_seconds(lambda: subprocess.run(
+            f"cat {' '.join(files)} > /dev/null", shell=True, check=True, timeout=600)))
+        row(f"b3sum --num-threads {cores}", median_seconds(shell(["b3sum", "--num-threads", str(cores), *files])))
+        row("sha256sum", median_seconds(shell(["sha256sum", *files]), repeats=1))
+        first = median_seconds(lambda: _verified(large, options))
+        row("ckptops verify, first time (CRC + BLAKE3 + structure)", first)
+        _verified(large, VerifyOptions(job="bench"))  # writes the manifest once
+        row("ckptops verify, against the manifest", median_seconds(lambda: _verified(large, options)))
+        (large / "manifest.json").unlink()
+        row("ckptops verify CLI, end to end (process start included)",
+            median_seconds(shell([str(Path(sys.executable).with_name("ckptops")), "verify", "--read-only", str(large)]), repeats=3))
+
+    with console.status("measuring promotion..."):
+        promotion = {}
+        for name, directory in (("small", small), ("large", large)):
+            _verified(directory, VerifyOptions(job="bench"))
+            save_dir = directory.parent
+            nbytes = sum(os.path.getsize(f) for f in data_files(directory))
+
+            def promote_step():
+                with job_lock(save_dir, 10):
+                    target, _ = choose_target(save_dir, VerifyOptions(job="bench"), directory and int(directory.name[5:]))
+                    point_to(save_dir, target)
+
+            promotion[name] = median_seconds(promote_step, repeats=20)
+            rows.append({"step": f"promotion, {name} checkpoint (lock, decide, atomic pointer)",
+                         "bytes": nbytes, "seconds": promotion[name], "gbps": None})
+
+    table = Table(title=f"make bench: {size / 1e9:.2f} GB checkpoint ({len(files)} files), page cache warm, "
+                        f"{cores} cores, median of {REPEATS}")
+    for column in ("step", "GB", "seconds", "GB/s", "x plain read"):
+        table.add_column(column, justify="left" if column == "step" else "right")
+    plain = rows[0]["seconds"]
+    for r in rows:
+        table.add_row(r["step"], f"{r['bytes'] / 1e9:.3f}", f"{r['seconds']:.3f}",
+                      "" if r["gbps"] is None else f"{r['gbps']:.2f}",
+                      "" if r["gbps"] is None else f"{r['seconds'] / plain:.2f}")
+    console.print(table)
+    ratio = first / plain
+    console.print(f"full verification / plain read = {ratio:.2f} (target <= 1.5): {'met' if ratio <= 1.5 else 'NOT met'}")
+    console.print(f"promotion: small {promotion['small'] * 1e3:.2f} ms, large {promotion['large'] * 1e3:.2f} ms "
+                  f"(target: independent of size)")
+    (BENCH / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+def _verified(directory: Path, options: VerifyOptions):
+    result = verify_checkpoint(directory, options)
+    if not result.ok:
+        raise SystemExit(f"bench checkpoint failed verification: {result.line()}")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
