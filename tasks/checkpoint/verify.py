@@ -75,6 +75,11 @@ class _Checks:
     def record(self, failure: CheckFailed) -> None:
         self.failed(failure.check, failure.file, failure.detail)
 
+    def conclude(self, name: str, detail: str) -> None:
+        """Record a pass for ``name`` unless a failure under that name was recorded."""
+        if not any(r.name == name and not r.ok for r in self.results):
+            self.passed(name, detail)
+
     @property
     def failures(self) -> list[CheckResult]:
         return [r for r in self.results if not r.ok]
@@ -187,65 +192,49 @@ class _Verifier:
 
     def _check_files(self) -> None:
         referenced = self.index.files()
-        bad = False
         for name, records in sorted(referenced.items()):
             path = self.directory / name
             if not path.is_file():
                 self.checks.failed("files", name, "referenced by .metadata but missing")
-                bad = True
                 continue
             size, needed = path.stat().st_size, max(r.end for r in records)
             if size < needed:
                 self.checks.failed("files", name, f"truncated: {size} bytes, records need {needed}")
-                bad = True
         for path in sorted(self.directory.glob(f"*{layout.DATA_SUFFIX}")):
             if path.name not in referenced:
                 self.checks.failed("files", path.name, "data file not referenced by .metadata")
-                bad = True
-        if not bad:
-            self.checks.passed("files", f"{len(referenced)} data files present and long enough")
+        self.checks.conclude("files", f"{len(referenced)} data files present and long enough")
 
     def _check_records(self) -> None:
-        bad = False
         for fqn, item in self.index.tensors.items():
             for chunk in item.chunks:
                 if (fqn, tuple(chunk.offsets)) not in self.index.records:
                     self.checks.failed("records", None, f"tensor '{fqn}' chunk at {list(chunk.offsets)} has no record")
-                    bad = True
         for fqn in self.index.objects:
             if (fqn, None) not in self.index.records:
                 self.checks.failed("records", None, f"object '{fqn}' has no record")
-                bad = True
         for name, records in self.index.files().items():
             for before, after in zip(records, records[1:]):
                 if after.offset < before.end:
                     self.checks.failed("records", name, f"records '{before.key}' and '{after.key}' overlap")
-                    bad = True
-        if not bad:
-            self.checks.passed("records", "every chunk and object has its own record")
+        self.checks.conclude("records", "every chunk and object has its own record")
 
     def _check_coverage(self) -> None:
-        bad = False
         for fqn, item in sorted(self.index.tensors.items()):
             problem = _tiles_exactly(tuple(item.size), item.chunks)
             if problem:
                 self.checks.failed("coverage", layout.DCP_METADATA, f"tensor '{fqn}': {problem}")
-                bad = True
-        if not bad:
-            self.checks.passed("coverage", f"{len(self.index.tensors)} tensors tiled exactly")
+        self.checks.conclude("coverage", f"{len(self.index.tensors)} tensors tiled exactly")
 
     def _check_objects(self) -> None:
         families: dict[str, list] = {}
         for shard in self.index.object_shards():
             families.setdefault(shard.family, []).append(shard)
-        bad = False
         for family, shards in sorted(families.items()):
             problem = _grid_missing(shards)
             if problem:
                 self.checks.failed("objects", layout.DCP_METADATA, f"object family '{family}': {problem}")
-                bad = True
-        if not bad:
-            self.checks.passed("objects", f"{len(families)} sharded-object families cover their grids")
+        self.checks.conclude("objects", f"{len(families)} sharded-object families cover their grids")
 
     def _read_integrity_json(self) -> None:
         path = self.directory / layout.INTEGRITY_JSON
@@ -270,55 +259,41 @@ class _Verifier:
         files = {name: referenced.get(name, []) for name in present}
         self.scans = scan_files(self.directory, files, set(self.integrity) & set(present),
                                 self.options.threads, self.progress)
-        bad = False
         for name, scan in sorted(self.scans.items()):
             if scan.error:
                 self.checks.failed("crc", name, scan.error)
-                bad = True
             for failure in scan.failures:
                 self.checks.failed("crc", name, failure)
-                bad = True
         records = sum(s.records for s in self.scans.values())
-        if not bad:
-            self.checks.passed("crc", f"{records} records' CRCs match")
+        self.checks.conclude("crc", f"{records} records' CRCs match")
 
     def _check_integrity_json(self) -> None:
         if not self.integrity:
             return
-        bad = False
         for name, expected in sorted(self.integrity.items()):
             scan = self.scans.get(name)
             if scan is None:
                 self.checks.failed(layout.INTEGRITY_JSON, name, "listed in integrity.json but missing")
-                bad = True
             elif scan.sha256 != expected:
                 self.checks.failed(layout.INTEGRITY_JSON, name, "sha256 differs from integrity.json")
-                bad = True
-        if not bad:
-            self.checks.passed(layout.INTEGRITY_JSON, f"{len(self.integrity)} files match")
+        self.checks.conclude(layout.INTEGRITY_JSON, f"{len(self.integrity)} files match")
 
     def _check_against_reference(self) -> None:
         if self.reference is None:
             return
-        bad = False
         expected = self.reference.file_map()
         for name, entry in sorted(expected.items()):
             scan = self.scans.get(name)
             if scan is None:
                 self.checks.failed("manifest", name, "in the manifest but missing")
-                bad = True
             elif scan.size != entry.size:
                 self.checks.failed("manifest", name, f"size {scan.size}, manifest says {entry.size}")
-                bad = True
             elif scan.blake3 != entry.hash:
                 self.checks.failed("manifest", name, "content differs from the manifest (blake3)")
-                bad = True
         extra = sorted(set(self.scans) - set(expected))
         if extra:
             self.checks.failed("manifest", extra[0], f"not in the manifest ({len(extra)} such files)")
-            bad = True
-        if not bad:
-            self.checks.passed("manifest", f"{len(expected)} files match the manifest")
+        self.checks.conclude("manifest", f"{len(expected)} files match the manifest")
 
     def _check_state(self) -> None:
         try:
