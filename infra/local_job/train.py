@@ -304,9 +304,14 @@ def train(args):
     set_seeds(args.seed)
     config, model, optimizer, scheduler = build(args)
     dataset = SyntheticDataset(args)
-    causal_mask = torch.triu(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool), 1)
+    # Megatron's default mask is built on "cuda"; an explicit one works on both devices.
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    causal_mask = torch.triu(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool, device=device), 1)
     causal_mask = causal_mask[None, None]
     forward_backward = get_forward_backward_func()
+    # Megatron-LM's running total, approximated as 6 x parameters x tokens per iteration.
+    parameters = sum(p.numel() for p in model.parameters()) * args.tensor_model_parallel_size
+    flops_per_iteration = 6 * parameters * args.global_batch_size * args.seq_length
     iteration, consumed, flops = 0, 0, 0.0
     while iteration < args.train_iters:
         model.zero_grad_buffer()
@@ -323,6 +328,7 @@ def train(args):
         scheduler.step(increment=args.global_batch_size)
         iteration += 1
         consumed += args.global_batch_size
+        flops += flops_per_iteration
         loss = torch.stack([x["lm loss"] for x in losses]).mean().item()
         if torch.distributed.get_rank() == 0:
             print(f"iteration {iteration} consumed {consumed} lr {scheduler.get_lr(optimizer.param_groups[0]):.3e} "
