@@ -17,5 +17,17 @@ class UsageError(CkptopsError):
     exit_code = 2
 
 
+class Unreadable(UsageError):
+    """The environment kept us from reading or writing (permissions, I/O errors).
+
+    Kept apart from a failed check on purpose: a permission problem or a flaky mount says nothing
+    about the checkpoint, so it must never be recorded as the checkpoint being invalid.
+    """
+
+
 class LockTimeout(CkptopsError):
     """Another run holds the job's lock for longer than we were willing to wait."""
+
+
+def unreadable(path, error: OSError) -> Unreadable:
+    return Unreadable(f"{path}: {error.strerror or error}")

@@ -1,8 +1,10 @@
 """Verification on real checkpoints from the local training job, and on every way to break one."""
 
+import io
 import json
 import os
 import pickle
+import shutil
 import time
 from pathlib import Path
 
@@ -11,9 +13,10 @@ import torch
 
 from tasks.checkpoint.dcp import build_index, load_dcp_metadata
 from tasks.checkpoint.manifest import read_manifest
-from tasks.checkpoint.scan import plan_crc_ranges
+from tasks.checkpoint.scan import plan_crc_ranges, scan_file
 from tasks.checkpoint.state import State
 from tasks.checkpoint.verify import verify_checkpoint
+from tasks.errors import Unreadable, UsageError
 from tests.conftest import flip_byte, iter_dir
 
 
@@ -22,7 +25,7 @@ def tensor_data_offset(directory: Path, name: str) -> int:
     index = build_index(load_dcp_metadata(directory / ".metadata"))
     fd = os.open(directory / name, os.O_RDONLY)
     try:
-        for record in index.files()[name]:
+        for record in index.files[name]:
             if "@" not in record.key:
                 continue
             for r in plan_crc_ranges(fd, record):
@@ -51,6 +54,15 @@ def test_real_checkpoint_is_valid_and_manifest_records_it(save_dir, options):
     assert all(c.ok for c in manifest.checks)
 
 
+def settle(directory: Path) -> None:
+    """Make a hand-edited checkpoint look like a save that finished a while ago: shards older
+    than metadata.json, and metadata.json older than the settle time."""
+    now = time.time()
+    for path in directory.iterdir():
+        when = now - 60 if path.name in ("metadata.json", "integrity.json") else now - 120
+        os.utime(path, (when, when))
+
+
 def _reason(directory, options):
     result = verify_checkpoint(directory, options)
     assert result.state is State.INVALID, result.line()
@@ -77,11 +89,12 @@ def test_truncated_data_file(save_dir, options):
     assert result.reason.startswith("__0_0.distcp: truncated") and "[files]" in result.reason
 
 
-def test_missing_data_file(save_dir, options):
+@pytest.mark.parametrize("name", ["__0_0.distcp", "__1_0.distcp"])  # rank 0's holds the common state
+def test_missing_data_file(save_dir, options, name):
     directory = iter_dir(save_dir, 8)
-    (directory / "__1_0.distcp").unlink()
+    (directory / name).unlink()
     result = _reason(directory, options)
-    assert result.reason.startswith("__1_0.distcp: referenced by .metadata but missing [files]")
+    assert result.reason.startswith(f"{name}: referenced by .metadata but missing [files]")
 
 
 def test_extra_unreferenced_data_file(save_dir, options):
@@ -121,18 +134,30 @@ def test_stale_save_without_metadata_json_is_abandoned(save_dir, options):
 def test_garbled_metadata_json(save_dir, options):
     directory = iter_dir(save_dir, 8)
     (directory / "metadata.json").write_text('{"sharded_backend": "torch_di')
-    for path in directory.glob("*.distcp"):
-        os.utime(path, ns=(0, 0))
+    settle(directory)
     result = _reason(directory, options)
     assert result.reason.startswith("metadata.json: unreadable") and "[metadata.json]" in result.reason
 
 
-def test_unknown_backend(save_dir, options):
+def test_garbled_metadata_json_just_written_is_in_progress(save_dir, options):
     directory = iter_dir(save_dir, 8)
-    (directory / "metadata.json").write_text('{"sharded_backend": "zarr", "sharded_backend_version": 1}')
-    for path in directory.glob("*.distcp"):
-        os.utime(path, ns=(0, 0))
-    assert "unknown sharded_backend 'zarr'" in _reason(directory, options).reason
+    (directory / "metadata.json").write_text('{"sharded_back')  # Megatron's plain open('w'), mid-write
+    result = verify_checkpoint(directory, options)
+    assert result.state is State.IN_PROGRESS and result.reason == "metadata.json: still being written"
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"sharded_backend": "zarr", "sharded_backend_version": 1}', "unknown sharded_backend 'zarr'"),
+    ("{}", "not a Megatron checkpoint config"),
+    ('{"sharded_backend": []}', "not a Megatron checkpoint config"),
+    ("[1, 2]", "not a Megatron checkpoint config"),
+])
+def test_metadata_json_that_parses_but_is_wrong(save_dir, options, text, message):
+    directory = iter_dir(save_dir, 8)
+    (directory / "metadata.json").write_text(text)
+    settle(directory)
+    result = _reason(directory, options)
+    assert result.reason.startswith(f"metadata.json: {message}")
 
 
 def test_garbled_dcp_metadata(save_dir, options):
@@ -209,7 +234,7 @@ def test_flip_outside_crc_coverage_found_by_manifest(save_dir, options):
     directory = iter_dir(save_dir, 8)
     assert verify_checkpoint(directory, options).state is State.VALID
     index = build_index(load_dcp_metadata(directory / ".metadata"))
-    record = index.files()["__1_0.distcp"][0]
+    record = index.files["__1_0.distcp"][0]
     fd = os.open(directory / "__1_0.distcp", os.O_RDONLY)
     try:
         covered = plan_crc_ranges(fd, record)
@@ -240,7 +265,8 @@ def test_file_changing_during_read_is_in_progress(save_dir, options):
 
 def test_resave_into_existing_directory_is_in_progress(save_dir, options):
     directory = iter_dir(save_dir, 8)
-    os.utime(directory / "__1_0.distcp")  # a shard rewritten now, after metadata.json
+    settle(directory)
+    os.utime(directory / "__1_0.distcp")  # a shard rewritten now, a minute after metadata.json
     result = verify_checkpoint(directory, options)
     assert result.state is State.IN_PROGRESS and "being re-saved" in result.reason
 
@@ -269,9 +295,113 @@ def test_expected_integrity_json_not_yet_written_is_in_progress(save_dir, option
 
 
 def test_not_a_checkpoint_directory_is_a_usage_error(save_dir, options):
-    from tasks.errors import UsageError
-
     with pytest.raises(UsageError, match="not a checkpoint directory"):
         verify_checkpoint(save_dir, options)
     with pytest.raises(UsageError, match="no such checkpoint directory"):
         verify_checkpoint(save_dir / "iter_0000999", options)
+    with pytest.raises(UsageError, match="not a checkpoint directory"):
+        verify_checkpoint(save_dir / "iter_00000008", options)  # Megatron would never load it
+
+
+def test_symlinked_checkpoint_is_refused_not_followed(save_dir, options):
+    (save_dir / "iter_0000099").symlink_to(iter_dir(save_dir, 4))
+    with pytest.raises(UsageError, match="iter_0000099: is a symlink"):
+        verify_checkpoint(save_dir / "iter_0000099", options)
+
+
+def test_unreadable_file_is_an_environment_error_not_a_verdict(save_dir, options, monkeypatch):
+    import tasks.checkpoint.scan as scan
+
+    directory = iter_dir(save_dir, 8)
+    real_open = os.open
+
+    def denied(path, *args, **kwargs):
+        if str(path).endswith("__1_0.distcp"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(scan.os, "open", denied)
+    with pytest.raises(Unreadable, match="__1_0.distcp: Permission denied") as caught:
+        verify_checkpoint(directory, options)
+    assert caught.value.exit_code == 2
+    assert not (directory / "manifest.json").exists()
+
+
+def test_unreadable_manifest_is_kept_as_evidence(save_dir, options):
+    directory = iter_dir(save_dir, 8)
+    assert verify_checkpoint(directory, options).state is State.VALID
+    garbled = b'{"schema_version": 1, "files": [{"pa'
+    (directory / "manifest.json").write_bytes(garbled)
+    for _ in range(2):  # a second run must not accept what the first could not check
+        result = _reason(directory, options)
+        assert result.reason.startswith("manifest.json: ") and "move it aside" in result.reason
+        assert (directory / "manifest.json").read_bytes() == garbled
+
+
+def test_manifest_of_another_iteration_is_not_a_reference(save_dir, options):
+    verify_checkpoint(iter_dir(save_dir, 4), options)
+    shutil.copy(iter_dir(save_dir, 4) / "manifest.json", iter_dir(save_dir, 8) / "manifest.json")
+    result = _reason(iter_dir(save_dir, 8), options)
+    assert "manifest.json: describes iteration 4, not 8 [manifest]" in result.reason
+
+
+def test_resave_after_verification_is_judged_afresh(save_dir, options):
+    directory = iter_dir(save_dir, 8)
+    first = verify_checkpoint(directory, options)
+    assert first.state is State.VALID
+    time.sleep(0.01)  # a later save has a later mtime; this only separates the two timestamps
+    (directory / "metadata.json").write_bytes((directory / "metadata.json").read_bytes())
+    settle(directory)
+    again = verify_checkpoint(directory, options)
+    assert again.state is State.VALID
+    manifest = read_manifest(directory)
+    assert manifest.save_identity != first.manifest.save_identity
+    assert manifest.verified_at >= first.manifest.verified_at
+
+
+def test_megatron_integrity_json_written_after_our_manifest(save_dir, options):
+    """Megatron finalises integrity.json after metadata.json, hashing every top-level file: if
+    we verified first, it lists our manifest. That must not turn a good checkpoint invalid."""
+    from megatron.core.dist_checkpointing.validation import save_integrity_manifest
+
+    directory = iter_dir(save_dir, 8)
+    (directory / "integrity.json").unlink()
+    assert verify_checkpoint(directory, options).state is State.VALID
+    save_integrity_manifest(str(directory))
+    assert "manifest.json" in json.loads((directory / "integrity.json").read_text())["files"]
+    result = verify_checkpoint(directory, options)
+    assert result.state is State.VALID, result.reason
+    assert any(c.name == "manifest" and "integrity.json added since" in c.detail for c in result.checks)
+
+
+def test_every_single_bit_flip_in_a_record_is_caught_or_harmless(save_dir):
+    """Each byte of a small tensor record (zip headers, data, central directory, end record)
+    flipped in turn: the scan must flag it, or torch.load must still give the same tensor."""
+    directory = iter_dir(save_dir, 8)
+    index = build_index(load_dcp_metadata(directory / ".metadata"))
+    name = "__1_0.distcp"
+    records = index.files[name]
+    record = min((r for r in records if "@" in r.key), key=lambda r: r.length)
+    path = directory / name
+    original = path.read_bytes()
+    reference = torch.load(io.BytesIO(original[record.offset:record.end]), weights_only=True)
+    missed = []
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for offset in range(record.offset, record.end):
+            bit = 1 << (offset % 8)
+            os.pwrite(fd, bytes([original[offset] ^ bit]), offset)
+            scan = scan_file(path, records)
+            if not scan.failures:
+                damaged = bytearray(original[record.offset:record.end])
+                damaged[offset - record.offset] ^= bit
+                try:
+                    same = torch.equal(torch.load(io.BytesIO(bytes(damaged)), weights_only=True), reference)
+                except Exception:
+                    same = False
+                if not same:
+                    missed.append(offset - record.offset)
+            os.pwrite(fd, original[offset:offset + 1], offset)
+    finally:
+        os.close(fd)
+    assert missed == [], f"flips at record offsets {missed[:20]} were neither caught nor harmless"

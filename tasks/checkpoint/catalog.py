@@ -13,7 +13,8 @@ from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.pins import pins as read_pins
 from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.state import State, VerifyOptions, completeness
-from tasks.errors import CkptopsError, UsageError
+from tasks.errors import CkptopsError, Unreadable, UsageError, unreadable
+from tasks.storage.local import list_files
 
 UNVERIFIED = "unverified"
 
@@ -30,33 +31,41 @@ class CheckpointInfo:
     consumed_train_samples: int | None = None
     promoted: bool = False
     pins: list[str] = field(default_factory=list)
+    stale: bool = False  # re-saved after verification: the manifest describes an older save
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _size(directory: Path) -> int:
-    return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
-
-
 def describe(directory: Path, options: VerifyOptions) -> CheckpointInfo:
     iteration = layout.parse_iter_dir(directory.name)
-    info = CheckpointInfo(iteration, directory.name, UNVERIFIED, "complete, not verified yet", _size(directory))
-    progress, why = completeness(directory, options)
-    if progress is State.IN_PROGRESS:
-        info.state, info.reason = progress.value, why
+    try:
+        files = list_files(directory)
+    except OSError as e:
+        raise unreadable(directory, e) from None
+    info = CheckpointInfo(iteration, directory.name, UNVERIFIED, "complete, not verified yet",
+                          sum(st.st_size for st in files.values()))
+    progress = completeness(directory, options)
+    if progress.state is State.IN_PROGRESS:
+        info.state, info.reason = progress.state.value, progress.reason
         return info
     try:
         manifest = read_manifest(directory)
+    except Unreadable:
+        raise
     except CkptopsError as e:
         info.state, info.reason = State.INVALID.value, str(e)
         return info
-    if manifest is not None:
+    if manifest is not None and manifest.iteration != iteration:
+        info.state, info.reason = State.INVALID.value, f"{layout.MANIFEST}: describes iteration {manifest.iteration}"
+    elif manifest is not None and not manifest.same_save(files):
+        info.stale, info.reason = True, f"re-saved since it was found {manifest.status}; needs verifying again"
+    elif manifest is not None:
         info.state, info.reason = manifest.status, manifest.reason
         info.verified_at, info.checked_at = manifest.verified_at, manifest.checked_at
         info.consumed_train_samples = manifest.consumed_train_samples
-    elif progress is State.INVALID:
-        info.state, info.reason = progress.value, why
+    elif progress.state is State.INVALID:
+        info.state, info.reason = progress.state.value, progress.reason
     return info
 
 
@@ -65,11 +74,18 @@ def catalog(save_dir: Path, options: VerifyOptions) -> list[CheckpointInfo]:
     save_dir = Path(save_dir)
     if not save_dir.is_dir():
         raise UsageError(f"{save_dir}: no such save directory")
+    try:
+        iterations = layout.list_iterations(save_dir)
+    except OSError as e:
+        raise unreadable(save_dir, e) from None
     pointer = read_pointer(save_dir)
     pinned = read_pins(save_dir)
     infos = []
-    for iteration in layout.list_iterations(save_dir):
-        info = describe(save_dir / layout.iter_dir_name(iteration), options)
+    for iteration in iterations:
+        try:
+            info = describe(save_dir / layout.iter_dir_name(iteration), options)
+        except FileNotFoundError:
+            continue  # deleted by retention while we listed
         info.promoted = iteration == pointer
         info.pins = sorted(pinned.get(iteration, []))
         infos.append(info)

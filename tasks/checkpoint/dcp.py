@@ -16,6 +16,7 @@ import pickle
 import re
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from tasks.errors import CkptopsError
+from tasks.errors import CkptopsError, unreadable
 
 _DCP_MODULES = ("torch.distributed.checkpoint.", "megatron.core.dist_checkpointing.")
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
@@ -65,6 +66,8 @@ def load_dcp_metadata(path: Path) -> Metadata:
             metadata = _MetadataUnpickler(f).load()
     except FileNotFoundError:
         raise CheckFailed("dcp-metadata", path.name, "missing") from None
+    except OSError as e:
+        raise unreadable(path, e) from None
     except Exception as e:  # a garbled pickle can raise nearly anything
         raise CheckFailed("dcp-metadata", path.name, f"unreadable ({type(e).__name__}: {e})") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
@@ -100,6 +103,7 @@ class DcpIndex:
     objects: dict[str, BytesStorageMetadata]
     records: dict[tuple[str, tuple[int, ...] | None], Record]
 
+    @cached_property
     def files(self) -> dict[str, list[Record]]:
         """Records grouped by data file, each list in file order."""
         grouped: dict[str, list[Record]] = {}
@@ -138,8 +142,13 @@ def build_index(metadata: Metadata) -> DcpIndex:
 
 
 def read_record(directory: Path, record: Record) -> bytes:
-    with open(directory / record.file, "rb") as f:
-        data = os.pread(f.fileno(), record.length, record.offset)
+    try:
+        with open(directory / record.file, "rb") as f:
+            data = os.pread(f.fileno(), record.length, record.offset)
+    except FileNotFoundError:
+        raise CheckFailed("files", record.file, f"missing, it holds '{record.key}'") from None
+    except OSError as e:
+        raise unreadable(directory / record.file, e) from None
     if len(data) != record.length:
         raise CheckFailed("files", record.file, f"record '{record.key}' is cut short")
     return data

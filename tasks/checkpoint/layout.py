@@ -6,6 +6,7 @@
         metadata.json  .metadata  __<rank>_<n>.distcp  [integrity.json]  manifest.json (ckptops)
 """
 
+import os
 import re
 from pathlib import Path
 
@@ -23,7 +24,7 @@ MANIFEST = "manifest.json"
 DATA_SUFFIX = ".distcp"
 KNOWN_BACKENDS = {"torch_dist"}
 
-_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$", re.ASCII)
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -31,20 +32,41 @@ def iter_dir_name(iteration: int) -> str:
 
 
 def parse_iter_dir(name: str) -> int | None:
+    """The iteration of a directory named exactly as Megatron names it (``iter_00000099`` with
+    an extra digit is not iteration 99: Megatron would never load it)."""
     match = _ITER_DIR.match(name)
-    return int(match.group(1)) if match else None
+    if not match:
+        return None
+    iteration = int(match.group(1))
+    return iteration if iter_dir_name(iteration) == name else None
 
 
 def list_iterations(save_dir: Path) -> list[int]:
-    """Iterations with a checkpoint directory, oldest first."""
+    """Iterations with a checkpoint directory, oldest first.
+
+    Symlinks are not checkpoints: ``iter_0000012 -> iter_0000004`` would let iteration 4's
+    state be promoted and resumed as iteration 12.
+    """
     found = []
-    for entry in Path(save_dir).iterdir():
-        iteration = parse_iter_dir(entry.name)
-        if iteration is not None and entry.is_dir():
-            found.append(iteration)
+    with os.scandir(save_dir) as entries:
+        for entry in entries:
+            iteration = parse_iter_dir(entry.name)
+            try:
+                if iteration is not None and entry.is_dir(follow_symlinks=False):
+                    found.append(iteration)
+            except FileNotFoundError:
+                continue
     return sorted(found)
+
+
+CORE_FILES = (METADATA_JSON, DCP_METADATA)
 
 
 def is_own_file(name: str) -> bool:
     """Files ckptops writes into a checkpoint: never part of what is verified."""
     return name == MANIFEST or name.startswith(MANIFEST + TEMP_MARK)
+
+
+def is_checkpoint_content(name: str) -> bool:
+    """Files Megatron's save itself writes, which no later step may add or change."""
+    return name in CORE_FILES or name.endswith(DATA_SUFFIX)

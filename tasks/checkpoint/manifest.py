@@ -7,14 +7,15 @@ that passed and never replaced afterwards (a failing re-verification changes ``s
 """
 
 import json
+import os
 import socket
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 from tasks import __version__
-from tasks.checkpoint.layout import MANIFEST
-from tasks.errors import CkptopsError
+from tasks.checkpoint.layout import CORE_FILES, MANIFEST
+from tasks.errors import CkptopsError, unreadable
 from tasks.storage.local import atomic_write
 
 SCHEMA_VERSION = 1
@@ -22,7 +23,7 @@ HASH_ALGORITHM = "blake3"
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Manifest:
     checks: list[CheckResult]
     verified_at: str | None
     checked_at: str
+    save_identity: dict = field(default_factory=dict)
     verifier: dict = field(default_factory=lambda: {"ckptops": __version__, "host": socket.gethostname()})
     hash_algorithm: str = HASH_ALGORITHM
     archive: dict | None = None
@@ -62,6 +64,15 @@ class Manifest:
     @property
     def valid(self) -> bool:
         return self.status == "valid"
+
+    def same_save(self, files: dict[str, os.stat_result]) -> bool:
+        """Whether the checkpoint is still the save this manifest describes.
+
+        Megatron re-saving into the directory rewrites metadata.json and .metadata; a flipped
+        bit or a truncation does not. Size and mtime, not the inode, so that a copy made with
+        its times kept (a restore) is still recognised as the same save.
+        """
+        return self.save_identity == save_identity(files)
 
     def file_map(self) -> dict[str, FileEntry]:
         return {f.path: f for f in self.files}
@@ -77,6 +88,11 @@ class Manifest:
         return cls(**data)
 
 
+def save_identity(files: dict[str, os.stat_result]) -> dict:
+    """What identifies one save of a checkpoint directory (see ``Manifest.same_save``)."""
+    return {name: [files[name].st_size, files[name].st_mtime_ns] for name in CORE_FILES if name in files}
+
+
 def read_manifest(directory: Path) -> Manifest | None:
     """The checkpoint's manifest, or None if it has never been verified."""
     path = Path(directory) / MANIFEST
@@ -84,7 +100,9 @@ def read_manifest(directory: Path) -> Manifest | None:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        raise unreadable(path, e) from None
+    except ValueError as e:
         raise CkptopsError(f"{path}: unreadable manifest ({e})") from None
     if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
         raise CkptopsError(f"{path}: unknown manifest schema {data.get('schema_version') if isinstance(data, dict) else None!r}")
@@ -95,4 +113,8 @@ def read_manifest(directory: Path) -> Manifest | None:
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
-    atomic_write(Path(directory) / MANIFEST, manifest.to_json().encode())
+    path = Path(directory) / MANIFEST
+    try:
+        atomic_write(path, manifest.to_json().encode())
+    except OSError as e:
+        raise unreadable(path, e) from None

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import blake3
+import torch
 from isal import isal_zlib
 
 from tasks.checkpoint.dcp import Record
@@ -53,7 +54,7 @@ class FileScan:
     records: int = 0
     failures: list[str] = field(default_factory=list)
     changed: bool = False
-    error: str | None = None
+    unreadable: OSError | None = None  # the environment's fault, not the checkpoint's
 
 
 class _Window:
@@ -82,35 +83,93 @@ class _Window:
         return data
 
 
-def _local_header_size(window: _Window, info: zipfile.ZipInfo) -> int:
-    """Bytes between an entry's local header offset and its data (PKZIP APPNOTE 4.3.7)."""
-    window.seek(info.header_offset)
-    header = window.read(zipfile.sizeFileHeader)
-    if len(header) != zipfile.sizeFileHeader:
-        raise zipfile.BadZipFile(f"local header of {info.filename} cut short")
-    fields = struct.unpack(zipfile.structFileHeader, header)
-    if fields[0] != zipfile.stringFileHeader:
+# General-purpose flag bits torch.save sets: 3 (sizes and CRC in a data descriptor after the
+# data) and 11 (UTF-8 names). Anything else (encryption, patches, ...) is not a torch.save record.
+_TORCH_FLAGS = 0x0808
+_DESCRIPTOR = b"PK\x07\x08"
+_DOS_DIRECTORY = 0x10
+
+
+def _read_exact(window: _Window, offset: int, size: int, what: str) -> bytes:
+    window.seek(offset)
+    data = window.read(size)
+    if len(data) != size:
+        raise zipfile.BadZipFile(f"{what} cut short")
+    return data
+
+
+def _data_start(window: _Window, info: zipfile.ZipInfo) -> int:
+    """Where an entry's data begins, after checking that its local header agrees with the
+    central directory (PKZIP APPNOTE 4.3.7): a flip in either copy is caught here."""
+    header = _read_exact(window, info.header_offset, zipfile.sizeFileHeader, f"local header of {info.filename}")
+    (signature, _, _, flags, method, _, _, crc, compressed, size,
+     name_length, extra_length) = struct.unpack(zipfile.structFileHeader, header)
+    if signature != zipfile.stringFileHeader:
         raise zipfile.BadZipFile(f"bad local header signature for {info.filename}")
-    name_length, extra_length = fields[10], fields[11]
-    return zipfile.sizeFileHeader + name_length + extra_length
+    name = _read_exact(window, info.header_offset + zipfile.sizeFileHeader, name_length, "entry name")
+    if name.decode("utf-8", "replace") != info.filename or flags != info.flag_bits or method != info.compress_type:
+        raise zipfile.BadZipFile(f"local header of {info.filename} disagrees with the central directory")
+    if not flags & 0x08 and (crc, compressed, size) != (info.CRC, info.compress_size, info.file_size):
+        raise zipfile.BadZipFile(f"local header of {info.filename} disagrees with the central directory")
+    return info.header_offset + zipfile.sizeFileHeader + name_length + extra_length
+
+
+def _check_descriptor(window: _Window, info: zipfile.ZipInfo, data_end: int) -> None:
+    """The data descriptor after the data repeats CRC and sizes: they must agree too."""
+    wide = info.compress_size >= 0xFFFFFFFF or info.file_size >= 0xFFFFFFFF
+    fmt = "<LQQ" if wide else "<LLL"
+    tail = window.length - data_end
+    peek = _read_exact(window, data_end, min(4, tail), f"data descriptor of {info.filename}")
+    start = data_end + (4 if peek == _DESCRIPTOR else 0)
+    crc, compressed, size = struct.unpack(fmt, _read_exact(window, start, struct.calcsize(fmt),
+                                                           f"data descriptor of {info.filename}"))
+    if (crc, compressed, size) != (info.CRC, info.compress_size, info.file_size):
+        raise zipfile.BadZipFile(f"data descriptor of {info.filename} disagrees with the central directory")
 
 
 def plan_crc_ranges(fd: int, record: Record) -> list[CrcRange]:
-    """Read one record's zip directory and return the byte ranges whose CRCs must be checked."""
+    """Check one record's zip structure and return the byte ranges whose CRCs must be checked.
+
+    A torch.save record is an uncompressed zip whose entries all sit under one folder with a
+    ``data.pkl``; anything else (compression, encryption, flags torch never sets, a local header
+    or data descriptor that disagrees with the central directory) is a damaged record.
+    """
     window = _Window(fd, record.offset, record.length)
+    # First the parser torch.load itself uses (miniz, reading only the directory): whatever it
+    # would refuse is damaged, however lenient Python's zipfile is about the same bytes.
+    try:
+        reader = torch._C.PyTorchFileReader(_Window(fd, record.offset, record.length))
+        torch_offsets = {name: reader.get_record_offset(name) for name in reader.get_all_records()}
+    except RuntimeError as e:
+        raise zipfile.BadZipFile(str(e).split(". ", 1)[0]) from None
     ranges = []
     with zipfile.ZipFile(window) as archive:
-        for info in archive.infolist():
-            if info.compress_type != zipfile.ZIP_STORED:
-                # torch.save never compresses; a compressed entry is checked the slow way.
-                bad = archive.testzip()
-                if bad:
-                    raise zipfile.BadZipFile(f"entry {bad} fails its CRC")
-                return []
-            start = record.offset + info.header_offset + _local_header_size(window, info)
+        infos = archive.infolist()
+        if len(infos) != len(torch_offsets):
+            raise zipfile.BadZipFile(f"torch's reader sees {len(torch_offsets)} entries, the zip directory {len(infos)}")
+        folders = {info.filename.split("/", 1)[0] for info in infos}
+        if len(folders) != 1 or f"{next(iter(folders))}/data.pkl" not in archive.NameToInfo:
+            raise zipfile.BadZipFile("not laid out like a torch.save archive")
+        if archive.comment:
+            raise zipfile.BadZipFile("archive has a comment; torch.save never writes one")
+        for info in infos:
+            # Fields torch.save leaves zero and its reader (miniz) acts on: a disk number makes it
+            # refuse the archive, the MS-DOS directory bit makes it skip the entry's data.
+            if info.volume or info.comment or info.external_attr & _DOS_DIRECTORY or info.is_dir():
+                raise zipfile.BadZipFile(f"entry {info.filename} has disk, comment or directory fields torch.save never sets")
+            if info.flag_bits & ~_TORCH_FLAGS:
+                raise zipfile.BadZipFile(f"entry {info.filename} has flags {info.flag_bits:#x} torch.save never sets")
+            if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+                raise zipfile.BadZipFile(f"entry {info.filename} is compressed; torch.save never compresses")
+            data_start = _data_start(window, info)
+            if torch_offsets.get(info.filename.split("/", 1)[-1]) != data_start:
+                raise zipfile.BadZipFile(f"entry {info.filename}: torch's reader and the zip directory disagree")
+            start = record.offset + data_start
             end = start + info.compress_size
             if end > record.end:
                 raise zipfile.BadZipFile(f"entry {info.filename} runs past the record's end")
+            if info.flag_bits & 0x08:
+                _check_descriptor(window, info, end - record.offset)
             ranges.append(CrcRange(start, end, info.CRC, f"record '{record.key}' entry {info.filename}"))
     return ranges
 
@@ -120,10 +179,12 @@ def _plan_file(fd: int, records: list[Record], scan: FileScan) -> list[CrcRange]
     for record in records:
         try:
             ranges.extend(plan_crc_ranges(fd, record))
-        except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+        except OSError:
+            raise
+        except Exception as e:  # zipfile raises far more than BadZipFile on a damaged archive
             scan.failures.append(
                 f"record '{record.key}' at offset {record.offset} is not a readable torch.save "
-                f"archive ({e})"
+                f"archive ({type(e).__name__}: {e})"
             )
     ranges.sort(key=lambda r: r.start)
     return ranges
@@ -146,8 +207,11 @@ def scan_file(path: Path, records: list[Record], want_sha256: bool = False,
     scan = FileScan(path.name, records=len(records))
     try:
         fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        scan.changed = True  # listed a moment ago: a writer is still at work
+        return scan
     except OSError as e:
-        scan.error = f"cannot open ({e.strerror})"
+        scan.unreadable = e
         return scan
     try:
         before = os.fstat(fd)
@@ -197,7 +261,7 @@ def scan_file(path: Path, records: list[Record], want_sha256: bool = False,
         except FileNotFoundError:
             scan.changed = True
     except OSError as e:
-        scan.error = f"read failed ({e.strerror})"
+        scan.unreadable = e
     finally:
         os.close(fd)
     return scan

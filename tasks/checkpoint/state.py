@@ -4,12 +4,19 @@ Kept apart from verification, which reads every byte, so that listing a save dir
 retention, promotion decisions) stays cheap and does not import torch.
 """
 
+import json
 import time
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
 from tasks.checkpoint import layout
+from tasks.errors import unreadable
+from tasks.storage.local import list_files
+
+# Shards are written by many hosts and metadata.json by rank 0: tolerate this much clock skew
+# before calling a shard "newer than metadata.json". A real re-save comes an interval later.
+CLOCK_SKEW_NS = 5_000_000_000
 
 
 class State(StrEnum):
@@ -24,26 +31,39 @@ class VerifyOptions:
     megatron_core_version: str | None = None
     writes_integrity_json: bool = False
     abandon_after_seconds: float = 6 * 3600
+    settle_seconds: float = 30.0
     threads: int = 0
     write_manifest: bool = True
+    layout: tuple[int, int, int] | None = None  # (tensor, pipeline, data) parallel, if known
 
     @classmethod
     def from_profile(cls, profile, save_dir: Path | None = None, **overrides) -> "VerifyOptions":
-        """Options for a save directory; the profile's job name applies only to its own save_dir."""
+        """Options for a save directory; the profile's job settings apply only to its own save_dir."""
         own = save_dir is None or Path(save_dir).resolve() == profile.job.save_dir.resolve()
+        job_layout = profile.job.layout
         return cls(
             job=profile.job.name if own else Path(save_dir).resolve().name,
             megatron_core_version=profile.job.megatron_core_version if own else None,
             writes_integrity_json=profile.job.writes_integrity_json if own else False,
             abandon_after_seconds=profile.verify.abandon_after_seconds,
+            settle_seconds=profile.verify.settle_seconds,
             threads=profile.verify.threads,
+            layout=(job_layout.tensor_parallel, job_layout.pipeline_parallel, job_layout.data_parallel) if own else None,
             **overrides,
         )
 
 
-def _newest_mtime(directory: Path) -> float:
-    times = [p.stat().st_mtime for p in directory.iterdir() if p.is_file()]
-    return max(times, default=directory.stat().st_mtime)
+@dataclass(frozen=True)
+class Completeness:
+    """``state`` is None when the save has finished and the checkpoint can be checked."""
+
+    state: State | None
+    file: str | None = None
+    detail: str = ""
+
+    @property
+    def reason(self) -> str:
+        return f"{self.file}: {self.detail}" if self.file else self.detail
 
 
 def _newer_checkpoint_complete(directory: Path) -> bool:
@@ -57,24 +77,53 @@ def _newer_checkpoint_complete(directory: Path) -> bool:
     )
 
 
-def completeness(directory: Path, options: VerifyOptions) -> tuple[State | None, str]:
-    """Cheap (stat only): ``(IN_PROGRESS, why)``, ``(INVALID, why)`` for an abandoned save, or
-    ``(None, "")`` when the save has finished and the checkpoint can be checked."""
-    metadata_json = directory / layout.METADATA_JSON
-    if not metadata_json.exists():
-        idle = time.time() - _newest_mtime(directory)
-        if _newer_checkpoint_complete(directory):
-            return State.INVALID, f"{layout.METADATA_JSON}: missing, and a newer checkpoint finished saving [complete]"
-        if idle > options.abandon_after_seconds:
-            return State.INVALID, f"{layout.METADATA_JSON}: missing, no change for {idle:.0f}s [complete]"
-        return State.IN_PROGRESS, f"{layout.METADATA_JSON}: not written yet"
-    finished = metadata_json.stat().st_mtime_ns
-    newer = sorted(p.name for p in directory.glob(f"*{layout.DATA_SUFFIX}") if p.stat().st_mtime_ns > finished)
-    # Megatron re-saving into an existing directory leaves the old metadata.json visible while
-    # new shards are written. Only while they keep changing: shards modified after the save and
-    # then left alone are judged by their bytes, not waited for forever.
-    if newer and time.time() - _newest_mtime(directory) <= options.abandon_after_seconds:
-        return State.IN_PROGRESS, f"{newer[0]}: newer than {layout.METADATA_JSON} (being re-saved)"
-    if options.writes_integrity_json and not (directory / layout.INTEGRITY_JSON).exists():
-        return State.IN_PROGRESS, f"{layout.INTEGRITY_JSON}: not written yet"
-    return None, ""
+def _parses(path: Path) -> bool:
+    try:
+        return isinstance(json.loads(path.read_bytes()), dict)
+    except ValueError:
+        return False
+
+
+def completeness(directory: Path, options: VerifyOptions) -> Completeness:
+    """Cheap (stat, and a parse of two tiny JSON files): in progress, abandoned, or finished."""
+    directory = Path(directory)
+    try:
+        files = list_files(directory)
+        idle = time.time() - max((st.st_mtime for st in files.values()), default=directory.stat().st_mtime)
+        if layout.METADATA_JSON not in files:
+            if _newer_checkpoint_complete(directory):
+                return Completeness(State.INVALID, layout.METADATA_JSON, "missing, and a newer checkpoint finished saving")
+            if idle > options.abandon_after_seconds:
+                return Completeness(State.INVALID, layout.METADATA_JSON, f"missing, no change for {idle:.0f}s")
+            return Completeness(State.IN_PROGRESS, layout.METADATA_JSON, "not written yet")
+        finished = files[layout.METADATA_JSON].st_mtime_ns + CLOCK_SKEW_NS
+        newer = sorted(n for n, st in files.items() if n.endswith(layout.DATA_SUFFIX) and st.st_mtime_ns > finished)
+        # Megatron re-saving into an existing directory leaves the old metadata.json visible
+        # while new shards are written. Only while they keep changing: shards modified after the
+        # save and then left alone are judged by their bytes, not waited for forever.
+        if newer and idle <= options.abandon_after_seconds:
+            return Completeness(State.IN_PROGRESS, newer[0], f"newer than {layout.METADATA_JSON} (being re-saved)")
+        # Megatron writes metadata.json and integrity.json with a plain open('w'): a file that
+        # does not parse yet may still be being written. Judged once it has settled.
+        for name in (layout.METADATA_JSON, layout.INTEGRITY_JSON):
+            young = name in files and time.time() - files[name].st_mtime < options.settle_seconds
+            if young and not _parses(directory / name):
+                return Completeness(State.IN_PROGRESS, name, "still being written")
+    except FileNotFoundError:
+        return Completeness(State.IN_PROGRESS, None, "directory changed while being listed")
+    except OSError as e:
+        raise unreadable(directory, e) from None
+    if options.writes_integrity_json and layout.INTEGRITY_JSON not in files:
+        return Completeness(State.IN_PROGRESS, layout.INTEGRITY_JSON, "not written yet")
+    return Completeness(None)
+
+
+def wait_until_complete(directory: Path, options: VerifyOptions, timeout_seconds: float,
+                        poll_seconds: float) -> Completeness:
+    """Poll a checkpoint's completeness until its save is done or the timeout passes."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        done = completeness(directory, options)
+        if done.state is not State.IN_PROGRESS or time.monotonic() >= deadline:
+            return done
+        time.sleep(min(poll_seconds, max(0.0, deadline - time.monotonic())))

@@ -30,11 +30,13 @@ from tasks.checkpoint.manifest import (
     Manifest,
     now_iso,
     read_manifest,
+    save_identity,
     write_manifest,
 )
 from tasks.checkpoint.scan import FileScan, scan_files
 from tasks.checkpoint.state import State, VerifyOptions, completeness
-from tasks.errors import CkptopsError, UsageError
+from tasks.errors import CkptopsError, Unreadable, UsageError, unreadable
+from tasks.storage.local import list_files
 
 
 @dataclass
@@ -134,11 +136,14 @@ class _Verifier:
         self.options = options
         self.progress = progress
         self.checks = _Checks()
+        self.files = list_files(directory)
         self.index: DcpIndex | None = None
         self.backend: dict = {}
         self.scans: dict[str, FileScan] = {}
         self.common: dict | None = None
+        self.common_file: str | None = None
         self.reference: Manifest | None = None
+        self.manifest_unreadable = False
         self.integrity: dict[str, str] = {}
 
     def run(self) -> None:
@@ -160,25 +165,42 @@ class _Verifier:
     def _check_metadata_json(self) -> None:
         name = layout.METADATA_JSON
         try:
-            config = json.loads((self.directory / name).read_text())
-            backend = config["sharded_backend"]
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            self.checks.failed(name, name, f"unreadable or not a Megatron config ({type(e).__name__}: {e})")
+            config = json.loads((self.directory / name).read_bytes())
+        except FileNotFoundError:
+            self.checks.failed(name, name, "missing")
             return
-        if backend not in layout.KNOWN_BACKENDS:
+        except OSError as e:
+            raise unreadable(self.directory / name, e) from None
+        except ValueError as e:
+            self.checks.failed(name, name, f"unreadable ({e})")
+            return
+        backend = config.get("sharded_backend") if isinstance(config, dict) else None
+        if not isinstance(backend, str):
+            self.checks.failed(name, name, "not a Megatron checkpoint config (no sharded_backend)")
+        elif backend not in layout.KNOWN_BACKENDS:
             self.checks.failed(name, name, f"unknown sharded_backend {backend!r}")
-            return
-        self.backend = config
-        self.checks.passed(name, f"{backend} v{config.get('sharded_backend_version')}")
+        else:
+            self.backend = config
+            self.checks.passed(name, f"{backend} v{config.get('sharded_backend_version')}")
 
     def _load_reference(self) -> None:
         try:
             manifest = read_manifest(self.directory)
+        except Unreadable:
+            raise
         except CkptopsError as e:
-            self.checks.failed("manifest", layout.MANIFEST, str(e).split(": ", 1)[-1])
+            # Kept as evidence: a manifest we cannot read is never replaced by a new one, or a
+            # corruption it would have caught could be accepted as the new reference.
+            self.manifest_unreadable = True
+            self.checks.failed("manifest", layout.MANIFEST, f"{str(e).split(': ', 1)[-1]}; move it aside to re-verify from scratch")
             return
-        # Only a manifest written by a passing verification is a reference for the bytes.
-        if manifest is not None and manifest.files and manifest.verified_at:
+        if manifest is not None and manifest.iteration != self.iteration:
+            self.manifest_unreadable = True
+            self.checks.failed("manifest", layout.MANIFEST, f"describes iteration {manifest.iteration}, not {self.iteration}")
+            return
+        # Only a passing verification of this very save is a reference for its bytes; after a
+        # re-save into the directory the checkpoint is judged afresh.
+        if manifest is not None and manifest.files and manifest.verified_at and manifest.same_save(self.files):
             self.reference = manifest
 
     def _load_index(self) -> None:
@@ -191,18 +213,17 @@ class _Verifier:
                                            f"{len(self.index.objects)} objects, {len(self.index.records)} records")
 
     def _check_files(self) -> None:
-        referenced = self.index.files()
+        referenced = self.index.files
         for name, records in sorted(referenced.items()):
-            path = self.directory / name
-            if not path.is_file():
+            if name not in self.files:
                 self.checks.failed("files", name, "referenced by .metadata but missing")
                 continue
-            size, needed = path.stat().st_size, max(r.end for r in records)
+            size, needed = self.files[name].st_size, max(r.end for r in records)
             if size < needed:
                 self.checks.failed("files", name, f"truncated: {size} bytes, records need {needed}")
-        for path in sorted(self.directory.glob(f"*{layout.DATA_SUFFIX}")):
-            if path.name not in referenced:
-                self.checks.failed("files", path.name, "data file not referenced by .metadata")
+        for name in sorted(self.files):
+            if name.endswith(layout.DATA_SUFFIX) and name not in referenced:
+                self.checks.failed("files", name, "data file not referenced by .metadata")
         self.checks.conclude("files", f"{len(referenced)} data files present and long enough")
 
     def _check_records(self) -> None:
@@ -213,7 +234,7 @@ class _Verifier:
         for fqn in self.index.objects:
             if (fqn, None) not in self.index.records:
                 self.checks.failed("records", None, f"object '{fqn}' has no record")
-        for name, records in self.index.files().items():
+        for name, records in self.index.files.items():
             for before, after in zip(records, records[1:]):
                 if after.offset < before.end:
                     self.checks.failed("records", name, f"records '{before.key}' and '{after.key}' overlap")
@@ -237,31 +258,30 @@ class _Verifier:
         self.checks.conclude("objects", f"{len(families)} sharded-object families cover their grids")
 
     def _read_integrity_json(self) -> None:
-        path = self.directory / layout.INTEGRITY_JSON
-        if not path.exists():
+        name = layout.INTEGRITY_JSON
+        if name not in self.files:
             return
         try:
-            data = json.loads(path.read_text())
+            data = json.loads((self.directory / name).read_bytes())
             if data.get("algorithm", "sha256") != "sha256":
                 raise ValueError(f"algorithm {data.get('algorithm')!r} is not sha256")
-            self.integrity = {str(k): str(v) for k, v in data["files"].items()}
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-            self.checks.failed(layout.INTEGRITY_JSON, layout.INTEGRITY_JSON, f"unreadable ({e})")
-
-    def _top_level_files(self) -> list[str]:
-        return sorted(
-            p.name for p in self.directory.iterdir() if p.is_file() and not layout.is_own_file(p.name)
-        )
+            # Megatron hashes every top-level file when it finalises; if we verified before it
+            # did, it lists our own manifest too, which says nothing about the checkpoint.
+            self.integrity = {str(k): str(v) for k, v in data["files"].items() if not layout.is_own_file(str(k))}
+        except OSError as e:
+            raise unreadable(self.directory / name, e) from None
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            self.checks.failed(name, name, f"unreadable ({e})")
 
     def _scan_content(self) -> None:
-        referenced = self.index.files() if self.index is not None else {}
-        present = self._top_level_files()
+        referenced = self.index.files if self.index is not None else {}
+        present = sorted(name for name in self.files if not layout.is_own_file(name))
         files = {name: referenced.get(name, []) for name in present}
         self.scans = scan_files(self.directory, files, set(self.integrity) & set(present),
                                 self.options.threads, self.progress)
         for name, scan in sorted(self.scans.items()):
-            if scan.error:
-                self.checks.failed("crc", name, scan.error)
+            if scan.unreadable is not None:
+                raise unreadable(self.directory / name, scan.unreadable)
             for failure in scan.failures:
                 self.checks.failed("crc", name, failure)
         records = sum(s.records for s in self.scans.values())
@@ -290,19 +310,24 @@ class _Verifier:
                 self.checks.failed("manifest", name, f"size {scan.size}, manifest says {entry.size}")
             elif scan.blake3 != entry.hash:
                 self.checks.failed("manifest", name, "content differs from the manifest (blake3)")
-        extra = sorted(set(self.scans) - set(expected))
-        if extra:
-            self.checks.failed("manifest", extra[0], f"not in the manifest ({len(extra)} such files)")
-        self.checks.conclude("manifest", f"{len(expected)} files match the manifest")
+        # A data file the save did not have is an error; a file added later by a finalize step
+        # (integrity.json, a tokenizer) is not part of what was verified, and is only noted.
+        added = sorted(set(self.scans) - set(expected))
+        for name in added:
+            if layout.is_checkpoint_content(name):
+                self.checks.failed("manifest", name, "not in the manifest")
+        later = [n for n in added if not layout.is_checkpoint_content(n)]
+        note = f" ({', '.join(later)} added since)" if later else ""
+        self.checks.conclude("manifest", f"{len(expected)} files match the manifest{note}")
 
     def _check_state(self) -> None:
+        record = self.index.records.get(("common_state/shard_0_1", None))
+        self.common_file = record.file if record else "common.pt"
         try:
             self.common = load_common_state(self.directory, self.index)
         except CheckFailed as e:
             self.checks.record(e)
             return
-        record = self.index.records.get(("common_state/shard_0_1", None))
-        where = record.file if record else "common.pt"
         args = self.common.get("args")
         missing = [k for k in ("iteration", "args", "opt_param_scheduler") if k not in self.common]
         if args is not None and getattr(args, "consumed_train_samples", None) is None:
@@ -315,14 +340,25 @@ class _Verifier:
         if not getattr(args, "no_save_rng", False) and not any(k.startswith("rng_state/") for k in keys):
             missing.append("rng_state")
         if missing:
-            self.checks.failed("state", where, f"required state missing: {', '.join(missing)}")
+            self.checks.failed("state", self.common_file, f"required state missing: {', '.join(missing)}")
         else:
             self.checks.passed("state", "model, optimizer, scheduler, RNG and common state present")
         stored = self.common.get("iteration")
         if stored != self.iteration:
-            self.checks.failed("iteration", where, f"common state says iteration {stored}, the directory {self.iteration}")
+            self.checks.failed("iteration", self.common_file, f"common state says iteration {stored}, the directory {self.iteration}")
         else:
             self.checks.passed("iteration", f"iteration {stored} matches the directory")
+        self._check_layout(args)
+
+    def _check_layout(self, args) -> None:
+        stored = self._layout(args)
+        found = (stored["tensor_parallel"], stored["pipeline_parallel"], stored["data_parallel"])
+        if self.options.layout is None or None in found:
+            return
+        if found != self.options.layout:
+            self.checks.failed("layout", self.common_file, f"saved with TP/PP/DP {found}, the profile says {self.options.layout}")
+        else:
+            self.checks.passed("layout", f"TP/PP/DP {found} as the profile says")
 
     def changed_files(self) -> list[str]:
         return sorted(name for name, scan in self.scans.items() if scan.changed)
@@ -354,6 +390,7 @@ class _Verifier:
             checks=self.checks.results,
             verified_at=reference.verified_at if reference else (checked_at if valid else None),
             checked_at=checked_at,
+            save_identity=reference.save_identity if reference else save_identity(self.files),
             archive=reference.archive if reference else None,
         )
 
@@ -380,40 +417,48 @@ class _Verifier:
         }
 
 
-def checkpoint_iteration(directory: Path) -> int:
+def checkpoint_path(directory: Path) -> Path:
+    """The checkpoint directory with its parents resolved but not itself: a symlinked
+    ``iter_*`` is refused, never followed to some other iteration's data."""
     directory = Path(directory)
-    if not directory.is_dir():
-        raise UsageError(f"{directory}: no such checkpoint directory")
-    iteration = layout.parse_iter_dir(directory.name)
-    if iteration is None:
+    path = directory.parent.resolve() / directory.name
+    if layout.parse_iter_dir(path.name) is None:
         raise UsageError(f"{directory}: not a checkpoint directory (expected iter_NNNNNNN)")
-    return iteration
+    if path.is_symlink():
+        raise UsageError(f"{directory}: is a symlink; verify the directory it points to")
+    if not path.is_dir():
+        raise UsageError(f"{directory}: no such checkpoint directory")
+    return path
 
 
 def verify_checkpoint(directory: Path, options: VerifyOptions,
                       progress: Callable[[int], None] | None = None) -> Verification:
-    """Verify one checkpoint directory and (unless it is still in progress) write its manifest."""
-    directory = Path(directory).resolve()
-    iteration = checkpoint_iteration(directory)
+    """Verify one checkpoint directory and (unless it is still in progress) write its manifest.
+
+    Raises Unreadable (and writes nothing) when the environment keeps us from reading it.
+    """
+    directory = checkpoint_path(directory)
+    iteration = layout.parse_iter_dir(directory.name)
     started = time.monotonic()
-    state, reason = completeness(directory, options)
-    if state is State.IN_PROGRESS:
-        return Verification(directory, iteration, state, reason)
+    before = completeness(directory, options)
+    if before.state is State.IN_PROGRESS:
+        return Verification(directory, iteration, before.state, before.reason)
     verifier = _Verifier(directory, iteration, options, progress)
-    if state is State.INVALID:
-        verifier.checks.failed("complete", layout.METADATA_JSON, reason.split(": ", 1)[1].rsplit(" [", 1)[0])
+    if before.state is State.INVALID:
+        verifier.checks.failed("complete", before.file, before.detail)
     else:
         verifier.run()
     bytes_read = sum(s.size for s in verifier.scans.values())
     seconds = time.monotonic() - started
     changed = verifier.changed_files()
-    if changed or completeness(directory, options)[0] is State.IN_PROGRESS:
+    after = completeness(directory, options)
+    if changed or after.state is State.IN_PROGRESS:
         # Whatever we read is void: the writer is still at work.
-        what = f"{changed[0]}: changed while being read" if changed else "being re-saved"
-        return Verification(directory, iteration, State.IN_PROGRESS, what, verifier.checks.results,
+        reason = f"{changed[0]}: changed while being read" if changed else after.reason
+        return Verification(directory, iteration, State.IN_PROGRESS, reason, verifier.checks.results,
                             bytes_read=bytes_read, seconds=seconds)
     manifest = verifier.manifest()
-    if options.write_manifest:
+    if options.write_manifest and not verifier.manifest_unreadable:
         write_manifest(directory, manifest)
     return Verification(directory, iteration, State(manifest.status), manifest.reason,
                         manifest.checks, manifest, bytes_read, seconds)

@@ -8,7 +8,6 @@ is its own function so the crash tests can kill the process between any two of t
 import os
 import secrets
 import shutil
-import time
 from pathlib import Path
 
 TEMP_MARK = ".tmp-"
@@ -23,8 +22,11 @@ def _write_temp(path: Path, data: bytes) -> Path:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-    finally:
+    except BaseException:
         os.close(fd)
+        tmp.unlink(missing_ok=True)  # a full disk must not leave half a file behind
+        raise
+    os.close(fd)
     return tmp
 
 
@@ -62,19 +64,39 @@ def atomic_write(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def remove_stale_temps(path: Path, older_than_seconds: float = 0.0) -> list[Path]:
-    """Remove temp files a crashed ``atomic_write`` of ``path`` left behind."""
+def remove_file(path: Path) -> None:
+    """Remove a file durably (the directory entry's removal is fsynced); absent is fine."""
     path = Path(path)
-    now = time.time()
-    removed = []
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return
+    _fsync_dir(path.parent)
+
+
+def remove_stale_temps(path: Path) -> None:
+    """Remove temp files a killed ``atomic_write`` of ``path`` left behind. Only for callers that
+    hold the lock that serialises writers of ``path``: another writer's temp would go too."""
+    path = Path(path)
     for candidate in path.parent.glob(f"{path.name}{TEMP_MARK}*"):
-        try:
-            if now - candidate.stat().st_mtime >= older_than_seconds:
-                candidate.unlink()
-                removed.append(candidate)
-        except FileNotFoundError:
-            continue
-    return removed
+        candidate.unlink(missing_ok=True)
+
+
+def list_files(directory: Path) -> dict[str, os.stat_result]:
+    """The regular files directly in ``directory`` with their stats (symlinks are not followed).
+
+    A file that disappears between the listing and its stat (a writer renaming its temp file,
+    as DCP does with ``.metadata.tmp``) is simply not listed.
+    """
+    found = {}
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            try:
+                if entry.is_file(follow_symlinks=False):
+                    found[entry.name] = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+    return found
 
 
 def remove_tree(path: Path) -> None:
@@ -91,9 +113,10 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(trash)
 
 
-def purge_trash(directory: Path) -> list[Path]:
-    purged = []
+def purge_trash(directory: Path) -> None:
+    """Finish deletions a crash interrupted."""
     for trash in Path(directory).glob(f"{TRASH_PREFIX}*"):
-        shutil.rmtree(trash, ignore_errors=True)
-        purged.append(trash)
-    return purged
+        if trash.is_symlink():
+            trash.unlink()
+        else:
+            shutil.rmtree(trash, ignore_errors=True)
