@@ -5,13 +5,13 @@ import os
 import select
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from tasks.checkpoint.layout import POINTER
-from tasks.checkpoint.pointer import read_pointer, write_pointer
-from tasks.checkpoint.promote import choose_target, promote
+from tasks.checkpoint.manifest import read_manifest
+from tasks.checkpoint.pointer import read_hold, read_pointer, write_pointer
+from tasks.checkpoint.promote import promote
 from tasks.checkpoint.state import State
 from tasks.checkpoint.verify import verify_checkpoint
 from tasks.errors import CkptopsError
@@ -40,6 +40,43 @@ def test_kill_at_each_step_leaves_old_or_new_pointer(tmp_path, step, when):
     assert (tmp_path / POINTER).read_text() == f"{value}\n"
     write_pointer(tmp_path, 16)  # the next promotion clears whatever the crash left
     assert read_pointer(tmp_path) == 16
+    assert sorted(p.name for p in tmp_path.iterdir()) == [POINTER]
+
+
+def test_kill_during_a_whole_promotion_then_rerun(save_dir, options):
+    """Killed after the first manifest's temp file, after its rename, and after the pointer's
+    rename: each time the pointer is old or new, and the next run finishes the job."""
+    for step, when, nth, pointer in [("_write_temp", "after", 1, None), ("_replace", "after", 1, None),
+                                     ("_replace", "after", 7, 24)]:
+        result = child("promote", save_dir, step, when, nth)
+        assert result.returncode == -9, result.stderr
+        assert read_pointer(save_dir) == pointer
+        report = promote(save_dir, options, 10)
+        assert report.current == 24 and read_pointer(save_dir) == 24
+        assert not report.failed
+        for path in save_dir.glob("iter_*/manifest.json"):
+            assert read_manifest(path.parent).valid
+        (save_dir / POINTER).unlink()
+        for path in save_dir.glob("iter_*/manifest.json*"):
+            path.unlink()
+
+
+def test_full_disk_in_the_middle_of_a_write_leaves_no_temp(tmp_path, monkeypatch):
+    import errno
+
+    from tasks.storage import local
+
+    write_pointer(tmp_path, 8)
+    real_write = os.write
+
+    def half_then_enospc(fd, data):
+        real_write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(local.os, "write", half_then_enospc)
+    with pytest.raises(OSError, match="No space left"):
+        write_pointer(tmp_path, 123456)
+    assert read_pointer(tmp_path) == 8
     assert sorted(p.name for p in tmp_path.iterdir()) == [POINTER]
 
 
@@ -120,12 +157,31 @@ def test_in_progress_checkpoint_is_neither_failed_nor_promoted(save_dir, options
     assert not (iter_dir(save_dir, 24) / "manifest.json").exists()
 
 
-def test_pointer_never_moves_backwards_on_its_own(save_dir, options):
+def test_pointer_is_removed_when_nothing_valid_is_left(save_dir, options):
+    """Never leave the pointer naming a failed checkpoint, even when there is nothing better."""
     promote(save_dir, options, 10)
-    assert read_pointer(save_dir) == 24
-    # A late run that only saw older checkpoints must not undo the newer promotion.
-    target, why = choose_target(save_dir, options)
-    assert target == 24 and why == "already the newest verified"
+    for iteration in (4, 8, 12, 16, 20, 24):
+        directory = iter_dir(save_dir, iteration)
+        flip_byte(directory / "__0_0.distcp", tensor_data_offset(directory, "__0_0.distcp"))
+        assert verify_checkpoint(directory, options).state is State.INVALID
+    report = promote(save_dir, options, 10)
+    assert report.cleared and read_pointer(save_dir) is None
+    assert report.message.startswith("no valid checkpoint left: iter_0000024 is now invalid")
+
+
+def test_rollback_holds_until_checkpoints_verified_after_it(save_dir, options):
+    promote(save_dir, options, 10)
+    report = promote(save_dir, options, 10, requested=8)
+    assert report.current == 8 and read_hold(save_dir).iteration == 8
+    # The scheduled run must not undo the operator's rollback to the checkpoints it rejected.
+    again = promote(save_dir, options, 10)
+    assert again.current == 8 and again.message == "held at 8 by an operator's rollback"
+    # Training resumed from 8 and saved iteration 12 again: re-saved, re-verified, promotable.
+    directory = iter_dir(save_dir, 12)
+    (directory / "metadata.json").write_bytes((directory / "metadata.json").read_bytes())
+    resumed = promote(save_dir, options, 10)
+    assert [v.iteration for v in resumed.verifications] == [12]
+    assert resumed.current == 12 and read_hold(save_dir) is None
 
 
 def test_pointer_leaves_a_checkpoint_found_invalid_on_reverification(save_dir, options):

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tasks.checkpoint.layout import LOCK
-from tasks.errors import LockTimeout
+from tasks.errors import LockTimeout, UsageError, unreadable
 
 _POLL_SECONDS = 0.1
 
@@ -31,7 +31,12 @@ def _holder(fd: int) -> str:
 def job_lock(save_dir: Path, timeout_seconds: float):
     """Hold the save directory's lock; raise LockTimeout naming the holder after the timeout."""
     path = Path(save_dir) / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    if not Path(save_dir).is_dir():
+        raise UsageError(f"{save_dir}: no such save directory")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise unreadable(path, e) from None
     try:
         deadline = time.monotonic() + timeout_seconds
         while True:

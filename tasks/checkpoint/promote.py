@@ -1,26 +1,41 @@
 """Promotion: verify the new complete checkpoints, then point at the newest that passed.
 
 Rules the pointer obeys:
-- it names only a checkpoint whose manifest says valid, re-read under the lock just before the
-  write;
-- it never moves backwards on its own (a slower, older run finishing late must not undo a newer
-  promotion), except away from a checkpoint that re-verification has since found invalid;
-- an operator may name an older valid iteration explicitly (``--iteration N``).
+- it names only a checkpoint whose manifest says valid for the save now on disk, re-read under
+  the lock just before the write; if none is left, the pointer is removed rather than left
+  naming a failed checkpoint;
+- it never moves backwards on its own, except away from a checkpoint that re-verification has
+  since found invalid (or that was deleted or re-saved);
+- an operator may name an older valid iteration (``--iteration N``, a rollback). That sets a
+  hold: the newer checkpoints rolled back from are not promoted again by the next scheduled run;
+  only checkpoints verified after the rollback may move the pointer past N.
+
+The CLI and the flow run the same two steps under the job lock: ``verify_pending`` then
+``apply_promotion``; the flow passes Prefect tasks as the verify and wait steps.
 """
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from tasks.checkpoint import layout
-from tasks.checkpoint.catalog import UNVERIFIED, catalog
+from tasks.checkpoint.catalog import UNVERIFIED, CheckpointInfo, catalog, describe
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.manifest import read_manifest
-from tasks.checkpoint.pointer import read_pointer, write_pointer
-from tasks.checkpoint.state import State, VerifyOptions, completeness
+from tasks.checkpoint.pointer import (
+    Hold,
+    clear_hold,
+    clear_pointer,
+    read_hold,
+    read_pointer,
+    write_hold,
+    write_pointer,
+)
+from tasks.checkpoint.state import Completeness, State, VerifyOptions
 from tasks.checkpoint.verify import Verification, verify_checkpoint
 from tasks.errors import CkptopsError
+from tasks.storage.local import list_files
 
 
 @dataclass
@@ -35,6 +50,11 @@ class PromotionReport:
         return self.previous != self.current
 
     @property
+    def cleared(self) -> bool:
+        """The pointer was removed: nothing valid is left to resume from."""
+        return self.previous is not None and self.current is None
+
+    @property
     def failed(self) -> list[Verification]:
         return [v for v in self.verifications if v.state is State.INVALID]
 
@@ -43,61 +63,114 @@ class PromotionReport:
         return [v for v in self.verifications if v.state is State.IN_PROGRESS]
 
 
+def _needs_verifying(info: CheckpointInfo, pointer: int | None) -> bool:
+    if info.stale:
+        return True  # re-saved since its manifest was written: whatever it said is void
+    # The promoted checkpoint itself too: if its manifest is gone it must be checked again.
+    current_or_newer = pointer is None or info.iteration >= pointer
+    return current_or_newer and info.state in (UNVERIFIED, State.IN_PROGRESS.value)
+
+
 def pending(save_dir: Path, options: VerifyOptions) -> list[int]:
-    """Checkpoints never verified, newer than the pointer, oldest first (in-progress included:
-    the caller decides whether to wait for them)."""
+    """Checkpoints to verify, oldest first: those never verified (or still being saved) from
+    the pointer on, and any re-saved since verification."""
     pointer = read_pointer(save_dir)
-    return [
-        info.iteration
-        for info in catalog(save_dir, options)
-        if info.state in (UNVERIFIED, State.IN_PROGRESS.value)
-        and (pointer is None or info.iteration > pointer)
-    ]
+    return [info.iteration for info in catalog(save_dir, options) if _needs_verifying(info, pointer)]
 
 
-def wait_until_complete(directory: Path, options: VerifyOptions, timeout_seconds: float,
-                        poll_seconds: float) -> tuple[State | None, str]:
-    """Poll a checkpoint's completeness until it is done saving or the timeout passes."""
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        state, why = completeness(directory, options)
-        if state is not State.IN_PROGRESS or time.monotonic() >= deadline:
-            return state, why
-        time.sleep(min(poll_seconds, max(0.0, deadline - time.monotonic())))
+def verify_pending(save_dir: Path, options: VerifyOptions, requested: int | None = None,
+                   verify: Callable[[int], Verification] | None = None,
+                   wait: Callable[[int], Completeness] | None = None,
+                   on_verified: Callable[[Verification], None] | None = None) -> list[Verification]:
+    """Verify what needs it (only ``requested``, if given), oldest first. ``wait`` may hold a
+    checkpoint still being saved until it finishes; one still in progress is skipped."""
+    save_dir = Path(save_dir)
+    verify = verify or (lambda it: verify_checkpoint(save_dir / layout.iter_dir_name(it), options))
+    if requested is None:
+        todo = pending(save_dir, options)
+    else:
+        directory = save_dir / layout.iter_dir_name(requested)
+        todo = [requested] if directory.is_dir() and _needs_verifying(describe(directory, options), None) else []
+    results = []
+    for iteration in todo:
+        if wait is not None:
+            done = wait(iteration)
+            if done.state is State.IN_PROGRESS:
+                results.append(Verification(save_dir / layout.iter_dir_name(iteration), iteration,
+                                            State.IN_PROGRESS, done.reason))
+                continue
+        result = verify(iteration)
+        results.append(result)
+        if on_verified:
+            on_verified(result)
+    return results
+
+
+def _verified_since(info: CheckpointInfo, hold: Hold) -> bool:
+    return info.verified_at is not None and datetime.fromisoformat(info.verified_at) > hold.since
 
 
 def choose_target(save_dir: Path, options: VerifyOptions, requested: int | None = None) -> tuple[int | None, str]:
-    """The iteration the pointer should name, and why."""
+    """The iteration the pointer should name (None: no valid checkpoint left), and why."""
     pointer = read_pointer(save_dir)
     infos = {i.iteration: i for i in catalog(save_dir, options)}
-    valid = sorted(i for i, info in infos.items() if info.state == State.VALID.value)
+    valid = {i: info for i, info in infos.items() if info.state == State.VALID.value and not info.stale}
     if requested is not None:
         info = infos.get(requested)
         if info is None:
             raise CkptopsError(f"{layout.iter_dir_name(requested)}: no such checkpoint in {save_dir}")
-        if info.state != State.VALID.value:
+        if requested not in valid:
             raise CkptopsError(f"{layout.iter_dir_name(requested)}: not promotable, it is {info.state} ({info.reason})")
         return requested, "requested by the operator"
-    if not valid:
+    hold = read_hold(save_dir)
+    eligible = sorted(i for i, info in valid.items()
+                      if hold is None or i <= hold.iteration or _verified_since(info, hold))
+    if pointer is not None and pointer not in valid:
+        current = infos.get(pointer)
+        why = "its directory is gone" if current is None else f"it is now {current.state}: {current.reason}"
+        if not eligible:
+            return None, f"no valid checkpoint left: {layout.iter_dir_name(pointer)} {why.removeprefix('it ')}"
+        return eligible[-1], f"moved off {layout.iter_dir_name(pointer)} because {why}"
+    if not eligible:
         return pointer, "no verified checkpoint to promote"
-    newest = valid[-1]
+    newest = eligible[-1]
     if pointer is None:
         return newest, "first promotion"
-    current = infos.get(pointer)
-    if current is None or current.state != State.VALID.value:
-        why = "its directory is gone" if current is None else f"it is now {current.state}: {current.reason}"
-        return newest, f"moved off {layout.iter_dir_name(pointer)} because {why}"
     if newest > pointer:
         return newest, "newer checkpoint verified"
-    return pointer, "already the newest verified"
+    held = hold is not None and any(i > pointer for i in valid)
+    return pointer, f"held at {hold.iteration} by an operator's rollback" if held else "already the newest verified"
 
 
 def point_to(save_dir: Path, iteration: int) -> None:
     """Write the pointer after re-reading the manifest: the last line of defence."""
-    manifest = read_manifest(Path(save_dir) / layout.iter_dir_name(iteration))
-    if manifest is None or not manifest.valid:
-        raise CkptopsError(f"{layout.iter_dir_name(iteration)}: refusing to promote, manifest is not valid")
+    directory = Path(save_dir) / layout.iter_dir_name(iteration)
+    manifest = read_manifest(directory)
+    if (manifest is None or not manifest.valid or manifest.iteration != iteration
+            or directory.is_symlink() or not manifest.same_save(list_files(directory))):
+        raise CkptopsError(f"{directory.name}: refusing to promote, its manifest does not say valid for this save")
     write_pointer(save_dir, iteration)
+
+
+def apply_promotion(save_dir: Path, options: VerifyOptions, requested: int | None = None) -> tuple[int | None, int | None, str]:
+    """Move the pointer (the caller holds the job lock); returns (previous, current, why)."""
+    save_dir = Path(save_dir)
+    previous = read_pointer(save_dir)
+    target, why = choose_target(save_dir, options, requested)
+    if target is None:
+        if previous is not None:
+            clear_pointer(save_dir)
+    elif target != previous:
+        point_to(save_dir, target)
+    if requested is not None:
+        rolled_back = any(i.iteration > requested and i.state == State.VALID.value for i in catalog(save_dir, options))
+        if rolled_back:
+            write_hold(save_dir, requested)
+        else:
+            clear_hold(save_dir)
+    elif target is not None and (hold := read_hold(save_dir)) is not None and target > hold.iteration:
+        clear_hold(save_dir)
+    return previous, target, why
 
 
 def promote(save_dir: Path, options: VerifyOptions, lock_timeout_seconds: float,
@@ -106,18 +179,7 @@ def promote(save_dir: Path, options: VerifyOptions, lock_timeout_seconds: float,
     """Verify pending checkpoints (or the requested one) oldest first, then promote."""
     save_dir = Path(save_dir)
     with job_lock(save_dir, lock_timeout_seconds):
-        previous = read_pointer(save_dir)
-        if requested is not None:
-            todo = [requested] if read_manifest(save_dir / layout.iter_dir_name(requested)) is None else []
-        else:
-            todo = pending(save_dir, options)
-        verifications = []
-        for iteration in todo:
-            result = verify_checkpoint(save_dir / layout.iter_dir_name(iteration), options, progress)
-            verifications.append(result)
-            if on_verified:
-                on_verified(result)
-        target, why = choose_target(save_dir, options, requested)
-        if target is not None and target != previous:
-            point_to(save_dir, target)
-        return PromotionReport(previous, target, why, verifications)
+        verify = lambda it: verify_checkpoint(save_dir / layout.iter_dir_name(it), options, progress)  # noqa: E731
+        verifications = verify_pending(save_dir, options, requested, verify=verify, on_verified=on_verified)
+        previous, current, why = apply_promotion(save_dir, options, requested)
+        return PromotionReport(previous, current, why, verifications)

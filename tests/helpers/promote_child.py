@@ -1,6 +1,7 @@
 """Child process for the crash and concurrency tests of promotion.
 
-    promote_child.py crash SAVE_DIR ITERATION STEP WHEN      kill -9 itself before/after STEP
+    promote_child.py crash SAVE_DIR ITERATION STEP WHEN      kill -9 itself before/after STEP of write_pointer
+    promote_child.py promote SAVE_DIR STEP WHEN N            the whole promotion; kill -9 at the Nth call of STEP
     promote_child.py fail SAVE_DIR ITERATION STEP            raise inside STEP
     promote_child.py torn SAVE_DIR ITERATION                 kill -9 itself halfway through the write
     promote_child.py hold SAVE_DIR NAME LOCK_TIMEOUT LOG     promote(); pause under the lock until stdin says go
@@ -41,6 +42,21 @@ def main(argv):
         iteration, step, when = int(argv[2]), argv[3], argv[4]
         wrap(step, before=die if when == "before" else None, after=die if when == "after" else None)
         write_pointer(save_dir, iteration)
+    elif mode == "promote":
+        from tasks.checkpoint.promote import promote
+        from tasks.checkpoint.state import VerifyOptions
+
+        step, when, nth = argv[2], argv[3], int(argv[4])
+        calls = []
+
+        def count_then_die():
+            calls.append(1)
+            if len(calls) == nth:
+                die()
+
+        wrap(step, before=count_then_die if when == "before" else None,
+             after=count_then_die if when == "after" else None)
+        promote(save_dir, VerifyOptions(job="test"), 10)
     elif mode == "fail":
         iteration, step = int(argv[2]), argv[3]
 
