@@ -7,7 +7,7 @@ naming the file and the check, never a traceback.
 
 import json
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from tasks.errors import CkptopsError
+from tasks.errors import CkptopsError, UsageError, unreadable
 from tasks.profile import Profile, load_profile
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -40,6 +40,10 @@ def _expected_errors():
         yield
     except CkptopsError as e:
         _fail(e)
+    except OSError as e:
+        # Whatever the environment refused (a read-only directory, a full disk, EIO) is not a
+        # verdict on a checkpoint: name the path and exit 2, like any unreadable input.
+        _fail(unreadable(e.filename or "ckptops", e))
 
 
 @contextmanager
@@ -56,7 +60,9 @@ def _byte_progress(description: str, total: int, enabled: bool):
 
 
 def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.iterdir() if p.is_file()) if path.is_dir() else 0
+    from tasks.storage.local import list_files
+
+    return sum(st.st_size for st in list_files(path).values())
 
 
 def _save_dir(profile: Profile, given: Optional[Path]) -> Path:
@@ -78,13 +84,17 @@ def verify(
 ):
     """Verify one checkpoint: exit 0 valid, 1 invalid or still in progress, 2 unreadable input."""
     with _expected_errors():
-        from tasks.checkpoint.verify import checkpoint_iteration, verify_checkpoint
+        from tasks.checkpoint.lock import job_lock
+        from tasks.checkpoint.verify import checkpoint_path, verify_checkpoint
 
         prof = load_profile(profile)
-        checkpoint_iteration(path)
-        options = _options(prof, path.resolve().parent, write_manifest=not read_only)
-        with _byte_progress(f"verify {path.name}", _dir_bytes(path), not as_json) as progress:
-            result = verify_checkpoint(path, options, progress)
+        directory = checkpoint_path(path)
+        options = _options(prof, directory.parent, write_manifest=not read_only)
+        # Writing the manifest takes the job lock: a promotion re-reads manifests under it, and
+        # retention may be removing this very directory.
+        lock = nullcontext() if read_only else job_lock(directory.parent, prof.verify.lock_timeout_seconds)
+        with lock, _byte_progress(f"verify {path.name}", _dir_bytes(directory), not as_json) as progress:
+            result = verify_checkpoint(directory, options, progress)
     if as_json:
         out.print_json(json.dumps({
             "directory": str(result.directory), "iteration": result.iteration,
@@ -128,7 +138,9 @@ def promote(
     else:
         arrow = f"{report_.previous} -> {report_.current}" if report_.changed else f"stays at {report_.current}"
         out.print(f"latest verified: {arrow} ({report_.message})", markup=False)
-    raise typer.Exit(1 if report_.failed else 0)
+    if report_.cleared:
+        err.print(f"ckptops: {directory}: pointer removed, no valid checkpoint to resume from", markup=False)
+    raise typer.Exit(1 if report_.failed or report_.cleared else 0)
 
 
 @app.command()
@@ -189,7 +201,7 @@ def retain(
         directory = _save_dir(prof, save_dir)
         keep_verified = keep if keep is not None else prof.retention.keep_verified
         if keep_verified < 2:
-            raise CkptopsError("--keep: at least 2 (the newest may still be in use)")
+            raise UsageError("--keep: at least 2 (the newest may still be in use)")
         plan, deleted = run_retain(directory, _options(prof, directory), keep_verified,
                                    prof.verify.lock_timeout_seconds, dry_run)
     verb = "would delete" if dry_run else "deleted"

@@ -51,7 +51,6 @@ class Job(_Section):
         description="the job saves with --verify-integrity: a checkpoint without integrity.json "
         "is then still being finalised",
     )
-    checkpoint_bytes: Annotated[int, Field(gt=0)] | None = None
 
 
 class Verify(_Section):
@@ -62,6 +61,11 @@ class Verify(_Section):
         default=6 * 3600,
         description="a checkpoint without metadata.json whose files have not changed for this "
         "long will never finish: it is reported invalid instead of in progress",
+    )
+    settle_seconds: Annotated[float, Field(ge=0)] = Field(
+        default=30,
+        description="metadata.json or integrity.json that does not parse and changed more recently "
+        "than this may still be being written (Megatron writes them non-atomically)",
     )
     wait_timeout_seconds: Annotated[float, Field(ge=0)] = 900
     poll_seconds: Positive = 10
@@ -79,7 +83,6 @@ class Retention(_Section):
 class Prefect(_Section):
     api_url: str = "http://127.0.0.1:4200/api"
     home: Path | None = None
-    poll_interval_seconds: Annotated[int, Field(ge=10)] = 60
 
 
 class LocalJob(_Section):
@@ -110,11 +113,13 @@ class Profile(_Section):
 
 
 def _resolve_paths(data: dict, base: Path) -> dict:
-    """Make the profile's relative paths relative to the profile file, not the caller's cwd."""
+    """Make the profile's relative paths relative to the profile file, not the caller's cwd.
+    (Sections that are not mappings are left for the schema to reject, naming the key.)"""
     for section, key in (("job", "save_dir"), ("prefect", "home")):
-        value = (data.get(section) or {}).get(key)
+        values = data.get(section)
+        value = values.get(key) if isinstance(values, dict) else None
         if isinstance(value, str) and not Path(value).is_absolute():
-            data[section][key] = str((base / value).resolve())
+            values[key] = str((base / value).resolve())
     return data
 
 
@@ -136,9 +141,11 @@ def profile_path(name_or_path: str | Path | None) -> Path:
 def load_profile(name_or_path: str | Path | None = None) -> Profile:
     path = profile_path(name_or_path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_bytes())
     except FileNotFoundError:
         raise UsageError(f"{path}: profile not found") from None
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read the profile ({e.strerror})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""

@@ -75,4 +75,24 @@ def test_retain_and_pins_from_the_command_line(save_dir):
     assert done.stdout.splitlines()[0] == "deleted: 8, 12"
     assert sorted(p.name for p in save_dir.glob("iter_*")) == [
         "iter_0000004", "iter_0000016", "iter_0000020", "iter_0000024"]
-    assert ckptops("retain", save_dir, "--keep", 1).returncode == 1
+    assert ckptops("retain", save_dir, "--keep", 1).returncode == 2
+
+
+def test_environment_problems_exit_2_with_one_line(save_dir, tmp_path):
+    for args in (["promote", tmp_path / "nowhere"], ["retain", tmp_path / "nowhere"],
+                 ["status", tmp_path / "nowhere"], ["pin", 4, "--reason", "x", "--save-dir", tmp_path / "nowhere"]):
+        result = ckptops(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert result.stderr.strip() == f"ckptops: {tmp_path}/nowhere: no such save directory"
+    (save_dir / "latest_verified_iteration.txt").mkdir()  # something odd where the pointer goes
+    result = ckptops("status", save_dir)
+    assert result.returncode == 2 and "latest_verified_iteration.txt" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_status_ignores_what_is_not_a_checkpoint(save_dir):
+    (save_dir / "iter_00000099").mkdir()           # not Megatron's name for iteration 99
+    (save_dir / "iter_0000100").symlink_to(save_dir / "iter_0000004")
+    (save_dir / "iter_0000200").write_text("a file")
+    rows = json.loads(ckptops("status", save_dir, "--json").stdout)
+    assert [r["iteration"] for r in rows] == [4, 8, 12, 16, 20, 24]

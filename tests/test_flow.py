@@ -65,6 +65,17 @@ def test_flow_fails_naming_the_bad_checkpoint_and_keeps_the_good_one(prefect_api
     assert any(r["iteration"] == 24 and r["result"] == "FAIL" and r["file"] == "__0_0.distcp" for r in rows)
 
 
+def test_flow_removes_the_pointer_when_nothing_valid_is_left(prefect_api, save_dir, tmp_path):
+    profile = write_profile(tmp_path, save_dir, "flow-none")
+    assert verify_and_promote(profile=profile, return_state=True).is_completed()
+    for path in save_dir.glob("iter_*/__1_0.distcp"):
+        path.unlink()
+        (path.parent / "manifest.json").unlink()  # as if never verified: judged afresh
+    state = verify_and_promote(profile=profile, return_state=True)
+    assert state.is_failed() and "pointer removed: no valid checkpoint left" in state.message
+    assert read_pointer(save_dir) is None
+
+
 def test_flow_does_not_run_while_another_run_holds_the_job(prefect_api, save_dir, tmp_path):
     profile = write_profile(tmp_path, save_dir, "flow-locked", lock_timeout=0)
     with job_lock(save_dir, 0):

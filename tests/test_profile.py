@@ -32,6 +32,8 @@ def test_production_example_describes_the_500b_job():
     ("job: {save_dir: /x}\n", "job.name: Field required"),
     ("job: {name: j, save_dir: /x}\nverify: {threads: many}\n", "verify.threads: Input should be a valid integer"),
     ("- just\n- a list\n", "a profile must be a mapping"),
+    ("job: [a, b]\n", "job: Input should be a valid dictionary"),
+    ("job: {name: j, save_dir: /x}\nprefect: 5\n", "prefect: Input should be a valid dictionary"),
     ("job: {name: j\n", "not valid YAML"),
 ])
 def test_bad_values_name_the_file_and_key(tmp_path, text, message):
@@ -46,3 +48,12 @@ def test_bad_values_name_the_file_and_key(tmp_path, text, message):
 def test_missing_profile_is_named():
     with pytest.raises(UsageError, match="nope.yaml: profile not found"):
         load_profile("nope")
+
+
+def test_unreadable_profiles_are_usage_errors(tmp_path):
+    with pytest.raises(UsageError, match=f"{tmp_path}: cannot read the profile"):
+        load_profile(tmp_path / "")  # a directory
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"job: \xff\xfe\x00")
+    with pytest.raises(UsageError, match="binary.yaml"):
+        load_profile(binary)

@@ -18,11 +18,12 @@ from prefect.artifacts import (
 )
 
 from tasks.checkpoint import layout
-from tasks.checkpoint.promote import choose_target, pending, point_to, wait_until_complete
+from tasks.checkpoint.promote import apply_promotion
 from tasks.checkpoint.retention import RetentionPlan, apply_retention
-from tasks.checkpoint.state import State, VerifyOptions
+from tasks.checkpoint.state import Completeness, State, VerifyOptions, wait_until_complete
 from tasks.checkpoint.verify import Verification, verify_checkpoint
 from tasks.profile import Profile
+from tasks.storage.local import list_files
 
 _PROGRESS_EVERY_SECONDS = 1.0
 
@@ -40,14 +41,9 @@ def ensure_job_limit(job: str) -> str:
     return name
 
 
-@task(name="find-pending")
-def find_pending(save_dir: Path, options: VerifyOptions) -> list[int]:
-    return pending(save_dir, options)
-
-
-@task(name="wait-for-save")
+@task(name="wait-for-save", task_run_name="wait-{iteration}")
 def wait_for_save(save_dir: Path, iteration: int, options: VerifyOptions, timeout_seconds: float,
-                  poll_seconds: float) -> tuple[State | None, str]:
+                  poll_seconds: float) -> Completeness:
     return wait_until_complete(save_dir / layout.iter_dir_name(iteration), options,
                                timeout_seconds, poll_seconds)
 
@@ -72,7 +68,7 @@ def verify_one(save_dir: Path, iteration: int, options: VerifyOptions) -> Verifi
     and updates the artifact once a second, so the hashing threads never wait on the API.
     """
     directory = save_dir / layout.iter_dir_name(iteration)
-    total = max(1, sum(p.stat().st_size for p in directory.iterdir() if p.is_file()))
+    total = max(1, sum(st.st_size for st in list_files(directory).values()))
     artifact = create_progress_artifact(progress=0.0, description=f"verifying {directory.name} ({total / 1e9:.2f} GB)")
     counter = _ByteCounter()
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -84,11 +80,8 @@ def verify_one(save_dir: Path, iteration: int, options: VerifyOptions) -> Verifi
 
 
 @task(name="promote")
-def promote_newest(save_dir: Path, options: VerifyOptions, requested: int | None) -> tuple[int | None, str]:
-    target, why = choose_target(save_dir, options, requested)
-    if target is not None:
-        point_to(save_dir, target)
-    return target, why
+def promote_step(save_dir: Path, options: VerifyOptions, requested: int | None) -> tuple[int | None, int | None, str]:
+    return apply_promotion(save_dir, options, requested)
 
 
 @task(name="retention")
@@ -106,27 +99,28 @@ def check_rows(verifications: list[Verification]) -> list[dict]:
 
 
 def summary_markdown(profile: Profile, previous: int | None, current: int | None, why: str,
-                     verifications: list[Verification], waited_out: list[tuple[int, str]],
-                     plan: RetentionPlan | None, deleted: list[int]) -> str:
+                     verifications: list[Verification], plan: RetentionPlan | None, deleted: list[int]) -> str:
     lines = [f"# verify-and-promote: {profile.job.name}", "",
              f"- save directory: `{profile.job.save_dir}`",
              f"- latest verified: **{current}** (was {previous}; {why})", ""]
-    if verifications:
+    checked = [v for v in verifications if v.state is not State.IN_PROGRESS]
+    if checked:
         lines += ["| iteration | state | files | GB | seconds | GB/s | reason |",
                   "|---:|---|---:|---:|---:|---:|---|"]
-        for v in verifications:
+        for v in checked:
             files = v.manifest.totals["files"] if v.manifest else 0
             lines.append(f"| {v.iteration} | {v.state.value} | {files} | {v.bytes_read / 1e9:.3f} | "
                          f"{v.seconds:.2f} | {v.throughput_gbps:.2f} | {v.reason} |")
-        total_bytes = sum(v.bytes_read for v in verifications)
-        total_seconds = sum(v.seconds for v in verifications)
+        total_bytes = sum(v.bytes_read for v in checked)
+        total_seconds = sum(v.seconds for v in checked)
         rate = total_bytes / total_seconds / 1e9 if total_seconds else 0.0
-        lines += ["", f"Totals: {len(verifications)} checkpoints, {total_bytes / 1e9:.3f} GB read "
+        lines += ["", f"Totals: {len(checked)} checkpoints, {total_bytes / 1e9:.3f} GB read "
                       f"in {total_seconds:.2f} s ({rate:.2f} GB/s)."]
     else:
         lines.append("No new complete checkpoint to verify.")
-    for iteration, why_waiting in waited_out:
-        lines.append(f"- iteration {iteration} still in progress after the wait ({why_waiting}); the next run picks it up")
+    for v in verifications:
+        if v.state is State.IN_PROGRESS:
+            lines.append(f"- iteration {v.iteration} still in progress after the wait ({v.reason}); the next run picks it up")
     if plan is not None:
         lines.append(f"- retention (keep {plan.keep_verified}): deleted {deleted or 'nothing'}; "
                      f"failed kept for inspection: {plan.failed or 'none'}")
