@@ -1,5 +1,7 @@
 """``make demo``: the main job on the embedded default (profiles/local.yaml), end to end.
 
+    python -m infra.demo [PROFILE]      (a profile with local_job and prefect.home sections)
+
 1. start (or reuse) the local Prefect server, UI on http://127.0.0.1:4200;
 2. run the local tiny Megatron-Core job (2 CPU ranks) for a few save intervals, posting a
    ``training.checkpoint.saved`` event to Prefect after each save;
@@ -41,11 +43,13 @@ def _completed_iterations(save_dir, options) -> set[int]:
     from tasks.checkpoint.state import completeness
 
     return {i for i in list_iterations(save_dir)
-            if completeness(save_dir / iter_dir_name(i), options)[0] is None}
+            if completeness(save_dir / iter_dir_name(i), options).state is None}
 
 
-def main() -> int:
-    profile = load_profile()
+def main(profile_name: str | None = None) -> int:
+    profile = load_profile(profile_name)
+    if profile.local_job is None or profile.prefect.home is None:
+        raise CkptopsError(f"{profile.source}: the demo needs local_job and prefect.home sections")
     job, api_url = profile.local_job, profile.prefect.api_url
     home = profile.prefect.home
     with console.status(f"Prefect server at {_ui_url(api_url)} (a first start takes about 30 s)..."):
@@ -75,7 +79,7 @@ def main() -> int:
     deadline = time.monotonic() + job.timeout_seconds
 
     def run_flow(why: str):
-        state = verify_and_promote(profile="local", return_state=True)
+        state = verify_and_promote(profile=str(profile.source), return_state=True)
         console.print(f"verify-and-promote ({why}): {state.name}: {state.message}")
         return state
 
@@ -103,7 +107,7 @@ def main() -> int:
 
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else None))
     except CkptopsError as e:
         Console(stderr=True).print(f"demo: {e}", markup=False)
         sys.exit(1)

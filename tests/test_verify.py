@@ -345,6 +345,18 @@ def test_manifest_of_another_iteration_is_not_a_reference(save_dir, options):
     assert "manifest.json: describes iteration 4, not 8 [manifest]" in result.reason
 
 
+def test_manifest_hashed_another_way_is_not_a_reference(save_dir, options):
+    directory = iter_dir(save_dir, 8)
+    assert verify_checkpoint(directory, options).state is State.VALID
+    data = json.loads((directory / "manifest.json").read_text())
+    data["hash_algorithm"] = "blake3"
+    data["files"] = [dict(f, hash="0" * 64) for f in data["files"]]
+    (directory / "manifest.json").write_text(json.dumps(data))
+    result = verify_checkpoint(directory, options)
+    assert result.state is State.VALID and not any(c.name == "manifest" for c in result.checks)
+    assert read_manifest(directory).hash_algorithm == "xxh3-128"
+
+
 def test_resave_after_verification_is_judged_afresh(save_dir, options):
     directory = iter_dir(save_dir, 8)
     first = verify_checkpoint(directory, options)

@@ -19,7 +19,7 @@ from tasks.errors import CkptopsError, unreadable
 from tasks.storage.local import atomic_write
 
 SCHEMA_VERSION = 1
-HASH_ALGORITHM = "blake3"
+HASH_ALGORITHM = "xxh3-128"
 
 
 def now_iso() -> str:

@@ -11,7 +11,7 @@ A checkpoint is in one of three states:
 The checks, cheapest first: completeness, ``metadata.json``, DCP ``.metadata``, data files
 present and long enough with none unreferenced, every chunk and object backed by a record inside
 its file, chunks tiling each tensor exactly, object families covering their grids, then one read
-of every byte (BLAKE3 per file, CRC-32 per record, SHA-256 where ``integrity.json`` asks for it),
+of every byte (XXH3-128 per file, CRC-32 per record, SHA-256 where ``integrity.json`` asks for it),
 the reference manifest when there is one, and the state Megatron-LM needs to resume.
 """
 
@@ -25,6 +25,7 @@ from pathlib import Path
 from tasks.checkpoint import layout
 from tasks.checkpoint.dcp import CheckFailed, DcpIndex, build_index, load_common_state, load_dcp_metadata
 from tasks.checkpoint.manifest import (
+    HASH_ALGORITHM,
     CheckResult,
     FileEntry,
     Manifest,
@@ -198,9 +199,10 @@ class _Verifier:
             self.manifest_unreadable = True
             self.checks.failed("manifest", layout.MANIFEST, f"describes iteration {manifest.iteration}, not {self.iteration}")
             return
-        # Only a passing verification of this very save is a reference for its bytes; after a
-        # re-save into the directory the checkpoint is judged afresh.
-        if manifest is not None and manifest.files and manifest.verified_at and manifest.same_save(self.files):
+        # Only a passing verification of this very save, hashed the way we hash, is a reference
+        # for its bytes; after a re-save into the directory the checkpoint is judged afresh.
+        if (manifest is not None and manifest.files and manifest.verified_at
+                and manifest.hash_algorithm == HASH_ALGORITHM and manifest.same_save(self.files)):
             self.reference = manifest
 
     def _load_index(self) -> None:
@@ -308,8 +310,8 @@ class _Verifier:
                 self.checks.failed("manifest", name, "in the manifest but missing")
             elif scan.size != entry.size:
                 self.checks.failed("manifest", name, f"size {scan.size}, manifest says {entry.size}")
-            elif scan.blake3 != entry.hash:
-                self.checks.failed("manifest", name, "content differs from the manifest (blake3)")
+            elif scan.hash != entry.hash:
+                self.checks.failed("manifest", name, f"content differs from the manifest ({HASH_ALGORITHM})")
         # A data file the save did not have is an error; a file added later by a finalize step
         # (integrity.json, a tokenizer) is not part of what was verified, and is only noted.
         added = sorted(set(self.scans) - set(expected))
@@ -367,7 +369,7 @@ class _Verifier:
         args = (self.common or {}).get("args")
         content = (self.common or {}).get("content_metadata") or {}
         failures = self.checks.failures
-        observed = [FileEntry(name, s.size, s.blake3 or "") for name, s in sorted(self.scans.items())]
+        observed = [FileEntry(name, s.size, s.hash or "") for name, s in sorted(self.scans.items())]
         valid = not failures
         reference = self.reference
         checked_at = now_iso()

@@ -80,7 +80,7 @@ def main() -> int:
         row(f"b3sum --num-threads {cores}", median_seconds(shell(["b3sum", "--num-threads", str(cores), *files])))
         row("sha256sum", median_seconds(shell(["sha256sum", *files]), repeats=1))
         first = median_seconds(lambda: _verified(large, options))
-        row("ckptops verify, first time (CRC + BLAKE3 + structure)", first)
+        row("ckptops verify, first time (CRC + XXH3 + structure)", first)
         _verified(large, VerifyOptions(job="bench"))  # writes the manifest once
         row("ckptops verify, against the manifest", median_seconds(lambda: _verified(large, options)))
         (large / "manifest.json").unlink()
