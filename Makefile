@@ -28,6 +28,7 @@ demo: venv
 bench: venv
 	@command -v b3sum >/dev/null || { echo "make bench: b3sum not found (apt-get install b3sum)"; exit 2; }
 	$(BIN)/python -m tests.bench.bench_verify
+	$(BIN)/python -m tests.bench.bench_drill
 
 clean:
 	rm -rf $(VENV) data/bench

@@ -6,7 +6,9 @@
 2. run the local tiny Megatron-Core job (2 CPU ranks) for a few save intervals, posting a
    ``training.checkpoint.saved`` event to Prefect after each save;
 3. run the verify-and-promote flow as each checkpoint lands, and once more at the end;
-4. print the status table and where to look in the UI.
+4. archive the promoted checkpoint and run a restore drill from each source (real restore,
+   verification and load), printing each phase's timing;
+5. print the status table and where to look in the UI.
 
 The demo owns the embedded default's save directory and starts it empty each time.
 """
@@ -59,6 +61,8 @@ def main(profile_name: str | None = None) -> int:
     # Before prefect is imported: this process and its threads are clients of that server.
     os.environ.update(server_env(api_url, home))
 
+    from flows.archive_copy import archive_copy
+    from flows.restore_drill import restore_drill
     from flows.verify_and_promote import verify_and_promote
     from infra.local_job.launch import start_local_job, wait_local_job
     from tasks.checkpoint.catalog import catalog
@@ -80,7 +84,7 @@ def main(profile_name: str | None = None) -> int:
 
     def run_flow(why: str):
         state = verify_and_promote(profile=str(profile.source), return_state=True)
-        console.print(f"verify-and-promote ({why}): {state.name}: {state.message}")
+        console.print(f"verify-and-promote ({why}): {state.name}: {state.message}", markup=False)
         return state
 
     with console.status("training: starting") as status:
@@ -97,12 +101,24 @@ def main(profile_name: str | None = None) -> int:
     with console.status("verify-and-promote: after the last save"):
         state = run_flow("training finished")
 
+    ok = state.is_completed()
+    if profile.archive and profile.drill:
+        with console.status("archive-copy: upload, read back, commit..."):
+            archived = archive_copy(profile=str(profile.source), force=True, return_state=True)
+        console.print(f"archive-copy: {archived.name}: {archived.message}", markup=False)
+        for source in ("shared", "archive"):
+            with console.status(f"restore-drill from {source}: copy, verify, load (starts 2 ranks)..."):
+                drilled = restore_drill(profile=str(profile.source), source=source, return_state=True)
+            console.print(f"restore-drill: {drilled.message}", markup=False)
+            ok = ok and archived.is_completed() and drilled.is_completed()
+
     console.print()
     console.print(status_table(save_dir, catalog(save_dir, options)))
     ui = _ui_url(api_url)
     console.print(f"\nPrefect UI: {ui}  (flow runs: {ui}/runs, artifacts: {ui}/artifacts)")
     console.print(f"training log: {log}")
-    return 0 if state.is_completed() else 1
+    console.print(f"drill history: ckptops drills --profile {profile.source}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -245,6 +245,94 @@ def unpin(
     raise typer.Exit(0 if removed else 1)
 
 
+def _profile_for(profile: Optional[str], save_dir: Optional[Path]) -> Profile:
+    """The profile, checked to describe ``save_dir`` when one is given: archive and drill
+    settings belong to one job, and must not be applied to another job's directory."""
+    prof = load_profile(profile)
+    if save_dir is not None and save_dir.resolve() != prof.job.save_dir.resolve():
+        raise UsageError(f"{save_dir}: not the save directory of profile {prof.source} ({prof.job.save_dir})")
+    return prof
+
+
+@app.command()
+def archive(
+    save_dir: Annotated[Optional[Path], typer.Argument(help="the job's save directory [default: the profile's]")] = None,
+    force: Annotated[bool, typer.Option("--force", help="copy even if the newest archive copy is younger than the period")] = False,
+    profile: ProfileOpt = None,
+):
+    """Copy the promoted checkpoint to the archive: upload, read back, commit, retention."""
+    with _expected_errors():
+        from tasks.archive.copy import archive_checkpoint
+
+        prof = _profile_for(profile, save_dir)
+        total = sum(f.stat().st_size for f in prof.job.save_dir.glob("iter_*/*") if f.is_file())
+        with _byte_progress("archive", total, True) as progress:
+            result = archive_checkpoint(prof.job.save_dir, prof, force, progress)
+    out.print(f"iteration {result.iteration} -> {result.location}: {result.message}", markup=False)
+    if result.committed:
+        out.print(f"uploaded {result.uploaded_bytes / 1e6:.1f} MB, reused {result.reused_bytes / 1e6:.1f} MB, "
+                  f"read back and committed in {result.seconds:.2f}s; archive retention deleted: "
+                  f"{', '.join(map(str, result.deleted)) or 'nothing'}", markup=False)
+
+
+@app.command()
+def drill(
+    save_dir: Annotated[Optional[Path], typer.Argument(help="the job's save directory [default: the profile's]")] = None,
+    source: Annotated[str, typer.Option("--source", "-s", help="shared or archive")] = "shared",
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Restore, verify and load a checkpoint for real; exit 0 if it passed within budget, 1 if not."""
+    with _expected_errors():
+        from tasks.restore.drill import run_drill
+
+        prof = _profile_for(profile, save_dir)
+        report = run_drill(prof, source)
+    if as_json:
+        out.print_json(json.dumps(report.to_dict()))
+    else:
+        out.print(report.line(), markup=False)
+        for check in report.checks:
+            out.print(f"  {'ok ' if check['ok'] else 'BAD'} {check['name']}: {check['detail']}", markup=False)
+    raise typer.Exit(0 if report.ok else 1)
+
+
+@app.command()
+def drills(
+    save_dir: Annotated[Optional[Path], typer.Argument(help="the job's save directory [default: the profile's]")] = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="also write the trend as a PNG here")] = None,
+):
+    """Drill history: restore window per drill and source, and the estimate at production size."""
+    with _expected_errors():
+        from tasks.restore.history import estimate, read_drills, trend_png, trend_rows
+
+        prof = _profile_for(profile, save_dir)
+        history = read_drills(prof.job.save_dir)
+        size = prof.drill.estimate_for_bytes if prof.drill else None
+        predicted = estimate(history, size) if size else {}
+        if plot is not None and history:
+            plot.write_bytes(trend_png(history))
+    if as_json:
+        out.print_json(json.dumps({"drills": history, "estimate_for_bytes": size,
+                                   "estimate_seconds": {s: e.seconds for s, e in predicted.items()}}))
+        return
+    rows = trend_rows(history)
+    if not rows:
+        out.print("no drills recorded yet", markup=False)
+        return
+    columns = [c for c in rows[0] if c != "reason" or any(r["reason"] for r in rows)]
+    table = Table(title=f"restore drills of {prof.job.name}", title_justify="left")
+    for column in columns:
+        table.add_column(column, no_wrap=column != "reason", overflow="fold")
+    for row in rows:
+        table.add_row(*["" if row.get(c) is None else str(row.get(c)) for c in columns])
+    out.print(table)
+    for e in predicted.values():
+        out.print(e.line(size, getattr(prof.drill.budget_seconds, e.source)), markup=False)
+
+
 def main() -> None:
     # Typer exits 2 on usage errors, like the rest of our input errors.
     sys.exit(app())

@@ -7,7 +7,7 @@ file and the key.
 """
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -80,6 +80,54 @@ class Retention(_Section):
     )
 
 
+class Archive(_Section):
+    """The independent archive: an S3-compatible bucket, or a local directory (same code path)."""
+
+    url: str = Field(description="s3://bucket/prefix, or a directory path")
+    endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, Ceph RGW); None: AWS")
+    region: str | None = None
+    aws_profile: str | None = Field(default=None, description="credentials profile; else the standard AWS chain (env, files, instance role)")
+    period_hours: Positive = Field(default=24, description="a new archive copy at most this often")
+    keep: Annotated[int, Field(ge=2)] = Field(default=14, description="committed archive copies kept")
+    max_concurrency: Annotated[int, Field(ge=1)] = 8
+    multipart_chunk_mb: Annotated[int, Field(ge=5)] = 64
+    connect_timeout_seconds: Positive = 5
+    read_timeout_seconds: Positive = 60
+    max_attempts: Annotated[int, Field(ge=1, le=10)] = 3
+
+    @property
+    def is_s3(self) -> bool:
+        return self.url.startswith("s3://")
+
+
+class Budget(_Section):
+    shared: Positive = 600
+    archive: Positive = 3600
+
+
+class SlurmDrill(_Section):
+    """The production drill: an allocation that loads the checkpoint on the real layout."""
+
+    partition: str
+    nodes: Annotated[int, Field(ge=1)]
+    gpus_per_node: Annotated[int, Field(ge=1)] = 8
+    time_limit: str = "01:00:00"
+    account: str | None = None
+    load_command: str = Field(description="runs on every node under srun; reads $CKPTOPS_LOAD_DIR and "
+                                          "$CKPTOPS_CKPT_STEP, writes the report to $CKPTOPS_DRILL_REPORT")
+
+
+class Drill(_Section):
+    scratch_dir: Path
+    budget_seconds: Budget = Budget()
+    tensor_sample: Annotated[int, Field(ge=1)] = 8
+    launcher: Literal["local", "slurm"] = "local"
+    slurm: SlurmDrill | None = None
+    load_timeout_seconds: Positive = 1800
+    estimate_for_bytes: Annotated[int, Field(gt=0)] | None = Field(
+        default=None, description="predict the restore window for a checkpoint of this size (e.g. 7 TB)")
+
+
 class Prefect(_Section):
     api_url: str = "http://127.0.0.1:4200/api"
     home: Path | None = None
@@ -99,8 +147,16 @@ class Profile(_Section):
     verify: Verify = Verify()
     retention: Retention = Retention()
     prefect: Prefect = Prefect()
+    archive: Archive | None = None
+    drill: Drill | None = None
     local_job: LocalJob | None = None
     source: Path | None = Field(default=None, exclude=True)
+
+    @model_validator(mode="after")
+    def _slurm_drill_has_settings(self):
+        if self.drill and self.drill.launcher == "slurm" and self.drill.slurm is None:
+            raise ValueError("drill.launcher is slurm but drill.slurm is missing")
+        return self
 
     @model_validator(mode="after")
     def _local_job_matches_layout(self):
@@ -115,10 +171,10 @@ class Profile(_Section):
 def _resolve_paths(data: dict, base: Path) -> dict:
     """Make the profile's relative paths relative to the profile file, not the caller's cwd.
     (Sections that are not mappings are left for the schema to reject, naming the key.)"""
-    for section, key in (("job", "save_dir"), ("prefect", "home")):
+    for section, key in (("job", "save_dir"), ("prefect", "home"), ("archive", "url"), ("drill", "scratch_dir")):
         values = data.get(section)
         value = values.get(key) if isinstance(values, dict) else None
-        if isinstance(value, str) and not Path(value).is_absolute():
+        if isinstance(value, str) and "://" not in value and not Path(value).is_absolute():
             values[key] = str((base / value).resolve())
     return data
 

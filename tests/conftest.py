@@ -31,9 +31,7 @@ def trained(tmp_path_factory) -> Path:
 @pytest.fixture
 def save_dir(trained, tmp_path) -> Path:
     """A private copy of the trained save directory (mtimes kept) to break, verify and promote."""
-    dest = tmp_path / "checkpoints"
-    shutil.copytree(trained, dest)
-    return dest
+    return shutil.copytree(trained, tmp_path / "checkpoints")
 
 
 @pytest.fixture
@@ -90,3 +88,68 @@ def prefect_api(tmp_path_factory):
         except Exception:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3-compatible server (moto in server mode) on a loopback port, for the session."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ACCESS_KEY_ID="ckptops-test", AWS_SECRET_ACCESS_KEY="ckptops-test",
+                      AWS_DEFAULT_REGION="us-east-1")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def s3_bucket(endpoint: str, name: str) -> str:
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=name)
+    return name
+
+
+def write_job_profile(tmp_path: Path, save_dir: Path, archive_url: str | None = None,
+                      endpoint: str | None = None, budget: float = 600, keep: int = 3,
+                      extra_archive: str = "") -> Path:
+    """A profile for a test job: the save directory, an archive, drills in tmp_path/scratch."""
+    lines = [
+        f"job: {{name: test-job, save_dir: '{save_dir}', megatron_core_version: '0.19.2', layout: {{data_parallel: 2}}}}",
+        "verify: {lock_timeout_seconds: 30}",
+        f"drill: {{scratch_dir: '{tmp_path / 'scratch'}', budget_seconds: {{shared: {budget}, archive: {budget}}}, load_timeout_seconds: 600}}",
+        "local_job: {nproc: 2}",
+    ]
+    if archive_url:
+        endpoint_line = f", endpoint_url: '{endpoint}'" if endpoint else ""
+        lines.append(f"archive: {{url: '{archive_url}', keep: {keep}{endpoint_line}{extra_archive}}}")
+    path = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*.yaml')))}.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def medium_trained(tmp_path_factory) -> Path:
+    """One checkpoint of a wider model (hidden 384, about 20 MB per data file): large enough for
+    multipart uploads with 5 MiB parts (s3fs uses them from two parts' worth on)."""
+    save = tmp_path_factory.mktemp("medium") / "checkpoints"
+    run_local_job(save, train_iters=4, save_interval=4, timeout_seconds=900,
+                  extra=["--hidden-size", "384", "--num-attention-heads", "4"])
+    return save
+
+
+@pytest.fixture
+def medium_save_dir(medium_trained, tmp_path) -> Path:
+    return shutil.copytree(medium_trained, tmp_path / "medium")

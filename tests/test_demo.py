@@ -19,6 +19,8 @@ def test_demo_trains_verifies_promotes_and_prints_status(prefect_api, tmp_path):
         "retention: {keep_verified: 2}\n"
         f"prefect: {{api_url: '{prefect_api}', home: prefect}}\n"
         "local_job: {nproc: 2, train_iters: 12, save_interval: 4, timeout_seconds: 600}\n"
+        "archive: {url: archive, keep: 2}\n"
+        "drill: {scratch_dir: scratch, budget_seconds: {shared: 600, archive: 600}}\n"
     )
     result = subprocess.run([sys.executable, "-m", "infra.demo", str(profile)], cwd=ROOT,
                             capture_output=True, text=True, timeout=900)
@@ -28,3 +30,6 @@ def test_demo_trains_verifies_promotes_and_prints_status(prefect_api, tmp_path):
     assert read_pointer(tmp_path / "checkpoints") == 12
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("iter_*")) == ["iter_0000008", "iter_0000012"]
     assert "checkpoints in" in result.stdout and prefect_api.removesuffix("/api") in result.stdout
+    assert "archive-copy: Completed: iteration 12: committed" in result.stdout
+    assert "restore-drill: PASS drill from shared, iteration 12" in result.stdout
+    assert "restore-drill: PASS drill from archive, iteration 12" in result.stdout

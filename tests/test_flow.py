@@ -122,3 +122,30 @@ def test_deployments_register_and_the_saved_event_starts_a_run(prefect_api):
                 time.sleep(0.5)
         assert triggered, "no flow run was created by the training.checkpoint.saved trigger"
         assert triggered[0].parameters == {"profile": "local"}
+
+
+def test_archive_and_drill_flows_publish_their_results(prefect_api, save_dir, tmp_path):
+    from flows.archive_copy import archive_copy
+    from flows.restore_drill import restore_drill
+    from tests.conftest import write_job_profile
+
+    profile = str(write_job_profile(tmp_path, save_dir, str(tmp_path / "archive")))
+    assert verify_and_promote(profile=profile, return_state=True).is_completed()
+    archived = archive_copy(profile=profile, return_state=True)
+    assert archived.is_completed() and archived.message == "iteration 24: committed"
+    assert "read every object back" in Artifact.get("archive-test-job").data
+
+    for source in ("shared", "archive"):
+        state = restore_drill(profile=profile, source=source, return_state=True)
+        assert state.is_completed(), state.message
+        assert state.message.startswith(f"PASS drill from {source}, iteration 24")
+        phases = json.loads(Artifact.get(f"drill-{source}-test-job").data)
+        assert [r["phase"] for r in phases[:4]] == [
+            "download" if source == "archive" else "copy", "verify", "load", "restore window"]
+    history = json.loads(Artifact.get("drill-history-test-job").data)
+    assert [r["source"] for r in history] == ["shared", "archive"]
+    assert "data:image/png;base64," in Artifact.get("drill-trend-test-job").data
+
+    over_budget = str(write_job_profile(tmp_path, save_dir, str(tmp_path / "archive"), budget=0.001))
+    failed = restore_drill(profile=over_budget, source="shared", return_state=True)
+    assert failed.is_failed() and "over the 0.001s budget" in failed.message

@@ -23,6 +23,7 @@ import urllib.request
 import uuid
 from datetime import datetime, timezone
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -58,7 +59,13 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--save", required=True, help="save directory (Megatron-LM --save)")
+    p.add_argument("--save", default=None, help="save directory (Megatron-LM --save)")
+    p.add_argument("--load", default=None, help="load from this save directory (Megatron-LM --load)")
+    p.add_argument("--ckpt-step", type=int, default=None,
+                   help="iteration to load (Megatron-LM --ckpt-step); default: Megatron's tracker")
+    p.add_argument("--drill-report", default=None,
+                   help="restore drill: load, check what was loaded, write this JSON report, exit")
+    p.add_argument("--tensor-sample", type=int, default=8, help="tensors a drill compares with the stored bytes")
     p.add_argument("--train-iters", type=int, default=8)
     p.add_argument("--save-interval", type=int, default=4)
     p.add_argument("--num-layers", type=int, default=2)
@@ -81,7 +88,39 @@ def parse_args(argv=None):
     p.add_argument("--notify-url", default=None,
                    help="Prefect API URL: post training.checkpoint.saved after each save")
     p.add_argument("--job-name", default="local-tiny", help="names the event's resource")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.save is None and args.drill_report is None:
+        p.error("--save is required (except for a --drill-report run)")
+    if args.drill_report and not args.load:
+        p.error("--drill-report needs --load")
+    return args
+
+
+# What a drill takes from the checkpoint's own args: the model's shape and the run's schedule.
+CHECKPOINT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
+                   "micro_batch_size", "global_batch_size", "tensor_model_parallel_size", "lr", "min_lr",
+                   "lr_warmup_samples", "lr_decay_samples", "seed", "data_seed", "dataset_size")
+
+
+def checkpoint_dir(args) -> str:
+    step = args.ckpt_step
+    if step is None:
+        with open(os.path.join(args.load, TRACKER)) as f:
+            step = int(f.read().strip())
+    return os.path.join(args.load, f"iter_{step:07d}")
+
+
+def adopt_checkpoint_args(args) -> None:
+    """Build the model the checkpoint describes, not the one the command line does. The common
+    state is read with ckptops' safe loader (weights_only), before any process group exists."""
+    from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
+
+    directory = checkpoint_dir(args)
+    index = build_index(load_dcp_metadata(Path(directory) / ".metadata"))
+    stored = load_common_state(Path(directory), index)["args"]
+    for name in CHECKPOINT_ARGS:
+        if hasattr(stored, name):
+            setattr(args, name, getattr(stored, name))
 
 
 def init_distributed(args):
@@ -279,6 +318,92 @@ def save_checkpoint(args, model, optimizer, scheduler, iteration, consumed, flop
     torch.distributed.barrier()
 
 
+def load_checkpoint(args, model, optimizer, scheduler):
+    """Load model, optimizer, scheduler and RNG as Megatron-LM does; return the progress counters."""
+    directory = checkpoint_dir(args)
+    content_metadata = dist_checkpointing.load_content_metadata(directory) or {}
+    model_sd = model.module.sharded_state_dict()
+    sharded = {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=content_metadata),
+        "rng_state": rng_state_object(args),
+    }
+    state = dist_checkpointing.load(sharded, directory)
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["opt_param_scheduler"])
+    rng = state["rng_state"]
+    rng = rng[0] if isinstance(rng, list) else rng
+    random.setstate(rng["random_rng_state"])
+    np.random.set_state(rng["np_rng_state"])
+    torch.set_rng_state(rng["torch_rng_state"])
+    torch.cuda.set_rng_state(rng["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(rng["rng_tracker_states"])
+    return state["iteration"], state["args"].consumed_train_samples, state["num_floating_point_operations_so_far"]
+
+
+def _sampled(sharded_tensors, k):
+    """``k`` sharded tensors spread evenly over the sorted keys (deterministic across runs)."""
+    ordered = sorted(sharded_tensors, key=lambda t: (t.key, tuple(t.global_offset)))
+    step = max(1, len(ordered) // max(1, k))
+    return ordered[::step][:k]
+
+
+def compare_with_stored(args, model, optimizer):
+    """Compare a sample of loaded tensors (model and optimizer state) with the bytes stored in
+    the checkpoint, read independently of megatron through ckptops' own record reader."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    from tasks.checkpoint.dcp import build_index, load_dcp_metadata, read_record
+
+    directory = Path(checkpoint_dir(args))
+    index = build_index(load_dcp_metadata(directory / ".metadata"))
+    model_sd = model.module.sharded_state_dict()
+    candidates = [t for t in nested_values(model_sd) if isinstance(t, ShardedTensor)]
+    candidates += [t for t in nested_values(optimizer.sharded_state_dict(model_sd))
+                   if isinstance(t, ShardedTensor)]
+    compared, mismatches = [], []
+    for sh in _sampled(candidates, args.tensor_sample):
+        record = index.records.get((sh.key, tuple(sh.global_offset)))
+        if record is None:  # another rank's replica holds it
+            continue
+        import io
+        stored = torch.load(io.BytesIO(read_record(directory, record)), weights_only=True)
+        loaded = sh.data.detach().to("cpu").reshape(stored.shape)
+        compared.append(record.key)
+        if not torch.equal(loaded, stored):
+            mismatches.append(record.key)
+    return compared, mismatches
+
+
+def run_drill_load(args, model, optimizer, scheduler):
+    """Load the checkpoint for real and report what was loaded (rank 0 writes the report)."""
+    start = time.perf_counter()
+    iteration, consumed, flops = load_checkpoint(args, model, optimizer, scheduler)
+    torch.distributed.barrier()
+    load_seconds = time.perf_counter() - start
+    compared, mismatches = compare_with_stored(args, model, optimizer)
+    if torch.distributed.get_rank() == 0:
+        report = {
+            "iteration": iteration,
+            "consumed_train_samples": consumed,
+            "num_floating_point_operations_so_far": flops,
+            "scheduler": scheduler.state_dict(),
+            "lr": scheduler.get_lr(optimizer.param_groups[0]),
+            "load_seconds": load_seconds,
+            "world_size": torch.distributed.get_world_size(),
+            "tensors_compared": compared,
+            "tensor_mismatches": mismatches,
+        }
+        tmp = f"{args.drill_report}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f)
+        os.replace(tmp, args.drill_report)
+        print(f"drill: loaded iteration {iteration} in {load_seconds:.2f}s, "
+              f"{len(compared)} tensors compared, {len(mismatches)} differ", flush=True)
+
+
 def notify_saved(args, iteration, directory):
     """Tell Prefect a checkpoint was saved: one plain HTTP POST, so a job needs no Prefect
     installed. Best effort with a short timeout: a down server must never stall training."""
@@ -300,9 +425,16 @@ def notify_saved(args, iteration, directory):
 
 
 def train(args):
+    if args.load:
+        adopt_checkpoint_args(args)
     init_distributed(args)
     set_seeds(args.seed)
     config, model, optimizer, scheduler = build(args)
+    if args.drill_report:
+        run_drill_load(args, model, optimizer, scheduler)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        return
     dataset = SyntheticDataset(args)
     # Megatron's default mask is built on "cuda"; an explicit one works on both devices.
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -15,7 +15,9 @@ from tasks.storage.local import TEMP_MARK
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 POINTER = "latest_verified_iteration.txt"
 LOCK = ".ckptops.lock"
+ARCHIVE_LOCK = ".ckptops-archive.lock"
 PINS = ".ckptops-pins"
+HISTORY = ".ckptops-history"
 
 METADATA_JSON = "metadata.json"
 DCP_METADATA = ".metadata"

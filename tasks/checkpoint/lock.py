@@ -28,9 +28,10 @@ def _holder(fd: int) -> str:
 
 
 @contextmanager
-def job_lock(save_dir: Path, timeout_seconds: float):
-    """Hold the save directory's lock; raise LockTimeout naming the holder after the timeout."""
-    path = Path(save_dir) / LOCK
+def job_lock(save_dir: Path, timeout_seconds: float, name: str = LOCK):
+    """Hold the save directory's lock (or another lock file ``name`` in it); raise LockTimeout
+    naming the holder after the timeout."""
+    path = Path(save_dir) / name
     if not Path(save_dir).is_dir():
         raise UsageError(f"{save_dir}: no such save directory")
     try:

@@ -118,3 +118,13 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
         atomic_write(path, manifest.to_json().encode())
     except OSError as e:
         raise unreadable(path, e) from None
+
+
+def record_archive_status(directory: Path, status: dict) -> None:
+    """Note in the shared-store manifest where and when the checkpoint was archived (the caller
+    holds the job lock, so this read-modify-write cannot interleave with a verification)."""
+    manifest = read_manifest(directory)
+    if manifest is None:
+        raise CkptopsError(f"{Path(directory) / MANIFEST}: missing, cannot record the archive copy")
+    manifest.archive = status
+    write_manifest(directory, manifest)

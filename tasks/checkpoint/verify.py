@@ -131,7 +131,8 @@ def _grid_missing(shards) -> str | None:
 
 
 class _Verifier:
-    def __init__(self, directory: Path, iteration: int, options: VerifyOptions, progress):
+    def __init__(self, directory: Path, iteration: int, options: VerifyOptions, progress,
+                 reference: Manifest | None = None):
         self.directory = directory
         self.iteration = iteration
         self.options = options
@@ -143,13 +144,15 @@ class _Verifier:
         self.scans: dict[str, FileScan] = {}
         self.common: dict | None = None
         self.common_file: str | None = None
-        self.reference: Manifest | None = None
+        self.reference = reference
+        self.given_reference = reference is not None
         self.manifest_unreadable = False
         self.integrity: dict[str, str] = {}
 
     def run(self) -> None:
         self._check_metadata_json()
-        self._load_reference()
+        if not self.given_reference:
+            self._load_reference()
         self._load_index()
         if self.index is not None:
             self._check_files()
@@ -434,9 +437,12 @@ def checkpoint_path(directory: Path) -> Path:
 
 
 def verify_checkpoint(directory: Path, options: VerifyOptions,
-                      progress: Callable[[int], None] | None = None) -> Verification:
+                      progress: Callable[[int], None] | None = None,
+                      reference: Manifest | None = None) -> Verification:
     """Verify one checkpoint directory and (unless it is still in progress) write its manifest.
 
+    ``reference`` compares the bytes with a given manifest instead of the directory's own: a
+    restored copy is checked against the manifest of what was archived or copied.
     Raises Unreadable (and writes nothing) when the environment keeps us from reading it.
     """
     directory = checkpoint_path(directory)
@@ -445,7 +451,7 @@ def verify_checkpoint(directory: Path, options: VerifyOptions,
     before = completeness(directory, options)
     if before.state is State.IN_PROGRESS:
         return Verification(directory, iteration, before.state, before.reason)
-    verifier = _Verifier(directory, iteration, options, progress)
+    verifier = _Verifier(directory, iteration, options, progress, reference)
     if before.state is State.INVALID:
         verifier.checks.failed("complete", before.file, before.detail)
     else:

@@ -1,0 +1,21 @@
+"""restore-drill: prove nightly that a checkpoint can really be restored, and how fast.
+
+``source=shared`` restores the promoted checkpoint from the shared store, ``source=archive`` the
+newest committed archive entry. Restore, verify, load for real, check what was loaded, compare
+the restore window with the budget; the history and trend go to artifacts.
+"""
+
+from prefect import flow
+from prefect.states import Completed, Failed
+
+from tasks.profile import load_profile
+from tasks.restore.flow_tasks import drill_task, publish_drill_report
+
+
+@flow(name="restore-drill", log_prints=True)
+def restore_drill(profile: str = "local", source: str = "shared"):
+    prof = load_profile(profile)
+    report = drill_task(prof, source)
+    publish_drill_report(prof, report)
+    print(report.line())
+    return Completed(message=report.line()) if report.ok else Failed(message=report.line())

@@ -1,0 +1,201 @@
+"""Copy the promoted checkpoint to the archive, committing it the way object stores allow.
+
+Object stores have no rename, so an archive entry is committed by its manifest, written last:
+
+    1. upload the data files (parallel; multipart for large ones), skipping objects a killed
+       earlier run already uploaded whole;
+    2. read every object back and compare size and XXH3-128 with the manifest; re-upload a bad
+       one once, and give up (nothing committed) if it is still bad;
+    3. write ``<job>/iter_NNNNNNN/manifest.json``: the commit marker. A prefix without it does
+       not exist for readers, however many objects it holds;
+    4. update the archive's pointer object ``<job>/latest_committed_iteration.txt``;
+    5. record the copy in the shared-store manifest, then apply archive retention.
+
+Archive layout: ``<archive url>/<job>/iter_NNNNNNN/{files..., manifest.json}``.
+"""
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tasks.checkpoint import layout
+from tasks.checkpoint.lock import job_lock
+from tasks.checkpoint.manifest import Manifest, now_iso, read_manifest, record_archive_status
+from tasks.checkpoint.pins import pinned
+from tasks.checkpoint.pointer import read_pointer
+from tasks.errors import CkptopsError, UsageError
+from tasks.storage.archive import ArchiveStore, ArchiveUnavailable
+from tasks.storage.local import list_files
+
+POINTER_OBJECT = "latest_committed_iteration.txt"
+
+
+@dataclass
+class ArchiveResult:
+    iteration: int | None
+    location: str | None
+    committed: bool
+    message: str
+    uploaded_bytes: int = 0
+    reused_bytes: int = 0
+    seconds: float = 0.0
+    deleted: list[int] = field(default_factory=list)
+
+    @property
+    def throughput_gbps(self) -> float:
+        return self.uploaded_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def entry_key(job: str, iteration: int, name: str = "") -> str:
+    return "/".join(p for p in (job, layout.iter_dir_name(iteration), name) if p)
+
+
+def committed_iterations(store: ArchiveStore, job: str) -> list[int]:
+    """Iterations with a committed archive entry (their manifest is there), oldest first."""
+    found = []
+    for name in store.listdir(job):
+        iteration = layout.parse_iter_dir(name)
+        if iteration is not None and store.exists(entry_key(job, iteration, layout.MANIFEST)):
+            found.append(iteration)
+    return sorted(found)
+
+
+def archived_manifest(store: ArchiveStore, job: str, iteration: int) -> Manifest:
+    key = entry_key(job, iteration, layout.MANIFEST)
+    try:
+        return Manifest.from_dict(json.loads(store.read(key)))
+    except FileNotFoundError:
+        raise CkptopsError(f"{store.where(key)}: no committed archive entry") from None
+    except (ValueError, TypeError, KeyError) as e:
+        raise CkptopsError(f"{store.where(key)}: unreadable archived manifest ({e})") from None
+
+
+def newest_committed(store: ArchiveStore, job: str) -> int | None:
+    """The archive pointer object if it names a committed entry, else the newest committed."""
+    committed = committed_iterations(store, job)
+    try:
+        named = int(store.read(f"{job}/{POINTER_OBJECT}").decode().strip())
+    except (FileNotFoundError, ValueError):
+        named = None
+    if named in committed:
+        return named
+    return committed[-1] if committed else None
+
+
+def _files_to_copy(manifest: Manifest) -> dict[str, int]:
+    return {f.path: f.size for f in manifest.files}
+
+
+def _upload(store: ArchiveStore, job: str, directory: Path, manifest: Manifest, progress) -> tuple[int, int]:
+    """Upload what is not there whole yet; returns (bytes uploaded, bytes reused)."""
+    todo, reused = [], 0
+    for name, size in _files_to_copy(manifest).items():
+        key = entry_key(job, manifest.iteration, name)
+        if store.size(key) == size:
+            reused += size  # a killed run got this far; the read-back below still checks it
+        else:
+            todo.append((directory / name, key))
+    store.put_files(todo, progress)
+    return sum(_files_to_copy(manifest)[Path(p).name] for p, _ in todo), reused
+
+
+def _mismatches(store: ArchiveStore, job: str, manifest: Manifest, progress) -> list[str]:
+    expected = {entry_key(job, manifest.iteration, f.path): (f.size, f.hash) for f in manifest.files}
+    found = store.hash_objects(list(expected), progress)
+    return sorted(key for key, want in expected.items() if found.get(key) != want)
+
+
+def _commit(store: ArchiveStore, job: str, manifest: Manifest, source: Path) -> dict:
+    status = {
+        "url": store.where(entry_key(job, manifest.iteration)),
+        "committed_at": now_iso(),
+        "verified": f"every object read back: size and {manifest.hash_algorithm} match",
+        "source": str(source),
+        "host": socket.gethostname(),
+    }
+    archived = Manifest.from_dict(json.loads(manifest.to_json()))
+    archived.archive = status
+    store.write(entry_key(job, manifest.iteration, layout.MANIFEST), archived.to_json().encode())
+    store.write(f"{job}/{POINTER_OBJECT}", f"{manifest.iteration}\n".encode())
+    return status
+
+
+def apply_archive_retention(store: ArchiveStore, job: str, keep: int) -> list[int]:
+    """Keep the newest ``keep`` committed entries; never the only one, never before a newer one
+    committed. An entry is uncommitted (manifest removed) before its objects go, so a reader never
+    sees half of one. Uncommitted leftovers older than the newest commit are removed too."""
+    committed = committed_iterations(store, job)
+    deleted = []
+    for iteration in committed[:-keep] if len(committed) > keep else []:
+        store.remove(entry_key(job, iteration, layout.MANIFEST))
+        store.remove(entry_key(job, iteration), recursive=True)
+        deleted.append(iteration)
+    newest = committed[-1] if committed else None
+    for name in store.listdir(job):
+        iteration = layout.parse_iter_dir(name)
+        if iteration is not None and newest is not None and iteration < newest and iteration not in committed:
+            store.remove(entry_key(job, iteration), recursive=True)
+    return deleted
+
+
+def archive_checkpoint(save_dir: Path, profile, force: bool = False,
+                       progress: Callable[[int], None] | None = None) -> ArchiveResult:
+    """Copy the promoted checkpoint to the archive (once per period unless ``force``)."""
+    if profile.archive is None:
+        raise UsageError(f"{profile.source}: no archive section")
+    save_dir = Path(save_dir)
+    job = profile.job.name
+    store = ArchiveStore.from_settings(profile.archive)
+    with job_lock(save_dir, profile.verify.lock_timeout_seconds, name=layout.ARCHIVE_LOCK):
+        iteration = read_pointer(save_dir)
+        if iteration is None:
+            raise CkptopsError(f"{save_dir}: nothing promoted yet, nothing to archive")
+        directory = save_dir / layout.iter_dir_name(iteration)
+        manifest = read_manifest(directory)
+        if manifest is None or not manifest.valid or not manifest.same_save(list_files(directory)):
+            raise CkptopsError(f"{directory.name}: promoted but its manifest does not say valid for this save")
+        committed = committed_iterations(store, job)
+        skip = _skip_reason(store, job, manifest, committed, profile.archive.period_hours, force)
+        if skip:
+            return ArchiveResult(iteration, store.where(entry_key(job, iteration)), False, skip)
+        if iteration in committed:
+            # The same iteration with other bytes (Megatron re-saved it): uncommit the old entry
+            # before its objects are overwritten, so no reader pairs old manifest and new data.
+            store.remove(entry_key(job, iteration, layout.MANIFEST))
+        started = time.monotonic()
+        with pinned(save_dir, iteration, f"archive-{os.getpid()}", "archive copy reading"):
+            uploaded, reused = _upload(store, job, directory, manifest, progress)
+            bad = _mismatches(store, job, manifest, progress)
+            if bad:  # one more upload of what read back wrong, then give up
+                names = {key.rsplit("/", 1)[-1] for key in bad}
+                store.put_files([(directory / n, entry_key(job, iteration, n)) for n in sorted(names)], progress)
+                bad = _mismatches(store, job, manifest, progress)
+                if bad:
+                    raise ArchiveUnavailable(f"{store.where(bad[0])}: reads back different from the manifest after a re-upload; not committed")
+            status = _commit(store, job, manifest, directory)
+        seconds = time.monotonic() - started
+        with job_lock(save_dir, profile.verify.lock_timeout_seconds):
+            record_archive_status(directory, status)
+        deleted = apply_archive_retention(store, job, profile.archive.keep)
+        return ArchiveResult(iteration, status["url"], True, "committed", uploaded, reused, seconds, deleted)
+
+
+def _skip_reason(store: ArchiveStore, job: str, manifest: Manifest, committed: list[int],
+                 period_hours: float, force: bool) -> str | None:
+    if manifest.iteration in committed:
+        archived = archived_manifest(store, job, manifest.iteration)
+        if archived.files == manifest.files:
+            return f"iteration {manifest.iteration} is already archived"
+    if force or not committed:
+        return None
+    newest = archived_manifest(store, job, committed[-1])
+    committed_at = datetime.fromisoformat((newest.archive or {}).get("committed_at", "1970-01-01T00:00:00+00:00"))
+    age_hours = (datetime.now(timezone.utc) - committed_at).total_seconds() / 3600
+    if age_hours < period_hours:
+        return f"the newest archive copy (iteration {committed[-1]}) is {age_hours:.1f} h old, the period is {period_hours:g} h"
+    return None

@@ -1,0 +1,1 @@
+"""Restore drills: really restore a checkpoint, really load it, time every phase."""

@@ -1,0 +1,229 @@
+"""A restore drill: restore the newest good checkpoint for real, load it for real, time it.
+
+    source=shared   the promoted checkpoint on the shared store (a lease keeps retention off it)
+    source=archive  the newest committed archive entry
+
+Phases, each timed with its bytes: ``copy`` (or download) into a scratch directory, ``verify``
+the copy against the manifest of what was copied, ``load`` it with megatron-core into a model
+and optimizer built from the checkpoint's own args. Then check what was loaded: iteration,
+consumed samples, scheduler state, and a sample of tensors equal to the stored ones. The restore
+window (the phases' sum) is compared with the profile's budget. A drill never writes to its
+source, and always removes its scratch directory.
+"""
+
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tasks.archive.copy import archived_manifest, entry_key, newest_committed
+from tasks.checkpoint import layout
+from tasks.checkpoint.manifest import Manifest, now_iso, read_manifest
+from tasks.checkpoint.pins import pinned
+from tasks.checkpoint.pointer import read_pointer
+from tasks.checkpoint.state import State, VerifyOptions
+from tasks.checkpoint.verify import verify_checkpoint
+from tasks.errors import CkptopsError, UsageError
+from tasks.restore.history import append_drill
+from tasks.restore.launch import load_checkpoint
+from tasks.storage.archive import ArchiveStore
+
+SOURCES = ("shared", "archive")
+
+
+@dataclass
+class Phase:
+    name: str
+    seconds: float
+    bytes: int
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class DrillReport:
+    job: str
+    source: str
+    started_at: str
+    ok: bool = False
+    reason: str = ""
+    iteration: int | None = None
+    location: str | None = None
+    phases: list[Phase] = field(default_factory=list)
+    checks: list[dict] = field(default_factory=list)
+    budget_seconds: float = 0.0
+    host: str = field(default_factory=socket.gethostname)
+
+    @property
+    def window_seconds(self) -> float:
+        return sum(p.seconds for p in self.phases)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["window_seconds"] = self.window_seconds
+        return data
+
+    def line(self) -> str:
+        verdict = "PASS" if self.ok else "FAIL"
+        timings = ", ".join(f"{p.name} {p.seconds:.2f}s ({p.gbps:.2f} GB/s)" for p in self.phases)
+        return (f"{verdict} drill from {self.source}, iteration {self.iteration}: window "
+                f"{self.window_seconds:.2f}s of {self.budget_seconds:g}s budget"
+                + (f" [{timings}]" if timings else "") + ("" if self.ok else f": {self.reason}"))
+
+
+class _Drill:
+    def __init__(self, profile, source: str, progress: Callable[[int], None] | None):
+        if source not in SOURCES:
+            raise UsageError(f"--source {source!r}: use shared or archive")
+        if profile.drill is None:
+            raise UsageError(f"{profile.source}: no drill section")
+        if source == "archive" and profile.archive is None:
+            raise UsageError(f"{profile.source}: no archive section, no archive to drill from")
+        self.profile, self.source, self.progress = profile, source, progress
+        self.save_dir = profile.job.save_dir
+        self.report = DrillReport(profile.job.name, source, now_iso(),
+                                  budget_seconds=getattr(profile.drill.budget_seconds, source))
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        self.scratch = Path(profile.drill.scratch_dir) / f"drill-{source}-{stamp}-{os.getpid()}"
+
+    def run(self) -> DrillReport:
+        try:
+            manifest = self._restore()
+            self._verify(manifest)
+            self._load(manifest)
+            self._judge()
+        except CkptopsError as e:
+            self.report.ok, self.report.reason = False, str(e)
+        finally:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+        append_drill(self.save_dir, self.report)
+        return self.report
+
+    def _timed(self, name: str, action: Callable[[], int]) -> None:
+        started = time.monotonic()
+        nbytes = action()
+        self.report.phases.append(Phase(name, time.monotonic() - started, nbytes))
+
+    def _restore(self) -> Manifest:
+        target = self.scratch / "restore"
+        target.mkdir(parents=True)
+        if self.source == "shared":
+            return self._copy_shared(target)
+        return self._download(target)
+
+    def _copy_shared(self, target: Path) -> Manifest:
+        iteration = read_pointer(self.save_dir)
+        if iteration is None:
+            raise CkptopsError(f"{self.save_dir}: nothing promoted, nothing to restore")
+        source = self.save_dir / layout.iter_dir_name(iteration)
+        destination = target / layout.iter_dir_name(iteration)
+        self.report.iteration, self.report.location = iteration, str(source)
+        # The lease keeps retention from deleting the checkpoint while it is being copied.
+        with pinned(self.save_dir, iteration, f"drill-{os.getpid()}", "restore drill reading"):
+            manifest = read_manifest(source)
+            if manifest is None or not manifest.valid:
+                raise CkptopsError(f"{source.name}: promoted but its manifest does not say valid")
+            destination.mkdir()
+
+            def copy():
+                def one(entry):
+                    shutil.copyfile(source / entry.path, destination / entry.path)
+                    if self.progress:
+                        self.progress(entry.size)
+
+                with ThreadPoolExecutor(max_workers=min(8, len(manifest.files) or 1)) as pool:
+                    list(pool.map(one, manifest.files))
+                return sum(f.size for f in manifest.files)
+
+            self._timed("copy", copy)
+        return manifest
+
+    def _download(self, target: Path) -> Manifest:
+        store = ArchiveStore.from_settings(self.profile.archive)
+        job = self.profile.job.name
+        iteration = newest_committed(store, job)
+        if iteration is None:
+            raise CkptopsError(f"{store.where(job)}: no committed archive entry to restore")
+        self.report.iteration, self.report.location = iteration, store.where(entry_key(job, iteration))
+        manifest = archived_manifest(store, job, iteration)
+        destination = target / layout.iter_dir_name(iteration)
+        destination.mkdir()
+
+        def download():
+            store.get_files([(entry_key(job, iteration, f.path), destination / f.path) for f in manifest.files],
+                            self.progress)
+            return sum(f.size for f in manifest.files)
+
+        self._timed("download", download)
+        return manifest
+
+    def _restored_dir(self, manifest: Manifest) -> Path:
+        return self.scratch / "restore" / layout.iter_dir_name(manifest.iteration)
+
+    def _verify(self, manifest: Manifest) -> None:
+        directory = self._restored_dir(manifest)
+        options = VerifyOptions(job=self.profile.job.name, write_manifest=False,
+                                megatron_core_version=self.profile.job.megatron_core_version)
+        results = {}
+
+        def verify():
+            results["v"] = verify_checkpoint(directory, options, reference=manifest)
+            return results["v"].bytes_read
+
+        self._timed("verify", verify)
+        result = results["v"]
+        if result.state is not State.VALID:
+            failing = next((c for c in result.checks if not c.ok), None)
+            where = self.report.location if failing is None or not failing.file else f"{self.report.location}/{failing.file}"
+            raise CkptopsError(f"{where}: restored copy failed verification: {result.reason}")
+
+    def _load(self, manifest: Manifest) -> None:
+        directory = self._restored_dir(manifest)
+        started = time.monotonic()
+        loaded = load_checkpoint(self.profile, directory.parent, manifest.iteration, self.scratch / "load-report.json")
+        # The phase is the load itself, timed inside the loader; starting the processes (imports,
+        # process group) is the same for any checkpoint and is reported apart.
+        self.report.phases.append(Phase("load", loaded["load_seconds"], manifest.totals["bytes"]))
+        self.report.checks += self._checks(manifest, loaded)
+        self.report.checks.append({"name": "load process", "ok": True,
+                                   "detail": f"{time.monotonic() - started:.2f}s including start-up"})
+
+    @staticmethod
+    def _checks(manifest: Manifest, loaded: dict) -> list[dict]:
+        consumed = manifest.consumed_train_samples
+        scheduler = loaded.get("scheduler") or {}
+        checks = [
+            ("iteration", loaded.get("iteration") == manifest.iteration,
+             f"loaded {loaded.get('iteration')}, manifest {manifest.iteration}"),
+            ("consumed samples", loaded.get("consumed_train_samples") == consumed,
+             f"loaded {loaded.get('consumed_train_samples')}, manifest {consumed}"),
+            # Megatron's scheduler counts samples: after N samples its step count is N.
+            ("scheduler", scheduler.get("num_steps") == consumed,
+             f"scheduler at step {scheduler.get('num_steps')}, lr {loaded.get('lr')}"),
+            ("tensors", bool(loaded.get("tensors_compared")) and not loaded.get("tensor_mismatches"),
+             f"{len(loaded.get('tensors_compared') or [])} compared with the stored bytes, "
+             f"differing: {loaded.get('tensor_mismatches') or 'none'}"),
+        ]
+        return [{"name": n, "ok": bool(ok), "detail": d} for n, ok, d in checks]
+
+    def _judge(self) -> None:
+        failed = [c for c in self.report.checks if not c["ok"]]
+        if failed:
+            self.report.ok, self.report.reason = False, f"{failed[0]['name']}: {failed[0]['detail']}"
+        elif self.report.window_seconds > self.report.budget_seconds:
+            self.report.ok = False
+            self.report.reason = (f"restore window {self.report.window_seconds:.2f}s is over the "
+                                  f"{self.report.budget_seconds:g}s budget")
+        else:
+            self.report.ok, self.report.reason = True, "restored, verified and loaded within budget"
+
+
+def run_drill(profile, source: str, progress: Callable[[int], None] | None = None) -> DrillReport:
+    """Run one drill and record it in the job's drill history."""
+    return _Drill(profile, source, progress).run()

@@ -1,0 +1,150 @@
+"""Drill history: one JSON line per drill, kept with the job's data.
+
+``<save_dir>/.ckptops-history/drills.jsonl`` survives a Prefect database reset (and a Prefect
+server that was never there). The trend (restore window per night per source, against the
+budget) is drawn from it for the UI and the terminal, and so is the estimate of the restore
+window at production size.
+"""
+
+import base64
+import io
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.checkpoint.layout import HISTORY
+from tasks.errors import CkptopsError
+
+DRILLS = "drills.jsonl"
+
+
+def history_path(save_dir: Path) -> Path:
+    return Path(save_dir) / HISTORY / DRILLS
+
+
+def append_drill(save_dir: Path, report) -> None:
+    """Append one line: a single write to an O_APPEND file, fsynced."""
+    path = history_path(save_dir)
+    path.parent.mkdir(exist_ok=True)
+    line = (json.dumps(report.to_dict(), sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_drills(save_dir: Path) -> list[dict]:
+    """Every recorded drill, oldest first; a torn last line (a crash mid-append) is skipped."""
+    path = history_path(save_dir)
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise CkptopsError(f"{path}: unreadable drill history ({e.strerror})") from None
+    drills = []
+    for line in lines:
+        try:
+            drills.append(json.loads(line))
+        except ValueError:
+            continue
+    return drills
+
+
+def phase(drill: dict, name: str) -> dict | None:
+    return next((p for p in drill.get("phases", []) if p["name"] == name), None)
+
+
+# Below this size a drill's phases are mostly fixed costs (opening files, thread start-up), and
+# scaling their throughput up to terabytes says nothing about the storage.
+REPRESENTATIVE_BYTES = 1 << 30
+
+
+@dataclass
+class Estimate:
+    source: str
+    seconds: float
+    measured_bytes: int
+
+    @property
+    def representative(self) -> bool:
+        return self.measured_bytes >= REPRESENTATIVE_BYTES
+
+    def line(self, size_bytes: int, budget_seconds: float) -> str:
+        head = f"predicted {self.source} restore window for {size_bytes / 1e12:.1f} TB: {self.seconds / 60:.1f} min"
+        if not self.representative:
+            return (f"{head}; measured on only {self.measured_bytes / 1e6:.1f} MB, where fixed costs dominate: "
+                    "not representative")
+        verdict = "within" if self.seconds <= budget_seconds else "OVER"
+        return f"{head}, {verdict} the {budget_seconds / 60:.0f} min budget"
+
+
+def estimate(drills: list[dict], size_bytes: int) -> dict[str, Estimate]:
+    """Predicted restore window per source for a checkpoint of ``size_bytes``: each phase of the
+    newest passing drill scaled to that size (size / measured throughput), summed."""
+    predicted = {}
+    for source in ("shared", "archive"):
+        passing = [d for d in drills if d["source"] == source and d["ok"]]
+        if not passing:
+            continue
+        phases = passing[-1]["phases"]
+        if phases and all(p["seconds"] > 0 and p["bytes"] > 0 for p in phases):
+            seconds = sum(size_bytes * p["seconds"] / p["bytes"] for p in phases)
+            predicted[source] = Estimate(source, seconds, max(p["bytes"] for p in phases))
+    return predicted
+
+
+def trend_rows(drills: list[dict]) -> list[dict]:
+    rows = []
+    for d in drills:
+        fetch = phase(d, "copy") or phase(d, "download") or {}
+        row = {"when (UTC)": d["started_at"].replace("T", " ")[5:16], "source": d["source"],
+               "iter": d.get("iteration"), "window s": round(d["window_seconds"], 2),
+               "budget s": d["budget_seconds"], "result": "PASS" if d["ok"] else "FAIL"}
+        for name, p in (("fetch", fetch), ("verify", phase(d, "verify") or {}), ("load", phase(d, "load") or {})):
+            row[f"{name} GB/s"] = round(p["bytes"] / p["seconds"] / 1e9, 3) if p.get("seconds") else None
+        row["reason"] = "" if d["ok"] else d.get("reason", "")
+        rows.append(row)
+    return rows
+
+
+def trend_png(drills: list[dict]) -> bytes:
+    """The restore window per drill and source, with each source's budget, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5), dpi=100)
+    colours = {"shared": "tab:blue", "archive": "tab:orange"}
+    for source, colour in colours.items():
+        points = [(i, d) for i, d in enumerate(drills) if d["source"] == source]
+        if not points:
+            continue
+        ax.plot([i for i, _ in points], [d["window_seconds"] for _, d in points], "-o", color=colour, label=f"{source} window")
+        failed = [(i, d["window_seconds"]) for i, d in points if not d["ok"]]
+        if failed:
+            ax.scatter(*zip(*failed), marker="x", s=80, color="red", zorder=3)
+        ax.axhline(points[-1][1]["budget_seconds"], color=colour, linestyle="--", linewidth=1, label=f"{source} budget")
+    ax.set_xlabel("drill (oldest to newest; x = failed)")
+    ax.set_ylabel("restore window (s)")
+    ax.set_title("restore drills: copy + verify + load")
+    ax.legend(loc="upper left", fontsize="small")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def trend_markdown(job: str, drills: list[dict], predicted: dict[str, Estimate], size_bytes: int | None,
+                   budgets: dict[str, float]) -> str:
+    image = base64.b64encode(trend_png(drills)).decode()
+    lines = [f"# restore drills: {job}", "", f"![restore window per drill](data:image/png;base64,{image})", ""]
+    if predicted and size_bytes:
+        lines.append("From the newest passing drills:")
+        lines += [f"- {e.line(size_bytes, budgets[e.source])}" for e in predicted.values()]
+    return "\n".join(lines) + "\n"

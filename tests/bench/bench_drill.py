@@ -1,0 +1,90 @@
+"""``make bench`` (second part): restore-drill phases beside a plain copy and a plain read.
+
+Uses the large bench checkpoint (made by bench_verify). Archives it to a local-directory archive
+once, then runs one drill from each source. References measured in the same run, same bytes:
+``cp -r`` of the checkpoint directory into scratch, and ``cat > /dev/null`` of its files.
+Target: copy + verify + load within 2x of plain copy + plain read.
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from tasks.archive.copy import archive_checkpoint
+from tasks.checkpoint.promote import promote
+from tasks.checkpoint.state import VerifyOptions
+from tasks.profile import load_profile
+from tasks.restore.drill import run_drill
+from tests.bench.bench_verify import BENCH, LARGE_MODEL, checkpoint, data_files, median_seconds
+
+console = Console(highlight=False)
+REPEATS = 3
+
+
+def bench_profile() -> Path:
+    path = BENCH / "bench-profile.yaml"
+    path.write_text(
+        "job: {name: bench, save_dir: large, layout: {data_parallel: 2}}\n"
+        "verify: {lock_timeout_seconds: 60}\n"
+        "archive: {url: archive, keep: 2}\n"
+        "drill: {scratch_dir: scratch, budget_seconds: {shared: 3600, archive: 3600}, load_timeout_seconds: 1800,"
+        " estimate_for_bytes: 7000000000000}\n"
+        "local_job: {nproc: 2}\n"
+    )
+    return path
+
+
+def main() -> int:
+    directory = checkpoint("large", 2, LARGE_MODEL)
+    profile = load_profile(bench_profile())
+    files = data_files(directory)
+    size = sum(Path(f).stat().st_size for f in files if not f.endswith("manifest.json"))
+    with console.status("promoting and archiving the bench checkpoint..."):
+        promote(profile.job.save_dir, VerifyOptions.from_profile(profile), 60)
+        archive_checkpoint(profile.job.save_dir, profile)
+    scratch = Path(profile.drill.scratch_dir) / "plain-copy"
+
+    def plain_copy():
+        shutil.rmtree(scratch, ignore_errors=True)
+        subprocess.run(["cp", "-r", str(directory), str(scratch)], check=True, timeout=600)
+
+    with console.status("measuring plain copy and plain read..."):
+        scratch.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(f"cat {' '.join(files)} > /dev/null", shell=True, check=True)  # warm the cache
+        copy_s = median_seconds(plain_copy, REPEATS)
+        shutil.rmtree(scratch, ignore_errors=True)
+        read_s = median_seconds(lambda: subprocess.run(f"cat {' '.join(files)} > /dev/null", shell=True, check=True), REPEATS)
+
+    reports = {}
+    for source in ("shared", "archive"):
+        with console.status(f"restore drill from {source} (copy, verify, load with 2 ranks)..."):
+            reports[source] = run_drill(profile, source)
+        if not reports[source].ok:
+            raise SystemExit(f"bench drill failed: {reports[source].line()}")
+
+    table = Table(title=f"make bench: restore drill of a {size / 1e9:.2f} GB checkpoint, page cache warm")
+    for column in ("step", "GB", "seconds", "GB/s"):
+        table.add_column(column, justify="left" if column == "step" else "right")
+    table.add_row("plain copy (cp -r)", f"{size / 1e9:.3f}", f"{copy_s:.3f}", f"{size / copy_s / 1e9:.2f}")
+    table.add_row("plain read (cat > /dev/null)", f"{size / 1e9:.3f}", f"{read_s:.3f}", f"{size / read_s / 1e9:.2f}")
+    for source, report in reports.items():
+        for phase in report.phases:
+            table.add_row(f"drill from {source}: {phase.name}", f"{phase.bytes / 1e9:.3f}", f"{phase.seconds:.3f}", f"{phase.gbps:.2f}")
+        table.add_row(f"drill from {source}: restore window", "", f"{report.window_seconds:.3f}", "")
+    console.print(table)
+    reference = copy_s + read_s
+    for source, report in reports.items():
+        ratio = report.window_seconds / reference
+        console.print(f"{source}: (copy + verify + load) / (plain copy + plain read) = {ratio:.2f} "
+                      f"(target <= 2): {'met' if ratio <= 2 else 'NOT met'}")
+        startup = next(c["detail"] for c in report.checks if c["name"] == "load process")
+        console.print(f"  load process, for scale: {startup}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""Child process for the archive crash test: upload the first file, then die with SIGKILL.
+
+    archive_child.py PROFILE
+
+Runs the real archive_checkpoint; only ArchiveStore.put_files is wrapped.
+"""
+
+import os
+import signal
+import sys
+
+from tasks.archive.copy import archive_checkpoint
+from tasks.profile import load_profile
+from tasks.storage.archive import ArchiveStore
+
+real_put_files = ArchiveStore.put_files
+
+
+def first_file_then_die(self, pairs, progress=None):
+    real_put_files(self, pairs[:1], progress)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    ArchiveStore.put_files = first_file_then_die
+    profile = load_profile(sys.argv[1])
+    archive_checkpoint(profile.job.save_dir, profile, force=True)

@@ -1,0 +1,155 @@
+"""The archive tier against a real S3-compatible server (moto, over HTTP, with s3fs) and against
+a local directory, and restore drills from it with the real load."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import uuid
+
+import pytest
+import xxhash
+
+from tasks.archive.copy import apply_archive_retention, archive_checkpoint, committed_iterations, newest_committed
+from tasks.checkpoint.manifest import read_manifest
+from tasks.checkpoint.promote import promote
+from tasks.profile import load_profile
+from tasks.restore.drill import run_drill
+from tasks.restore.history import read_drills
+from tasks.storage.archive import ArchiveStore
+from tests.conftest import ROOT, iter_dir, s3_bucket, write_job_profile
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(params=["local", "s3"])
+def archived_profile(request, save_dir, tmp_path, options):
+    """A promoted job and a profile whose archive is a local directory or a bucket on moto."""
+    promote(save_dir, options, 30)
+    if request.param == "local":
+        path = write_job_profile(tmp_path, save_dir, str(tmp_path / "archive"))
+    else:
+        endpoint = request.getfixturevalue("s3_endpoint")
+        bucket = s3_bucket(endpoint, f"archive-{uuid.uuid4().hex[:12]}")
+        path = write_job_profile(tmp_path, save_dir, f"s3://{bucket}/checkpoints", endpoint)
+    return load_profile(path)
+
+
+def store_of(profile) -> ArchiveStore:
+    return ArchiveStore.from_settings(profile.archive)
+
+
+def test_archive_commits_manifest_last_and_records_status(archived_profile, save_dir):
+    result = archive_checkpoint(save_dir, archived_profile)
+    assert result.committed and result.iteration == 24
+    store = store_of(archived_profile)
+    assert committed_iterations(store, "test-job") == [24] and newest_committed(store, "test-job") == 24
+    manifest = read_manifest(iter_dir(save_dir, 24))
+    for entry in manifest.files:
+        assert store.hash_object(f"test-job/iter_0000024/{entry.path}") == (entry.size, entry.hash)
+    assert manifest.archive["url"] == result.location and "read back" in manifest.archive["verified"]
+    again = archive_checkpoint(save_dir, archived_profile)
+    assert not again.committed and again.message == "iteration 24 is already archived"
+
+
+def test_killed_upload_is_not_committed_and_the_next_run_completes_it(archived_profile, save_dir):
+    child = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "archive_child.py"),
+                            str(archived_profile.source)], cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert child.returncode == -9, child.stderr
+    store = store_of(archived_profile)
+    assert committed_iterations(store, "test-job") == []
+    assert store.listdir("test-job/iter_0000024")  # objects are there, but no manifest: not an entry
+    report = run_drill(archived_profile, "archive")
+    assert not report.ok and "no committed archive entry" in report.reason
+    result = archive_checkpoint(save_dir, archived_profile)
+    assert result.committed and result.reused_bytes > 0
+    assert committed_iterations(store, "test-job") == [24]
+
+
+def test_drill_from_archive_restores_verifies_and_loads(archived_profile, save_dir):
+    archive_checkpoint(save_dir, archived_profile)
+    report = run_drill(archived_profile, "archive")
+    assert report.ok, report.reason
+    assert [p.name for p in report.phases] == ["download", "verify", "load"]
+    assert {c["name"] for c in report.checks if c["ok"]} >= {"iteration", "consumed samples", "scheduler", "tensors"}
+    assert report.iteration == 24 and report.location.endswith("test-job/iter_0000024")
+    assert list((archived_profile.drill.scratch_dir).iterdir()) == []
+    assert read_drills(save_dir)[-1]["source"] == "archive"
+
+
+def _corrupt_object(profile, key: str) -> None:
+    store = store_of(profile)
+    data = bytearray(store.read(key))
+    data[len(data) // 2] ^= 0x01
+    store.write(key, bytes(data))
+
+
+def test_corrupted_archived_object_fails_the_drill_naming_it(archived_profile, save_dir):
+    archive_checkpoint(save_dir, archived_profile)
+    _corrupt_object(archived_profile, "test-job/iter_0000024/__1_0.distcp")
+    report = run_drill(archived_profile, "archive")
+    assert not report.ok
+    assert report.reason.startswith(f"{archived_profile.archive.url}/test-job/iter_0000024/__1_0.distcp: ")
+    assert "failed verification" in report.reason
+    assert list(archived_profile.drill.scratch_dir.iterdir()) == []
+
+
+def test_archive_retention_keeps_the_newest_and_never_the_only_one(save_dir, tmp_path, options):
+    profile = load_profile(write_job_profile(tmp_path, save_dir, str(tmp_path / "archive"), keep=2))
+    store = store_of(profile)
+    for iteration in (16, 20, 24):
+        promote(save_dir, options, 30, requested=iteration)
+        archive_checkpoint(save_dir, profile, force=True)
+    assert committed_iterations(store, "test-job") == [20, 24]
+    assert store.listdir("test-job") == ["iter_0000020", "iter_0000024", "latest_committed_iteration.txt"]
+    assert apply_archive_retention(store, "test-job", keep=2) == []
+
+
+def test_multipart_upload_of_large_files(medium_save_dir, tmp_path, s3_endpoint, options):
+    """Files larger than the part size go up in several parts and still read back exactly."""
+    promote(medium_save_dir, options, 30)
+    bucket = s3_bucket(s3_endpoint, f"multipart-{uuid.uuid4().hex[:12]}")
+    profile = load_profile(write_job_profile(tmp_path, medium_save_dir, f"s3://{bucket}/c", s3_endpoint,
+                                             extra_archive=", multipart_chunk_mb: 5"))
+    manifest = read_manifest(iter_dir(medium_save_dir, 4))
+    assert max(f.size for f in manifest.files) > 2 * (5 << 20)
+    assert archive_checkpoint(medium_save_dir, profile).committed
+    import boto3
+
+    head = boto3.client("s3", endpoint_url=s3_endpoint).head_object(Bucket=bucket, Key="c/test-job/iter_0000004/__0_0.distcp")
+    assert re.search(r"-[2-9]$", head["ETag"].strip('"'))  # a multipart object's ETag counts its parts
+    assert run_drill(profile, "archive").ok
+
+
+def test_unreachable_store_fails_the_drill_after_bounded_retries(save_dir, tmp_path, options):
+    """A store that accepts connections and never answers: the drill must fail, not hang."""
+    promote(save_dir, options, 30)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # connections complete in the backlog; nothing ever answers
+    endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    path = write_job_profile(tmp_path, save_dir, "s3://nobody/here", endpoint,
+                             extra_archive=", read_timeout_seconds: 1, connect_timeout_seconds: 1, max_attempts: 2")
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"}
+    try:
+        result = subprocess.run([str(ROOT / ".venv" / "bin" / "ckptops"), "drill", "--source", "archive",
+                                 "--profile", str(path), "--json"], cwd=ROOT, env=env, timeout=240,
+                                capture_output=True, text=True)
+    finally:
+        silent.close()
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout)
+    assert not report["ok"] and report["reason"].startswith("s3://nobody/here/test-job: list failed")
+    assert "Timeout" in report["reason"] or "timed out" in report["reason"]
+
+
+def test_archive_never_modifies_the_source(archived_profile, save_dir):
+    directory = iter_dir(save_dir, 24)
+    before = {p.name: xxhash.xxh3_128(p.read_bytes()).hexdigest() for p in directory.iterdir() if p.name != "manifest.json"}
+    archive_checkpoint(save_dir, archived_profile)
+    run_drill(archived_profile, "shared")
+    after = {p.name: xxhash.xxh3_128(p.read_bytes()).hexdigest() for p in directory.iterdir() if p.name != "manifest.json"}
+    assert after == before
+    assert not list((save_dir / ".ckptops-pins").iterdir())  # the drill's and the copy's leases are gone
