@@ -10,7 +10,8 @@
    verification and load), printing each phase's timing;
 5. print the status table and where to look in the UI.
 
-The demo owns the embedded default's save directory and starts it empty each time.
+The demo owns the embedded default's save directory and starts it empty each time, keeping
+only the drill history (so repeated demos show a trend).
 """
 
 import os
@@ -20,6 +21,7 @@ import time
 
 from rich.console import Console
 
+from tasks.checkpoint.layout import HISTORY
 from tasks.errors import CkptopsError
 from tasks.profile import load_profile
 from tasks.prefect_server import server_env, start_server
@@ -70,8 +72,14 @@ def main(profile_name: str | None = None) -> int:
     from tasks.cli import status_table
 
     save_dir = profile.job.save_dir
-    if save_dir.exists():
-        shutil.rmtree(save_dir)
+    if save_dir.exists():  # a fresh job each time; the drill history is kept, to show a trend
+        for entry in save_dir.iterdir():
+            if entry.name == HISTORY:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
     options = VerifyOptions.from_profile(profile)
     console.print(f"training: {job.train_iters} iterations, a checkpoint every {job.save_interval}, "
                   f"{job.nproc} CPU ranks -> {save_dir}")

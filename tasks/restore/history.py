@@ -129,7 +129,8 @@ def trend_png(drills: list[dict]) -> bytes:
         if failed:
             ax.scatter(*zip(*failed), marker="x", s=80, color="red", zorder=3)
         ax.axhline(points[-1][1]["budget_seconds"], color=colour, linestyle="--", linewidth=1, label=f"{source} budget")
-    ax.set_xlabel("drill (oldest to newest; x = failed)")
+    ax.set_xticks(range(len(drills)), [d["started_at"][5:16].replace("T", "\n") for d in drills], fontsize="x-small")
+    ax.set_xlabel("drill start (UTC; x = failed)")
     ax.set_ylabel("restore window (s)")
     ax.set_title("restore drills: copy + verify + load")
     ax.legend(loc="upper left", fontsize="small")
