@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv test demo bench clean
+.PHONY: venv sshd test demo bench clean
 
 venv: $(STAMP)
 
@@ -18,17 +18,23 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	@touch $(STAMP)
 
-test: venv
+# The node-health tests start real OpenSSH servers on 127.0.0.x: they need sshd.
+sshd:
+	@test -x /usr/sbin/sshd || { command -v apt-get >/dev/null && apt-get install -y -q openssh-server >/dev/null; } \
+		|| { echo "make: the tests need OpenSSH's sshd (Debian: apt-get install openssh-server)"; exit 2; }
+
+test: venv sshd
 	$(BIN)/python -m pytest
 
 demo: venv
 	$(BIN)/python -m infra.demo
 
 # Needs b3sum for the reference column (Debian: apt-get install b3sum).
-bench: venv
+bench: venv sshd
 	@command -v b3sum >/dev/null || { echo "make bench: b3sum not found (apt-get install b3sum)"; exit 2; }
 	$(BIN)/python -m tests.bench.bench_verify
 	$(BIN)/python -m tests.bench.bench_drill
+	$(BIN)/python -m tests.bench.bench_health
 
 clean:
 	rm -rf $(VENV) data/bench

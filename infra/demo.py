@@ -8,7 +8,8 @@
 3. run the verify-and-promote flow as each checkpoint lands, and once more at the end;
 4. archive the promoted checkpoint and run a restore drill from each source (real restore,
    verification and load), printing each phase's timing;
-5. print the status table and where to look in the UI.
+5. run node health on this machine (no GPU here: the verdict says "no GPUs found");
+6. print the status table and where to look in the UI.
 
 The demo owns the embedded default's save directory and starts it empty each time, keeping
 only the drill history (so repeated demos show a trend).
@@ -64,6 +65,7 @@ def main(profile_name: str | None = None) -> int:
     os.environ.update(server_env(api_url, home))
 
     from flows.archive_copy import archive_copy
+    from flows.node_health import node_health
     from flows.restore_drill import restore_drill
     from flows.verify_and_promote import verify_and_promote
     from infra.local_job.launch import start_local_job, wait_local_job
@@ -119,6 +121,12 @@ def main(profile_name: str | None = None) -> int:
                 drilled = restore_drill(profile=str(profile.source), source=source, return_state=True)
             console.print(f"restore-drill: {drilled.message}", markup=False)
             ok = ok and archived.is_completed() and drilled.is_completed()
+
+    if profile.health:
+        with console.status("node-health on this machine..."):
+            health = node_health(profile=str(profile.source), return_state=True)
+        # On a machine without GPUs a FAIL_CONFIG "no GPUs found" is the expected answer.
+        console.print(f"node-health: {health.name}: {health.message}", markup=False)
 
     console.print()
     console.print(status_table(save_dir, catalog(save_dir, options)))

@@ -333,6 +333,81 @@ def drills(
         out.print(e.line(size, getattr(prof.drill.budget_seconds, e.source)), markup=False)
 
 
+health_app = typer.Typer(no_args_is_help=True, help="Node health: DCGM, GPU basics, nccl-tests.")
+app.add_typer(health_app, name="health")
+
+
+@health_app.command("run")
+def health_run(
+    profile: ProfileOpt = None,
+    nodes: Annotated[Optional[str], typer.Option("--nodes", help="comma-separated node names [default: the profile's]")] = None,
+    level: Annotated[Optional[int], typer.Option("--level", min=1, max=4, help="DCGM diag level [default: the profile's]")] = None,
+    admit: Annotated[bool, typer.Option("--admit", help="run the spare admission set (r3, NCCL, pair test)")] = False,
+    as_json: JsonOpt = False,
+):
+    """Check nodes in parallel; print a verdict per node; drain (or plan drains) as the profile says."""
+    with _expected_errors():
+        from tasks.health.actions import apply_drains, plan_drains, spare_readiness
+        from tasks.health.run import resolve_nodes, run_health
+
+        prof = load_profile(profile)
+        if prof.health is None:
+            raise UsageError(f"{prof.source}: no health section")
+        names = resolve_nodes(prof.health, nodes.split(",") if nodes else None)
+        run = run_health(prof.health, names, level, admit,
+                         progress=None if as_json else lambda r: err.print(f"  {r.node}: {r.verdict.value}", markup=False))
+        plan = apply_drains(plan_drains(run.reports, prof.health), prof.health)
+        spares = spare_readiness(run.reports, names if admit else prof.health.spares)
+    if as_json:
+        out.print_json(json.dumps({"nodes": [r.to_dict() for r in run.reports], "drain": plan.drain,
+                                   "drained": plan.drained, "held": plan.held, "rerun": plan.rerun,
+                                   "page": plan.page, "spares": spares}))
+    else:
+        for r in sorted(run.reports, key=lambda r: (-r.verdict.rank, r.node)):
+            out.print(f"{r.verdict.value} {r.node}: {r.summary}", markup=False)
+        if plan.page:
+            out.print(f"PAGE: {plan.page}", markup=False)
+        for node, reason in plan.drain:
+            out.print(f"{'drained' if node in plan.drained else 'drain plan'}: {node}: {reason}", markup=False)
+        for node, why in plan.held:
+            out.print(f"{why}: {node}", markup=False)
+        for node, state in spares.items():
+            out.print(f"spare {node}: {state}", markup=False)
+    raise typer.Exit(max((r.verdict.exit_code for r in run.reports), default=0))
+
+
+@health_app.command("classify")
+def health_classify(
+    tool: Annotated[str, typer.Argument(help="dcgm or nccl")],
+    file: Annotated[Path, typer.Argument(help="a saved raw output")],
+    exit_code: Annotated[Optional[int], typer.Option("--exit-code", help="the tool's exit code, if known")] = None,
+    level: Annotated[Optional[int], typer.Option("--level", help="dcgm: the level it ran at (checks the test set)")] = None,
+    pass_gbps: Annotated[float, typer.Option("--pass-gbps", help="nccl: busbw gate")] = 431.0,
+    warn_gbps: Annotated[float, typer.Option("--warn-gbps", help="nccl: warn threshold")] = 410.0,
+    as_json: JsonOpt = False,
+):
+    """Classify one saved dcgmi diag or all_reduce_perf output; the verdict word comes first."""
+    with _expected_errors():
+        from tasks.health.dcgm import classify_diag
+        from tasks.health.nccl import classify_allreduce
+
+        if tool not in ("dcgm", "nccl"):
+            raise UsageError(f"{tool!r}: classify dcgm or nccl")
+        try:
+            text = file.read_text(errors="replace")
+        except OSError as e:
+            raise UsageError(f"{file}: {e.strerror}") from None
+        verdict = (classify_diag(text, exit_code, level) if tool == "dcgm"
+                   else classify_allreduce(text, exit_code, pass_gbps, warn_gbps))
+    if as_json:
+        out.print_json(json.dumps(verdict.to_dict()))
+    else:
+        out.print(f"{verdict.verdict.value} {verdict.summary}", markup=False)
+        for item in verdict.evidence[1:]:
+            out.print(f"  {item.detail}", markup=False)
+    raise typer.Exit(verdict.verdict.exit_code)
+
+
 def main() -> None:
     # Typer exits 2 on usage errors, like the rest of our input errors.
     sys.exit(app())

@@ -128,6 +128,76 @@ class Drill(_Section):
         default=None, description="predict the restore window for a checkpoint of this size (e.g. 7 TB)")
 
 
+class SshAccess(_Section):
+    user: str = "root"
+    port: Annotated[int, Field(ge=1, le=65535)] = 22
+    known_hosts: Path = Field(description="host keys are checked against this file; unknown or changed keys are refused")
+    key_file: Path | None = None
+    secret_block: str | None = Field(default=None, description="a Prefect Secret block holding the private key")
+    use_agent: bool = True
+    connect_timeout_seconds: Positive = 10
+
+
+class Nccl(_Section):
+    enabled: bool = True
+    command: list[str] = ["all_reduce_perf", "-b", "1G", "-e", "8G", "-f", "2", "-g", "8"]
+    pass_gbps: Positive = 431   # one node, 8 x H200 (health.md); replace with the fleet's median
+    warn_gbps: Positive = 410
+    timeout_seconds: Positive = 900
+
+
+class Pairs(_Section):
+    """Two-node runs against a known-good node, to tell a bad node from a bad fabric."""
+
+    enabled: bool = False
+    known_good: str | None = None
+    command: list[str] = ["mpirun", "-np", "16", "-H", "{a}:8,{b}:8", "-x", "NCCL_ALGO=Ring",
+                          "all_reduce_perf", "-b", "1G", "-e", "8G", "-f", "2", "-g", "1"]
+    pass_gbps: Positive = 360   # several nodes, 8 x 400G InfiniBand, Ring
+    warn_gbps: Positive = 330
+    timeout_seconds: Positive = 1200
+
+
+class Drain(_Section):
+    enabled: bool = Field(default=False, description="drain FAIL nodes in Slurm; off: only a drain plan")
+    max_per_run: Annotated[int, Field(ge=0)] = 2
+    max_per_hour: Annotated[int, Field(ge=0)] = 4
+    page_when_same_check_fails: Annotated[int, Field(ge=2)] = Field(
+        default=3, description="this many nodes failing one check at once: drain nothing, call a human")
+
+
+class Health(_Section):
+    nodes: list[str] = Field(default_factory=list)
+    slurm_partition: str | None = None
+    slurm_nodelist: str | None = None
+    spares: list[str] = Field(default_factory=list)
+    transport: Literal["ssh", "local"] = "ssh"
+    ssh: SshAccess | None = None
+    gpus_per_node: Annotated[int, Field(ge=1)] = 8
+    level: Literal[1, 2, 3, 4] = 1
+    concurrency: Annotated[int, Field(ge=1)] = 32
+    command_timeout_seconds: Positive = 60
+    diag_timeout_seconds: dict[int, Positive] = Field(default_factory=lambda: {1: 300, 2: 900, 3: 7200, 4: 14400})
+    node_timeout_seconds: Positive = 10800
+    checks: list[Literal["gpu-count", "recovery-action", "row-remap", "xid", "nvlink", "dcgm-diag", "nccl"]] = [
+        "gpu-count", "recovery-action", "row-remap", "xid", "nvlink", "dcgm-diag", "nccl"]
+    critical_xids: list[int] = [48, 56, 57, 58, 62, 63, 64, 65, 68, 69, 73, 74, 79, 80, 81, 92, 119, 120]
+    nccl: Nccl = Nccl()
+    pairs: Pairs = Pairs()
+    drain: Drain = Drain()
+    raw_dir: Path
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.transport == "ssh" and self.ssh is None:
+            raise ValueError("transport ssh needs an ssh section (known_hosts at least)")
+        if not (self.nodes or self.slurm_partition or self.slurm_nodelist):
+            raise ValueError("name the nodes: nodes, slurm_partition or slurm_nodelist")
+        if self.pairs.enabled and not self.pairs.known_good:
+            raise ValueError("pairs.enabled needs pairs.known_good")
+        return self
+
+
 class Prefect(_Section):
     api_url: str = "http://127.0.0.1:4200/api"
     home: Path | None = None
@@ -149,6 +219,7 @@ class Profile(_Section):
     prefect: Prefect = Prefect()
     archive: Archive | None = None
     drill: Drill | None = None
+    health: Health | None = None
     local_job: LocalJob | None = None
     source: Path | None = Field(default=None, exclude=True)
 
@@ -171,11 +242,14 @@ class Profile(_Section):
 def _resolve_paths(data: dict, base: Path) -> dict:
     """Make the profile's relative paths relative to the profile file, not the caller's cwd.
     (Sections that are not mappings are left for the schema to reject, naming the key.)"""
-    for section, key in (("job", "save_dir"), ("prefect", "home"), ("archive", "url"), ("drill", "scratch_dir")):
-        values = data.get(section)
-        value = values.get(key) if isinstance(values, dict) else None
+    for path in (("job", "save_dir"), ("prefect", "home"), ("archive", "url"), ("drill", "scratch_dir"),
+                 ("health", "raw_dir"), ("health", "ssh", "known_hosts"), ("health", "ssh", "key_file")):
+        values = data
+        for key in path[:-1]:
+            values = values.get(key) if isinstance(values, dict) else None
+        value = values.get(path[-1]) if isinstance(values, dict) else None
         if isinstance(value, str) and "://" not in value and not Path(value).is_absolute():
-            values[key] = str((base / value).resolve())
+            values[path[-1]] = str((base / value).resolve())
     return data
 
 

@@ -1,5 +1,6 @@
 """``make demo`` end to end, on a profile of its own that points at the test Prefect server."""
 
+import os
 import subprocess
 import sys
 
@@ -21,9 +22,12 @@ def test_demo_trains_verifies_promotes_and_prints_status(prefect_api, tmp_path):
         "local_job: {nproc: 2, train_iters: 12, save_interval: 4, timeout_seconds: 600}\n"
         "archive: {url: archive, keep: 2}\n"
         "drill: {scratch_dir: scratch, budget_seconds: {shared: 600, archive: 600}}\n"
+        "health: {nodes: [localhost], transport: local, gpus_per_node: 1, raw_dir: health}\n"
     )
     result = subprocess.run([sys.executable, "-m", "infra.demo", str(profile)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "COLUMNS": "300"})  # long lines unwrapped, to match whole
+
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "Prefect server: reused" in result.stdout
     assert "verify-and-promote (training finished): Completed" in result.stdout
@@ -33,3 +37,4 @@ def test_demo_trains_verifies_promotes_and_prints_status(prefect_api, tmp_path):
     assert "archive-copy: Completed: iteration 12: committed" in result.stdout
     assert "restore-drill: PASS drill from shared, iteration 12" in result.stdout
     assert "restore-drill: PASS drill from archive, iteration 12" in result.stdout
+    assert "node-health: Failed: 1 nodes: FAIL_CONFIG 1; localhost FAIL_CONFIG: gpu-count: no GPUs found" in result.stdout

@@ -94,9 +94,9 @@ def main() -> int:
             save_dir = directory.parent
             nbytes = sum(os.path.getsize(f) for f in data_files(directory))
 
-            def promote_step():
+            def promote_step(save_dir=save_dir, iteration=int(directory.name[5:])):
                 with job_lock(save_dir, 10):
-                    target, _ = choose_target(save_dir, VerifyOptions(job="bench"), directory and int(directory.name[5:]))
+                    target, _ = choose_target(save_dir, VerifyOptions(job="bench"), iteration)
                     point_to(save_dir, target)
 
             promotion[name] = median_seconds(promote_step, repeats=20)

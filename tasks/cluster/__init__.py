@@ -1,0 +1,1 @@
+"""Cluster access: SSH to nodes, commands on this host, Slurm."""

@@ -1,0 +1,100 @@
+"""What to do about the verdicts: drain failing nodes in Slurm (safely), admit spares.
+
+Safety rules (health.md):
+- many nodes failing the same check at once is usually a software regression, not hardware:
+  drain nothing, call a human (``page``);
+- at most ``max_per_run`` drains per run and ``max_per_hour`` per hour (a drain log per fleet);
+- only FAIL_HARDWARE and FAIL_CONFIG nodes are drained; SUSPECT and TOOL_ERROR nodes are listed
+  for a rerun, never drained on a tool's word.
+With draining off, the same decisions make a drain plan for a human.
+"""
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tasks.cluster import slurm
+from tasks.health.run import NodeReport
+from tasks.health.verdict import Verdict
+
+DRAIN_LOG = "drains.jsonl"
+_REASON_LIMIT = 200
+
+
+@dataclass
+class DrainPlan:
+    drain: list[tuple[str, str]] = field(default_factory=list)    # (node, reason)
+    held: list[tuple[str, str]] = field(default_factory=list)     # (node, why not drained)
+    rerun: list[str] = field(default_factory=list)                # SUSPECT / TOOL_ERROR nodes
+    page: str | None = None
+    drained: list[str] = field(default_factory=list)
+
+
+def _reason(report: NodeReport) -> str:
+    return f"ckptops {report.verdict.value} {report.summary}"[:_REASON_LIMIT]
+
+
+def _drained_in_last_hour(raw_dir: Path, now: float) -> list[str]:
+    try:
+        lines = (Path(raw_dir) / DRAIN_LOG).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    entries = [json.loads(line) for line in lines]
+    return [e["node"] for e in entries if now - e["at"] < 3600]
+
+
+def plan_drains(reports: list[NodeReport], settings, now: float | None = None) -> DrainPlan:
+    now = time.time() if now is None else now
+    plan = DrainPlan()
+    failing = [r for r in reports if r.verdict.failed]
+    plan.rerun = [r.node for r in reports if r.verdict in (Verdict.SUSPECT, Verdict.TOOL_ERROR)]
+    by_check = Counter(r.worst_check.check for r in failing)
+    crowded = [(check, n) for check, n in by_check.items() if n >= settings.drain.page_when_same_check_fails]
+    if crowded:
+        check, n = max(crowded, key=lambda c: c[1])
+        plan.page = (f"{n} nodes fail {check} at once: likely a software or fabric regression, not {n} bad "
+                     f"nodes; nothing drained, a human must look")
+        plan.held = [(r.node, "held: stop-and-page") for r in failing]
+        return plan
+    recent = _drained_in_last_hour(settings.raw_dir, now)
+    budget = min(settings.drain.max_per_run, max(0, settings.drain.max_per_hour - len(recent)))
+    for report in sorted(failing, key=lambda r: -r.verdict.rank):
+        if report.node in recent:
+            plan.held.append((report.node, "already drained within the hour"))
+        elif len(plan.drain) < budget:
+            plan.drain.append((report.node, _reason(report)))
+        else:
+            plan.held.append((report.node, "held: drain cap reached (per run or per hour)"))
+    return plan
+
+
+def apply_drains(plan: DrainPlan, settings, now: float | None = None) -> DrainPlan:
+    """Drain the planned nodes when the profile allows it; log every drain."""
+    if not settings.drain.enabled or plan.page:
+        return plan
+    log = Path(settings.raw_dir) / DRAIN_LOG
+    for node, reason in plan.drain:
+        slurm.drain(node, reason)
+        plan.drained.append(node)
+        with open(log, "a") as f:
+            f.write(json.dumps({"at": time.time() if now is None else now, "node": node, "reason": reason}) + "\n")
+    return plan
+
+
+def spare_readiness(reports: list[NodeReport], spares: list[str]) -> dict[str, str]:
+    """A spare is ready only if its admission run (r3, single-node NCCL, pair test) all passed."""
+    ready = {}
+    for report in reports:
+        if report.node not in spares:
+            continue
+        names = {c.check for c in report.checks}
+        complete = {"dcgm-diag", "nccl"} <= names and any(n.startswith("nccl-pair-") for n in names)
+        if not complete:
+            ready[report.node] = "not ready: the admission set did not run completely"
+        elif report.verdict in (Verdict.PASS, Verdict.WARN):
+            ready[report.node] = "ready"
+        else:
+            ready[report.node] = f"not ready: {report.summary}"
+    return ready

@@ -1,0 +1,16 @@
+"""nccl-tests on one node with all its GPUs (``all_reduce_perf``), gated on bus bandwidth."""
+
+from tasks.health.checks import Context, not_run
+from tasks.health.nccl import classify_allreduce
+from tasks.health.verdict import CheckResult
+
+NAME = "nccl"
+
+
+def run(ctx: Context) -> CheckResult:
+    nccl = ctx.settings.nccl
+    output = ctx.command(NAME, list(nccl.command), nccl.timeout_seconds)
+    failed = not_run(NAME, output)
+    if failed:
+        return failed
+    return classify_allreduce(output.stdout + output.stderr, output.exit_code, nccl.pass_gbps, nccl.warn_gbps, NAME)

@@ -1,0 +1,219 @@
+"""The fan-out: every node checked in parallel (bounded), one connection per node, every command
+bounded, tool errors retried once (then SUSPECT), raw outputs and a history kept per node.
+
+Raw outputs: ``<raw_dir>/<node>/<time>-<check>-<n>.txt``; history: ``<raw_dir>/<node>/history.jsonl``
+(one line per check run of the node), which also tells the XID check where to start reading.
+"""
+
+import json
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tasks.cluster import slurm
+from tasks.cluster.transport import HostKeyRejected, LocalHost, SshHost, SshSettings, Unreachable, check_node_name
+from tasks.health.checks import Context, dcgm_diag, gpu_count, nccl, nvlink, recovery, row_remap, xid
+from tasks.health.nccl import classify_allreduce
+from tasks.health.verdict import CheckResult, Evidence, Verdict, result, worst
+
+CHECKS = {m.NAME: m for m in (gpu_count, recovery, row_remap, xid, nvlink, dcgm_diag, nccl)}
+HISTORY = "history.jsonl"
+
+
+@dataclass
+class NodeReport:
+    node: str
+    verdict: Verdict
+    checks: list[CheckResult] = field(default_factory=list)
+    started_at: str = ""
+    seconds: float = 0.0
+
+    @property
+    def worst_check(self) -> CheckResult | None:
+        failing = [c for c in self.checks if c.verdict is not Verdict.PASS]
+        return max(failing, key=lambda c: c.verdict.rank) if failing else None
+
+    @property
+    def summary(self) -> str:
+        check = self.worst_check
+        return f"{check.check}: {check.summary}" if check else "all checks passed"
+
+    def to_dict(self) -> dict:
+        return {"node": self.node, "verdict": self.verdict.value, "started_at": self.started_at,
+                "seconds": round(self.seconds, 3), "checks": [c.to_dict() for c in self.checks]}
+
+
+def resolve_nodes(settings, only: list[str] | None = None) -> list[str]:
+    """The nodes to check: ``only`` if given, else the profile's list, partition or nodelist."""
+    if only:
+        return [check_node_name(n) for n in only]
+    nodes = list(settings.nodes)
+    if settings.slurm_nodelist:
+        nodes += slurm.expand_nodelist(settings.slurm_nodelist)
+    if settings.slurm_partition:
+        nodes += slurm.partition_nodes(settings.slurm_partition)
+    return [check_node_name(n) for n in dict.fromkeys(nodes)]
+
+
+def ssh_key_text(settings) -> str | None:
+    """The private key from a Prefect Secret block, if the profile names one (never logged)."""
+    if settings.transport != "ssh" or not settings.ssh.secret_block:
+        return None
+    from prefect.blocks.system import Secret
+
+    return Secret.load(settings.ssh.secret_block).get()
+
+
+def _host(node: str, settings, key_text: str | None):
+    if settings.transport == "local":
+        return LocalHost(node)
+    s = settings.ssh
+    return SshHost(node, SshSettings(s.user, s.port, s.known_hosts, s.key_file, key_text, s.use_agent,
+                                     s.connect_timeout_seconds))
+
+
+def last_checked(raw_dir: Path, node: str) -> float | None:
+    try:
+        lines = (Path(raw_dir) / node / HISTORY).read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return datetime.fromisoformat(json.loads(line)["started_at"]).timestamp()
+        except (ValueError, KeyError):
+            continue
+    return None
+
+
+def _append_history(raw_dir: Path, report: NodeReport) -> None:
+    path = Path(raw_dir) / report.node / HISTORY
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = {"started_at": report.started_at, "verdict": report.verdict.value, "summary": report.summary,
+            "checks": [{"check": c.check, "verdict": c.verdict.value, "summary": c.summary, "raw": c.raw}
+                       for c in report.checks]}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def _attempt(name: str, run: Callable[[Context], CheckResult], ctx: Context) -> CheckResult:
+    started, kept = time.monotonic(), len(ctx.kept)
+    try:
+        outcome = run(ctx)
+    except Unreachable as e:
+        outcome = result(name, Verdict.TOOL_ERROR, Evidence(str(e)))
+    outcome.seconds = time.monotonic() - started
+    outcome.raw = ctx.kept[-1] if len(ctx.kept) > kept else None
+    return outcome
+
+
+def _run_check(name: str, run: Callable[[Context], CheckResult], ctx: Context) -> CheckResult:
+    """A tool error gets one more try; a second one makes the node SUSPECT for this check."""
+    first = _attempt(name, run, ctx)
+    if first.verdict is not Verdict.TOOL_ERROR:
+        return first
+    second = _attempt(name, run, ctx)
+    second.attempts = 2
+    if second.verdict is Verdict.TOOL_ERROR:
+        second.verdict = Verdict.SUSPECT
+        for item in second.evidence:
+            item.detail = f"{item.detail} (again after a retry)"
+    return second
+
+
+def _connect(node: str, settings, key_text: str | None):
+    """Open the node's connection, retrying an unreachable node once."""
+    try:
+        return _host(node, settings, key_text).__enter__()
+    except Unreachable:
+        return _host(node, settings, key_text).__enter__()
+
+
+def check_node(node: str, settings, level: int, key_text: str | None = None,
+               checks: list[str] | None = None) -> NodeReport:
+    started = time.monotonic()
+    report = NodeReport(node, Verdict.PASS, started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    since = last_checked(settings.raw_dir, node)
+    try:
+        host = _connect(node, settings, key_text)
+    except HostKeyRejected as e:
+        report.checks.append(result("ssh", Verdict.TOOL_ERROR, Evidence(str(e))))
+    except Unreachable as e:
+        report.checks.append(result("ssh", Verdict.SUSPECT, Evidence(f"{e} (again after a retry)")))
+    else:
+        with host:
+            ctx = Context(node, host, settings, level, Path(settings.raw_dir), since)
+            for name in checks or settings.checks:
+                if name == "nccl" and not settings.nccl.enabled:
+                    continue
+                if time.monotonic() - started > settings.node_timeout_seconds:
+                    report.checks.append(result(name, Verdict.TOOL_ERROR, Evidence("not run: the node's time budget ran out")))
+                    continue
+                outcome = _run_check(name, CHECKS[name].run, ctx)
+                report.checks.append(outcome)
+                if gpu_count.no_gpus(outcome):
+                    break  # nothing else can run on a node without GPUs or GPU tools
+    report.verdict = worst(c.verdict for c in report.checks)
+    report.seconds = time.monotonic() - started
+    _append_history(settings.raw_dir, report)
+    return report
+
+
+def pair_test(node: str, known_good: str, settings, key_text: str | None = None) -> CheckResult:
+    """A two-node all_reduce (Ring) of ``node`` with a known-good node, launched from ``node``."""
+    pairs = settings.pairs
+    argv = [part.format(a=node, b=known_good) for part in pairs.command]
+    name = f"nccl-pair-{known_good}"
+
+    def run_pair(ctx: Context) -> CheckResult:
+        output = ctx.command(name, argv, pairs.timeout_seconds)
+        if output.timed_out:
+            return result(name, Verdict.TOOL_ERROR, Evidence(f"pair test timed out after {output.seconds:.0f}s"))
+        return classify_allreduce(output.stdout + output.stderr, output.exit_code, pairs.pass_gbps, pairs.warn_gbps, name)
+
+    try:
+        with _connect(node, settings, key_text) as host:
+            return _run_check(name, run_pair, Context(node, host, settings, settings.level, Path(settings.raw_dir)))
+    except (Unreachable, HostKeyRejected) as e:
+        return result(name, Verdict.TOOL_ERROR, Evidence(str(e)))
+
+
+@dataclass
+class HealthRun:
+    reports: list[NodeReport]
+    level: int
+    seconds: float
+
+    def counts(self) -> dict[str, int]:
+        counted: dict[str, int] = {}
+        for r in self.reports:
+            counted[r.verdict.value] = counted.get(r.verdict.value, 0) + 1
+        return counted
+
+
+def run_health(settings, nodes: list[str], level: int | None = None, admit: bool = False,
+               progress: Callable[[NodeReport], None] | None = None) -> HealthRun:
+    """Check ``nodes`` in parallel; with pairs enabled (or ``admit``), pair-test the nodes that
+    passed against the known-good node. ``admit`` runs the spare admission set: r3, single-node
+    NCCL, and the pair test."""
+    level = 3 if admit else (level or settings.level)
+    started = time.monotonic()
+    key_text = ssh_key_text(settings)
+    os.makedirs(settings.raw_dir, exist_ok=True)
+
+    def one(node):
+        report = check_node(node, settings, level, key_text)
+        if (admit or settings.pairs.enabled) and settings.pairs.known_good and node != settings.pairs.known_good \
+                and not report.verdict.failed and report.verdict is not Verdict.SUSPECT:
+            report.checks.append(pair_test(node, settings.pairs.known_good, settings, key_text))
+            report.verdict = worst(c.verdict for c in report.checks)
+        if progress:
+            progress(report)
+        return report
+
+    with ThreadPoolExecutor(max_workers=max(1, min(settings.concurrency, len(nodes)))) as pool:
+        reports = list(pool.map(one, nodes))
+    return HealthRun(reports, level, time.monotonic() - started)

@@ -1,0 +1,202 @@
+"""The node-health fan-out against real OpenSSH servers on 127.0.0.x, whose GPU tools are
+stand-ins replaying recorded outputs (tests/helpers/cluster.py)."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tasks.errors import UsageError
+from tasks.health.actions import apply_drains, plan_drains, spare_readiness
+from tasks.health.run import resolve_nodes, run_health
+from tasks.health.verdict import Verdict
+from tasks.profile import load_profile
+from tests.conftest import ROOT, free_port
+from tests.helpers.cluster import FakeCluster, profile_yaml
+
+pytestmark = pytest.mark.slow
+
+HEALTHY = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+FAILING_GPU, HANGS, KEY_CHANGED, KEY_UNKNOWN = "127.0.0.5", "127.0.0.6", "127.0.0.7", "127.0.0.8"
+PERSISTENCE, SLOW_NCCL, XID = "127.0.0.9", "127.0.0.10", "127.0.0.11"
+UNREACHABLE = "127.0.0.250"   # nothing listens there
+NODES = HEALTHY + [FAILING_GPU, HANGS, KEY_CHANGED, KEY_UNKNOWN, PERSISTENCE, SLOW_NCCL, XID, UNREACHABLE]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster")
+    listening = [n for n in NODES if n != UNREACHABLE]
+    fake = FakeCluster(root, listening, free_port()).start()
+    fake.record_sample(FAILING_GPU, "diag", "synthetic_dcgm4_diag_r2_isolate.json", rc=205)
+    fake.record(HANGS, "diag", "", sleep=30)
+    fake.record_sample(PERSISTENCE, "diag", "dcgm4_diag_r1_gb10_fail.json", rc=226)
+    fake.record_sample(SLOW_NCCL, "nccl", "nccl_allreduce_2node_16xH100_gcp_a3mega.txt")
+    fake.record_sample(XID, "journal", "synthetic_journal_xid79.txt")
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture
+def scontrol(tmp_path, monkeypatch):
+    """Slurm's scontrol stand-in on this host: records its argv (a successful update prints nothing)."""
+    folder = tmp_path / "slurm-bin"
+    folder.mkdir()
+    log = tmp_path / "scontrol.log"
+    script = folder / "scontrol"
+    script.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$*\" >> {log}\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    return log
+
+
+def make_profile(cluster, tmp_path, nodes=NODES, **extra):
+    known_hosts = cluster.known_hosts(tmp_path / "known_hosts", wrong_key_for=(KEY_CHANGED,), missing=(KEY_UNKNOWN,))
+    path = tmp_path / "health.yaml"
+    path.write_text(profile_yaml(cluster, nodes, known_hosts, tmp_path / "raw", **extra))
+    return load_profile(path)
+
+
+def test_fan_out_gives_each_node_its_verdict_and_drains_within_the_cap(cluster, tmp_path, scontrol):
+    profile = make_profile(cluster, tmp_path)
+    run = run_health(profile.health, NODES)
+    got = {r.node: r for r in run.reports}
+    for node in HEALTHY:
+        assert got[node].verdict is Verdict.PASS, got[node].summary
+    assert got[FAILING_GPU].verdict is Verdict.FAIL_HARDWARE
+    evidence = got[FAILING_GPU].worst_check.evidence[0]
+    assert (evidence.test, evidence.gpu, evidence.error_id, evidence.severity) == ("memory", 3, 83, "ISOLATE")
+    assert got[HANGS].verdict is Verdict.SUSPECT and "timed out" in got[HANGS].summary and "again after a retry" in got[HANGS].summary
+    assert got[KEY_CHANGED].verdict is Verdict.TOOL_ERROR and "host key changed" in got[KEY_CHANGED].summary
+    assert "refused" in got[KEY_CHANGED].summary
+    assert got[KEY_UNKNOWN].verdict is Verdict.TOOL_ERROR and "host key unknown, refused" in got[KEY_UNKNOWN].summary
+    assert got[UNREACHABLE].verdict is Verdict.SUSPECT and "unreachable" in got[UNREACHABLE].summary
+    assert got[PERSISTENCE].verdict is Verdict.FAIL_CONFIG and "error 29 (CONFIG)" in got[PERSISTENCE].summary
+    assert got[SLOW_NCCL].verdict is Verdict.FAIL_HARDWARE and got[SLOW_NCCL].worst_check.evidence[0].value == 338.82
+    assert got[XID].verdict is Verdict.FAIL_HARDWARE and "critical XID 79" in got[XID].summary
+    # A node without a host key we trust was never sent a command.
+    assert not [c for c in cluster.calls() if c["address"] in (KEY_CHANGED, KEY_UNKNOWN)]
+
+    plan = apply_drains(plan_drains(run.reports, profile.health), profile.health)
+    assert plan.page is None
+    assert [n for n, _ in plan.drain] == plan.drained == [FAILING_GPU, SLOW_NCCL]   # hardware first, cap 2
+    assert {n for n, _ in plan.held} == {PERSISTENCE, XID}
+    assert sorted(plan.rerun) == sorted([HANGS, KEY_CHANGED, KEY_UNKNOWN, UNREACHABLE])
+    drains = scontrol.read_text().splitlines()
+    assert drains[0].startswith(f"update NodeName={FAILING_GPU} State=DRAIN Reason=ckptops FAIL_HARDWARE dcgm-diag: memory on GPU 3")
+    assert len(drains) == 2
+
+    # The next run drains the next two, the hourly cap (4) then stops a third; drained nodes are
+    # never drained twice.
+    second = apply_drains(plan_drains(run.reports, profile.health), profile.health)
+    assert second.drained == [XID, PERSISTENCE]
+    third = plan_drains(run.reports, profile.health)
+    assert third.drain == [] and {why for _, why in third.held} == {"already drained within the hour"}
+    assert len(scontrol.read_text().splitlines()) == 4
+
+
+def test_raw_outputs_and_history_are_kept_per_node(cluster, tmp_path, scontrol):
+    profile = make_profile(cluster, tmp_path, nodes=[HEALTHY[0]])
+    first = run_health(profile.health, [HEALTHY[0]]).reports[0]
+    raw = Path(first.checks[0].raw)
+    assert raw.parent == tmp_path / "raw" / HEALTHY[0] and raw.read_text().startswith("$ dcgmi discovery -l\n# exit: 0")
+    run_health(profile.health, [HEALTHY[0]])
+    history = (tmp_path / "raw" / HEALTHY[0] / "history.jsonl").read_text().splitlines()
+    assert len(history) == 2 and json.loads(history[0])["verdict"] == "PASS"
+    journal_calls = [c["argv"] for c in cluster.calls() if c["address"] == HEALTHY[0] and c["tool"] == "journalctl"]
+    assert journal_calls[-1][-1].startswith("--since=@")  # the second run reads the kernel log from the first
+
+
+def test_one_connection_per_node_and_parameters_never_reach_a_shell(cluster, tmp_path, scontrol):
+    marker = tmp_path / "injected"
+    profile = make_profile(cluster, tmp_path, nodes=[HEALTHY[1]],
+                           nccl={"command": ["all_reduce_perf", "-b", "1G", "-e", "8G", "-g", "8",
+                                             f"$(touch {marker})", "; touch " + str(marker)]})
+    before = len(cluster.calls())
+    run_health(profile.health, [HEALTHY[1]])
+    calls = [c for c in cluster.calls()[before:] if c["address"] == HEALTHY[1]]
+    assert len(calls) == 7 and len({c["client_port"] for c in calls}) == 1   # every check, one connection
+    nccl = [c["argv"] for c in calls if c["tool"] == "all_reduce_perf"][-1]
+    assert nccl[-2:] == [f"$(touch {marker})", f"; touch {marker}"]  # arrived as literal arguments
+    assert not marker.exists()
+    with pytest.raises(UsageError, match="only letters, digits"):
+        resolve_nodes(profile.health, ["node1;reboot"])
+
+
+def test_many_nodes_failing_one_check_stop_and_page(cluster, tmp_path, scontrol):
+    for node in HEALTHY:
+        cluster.record_sample(node, "diag", "synthetic_dcgm4_diag_r2_isolate.json", rc=205)
+    try:
+        profile = make_profile(cluster, tmp_path, nodes=HEALTHY)
+        run = run_health(profile.health, HEALTHY)
+    finally:
+        for node in HEALTHY:
+            for suffix in ("out", "rc"):
+                (cluster.root / "scenarios" / node / f"diag.{suffix}").unlink()
+    plan = apply_drains(plan_drains(run.reports, profile.health), profile.health)
+    assert plan.page.startswith("3 nodes fail dcgm-diag at once") and plan.drained == []
+    assert not scontrol.exists()
+
+
+def test_draining_off_gives_a_plan_only(cluster, tmp_path, scontrol):
+    profile = make_profile(cluster, tmp_path, nodes=[FAILING_GPU], drain={"enabled": False})
+    run = run_health(profile.health, [FAILING_GPU])
+    plan = apply_drains(plan_drains(run.reports, profile.health), profile.health)
+    assert [n for n, _ in plan.drain] == [FAILING_GPU] and plan.drained == []
+    assert not scontrol.exists()
+
+
+def test_spare_admission_needs_r3_nccl_and_a_pair_test(cluster, tmp_path, scontrol):
+    cluster.record("default", "diag", json.dumps({"DCGM Diagnostic": {"test_categories": [{"category": "all", "tests": [
+        {"name": name, "results": [{"entity_id": i, "status": "Pass"} for i in range(8)], "test_summary": {"status": "Pass"}}
+        for name in ("software", "pcie", "memory", "diagnostic", "targeted_stress", "targeted_power", "memory_bandwidth")]}]}}))
+    cluster.record_sample(HEALTHY[2], "pair", "nccl_allreduce_2node_init_failure_ncclwarn_issue294_excerpt.txt", rc=3)
+    try:
+        spares = [HEALTHY[1], HEALTHY[2]]
+        profile = make_profile(cluster, tmp_path, nodes=spares, pairs={"enabled": False, "known_good": HEALTHY[0]})
+        run = run_health(profile.health, spares, admit=True)
+    finally:
+        cluster.record_sample("default", "diag", "synthetic_dcgm4_diag_r1_pass.json")
+        for suffix in ("out", "rc"):
+            (cluster.root / "scenarios" / HEALTHY[2] / f"pair.{suffix}").unlink()
+    assert run.level == 3
+    readiness = spare_readiness(run.reports, spares)
+    assert readiness[HEALTHY[1]] == "ready"
+    assert readiness[HEALTHY[2]].startswith(f"not ready: nccl-pair-{HEALTHY[0]}: the test could not run")
+    pair = [c["argv"] for c in cluster.calls() if c["tool"] == "mpirun" and c["address"] == HEALTHY[1]][-1]
+    assert f"{HEALTHY[1]}:8,{HEALTHY[0]}:8" in pair and "NCCL_ALGO=Ring" in pair
+
+
+def test_health_cli_json_and_exit_code(cluster, tmp_path, scontrol):
+    profile = make_profile(cluster, tmp_path, drain={"enabled": False})
+    done = subprocess.run([str(ROOT / ".venv" / "bin" / "ckptops"), "health", "run", "--profile", str(profile.source),
+                           "--nodes", f"{HEALTHY[0]},{PERSISTENCE}", "--json"], capture_output=True, text=True,
+                          timeout=300, env=os.environ)
+    assert done.returncode == 1, done.stderr
+    data = json.loads(done.stdout)
+    assert {n["node"]: n["verdict"] for n in data["nodes"]} == {HEALTHY[0]: "PASS", PERSISTENCE: "FAIL_CONFIG"}
+    assert data["drain"][0][0] == PERSISTENCE and data["drained"] == []
+
+
+def test_key_from_a_prefect_secret_block_and_the_node_health_flow(cluster, tmp_path, scontrol, prefect_api):
+    """The SSH key lives in a Prefect Secret block (not on disk in the profile); the flow checks
+    the nodes, drains within the cap and publishes the per-node table worst first."""
+    from prefect.artifacts import Artifact
+    from prefect.blocks.system import Secret
+
+    from flows.node_health import node_health
+
+    Secret(value=cluster.client_key.read_text()).save("health-test-ssh-key", overwrite=True)
+    nodes = [HEALTHY[0], FAILING_GPU, PERSISTENCE]
+    profile = make_profile(cluster, tmp_path, nodes=nodes,
+                           ssh={"key_file": None, "secret_block": "health-test-ssh-key"})
+    state = node_health(profile=str(profile.source), return_state=True)
+    assert state.is_failed() and state.message.startswith("3 nodes: FAIL_CONFIG 1, FAIL_HARDWARE 1, PASS 1")
+    rows = json.loads(Artifact.get("node-health").data)
+    assert [(r["node"], r["verdict"]) for r in rows] == [
+        (FAILING_GPU, "FAIL_HARDWARE"), (PERSISTENCE, "FAIL_CONFIG"), (HEALTHY[0], "PASS")]
+    assert rows[0]["error id"] == 83 and rows[0]["severity"] == "ISOLATE" and rows[0]["raw"]
+    actions = Artifact.get("node-health-actions").data
+    assert f"drained: {FAILING_GPU}" in actions and len(scontrol.read_text().splitlines()) == 2
