@@ -35,6 +35,7 @@ bench: venv sshd
 	$(BIN)/python -m tests.bench.bench_verify
 	$(BIN)/python -m tests.bench.bench_drill
 	$(BIN)/python -m tests.bench.bench_health
+	$(BIN)/python -m tests.bench.bench_resume
 
 clean:
 	rm -rf $(VENV) data/bench

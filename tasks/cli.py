@@ -333,6 +333,32 @@ def drills(
         out.print(e.line(size, getattr(prof.drill.budget_seconds, e.source)), markup=False)
 
 
+@app.command("validate-resume")
+def validate_resume_command(
+    checkpoint: Annotated[Path, typer.Option("--checkpoint", help="the checkpoint the run resumed from (iter_NNNNNNN)")],
+    after: Annotated[Path, typer.Option("--after", help="step records or Megatron-LM log of the resumed run")],
+    before: Annotated[Optional[Path], typer.Option("--before", help="records or log of the run before the failure [default: the stored baseline]")] = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Check a resumed run against the run before the failure: exit 0 validated, 1 rejected."""
+    with _expected_errors():
+        from tasks.resume.records import load_steps
+        from tasks.resume.validate import validate_resume
+
+        prof = load_profile(profile)
+        result = validate_resume(checkpoint, load_steps(before) if before else None, load_steps(after), prof.resume)
+    if as_json:
+        out.print_json(json.dumps(result.to_dict()))
+    else:
+        out.print(result.line(), markup=False)
+        for check in result.checks:
+            mark = {True: "ok ", False: "BAD", None: " - "}[check.ok]
+            text = check.detail if check.ok is None else f"expected {check.expected}; observed {check.observed}"
+            out.print(f"  {mark} {check.name}: {text}", markup=False)
+    raise typer.Exit(0 if result.ok else 1)
+
+
 health_app = typer.Typer(no_args_is_help=True, help="Node health: DCGM, GPU basics, nccl-tests.")
 app.add_typer(health_app, name="health")
 

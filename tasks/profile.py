@@ -198,6 +198,17 @@ class Health(_Section):
         return self
 
 
+class Resume(_Section):
+    """Post-resume validation: windows and tolerances."""
+
+    warmup_steps: Annotated[int, Field(ge=0)] = Field(default=10, description="steps skipped after a (re)start before timing")
+    window_steps: Annotated[int, Field(ge=1)] = Field(default=100, description="pre-failure steady-state steps in the baseline")
+    min_steps: Annotated[int, Field(ge=1)] = Field(default=10, description="steady-state steps needed after resume")
+    loss_rel_tolerance: Annotated[float, Field(ge=0)] = Field(default=1e-3, description="0: bit-exact recomputed loss")
+    memory_band: Annotated[float, Field(gt=0)] = 0.05
+    throughput_drop: Annotated[float, Field(gt=0, lt=1)] = 0.05
+
+
 class Prefect(_Section):
     api_url: str = "http://127.0.0.1:4200/api"
     home: Path | None = None
@@ -220,6 +231,7 @@ class Profile(_Section):
     archive: Archive | None = None
     drill: Drill | None = None
     health: Health | None = None
+    resume: Resume = Resume()
     local_job: LocalJob | None = None
     source: Path | None = Field(default=None, exclude=True)
 

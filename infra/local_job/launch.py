@@ -1,15 +1,17 @@
 """Launch the local training job with torchrun, with a timeout and clean-up of every child.
 
 Megatron's failure modes on CPU hang rather than crash, and a dead rank leaves megatron's
-writer Manager orphaned: the job runs in its own process group, which is killed as a whole on
-timeout or failure.
+writer Manager orphaned: every process the job started is killed when it ends, however it ended.
 """
 
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import psutil
 
 from tasks.errors import CkptopsError
 
@@ -44,13 +46,24 @@ def start_local_job(save_dir: Path, *, nproc: int = 2, train_iters: int = 8, sav
 
 
 def wait_local_job(process: subprocess.Popen, log: Path, timeout_seconds: float) -> None:
-    """Wait for the job; on timeout or failure kill its whole process group and raise."""
+    """Wait for the job; then kill everything it started, and raise if it failed or timed out.
+
+    torchrun starts each rank in a session of its own, and a rank's helpers (megatron's writer
+    Manager) outlive it as orphans: the job's descendants are noted while it runs, and every one
+    of them (and its process group) is killed at the end, so a failed run leaves nothing behind.
+    """
+    descendants: dict[int, int] = {}
+    deadline = time.monotonic() + timeout_seconds
+    code = None
     try:
-        code = process.wait(timeout=timeout_seconds)
-    except subprocess.TimeoutExpired:
-        code = None
+        while code is None and time.monotonic() < deadline:
+            _note_descendants(process.pid, descendants)
+            try:
+                code = process.wait(timeout=min(_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                continue
     finally:
-        _kill_group(process)
+        _kill_all(process, descendants)
     if code != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-5:]
         what = f"timed out after {timeout_seconds:.0f}s" if code is None else f"exited {code}"
@@ -64,9 +77,29 @@ def run_local_job(save_dir: Path, *, timeout_seconds: float = 600, **kwargs) -> 
     return log
 
 
-def _kill_group(process: subprocess.Popen) -> None:
+_POLL_SECONDS = 0.5
+
+
+def _note_descendants(pid: int, seen: dict[int, int]) -> None:
     try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
+        for child in psutil.Process(pid).children(recursive=True):
+            try:
+                seen.setdefault(child.pid, os.getpgid(child.pid))
+            except (ProcessLookupError, psutil.Error):
+                continue
+    except psutil.Error:
         pass
+
+
+def _kill_all(process: subprocess.Popen, descendants: dict[int, int]) -> None:
+    for group in {process.pid, *descendants.values()}:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in descendants:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     process.wait()

@@ -15,8 +15,10 @@ sampler over a seeded permutation, so a resumed run sees exactly the batches it 
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import random
+import signal
 import sys
 import time
 import urllib.request
@@ -45,6 +47,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa
 from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallel,
     DistributedDataParallelConfig,
+    finalize_model_grads,
 )
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
@@ -52,6 +55,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # n
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+from tasks.resume.records import StepRecorder, batch_summary  # noqa: E402
 
 CHECKPOINT_VERSION = 3.0
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -66,6 +71,15 @@ def parse_args(argv=None):
     p.add_argument("--drill-report", default=None,
                    help="restore drill: load, check what was loaded, write this JSON report, exit")
     p.add_argument("--tensor-sample", type=int, default=8, help="tensors a drill compares with the stored bytes")
+    p.add_argument("--no-load-optim", action="store_true", help="Megatron-LM's flag: load neither optimizer nor scheduler")
+    p.add_argument("--step-records", default=None, help="write one step record (JSON line) per step here")
+    p.add_argument("--run-id", default=os.environ.get("CKPTOPS_RUN_ID", "local-tiny"))
+    p.add_argument("--attempt-id", default=os.environ.get("TORCHELASTIC_RUN_ID", str(uuid.uuid4())[:8]))
+    # Faults, to rehearse failures and to test that validation catches them.
+    p.add_argument("--die-at", default=None, metavar="RANK:ITERATION",
+                   help="fault: that rank kills itself with SIGKILL before that iteration")
+    p.add_argument("--slow-step-ms", type=float, default=0.0, help="fault: every step takes this much longer")
+    p.add_argument("--ballast-mb", type=int, default=0, help="fault: hold this much more memory")
     p.add_argument("--train-iters", type=int, default=8)
     p.add_argument("--save-interval", type=int, default=4)
     p.add_argument("--num-layers", type=int, default=2)
@@ -178,6 +192,9 @@ def build(args):
         ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=False),
         module=gpt,
     )
+    # What Megatron-LM's setup does: without it the schedule never all-reduces the gradients,
+    # the data-parallel replicas drift apart, and a checkpoint mixes their tensors.
+    config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=0.01,
                         clip_grad=1.0, use_distributed_optimizer=False),
@@ -217,16 +234,20 @@ class SyntheticDataset:
         return torch.from_numpy((start + (stride | 1) * steps) % self.args.vocab_size)
 
 
-def iteration_batches(args, dataset, consumed):
-    """Megatron's pretraining sampler: the global batch is the next ``global_batch_size``
-    positions; each micro batch of ``micro_batch_size x dp`` positions is split by DP rank."""
+def global_batch_ids(args, dataset, consumed):
+    """The sample IDs of the whole global batch, in the sampler's order (what every rank's
+    sampler sees; each rank then takes its slice of each micro batch)."""
+    return [dataset.sample_id(p) for p in range(consumed, consumed + args.global_batch_size)]
+
+
+def iteration_batches(args, dataset, batch_ids):
+    """Megatron's pretraining sampler: each micro batch of ``micro_batch_size x dp`` samples of
+    the global batch is split by DP rank."""
     dp_rank = parallel_state.get_data_parallel_rank()
     per_step = args.micro_batch_size * args.data_parallel_size
     for m in range(args.num_microbatches):
-        first = consumed + m * per_step + dp_rank * args.micro_batch_size
-        ids = [dataset.sample_id(p) for p in range(first, first + args.micro_batch_size)]
-        tokens = torch.stack([dataset.tokens(i) for i in ids])
-        yield tokens
+        first = m * per_step + dp_rank * args.micro_batch_size
+        yield torch.stack([dataset.tokens(i) for i in batch_ids[first:first + args.micro_batch_size]])
 
 
 def forward_step(causal_mask, data_iterator, model):
@@ -319,19 +340,19 @@ def save_checkpoint(args, model, optimizer, scheduler, iteration, consumed, flop
 
 
 def load_checkpoint(args, model, optimizer, scheduler):
-    """Load model, optimizer, scheduler and RNG as Megatron-LM does; return the progress counters."""
+    """Load model, optimizer, scheduler and RNG as Megatron-LM does; return the progress counters.
+    With ``--no-load-optim`` (Megatron-LM's flag) optimizer and scheduler state are not loaded."""
     directory = checkpoint_dir(args)
     content_metadata = dist_checkpointing.load_content_metadata(directory) or {}
     model_sd = model.module.sharded_state_dict()
-    sharded = {
-        "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=content_metadata),
-        "rng_state": rng_state_object(args),
-    }
+    sharded = {"model": model_sd, "rng_state": rng_state_object(args)}
+    if not args.no_load_optim:
+        sharded["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=content_metadata)
     state = dist_checkpointing.load(sharded, directory)
     model.module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["opt_param_scheduler"])
+    if not args.no_load_optim:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["opt_param_scheduler"])
     rng = state["rng_state"]
     rng = rng[0] if isinstance(rng, list) else rng
     random.setstate(rng["random_rng_state"])
@@ -424,8 +445,17 @@ def notify_saved(args, iteration, directory):
         print(f"could not post training.checkpoint.saved to {args.notify_url}: {e}", flush=True)
 
 
+def _die_at(args):
+    if not args.die_at:
+        return None
+    rank, iteration = (int(x) for x in args.die_at.split(":"))
+    return iteration if rank == torch.distributed.get_rank() else None
+
+
 def train(args):
-    if args.load:
+    if args.drill_report:
+        # A drill builds the model the checkpoint describes; a resumed run, like Megatron-LM,
+        # takes its settings from the command line.
         adopt_checkpoint_args(args)
     init_distributed(args)
     set_seeds(args.seed)
@@ -445,28 +475,53 @@ def train(args):
     parameters = sum(p.numel() for p in model.parameters()) * args.tensor_model_parallel_size
     flops_per_iteration = 6 * parameters * args.global_batch_size * args.seq_length
     iteration, consumed, flops = 0, 0, 0.0
+    if args.load:
+        iteration, consumed, flops = load_checkpoint(args, model, optimizer, scheduler)
+        print(f"resumed from iteration {iteration} after {consumed} samples", flush=True)
+    rank0 = torch.distributed.get_rank() == 0
+    recorder = StepRecorder(args.step_records if rank0 else None, args.run_id, args.attempt_id, flops_per_iteration)
+    # Allocated and touched once: resident for the whole run, as a leak or a bigger buffer would be.
+    ballast = torch.ones(args.ballast_mb << 18) if args.ballast_mb else None  # noqa: F841 (float32: 4 bytes each)
+    die_before = _die_at(args)
     while iteration < args.train_iters:
+        if die_before == iteration + 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        batch_ids = global_batch_ids(args, dataset, consumed)
+        started = time.perf_counter()
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses = forward_backward(
             forward_step_func=partial(forward_step, causal_mask),
-            data_iterator=iteration_batches(args, dataset, consumed),
+            data_iterator=iteration_batches(args, dataset, batch_ids),
             model=model,
             num_microbatches=args.num_microbatches,
             seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size,
         )
-        _, grad_norm, _ = optimizer.step()
+        updated, grad_norm, _ = optimizer.step()
         scheduler.step(increment=args.global_batch_size)
+        # The reported loss is the global batch's: averaged over the data-parallel ranks.
+        loss = torch.stack([x["lm loss"] for x in losses]).mean()
+        torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+        loss = loss.item() / args.data_parallel_size
+        if args.slow_step_ms:
+            time.sleep(args.slow_step_ms / 1000)
+        step_seconds = time.perf_counter() - started
         iteration += 1
+        lr = scheduler.get_lr(optimizer.param_groups[0])
+        recorder.record(iteration=iteration, consumed_samples=consumed + args.global_batch_size, lr=lr,
+                        batch=batch_summary(consumed, batch_ids), loss=loss,
+                        grad_norm=None if grad_norm is None else float(grad_norm), skipped=0 if updated else 1,
+                        nan=int(math.isnan(loss)), tokens=args.global_batch_size * args.seq_length,
+                        step_seconds=step_seconds)
         consumed += args.global_batch_size
         flops += flops_per_iteration
-        loss = torch.stack([x["lm loss"] for x in losses]).mean().item()
-        if torch.distributed.get_rank() == 0:
-            print(f"iteration {iteration} consumed {consumed} lr {scheduler.get_lr(optimizer.param_groups[0]):.3e} "
+        if rank0:
+            print(f"iteration {iteration} consumed {consumed} lr {lr:.3e} "
                   f"loss {loss:.6f} grad_norm {grad_norm:.6f}", flush=True)
         if iteration % args.save_interval == 0:
             save_checkpoint(args, model, optimizer, scheduler, iteration, consumed, flops)
+    recorder.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

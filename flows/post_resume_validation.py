@@ -1,0 +1,33 @@
+"""post-resume-validation: prove that a resumed run continues exactly where it stopped.
+
+Compares the resumed run's step records (or Megatron-LM log) with the run before the failure:
+resume point, learning rate, data order, recomputed loss and grad norm, peak memory, throughput,
+skipped and NaN iterations. Publishes the checks, and emits ``training.resume.validated`` or
+``training.resume.rejected`` for the job.
+"""
+
+from pathlib import Path
+
+from prefect import flow
+from prefect.states import Completed, Failed
+
+from tasks.checkpoint.layout import iter_dir_name
+from tasks.checkpoint.pointer import read_pointer
+from tasks.errors import CkptopsError
+from tasks.profile import load_profile
+from tasks.resume.flow_tasks import publish_validation, validate_task
+
+
+@flow(name="post-resume-validation", log_prints=True)
+def post_resume_validation(after: str, before: str | None = None, checkpoint: str | None = None,
+                           profile: str = "local"):
+    """``checkpoint`` defaults to the promoted one; ``before`` to the stored baseline."""
+    prof = load_profile(profile)
+    if checkpoint is None:
+        iteration = read_pointer(prof.job.save_dir)
+        if iteration is None:
+            raise CkptopsError(f"{prof.job.save_dir}: nothing promoted, name the checkpoint")
+        checkpoint = str(prof.job.save_dir / iter_dir_name(iteration))
+    result = validate_task(Path(checkpoint), Path(before) if before else None, Path(after), prof.resume)
+    publish_validation(prof.job.name, result)
+    return Completed(message=result.line()) if result.ok else Failed(message=result.line())

@@ -1,0 +1,350 @@
+"""Compare a resumed run with the run before the failure, check by check.
+
+Iterations after the checkpoint that the failed run had already done are *recomputed* by the
+resumed run: they must reproduce the same learning rate, the same batches and (within the
+profile's tolerance, bit-exact when nothing changed) the same loss and grad norm. Iterations
+beyond them must follow the checkpoint's own LR schedule and take the next positions of the data
+order. Throughput and peak memory are compared over steady-state windows (after warm-up) with a
+baseline taken before the failure, which is stored with the job so that a later validation still
+has it when the old records are gone.
+"""
+
+import json
+import math
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from tasks.checkpoint import layout
+from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
+from tasks.checkpoint.manifest import now_iso, read_manifest
+from tasks.errors import CkptopsError, UsageError
+from tasks.resume.records import Steps
+from tasks.storage.local import atomic_write
+
+BASELINE = "resume-baseline.json"
+
+
+@dataclass
+class ResumeCheck:
+    name: str
+    ok: bool | None            # None: could not be checked from these records
+    expected: str
+    observed: str
+    detail: str = ""
+
+
+@dataclass
+class Validation:
+    checkpoint: str
+    iteration: int
+    checks: list[ResumeCheck] = field(default_factory=list)
+    baseline: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok is not False for c in self.checks)
+
+    @property
+    def failed(self) -> list[ResumeCheck]:
+        return [c for c in self.checks if c.ok is False]
+
+    def line(self) -> str:
+        if self.ok:
+            unchecked = [c.name for c in self.checks if c.ok is None]
+            return ("VALIDATED resume from iteration {}: every check passed".format(self.iteration)
+                    + (f" (not checkable here: {', '.join(unchecked)})" if unchecked else ""))
+        first = self.failed[0]
+        return (f"REJECTED resume from iteration {self.iteration}: {first.name}: expected {first.expected}, "
+                f"observed {first.observed}" + (f" ({first.detail})" if first.detail else ""))
+
+    def to_dict(self) -> dict:
+        return {"checkpoint": self.checkpoint, "iteration": self.iteration, "ok": self.ok,
+                "checks": [asdict(c) for c in self.checks], "baseline": self.baseline}
+
+
+@dataclass
+class CheckpointFacts:
+    directory: Path
+    iteration: int
+    consumed: int
+    global_batch_size: int
+    scheduler: dict
+    warmup_init_lr: float
+
+
+def checkpoint_facts(directory: Path) -> CheckpointFacts:
+    """What the checkpoint says it is (its own common state, read with the safe loader)."""
+    directory = Path(directory)
+    iteration = layout.parse_iter_dir(directory.name)
+    if iteration is None or not directory.is_dir():
+        raise UsageError(f"{directory}: not a checkpoint directory (expected iter_NNNNNNN)")
+    common = load_common_state(directory, build_index(load_dcp_metadata(directory / layout.DCP_METADATA)))
+    args = common.get("args")
+    manifest = read_manifest(directory)
+    if manifest is not None and not manifest.valid:
+        raise CkptopsError(f"{directory.name}: its manifest says {manifest.status} ({manifest.reason}); not a resume point")
+    return CheckpointFacts(directory, int(common["iteration"]), int(args.consumed_train_samples),
+                           int(args.global_batch_size), dict(common["opt_param_scheduler"]),
+                           float(getattr(args, "lr_warmup_init", 0.0) or 0.0))
+
+
+def _schedule(facts: CheckpointFacts):
+    """The checkpoint's own LR schedule, as megatron-core computes it (its class, not a copy)."""
+    with warnings.catch_warnings():  # megatron warns about every optional extra it lacks
+        warnings.simplefilter("ignore")
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    state = facts.scheduler
+    scheduler = OptimizerParamScheduler(
+        SimpleNamespace(param_groups=[{}]), init_lr=facts.warmup_init_lr, max_lr=state["max_lr"],
+        min_lr=state["min_lr"], lr_warmup_steps=state["lr_warmup_steps"], lr_decay_steps=state["lr_decay_steps"],
+        lr_decay_style=state["lr_decay_style"], start_wd=state["start_wd"], end_wd=state["end_wd"],
+        wd_incr_steps=state["wd_incr_steps"], wd_incr_style=state["wd_incr_style"],
+    )
+
+    def lr_after(consumed: int) -> float:
+        scheduler.num_steps = consumed
+        return scheduler.get_lr({})
+
+    return lr_after
+
+
+def _finite(values: np.ndarray) -> np.ndarray:
+    return values[~np.isnan(values)]
+
+
+def _median(values: np.ndarray) -> float | None:
+    values = _finite(np.asarray(values, dtype=np.float64))
+    return float(np.median(values)) if values.size else None
+
+
+def _differ(mine: np.ndarray, theirs: np.ndarray, rel: float) -> np.ndarray:
+    """Which pairs differ by more than ``rel`` (relative); NaN on the reference side is skipped."""
+    close = (mine == theirs) | np.isclose(mine, theirs, rtol=rel, atol=0.0)
+    return ~close & ~np.isnan(theirs)
+
+
+def make_baseline(before: Steps, facts: CheckpointFacts, settings) -> dict:
+    """The steady state before the failure: the last ``window_steps`` steps after warm-up."""
+    rows = np.arange(len(before))[settings.warmup_steps:][-settings.window_steps:]
+    return {
+        "created_at": now_iso(), "source": before.source, "checkpoint_iteration": facts.iteration,
+        "iterations": [int(before.iteration[rows[0]]), int(before.iteration[rows[-1]])] if rows.size else None,
+        "throughput_median": _median(before.throughput[rows]),
+        "throughput_unit": before.throughput_unit,
+        "peak_memory_median": _median(before.peak_memory[rows]),
+        "memory_kind": before.memory_kind,
+        "skipped": int(np.nansum(before.skipped[rows])), "nan": int(np.nansum(before.nan[rows])),
+    }
+
+
+def baseline_path(facts: CheckpointFacts) -> Path:
+    return facts.directory.parent / layout.HISTORY / BASELINE
+
+
+def store_baseline(facts: CheckpointFacts, baseline: dict) -> None:
+    path = baseline_path(facts)
+    path.parent.mkdir(exist_ok=True)
+    atomic_write(path, (json.dumps(baseline, indent=2) + "\n").encode())
+
+
+def stored_baseline(facts: CheckpointFacts) -> dict | None:
+    try:
+        return json.loads(baseline_path(facts).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise CkptopsError(f"{baseline_path(facts)}: unreadable baseline ({e})") from None
+
+
+def _match(before: Steps | None, iterations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each iteration, whether the run before had it, and its row there (the last record of
+    an iteration wins: a rerun's)."""
+    if before is None or not len(before):
+        return np.zeros(iterations.size, dtype=bool), np.zeros(iterations.size, dtype=np.int64)
+    reversed_its = before.iteration[::-1]
+    unique, first_in_reversed = np.unique(reversed_its, return_index=True)
+    last_row = len(before) - 1 - first_in_reversed
+    pos = np.clip(np.searchsorted(unique, iterations), 0, unique.size - 1)
+    found = unique[pos] == iterations
+    return found, last_row[pos]
+
+
+class _Validator:
+    def __init__(self, facts: CheckpointFacts, before: Steps | None, after: Steps, settings, baseline: dict | None):
+        self.facts, self.before, self.after, self.settings, self.baseline = facts, before, after, settings, baseline
+        self.result = Validation(str(facts.directory), facts.iteration, baseline=baseline)
+        # Rows of the resumed run, in order, from the first iteration after the checkpoint on.
+        self.rows = np.nonzero(after.iteration > facts.iteration)[0]
+        found, before_rows = _match(before, after.iteration[self.rows])
+        self.recomputed, self.recomputed_before = self.rows[found], before_rows[found]
+        self.beyond = self.rows[~found]
+        logs = "megatron-log" in (after.kind, before.kind if before else "")
+        # Logged values are rounded to a few digits; records carry full floats.
+        self.lr_tolerance = 1e-5 if logs else 1e-12
+
+    def add(self, name, ok, expected, observed, detail=""):
+        self.result.checks.append(ResumeCheck(name, None if ok is None else bool(ok), str(expected), str(observed), detail))
+
+    def run(self) -> Validation:
+        self._resume_point()
+        self._learning_rate()
+        self._data_order()
+        self._loss()
+        self._memory()
+        self._throughput()
+        self._skipped()
+        return self.result
+
+    def _resume_point(self) -> None:
+        f, a = self.facts, self.after
+        if not len(a):
+            self.add("resume point", False, f"iteration {f.iteration + 1}", "no records after the resume")
+            return
+        first = int(a.iteration[0])
+        if first != f.iteration + 1:
+            self.add("resume point", False, f"first iteration {f.iteration + 1}", f"first iteration {first}",
+                     "resumed from another checkpoint than this one")
+            return
+        size = a.batch_count[0] if not np.isnan(a.batch_count[0]) else f.global_batch_size
+        resumed_at = None if np.isnan(a.consumed[0]) else int(a.consumed[0] - size)
+        self.add("resume point", resumed_at == f.consumed, f"iteration {f.iteration + 1} after {f.consumed} samples",
+                 f"iteration {first} after {resumed_at} samples")
+
+    def _learning_rate(self) -> None:
+        a, b = self.after, self.before
+        if not self.rows.size:
+            self.add("learning rate", None, "", "", "no resumed iterations")
+            return
+        bad = []
+        if self.recomputed.size:
+            differ = _differ(a.lr[self.recomputed], b.lr[self.recomputed_before], self.lr_tolerance)
+            for i, j in zip(self.recomputed[differ][:1], self.recomputed_before[differ][:1]):
+                bad.append((int(a.iteration[i]), b.lr[j], a.lr[i], "the run before the failure"))
+            mismatched = int(differ.sum())
+        else:
+            mismatched = 0
+        lr_after = _schedule(self.facts) if self.beyond.size else None
+        for i in self.beyond:
+            if np.isnan(a.consumed[i]):
+                continue
+            expected = lr_after(int(a.consumed[i]))
+            if not (a.lr[i] == expected or math.isclose(a.lr[i], expected, rel_tol=self.lr_tolerance)):
+                mismatched += 1
+                if not bad:
+                    bad.append((int(a.iteration[i]), expected, a.lr[i], "the checkpoint's schedule"))
+        if bad:
+            it, expected, observed, source = min(bad)
+            self.add("learning rate", False, f"{expected:.9g} at iteration {it} ({source})", f"{observed}",
+                     f"{mismatched} of {self.rows.size} iterations differ")
+        else:
+            self.add("learning rate", True, f"{self.recomputed.size} recomputed as before, "
+                     f"{self.beyond.size} on the checkpoint's schedule", "all equal")
+
+    def _data_order(self) -> None:
+        a, b, f = self.after, self.before, self.facts
+        positions = a.batch_position[self.rows]
+        if not self.rows.size or np.isnan(positions).all():
+            self.add("data order", None, "", "", "no batch positions or IDs in these records (Megatron-LM logs do not have them)")
+            return
+        counts = np.where(np.isnan(a.batch_count[self.rows]), f.global_batch_size, a.batch_count[self.rows])
+        expected = f.consumed + np.concatenate(([0.0], np.cumsum(counts)[:-1]))
+        bad = []
+        wrong_position = np.nonzero(positions != expected)[0]
+        if wrong_position.size:
+            k = wrong_position[0]
+            bad.append((int(a.iteration[self.rows[k]]), f"position {int(expected[k])}", f"position {positions[k]:.0f}"))
+        wrong_batch = 0
+        if self.recomputed.size:
+            theirs = b.batch_digest[self.recomputed_before]
+            mine = a.batch_digest[self.recomputed]
+            differ = np.array([t is not None and m != t for m, t in zip(mine, theirs)], dtype=bool)
+            wrong_batch = int(differ.sum())
+            if wrong_batch:
+                k = np.nonzero(differ)[0][0]
+                bad.append((int(a.iteration[self.recomputed[k]]), f"the batch of the run before (digest {theirs[k]})",
+                            f"digest {mine[k]}"))
+        if bad:
+            it, expected_text, observed = min(bad)
+            self.add("data order", False, f"{expected_text} at iteration {it}", observed,
+                     f"{wrong_position.size} positions and {wrong_batch} recomputed batches differ")
+        else:
+            self.add("data order", True, f"{self.recomputed.size} recomputed batches identical, positions contiguous "
+                     f"from sample {f.consumed}", "as expected")
+
+    def _loss(self) -> None:
+        if not self.recomputed.size:
+            self.add("loss and grad norm", None, "", "", "no recomputed iterations to compare")
+            return
+        a, b, tol = self.after, self.before, self.settings.loss_rel_tolerance
+        bad, count = [], 0
+        for name in ("loss", "grad_norm"):
+            mine, theirs = getattr(a, name)[self.recomputed], getattr(b, name)[self.recomputed_before]
+            differ = _differ(mine, theirs, tol)
+            count += int(differ.sum())
+            if differ.any():
+                k = np.nonzero(differ)[0][0]
+                bad.append((int(a.iteration[self.recomputed[k]]), name.replace("_", " "), float(theirs[k]), float(mine[k])))
+        if bad:
+            it, name, expected, observed = min(bad)
+            self.add("loss and grad norm", False, f"{name} {expected!r} at iteration {it}", repr(observed),
+                     f"{count} values outside a relative tolerance of {tol:g}")
+        else:
+            exact = "bit-exact" if tol == 0 else f"within {tol:g}"
+            self.add("loss and grad norm", True, f"{self.recomputed.size} recomputed iterations {exact}", "as expected")
+
+    def _window(self, values: np.ndarray) -> float | None:
+        rows = self.rows[self.settings.warmup_steps:]
+        if rows.size < self.settings.min_steps:
+            return None
+        return _median(values[rows])
+
+    def _memory(self) -> None:
+        base = (self.baseline or {}).get("peak_memory_median")
+        now = self._window(self.after.peak_memory)
+        band = self.settings.memory_band
+        if not base or now is None:
+            self.add("peak memory", None, "", "", "no baseline (or a zero one) or too few steady-state steps")
+            return
+        if (self.baseline or {}).get("memory_kind") != self.after.memory_kind:
+            self.add("peak memory", None, "", "", "baseline and resumed run measure memory differently")
+            return
+        ok = abs(now - base) <= band * base
+        self.add("peak memory", ok, f"{base / 2**20:.1f} MiB +-{band:.0%}", f"{now / 2**20:.1f} MiB ({now / base - 1:+.1%})")
+
+    def _throughput(self) -> None:
+        base = (self.baseline or {}).get("throughput_median")
+        now = self._window(self.after.throughput)
+        drop = self.settings.throughput_drop
+        if not base or now is None:
+            self.add("throughput", None, "", "", "no baseline (or a zero one) or too few steady-state steps")
+            return
+        unit = self.after.throughput_unit
+        self.add("throughput", now >= (1 - drop) * base, f">= {(1 - drop) * base:.4g} {unit} ({1 - drop:.0%} of {base:.4g})",
+                 f"{now:.4g} {unit} ({now / base - 1:+.1%})")
+
+    def _skipped(self) -> None:
+        a = self.after
+        hits = self.rows[(np.nan_to_num(a.skipped[self.rows]) > 0) | (np.nan_to_num(a.nan[self.rows]) > 0)]
+        if hits.size:
+            i = hits[0]
+            self.add("skipped and NaN iterations", False, "none",
+                     f"iteration {int(a.iteration[i])}: {int(a.skipped[i])} skipped, {int(a.nan[i])} NaN",
+                     f"{hits.size} steps affected")
+        else:
+            self.add("skipped and NaN iterations", True, "none", "none")
+
+
+def validate_resume(checkpoint: Path, before: Steps | None, after: Steps, settings) -> Validation:
+    """Validate ``after`` (the resumed run) against ``before`` (the run before the failure)."""
+    facts = checkpoint_facts(checkpoint)
+    if before is not None:
+        baseline = make_baseline(before, facts, settings)
+        store_baseline(facts, baseline)
+    else:
+        baseline = stored_baseline(facts)
+    return _Validator(facts, before, after, settings, baseline).run()

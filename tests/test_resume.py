@@ -1,0 +1,170 @@
+"""Post-resume validation end to end: a real run killed between saves, resumed from the promoted
+checkpoint, validated; and each way a resume goes wrong, caught and named by its check."""
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from infra.local_job.launch import run_local_job
+from tasks.checkpoint.pointer import read_pointer
+from tasks.checkpoint.promote import promote
+from tasks.checkpoint.state import VerifyOptions
+from tasks.errors import CkptopsError
+from tasks.profile import load_profile
+from tasks.resume.records import load_steps
+from tasks.resume.validate import validate_resume
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+SETTINGS = load_profile().resume   # the embedded default's windows and tolerances
+MEGATRON = Path(__file__).parent / "data" / "megatron"
+
+
+@pytest.fixture(scope="module")
+def failed_run(tmp_path_factory):
+    """24 planned iterations, a checkpoint every 4; rank 1 is SIGKILLed before iteration 15, so
+    the run dies between the saves at 12 and 16. Then verify-and-promote picks iteration 12."""
+    root = tmp_path_factory.mktemp("failed-run")
+    save = root / "checkpoints"
+    with pytest.raises(CkptopsError, match="exited"):
+        run_local_job(save, train_iters=24, save_interval=4, timeout_seconds=600,
+                      extra=["--step-records", str(root / "before.jsonl"), "--die-at", "1:15"])
+    promote(save, VerifyOptions(job="resume-test"), 30)
+    assert read_pointer(save) == 12
+    before = load_steps(root / "before.jsonl")
+    assert before.iteration[-1] == 14  # the run got two iterations past the checkpoint
+    return root, save
+
+
+def resume(failed_run, name: str, step: int = 12, extra: tuple = ()) -> Path:
+    """Resume the failed run from a checkpoint (a copy of the save directory per variant)."""
+    root, save = failed_run
+    records = root / f"{name}.jsonl"
+    run_local_job(root / f"save-{name}", train_iters=30, save_interval=1000, timeout_seconds=600,
+                  log=root / f"{name}.log",
+                  extra=["--load", str(save), "--ckpt-step", str(step), "--step-records", str(records), *extra])
+    return records
+
+
+def validate(failed_run, after: Path, before: bool = True):
+    root, save = failed_run
+    return validate_resume(save / "iter_0000012", load_steps(root / "before.jsonl") if before else None,
+                           load_steps(after), SETTINGS)
+
+
+def failed_checks(result) -> list[str]:
+    return [c.name for c in result.failed]
+
+
+def test_resume_from_the_promoted_checkpoint_continues_exactly(failed_run):
+    result = validate(failed_run, resume(failed_run, "good"))
+    assert result.ok, result.line()
+    checks = {c.name: c for c in result.checks}
+    assert checks["resume point"].observed == "iteration 13 after 96 samples"
+    assert checks["loss and grad norm"].expected == "2 recomputed iterations bit-exact"
+    assert checks["data order"].ok and checks["learning rate"].ok
+    assert checks["peak memory"].ok and checks["throughput"].ok and checks["skipped and NaN iterations"].ok
+    # The baseline is now stored with the job: a later validation works without the old records.
+    later = validate(failed_run, failed_run[0] / "good.jsonl", before=False)
+    assert later.ok and {c.name for c in later.checks if c.ok is None} == {"loss and grad norm"}
+
+
+def test_another_data_seed_is_caught_by_data_order(failed_run):
+    result = validate(failed_run, resume(failed_run, "seed", extra=("--data-seed", "999")))
+    assert not result.ok and failed_checks(result)[0] == "data order"
+    assert "loss and grad norm" in failed_checks(result)
+
+
+def test_resume_without_optimizer_and_scheduler_is_caught_by_learning_rate(failed_run):
+    result = validate(failed_run, resume(failed_run, "no-optim", extra=("--no-load-optim",)))
+    assert not result.ok and failed_checks(result)[0] == "learning rate"
+    assert result.line().startswith("REJECTED resume from iteration 12: learning rate: expected ")
+
+
+def test_resume_from_another_checkpoint_is_caught_by_resume_point(failed_run):
+    result = validate(failed_run, resume(failed_run, "older", step=8))
+    assert failed_checks(result) == ["resume point"]
+    assert result.failed[0].observed == "first iteration 9"
+
+
+def test_slow_resumed_run_is_caught_by_throughput(failed_run):
+    result = validate(failed_run, resume(failed_run, "slow", extra=("--slow-step-ms", "80")))
+    assert failed_checks(result) == ["throughput"]
+
+
+def test_resumed_run_using_more_memory_is_caught_by_peak_memory(failed_run):
+    result = validate(failed_run, resume(failed_run, "ballast", extra=("--ballast-mb", "400")))
+    assert failed_checks(result) == ["peak memory"]
+
+
+def test_cli_tells_records_from_megatron_logs(failed_run, tmp_path):
+    root, save = failed_run
+    records = root / "good.jsonl" if (root / "good.jsonl").exists() else resume(failed_run, "good")
+    # Synthetic: Megatron-LM's training-log format (tests/data/megatron) written from our records.
+    for name, source in (("before.log", root / "before.jsonl"), ("after.log", records)):
+        lines = []
+        for line in source.read_text().splitlines():
+            r = json.loads(line)
+            lines.append(f" [2026-11-29 03:00:00] iteration {r['iteration']:8d}/      30 | consumed samples: "
+                         f"{r['consumed_samples']:12d} | elapsed time per iteration (ms): {r['step_seconds'] * 1000:.1f} | "
+                         f"throughput per GPU (TFLOP/s/GPU): {r['tflops']:.1f} | learning rate: {r['lr']:E} | "
+                         f"global batch size: {r['batch']['count']:5d} | lm loss: {r['loss']:E} | loss scale: 1.0 | "
+                         f"grad norm: {r['grad_norm']:.3f} | number of skipped iterations:   0 | "
+                         f"number of nan iterations:   0 |")
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    done = subprocess.run([str(ROOT / ".venv" / "bin" / "ckptops"), "validate-resume", "--checkpoint",
+                           str(save / "iter_0000012"), "--before", str(tmp_path / "before.log"),
+                           "--after", str(tmp_path / "after.log"), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    data = json.loads(done.stdout)
+    checks = {c["name"]: c for c in data["checks"]}
+    assert done.returncode == 0, data
+    assert checks["data order"]["ok"] is None and checks["learning rate"]["ok"] is True
+    missing = subprocess.run([str(ROOT / ".venv" / "bin" / "ckptops"), "validate-resume", "--checkpoint",
+                              str(save / "iter_0000012"), "--after", str(tmp_path / "nope.jsonl")],
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "nope.jsonl" in missing.stderr
+
+
+def test_megatron_lm_log_lines_are_parsed():
+    steps = load_steps(MEGATRON / "megatron_lm_issue756.log")
+    assert steps.kind == "megatron-log" and steps.iteration.tolist() == [2, 3]
+    assert steps.consumed.tolist() == [256, 384] and steps.lr.tolist() == [4e-07, 6e-07]
+    assert steps.loss.tolist() == [2.02153, 2.003316] and steps.grad_norm.tolist() == [6.895, 6.603]
+    assert steps.step_seconds.tolist() == pytest.approx([5.6301, 5.4106]) and steps.throughput.tolist() == [231.9, 241.4]
+    assert steps.peak_memory[0] == int(54250.98583984375 * 1024 * 1024) and steps.batch_count.tolist() == [128, 128]
+    older = load_steps(MEGATRON / "megatron_llm_issue11.log")
+    assert older.iteration.tolist() == [122, 123, 124, 125] and all(older.throughput != older.throughput)  # NaN: absent
+    assert older.consumed[-1] == 128000 and older.lr[0] == 9.15e-06
+
+
+def test_post_resume_validation_flow_emits_its_event(failed_run, prefect_api):
+    from prefect.artifacts import Artifact
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter
+
+    from flows.post_resume_validation import post_resume_validation
+
+    root, save = failed_run
+    records = root / "good.jsonl" if (root / "good.jsonl").exists() else resume(failed_run, "good")
+    profile = root / "profile.yaml"
+    profile.write_text(f"job: {{name: resume-test, save_dir: '{save}'}}\n"
+                       "resume: {warmup_steps: 3, window_steps: 20, min_steps: 5, loss_rel_tolerance: 0.0, "
+                       "memory_band: 0.15, throughput_drop: 0.3}\n")
+    state = post_resume_validation(after=str(records), before=str(root / "before.jsonl"), profile=str(profile),
+                                   return_state=True)
+    assert state.is_completed() and state.message.startswith("VALIDATED resume from iteration 12")
+    rows = json.loads(Artifact.get("resume-checks-resume-test").data)
+    assert [r["check"] for r in rows][:4] == ["resume point", "learning rate", "data order", "loss and grad norm"]
+    # Events reach the server asynchronously: poll (bounded) until it has stored this one.
+    deadline, found = time.monotonic() + 60, False
+    with get_client(sync_client=True) as client:
+        while not found and time.monotonic() < deadline:
+            page = client.read_events(filter=EventFilter(event=EventNameFilter(name=["training.resume.validated"])), limit=50)
+            found = any(e.resource.id == "ckptops.job.resume-test" for e in page.events)
+            if not found:
+                time.sleep(0.5)
+    assert found, "training.resume.validated was not recorded for ckptops.job.resume-test"

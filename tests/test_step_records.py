@@ -1,0 +1,56 @@
+"""The step recorder's format and its reader: what a training loop writes is what validation reads."""
+
+import json
+
+import pytest
+
+from tasks.errors import UsageError
+from tasks.resume.records import FULL_IDS, StepRecorder, batch_summary, load_steps
+
+
+def record_steps(path, count=5, ids=range(8)):
+    recorder = StepRecorder(path, "run-1", "attempt-1", flops_per_step=1e12)
+    for it in range(1, count + 1):
+        recorder.record(iteration=it, consumed_samples=it * 8, lr=1e-3 * it, batch=batch_summary((it - 1) * 8, ids),
+                        loss=2.5 - it / 100, grad_norm=None if it == 2 else 1.0, skipped=int(it == 3), nan=0,
+                        tokens=256, step_seconds=0.5)
+    recorder.close()
+
+
+def test_recorded_steps_read_back(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    record_steps(path)
+    first = json.loads(path.read_text().splitlines()[0])
+    assert first["run"] == "run-1" and first["attempt"] == "attempt-1" and first["tflops"] == 2.0
+    assert first["tokens_per_second"] == 512 and first["memory_kind"] in ("cpu_peak_rss", "cuda_max_allocated")
+    assert first["peak_memory_bytes"] > 0 and first["batch"]["ids"] == list(range(8))
+    steps = load_steps(path)
+    assert steps.kind == "records" and list(steps.iteration) == [1, 2, 3, 4, 5]
+    assert list(steps.consumed) == [8, 16, 24, 32, 40] and steps.lr[2] == pytest.approx(3e-3)
+    assert list(steps.skipped) == [0, 0, 1, 0, 0] and steps.grad_norm[1] != steps.grad_norm[1]  # None -> NaN
+    assert list(steps.batch_position) == [0, 8, 16, 24, 32] and steps.batch_digest[0] == first["batch"]["digest"]
+
+
+def test_large_batches_are_kept_as_a_digest():
+    small, large = batch_summary(0, range(FULL_IDS)), batch_summary(0, range(FULL_IDS + 1))
+    assert "ids" in small and "ids" not in large
+    assert large["count"] == FULL_IDS + 1 and (large["first"], large["last"]) == (0, FULL_IDS)
+    assert batch_summary(0, range(1, FULL_IDS + 2))["digest"] != large["digest"]
+
+
+def test_a_torn_last_line_is_forgiven_a_bad_line_is_not(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    record_steps(path)
+    path.write_text(path.read_text() + '{"v": 1, "iteration": 6, "consumed_sam')
+    assert len(load_steps(path)) == 5
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"iteration": 1}\nnot json\n{"iteration": 3}\n')
+    with pytest.raises(UsageError, match="bad.jsonl: not step records"):
+        load_steps(bad)
+    nameless = tmp_path / "nameless.jsonl"
+    nameless.write_text('{"iteration": 1}\n{"loss": 2.0}\n')
+    with pytest.raises(UsageError, match="record 2 has no iteration"):
+        load_steps(nameless)
+    with pytest.raises(UsageError, match="neither step records nor Megatron-LM log lines"):
+        (tmp_path / "other.txt").write_text("hello\n")
+        load_steps(tmp_path / "other.txt")
