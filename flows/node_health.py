@@ -8,9 +8,8 @@ from prefect.states import Completed, Failed
 from tasks.health.actions import spare_readiness
 from tasks.health.flow_tasks import check_batch, drain_task, nodes_task, publish_health
 from tasks.health.run import HealthRun
+from tasks.errors import UsageError
 from tasks.profile import load_profile
-
-BATCH = 32
 
 
 @flow(name="node-health", log_prints=True)
@@ -18,13 +17,15 @@ def node_health(profile: str = "local", nodes: list[str] | None = None, level: i
                 admit: bool = False):
     prof = load_profile(profile)
     settings = prof.health
+    if settings is None:
+        raise UsageError(f"{prof.source}: no health section")
     names = nodes_task(settings, nodes)
-    batches = [names[i:i + BATCH] for i in range(0, len(names), BATCH)]
-    futures = [check_batch.submit(settings, b, len(b) - 1, level, admit) for b in batches]
-    reports = [r for f in futures for r in f.result()]
+    # One batch at a time, each as wide as the profile's concurrency: never more nodes at once.
+    batches = [names[i:i + settings.concurrency] for i in range(0, len(names), settings.concurrency)]
+    reports = [r for b in batches for r in check_batch(settings, b, len(b) - 1, level, admit)]
     run = HealthRun(reports, 3 if admit else (level or settings.level), max((r.seconds for r in reports), default=0.0))
     plan = drain_task(settings, reports)
-    spares = spare_readiness(reports, names if admit else settings.spares)
+    spares = spare_readiness(reports, names if admit else settings.spares, run.level)
     publish_health(run, plan, settings, spares)
     bad = [f"{r.node} {r.verdict.value}: {r.summary}" for r in reports if r.verdict.exit_code]
     message = f"{len(reports)} nodes: " + ", ".join(f"{v} {n}" for v, n in sorted(run.counts().items()))

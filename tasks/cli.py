@@ -264,9 +264,13 @@ def archive(
     with _expected_errors():
         from tasks.archive.copy import archive_checkpoint
 
+        from tasks.checkpoint.layout import iter_dir_name
+        from tasks.checkpoint.pointer import read_pointer
+
         prof = _profile_for(profile, save_dir)
-        total = sum(f.stat().st_size for f in prof.job.save_dir.glob("iter_*/*") if f.is_file())
-        with _byte_progress("archive", total, True) as progress:
+        promoted = read_pointer(prof.job.save_dir)
+        total = _dir_bytes(prof.job.save_dir / iter_dir_name(promoted)) if promoted is not None else 0
+        with _byte_progress("archive", 2 * total, True) as progress:  # upload, then read back
             result = archive_checkpoint(prof.job.save_dir, prof, force, progress)
     out.print(f"iteration {result.iteration} -> {result.location}: {result.message}", markup=False)
     if result.committed:
@@ -383,7 +387,7 @@ def health_run(
         run = run_health(prof.health, names, level, admit,
                          progress=None if as_json else lambda r: err.print(f"  {r.node}: {r.verdict.value}", markup=False))
         plan = apply_drains(plan_drains(run.reports, prof.health), prof.health)
-        spares = spare_readiness(run.reports, names if admit else prof.health.spares)
+        spares = spare_readiness(run.reports, names if admit else prof.health.spares, run.level)
     if as_json:
         out.print_json(json.dumps({"nodes": [r.to_dict() for r in run.reports], "drain": plan.drain,
                                    "drained": plan.drained, "held": plan.held, "rerun": plan.rerun,

@@ -96,15 +96,35 @@ def test_corrupted_archived_object_fails_the_drill_naming_it(archived_profile, s
     assert list(archived_profile.drill.scratch_dir.iterdir()) == []
 
 
-def test_archive_retention_keeps_the_newest_and_never_the_only_one(save_dir, tmp_path, options):
+@pytest.mark.parametrize("order, kept, named", [((16, 20, 24), [20, 24], 24),
+                                                 ((20, 24, 16), [16, 24], 16)])  # rolled back to 16
+def test_archive_retention_keeps_the_newest_commits_and_never_the_only_one(save_dir, tmp_path, options,
+                                                                           order, kept, named):
+    """Retention goes by commit time: after a rollback the older iteration's fresh copy stays."""
     profile = load_profile(write_job_profile(tmp_path, save_dir, str(tmp_path / "archive"), keep=2))
     store = store_of(profile)
-    for iteration in (16, 20, 24):
+    for iteration in order:
         promote(save_dir, options, 30, requested=iteration)
         archive_checkpoint(save_dir, profile, force=True)
-    assert committed_iterations(store, "test-job") == [20, 24]
-    assert store.listdir("test-job") == ["iter_0000020", "iter_0000024", "latest_committed_iteration.txt"]
+    assert committed_iterations(store, "test-job") == kept and newest_committed(store, "test-job") == named
+    assert store.listdir("test-job") == [f"iter_{i:07d}" for i in kept] + ["latest_committed_iteration.txt"]
     assert apply_archive_retention(store, "test-job", keep=2) == []
+
+
+def test_a_resaved_iteration_never_overwrites_its_committed_copy(save_dir, tmp_path, options):
+    """The same iteration with other bytes: the committed copy may be the only one, so it stays."""
+    profile = load_profile(write_job_profile(tmp_path, save_dir, str(tmp_path / "archive")))
+    promote(save_dir, options, 30)
+    assert archive_checkpoint(save_dir, profile).committed
+    store = store_of(profile)
+    key = "test-job/iter_0000024/manifest.json"
+    archived = json.loads(store.read(key))
+    archived["files"][0]["hash"] = "0" * 32  # the archive now holds "another save" of iteration 24
+    store.write(key, json.dumps(archived).encode())
+    objects = {name: store.read(f"test-job/iter_0000024/{name}") for name in store.listdir("test-job/iter_0000024")}
+    result = archive_checkpoint(save_dir, profile, force=True)
+    assert not result.committed and "already archived from an earlier save" in result.message
+    assert {name: store.read(f"test-job/iter_0000024/{name}") for name in store.listdir("test-job/iter_0000024")} == objects
 
 
 def test_multipart_upload_of_large_files(medium_save_dir, tmp_path, s3_endpoint, options):

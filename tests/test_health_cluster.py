@@ -105,8 +105,11 @@ def test_raw_outputs_and_history_are_kept_per_node(cluster, tmp_path, scontrol):
     run_health(profile.health, [HEALTHY[0]])
     history = (tmp_path / "raw" / HEALTHY[0] / "history.jsonl").read_text().splitlines()
     assert len(history) == 2 and json.loads(history[0])["verdict"] == "PASS"
+    from datetime import datetime
+
+    first_run = int(datetime.fromisoformat(json.loads(history[0])["started_at"]).timestamp())
     journal_calls = [c["argv"] for c in cluster.calls() if c["address"] == HEALTHY[0] and c["tool"] == "journalctl"]
-    assert journal_calls[-1][-1].startswith("--since=@")  # the second run reads the kernel log from the first
+    assert journal_calls[-1][-1] == f"--since=@{first_run}"  # the second run reads the log from the first's start
 
 
 def test_one_connection_per_node_and_parameters_never_reach_a_shell(cluster, tmp_path, scontrol):
@@ -162,7 +165,8 @@ def test_spare_admission_needs_r3_nccl_and_a_pair_test(cluster, tmp_path, scontr
         for suffix in ("out", "rc"):
             (cluster.root / "scenarios" / HEALTHY[2] / f"pair.{suffix}").unlink()
     assert run.level == 3
-    readiness = spare_readiness(run.reports, spares)
+    readiness = spare_readiness(run.reports, spares, run.level)
+    assert set(spare_readiness(run.reports, spares, 1).values()) == {"not ready: the admission set did not run completely"}
     assert readiness[HEALTHY[1]] == "ready"
     assert readiness[HEALTHY[2]].startswith(f"not ready: nccl-pair-{HEALTHY[0]}: the test could not run")
     pair = [c["argv"] for c in cluster.calls() if c["tool"] == "mpirun" and c["address"] == HEALTHY[1]][-1]

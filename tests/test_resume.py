@@ -67,9 +67,15 @@ def test_resume_from_the_promoted_checkpoint_continues_exactly(failed_run):
     assert checks["loss and grad norm"].expected == "2 recomputed iterations bit-exact"
     assert checks["data order"].ok and checks["learning rate"].ok
     assert checks["peak memory"].ok and checks["throughput"].ok and checks["skipped and NaN iterations"].ok
-    # The baseline is now stored with the job: a later validation works without the old records.
+    assert checks["promoted checkpoint"].ok
+    # The baseline is now stored with the job: a later validation works without the old records,
+    # but without them the recomputed steps cannot be compared: not passed, not checkable.
     later = validate(failed_run, failed_run[0] / "good.jsonl", before=False)
-    assert later.ok and {c.name for c in later.checks if c.ok is None} == {"loss and grad norm"}
+    assert later.ok and {c.name for c in later.checks if c.ok is None} == {"loss and grad norm", "data order"}
+    # A file the resumed job appended a second attempt to: the last attempt is the one judged.
+    appended = failed_run[0] / "appended.jsonl"
+    appended.write_text((failed_run[0] / "good.jsonl").read_text() * 2)
+    assert validate(failed_run, appended).ok
 
 
 def test_another_data_seed_is_caught_by_data_order(failed_run):
@@ -88,6 +94,12 @@ def test_resume_from_another_checkpoint_is_caught_by_resume_point(failed_run):
     result = validate(failed_run, resume(failed_run, "older", step=8))
     assert failed_checks(result) == ["resume point"]
     assert result.failed[0].observed == "first iteration 9"
+    # Told the checkpoint it really resumed from, the validator names what is wrong with it.
+    root, save = failed_run
+    honest = validate_resume(save / "iter_0000008", load_steps(root / "before.jsonl"), load_steps(root / "older.jsonl"),
+                             SETTINGS)
+    assert failed_checks(honest)[0] == "promoted checkpoint"
+    assert honest.failed[0].expected == "iteration 12 (latest verified)"
 
 
 def test_slow_resumed_run_is_caught_by_throughput(failed_run):
@@ -158,7 +170,8 @@ def test_post_resume_validation_flow_emits_its_event(failed_run, prefect_api):
                                    return_state=True)
     assert state.is_completed() and state.message.startswith("VALIDATED resume from iteration 12")
     rows = json.loads(Artifact.get("resume-checks-resume-test").data)
-    assert [r["check"] for r in rows][:4] == ["resume point", "learning rate", "data order", "loss and grad norm"]
+    assert [r["check"] for r in rows][:5] == ["promoted checkpoint", "resume point", "learning rate", "data order",
+                                            "loss and grad norm"]
     # Events reach the server asynchronously: poll (bounded) until it has stored this one.
     deadline, found = time.monotonic() + 60, False
     with get_client(sync_client=True) as client:

@@ -45,7 +45,21 @@ def start_local_job(save_dir: Path, *, nproc: int = 2, train_iters: int = 8, sav
     return process, log
 
 
-def wait_local_job(process: subprocess.Popen, log: Path, timeout_seconds: float) -> None:
+class TimedOut(CkptopsError):
+    """The command ran past its time limit (it and everything it started were killed)."""
+
+
+def run_reaped(argv: list[str], log: Path, timeout_seconds: float, env: dict | None = None,
+               what: str = "the command") -> None:
+    """Run a command to its end with ``wait_local_job``'s guarantees: a time limit, and nothing
+    it started left running afterwards."""
+    with open(log, "wb") as sink:
+        process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    wait_local_job(process, log, timeout_seconds, what)
+
+
+def wait_local_job(process: subprocess.Popen, log: Path, timeout_seconds: float,
+                   what: str = "local training job") -> None:
     """Wait for the job; then kill everything it started, and raise if it failed or timed out.
 
     torchrun starts each rank in a session of its own, and a rank's helpers (megatron's writer
@@ -65,9 +79,10 @@ def wait_local_job(process: subprocess.Popen, log: Path, timeout_seconds: float)
     finally:
         _kill_all(process, descendants)
     if code != 0:
-        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-        what = f"timed out after {timeout_seconds:.0f}s" if code is None else f"exited {code}"
-        raise CkptopsError(f"{log}: local training job {what}: {' | '.join(tail)}")
+        tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-5:])
+        if code is None:
+            raise TimedOut(f"{log}: {what} timed out after {timeout_seconds:.0f}s: {tail}")
+        raise CkptopsError(f"{log}: {what} exited {code}: {tail}")
 
 
 def run_local_job(save_dir: Path, *, timeout_seconds: float = 600, **kwargs) -> Path:

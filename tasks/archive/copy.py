@@ -101,7 +101,7 @@ def _upload(store: ArchiveStore, job: str, directory: Path, manifest: Manifest, 
         else:
             todo.append((directory / name, key))
     store.put_files(todo, progress)
-    return sum(_files_to_copy(manifest)[Path(p).name] for p, _ in todo), reused
+    return sum(Path(local).stat().st_size for local, _ in todo), reused
 
 
 def _mismatches(store: ArchiveStore, job: str, manifest: Manifest, progress) -> list[str]:
@@ -125,17 +125,32 @@ def _commit(store: ArchiveStore, job: str, manifest: Manifest, source: Path) -> 
     return status
 
 
+def _committed_at(store: ArchiveStore, job: str, iteration: int) -> str:
+    return (archived_manifest(store, job, iteration).archive or {}).get("committed_at", "1970-01-01T00:00:00+00:00")
+
+
+def _by_commit_time(store: ArchiveStore, job: str, committed: list[int]) -> list[int]:
+    """Committed iterations, oldest commit first (after a rollback an older iteration is newer)."""
+    return sorted(committed, key=lambda it: _committed_at(store, job, it))
+
+
 def apply_archive_retention(store: ArchiveStore, job: str, keep: int) -> list[int]:
-    """Keep the newest ``keep`` committed entries; never the only one, never before a newer one
-    committed. An entry is uncommitted (manifest removed) before its objects go, so a reader never
-    sees half of one. Uncommitted leftovers older than the newest commit are removed too."""
+    """Keep the ``keep`` most recently committed entries (commit time, not iteration: after a
+    rollback an older iteration is the newest copy) and the one the pointer object names; never
+    the only one, never before a newer one committed. An entry is uncommitted (manifest removed)
+    before its objects go, so a reader never sees half of one. Uncommitted leftovers older than
+    the newest commit are removed too."""
     committed = committed_iterations(store, job)
+    by_commit = _by_commit_time(store, job, committed)
+    named = newest_committed(store, job)
     deleted = []
-    for iteration in committed[:-keep] if len(committed) > keep else []:
+    for iteration in by_commit[:-keep] if len(by_commit) > keep else []:
+        if iteration == named:
+            continue
         store.remove(entry_key(job, iteration, layout.MANIFEST))
         store.remove(entry_key(job, iteration), recursive=True)
         deleted.append(iteration)
-    newest = committed[-1] if committed else None
+    newest = max(committed) if committed else None
     for name in store.listdir(job):
         iteration = layout.parse_iter_dir(name)
         if iteration is not None and newest is not None and iteration < newest and iteration not in committed:
@@ -164,9 +179,11 @@ def archive_checkpoint(save_dir: Path, profile, force: bool = False,
         if skip:
             return ArchiveResult(iteration, store.where(entry_key(job, iteration)), False, skip)
         if iteration in committed:
-            # The same iteration with other bytes (Megatron re-saved it): uncommit the old entry
-            # before its objects are overwritten, so no reader pairs old manifest and new data.
-            store.remove(entry_key(job, iteration, layout.MANIFEST))
+            # The same iteration with other bytes (Megatron re-saved it after a rollback). Its
+            # committed copy may be the only one: never overwrite it; the next promotion archives.
+            return ArchiveResult(iteration, store.where(entry_key(job, iteration)), False,
+                                 f"iteration {iteration} is already archived from an earlier save; its committed "
+                                 "copy is kept, the next promoted iteration will be archived")
         started = time.monotonic()
         with pinned(save_dir, iteration, f"archive-{os.getpid()}", "archive copy reading"):
             uploaded, reused = _upload(store, job, directory, manifest, progress)
@@ -193,9 +210,9 @@ def _skip_reason(store: ArchiveStore, job: str, manifest: Manifest, committed: l
             return f"iteration {manifest.iteration} is already archived"
     if force or not committed:
         return None
-    newest = archived_manifest(store, job, committed[-1])
-    committed_at = datetime.fromisoformat((newest.archive or {}).get("committed_at", "1970-01-01T00:00:00+00:00"))
+    newest = _by_commit_time(store, job, committed)[-1]
+    committed_at = datetime.fromisoformat(_committed_at(store, job, newest))
     age_hours = (datetime.now(timezone.utc) - committed_at).total_seconds() / 3600
     if age_hours < period_hours:
-        return f"the newest archive copy (iteration {committed[-1]}) is {age_hours:.1f} h old, the period is {period_hours:g} h"
+        return f"the newest archive copy (iteration {newest}) is {age_hours:.1f} h old, the period is {period_hours:g} h"
     return None

@@ -135,6 +135,8 @@ class SshHost:
         except (OSError, socket.timeout) as e:
             client.close()
             raise Unreachable(f"{self.node}: unreachable ({getattr(e, 'strerror', None) or e})") from None
+        # Keepalives: a node that dies mid-session is noticed, so no wait on it is endless.
+        client.get_transport().set_keepalive(max(1, int(s.connect_timeout)))
         self.client = client
         return self
 

@@ -41,8 +41,15 @@ def _drained_in_last_hour(raw_dir: Path, now: float) -> list[str]:
         lines = (Path(raw_dir) / DRAIN_LOG).read_text().splitlines()
     except FileNotFoundError:
         return []
-    entries = [json.loads(line) for line in lines]
-    return [e["node"] for e in entries if now - e["at"] < 3600]
+    recent = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            if now - entry["at"] < 3600:
+                recent.append(entry["node"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn line from a crash mid-append
+    return recent
 
 
 def plan_drains(reports: list[NodeReport], settings, now: float | None = None) -> DrainPlan:
@@ -83,14 +90,14 @@ def apply_drains(plan: DrainPlan, settings, now: float | None = None) -> DrainPl
     return plan
 
 
-def spare_readiness(reports: list[NodeReport], spares: list[str]) -> dict[str, str]:
+def spare_readiness(reports: list[NodeReport], spares: list[str], level: int) -> dict[str, str]:
     """A spare is ready only if its admission run (r3, single-node NCCL, pair test) all passed."""
     ready = {}
     for report in reports:
         if report.node not in spares:
             continue
         names = {c.check for c in report.checks}
-        complete = {"dcgm-diag", "nccl"} <= names and any(n.startswith("nccl-pair-") for n in names)
+        complete = level >= 3 and {"dcgm-diag", "nccl"} <= names and any(n.startswith("nccl-pair-") for n in names)
         if not complete:
             ready[report.node] = "not ready: the admission set did not run completely"
         elif report.verdict in (Verdict.PASS, Verdict.WARN):

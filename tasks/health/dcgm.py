@@ -1,4 +1,4 @@
-"""DCGM outputs (``dcgmi diag``, ``discovery``, ``nvlink``, ``health``) into verdicts.
+"""DCGM outputs (``dcgmi diag``, ``discovery``, ``nvlink``) into verdicts.
 
 Rules, from DCGM 3.3.9 and 4.6.0 and the operators who run them (see ../shared/notes/health.md):
 - DCGM's own status is only Pass/Fail/Skip, and a warning shows as Fail: decide on each error's
@@ -223,16 +223,3 @@ def nvlink_down(text: str) -> dict[int, list[int]]:
                 down[gpu] = links
             gpu = None
     return down
-
-
-def health_status(text: str) -> str | None:
-    """Overall health from ``dcgmi health -c`` (JSON with -j, or the text table)."""
-    try:
-        doc = json.loads(text[text.index("{"):]) if "{" in text else None
-    except ValueError:
-        doc = None
-    if isinstance(doc, dict):
-        overall = (doc.get("body") or {}).get("Overall Health") or {}
-        return overall.get("value")
-    match = re.search(r"Overall Health:\s*(\w+)", text)
-    return match[1] if match else None

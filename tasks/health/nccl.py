@@ -20,7 +20,8 @@ from tasks.health.verdict import CheckResult, Evidence, Verdict, result
 
 GIB = 1 << 30
 _ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+\w+\s+\w+\s+-?\d+\s+")
-_FAILURE = re.compile(r"(Test (?:NCCL|CUDA) failure.*|Test failure.*|NCCL WARN.*)")
+_FAILURE = re.compile(r"(Test (?:NCCL|CUDA) failure.*|Test failure.*)")
+_WARN = re.compile(r"(NCCL WARN.*)")
 
 
 @dataclass
@@ -35,10 +36,11 @@ class Row:
 class AllReduceRun:
     rows: list[Row] = field(default_factory=list)
     header: bool = False
-    ranks: int = 0
+    rank_ids: set[int] = field(default_factory=set)
     out_of_bounds: tuple[int, bool] | None = None   # (count, ok)
     average_busbw: float | None = None
     failures: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
 
 def _number(token: str) -> int | None:
@@ -53,11 +55,16 @@ def parse_allreduce(text: str) -> AllReduceRun:
         if failure:
             run.failures.append(failure.group(1).strip())
             continue
+        warning = _WARN.search(stripped)
+        if warning:
+            run.warnings.append(warning.group(1).strip())
+            continue
         if stripped.startswith("#"):
             if re.match(r"#\s+size\s+count", stripped):
                 run.header = True
-            elif re.match(r"#\s+Rank\s+\d+", stripped):
-                run.ranks += 1
+            elif (rank := re.match(r"#\s+Rank\s+(\d+)", stripped)):
+                # Distinct ranks: a non-MPI build under mpirun prints "Rank 0" once per process.
+                run.rank_ids.add(int(rank[1]))
             elif "Out of bounds values" in stripped:
                 match = re.search(r":\s*(\d+)\s+(OK|FAILED)", stripped)
                 if match:
@@ -93,9 +100,12 @@ def classify_allreduce(text: str, exit_code: int | None, pass_gbps: float, warn_
         detail = f"wrong results at size {first}" if first else f"out-of-bounds values: {run.out_of_bounds}"
         return result(check, Verdict.FAIL_HARDWARE, Evidence(f"{detail} (data corruption: hardware)", test=check),
                       exit_code=exit_code)
-    if run.failures:
-        return result(check, Verdict.TOOL_ERROR,
-                      Evidence(f"the test could not run: {run.failures[0][:200]}", test=check), exit_code=exit_code)
+    if run.failures or (run.warnings and run.out_of_bounds is None):
+        # A finished table is judged on its numbers, whatever NCCL warned about on the way; a run
+        # that failed, or warned and never finished, could not test the node.
+        first = (run.failures or run.warnings)[0]
+        return result(check, Verdict.TOOL_ERROR, Evidence(f"the test could not run: {first[:200]}", test=check),
+                      exit_code=exit_code)
     if exit_code not in (0, None):
         return result(check, Verdict.TOOL_ERROR, Evidence(f"all_reduce_perf exited {exit_code}", test=check),
                       exit_code=exit_code)
@@ -108,7 +118,7 @@ def classify_allreduce(text: str, exit_code: int | None, pass_gbps: float, warn_
         return result(check, Verdict.TOOL_ERROR,
                       Evidence(f"no footer after {len(run.rows)} rows: the run did not finish", test=check),
                       exit_code=exit_code)
-    if run.ranks <= 1 and max(r.busbw_out for r in run.rows) == 0.0:
+    if len(run.rank_ids) <= 1 and max(r.busbw_out for r in run.rows) == 0.0:
         return result(check, Verdict.FAIL_CONFIG,
                       Evidence("nranks 1 and busbw 0.00: a build without MPI launched by mpirun (setup error)",
                                test=check), exit_code=exit_code)
@@ -127,4 +137,6 @@ def classify_allreduce(text: str, exit_code: int | None, pass_gbps: float, warn_
     else:
         verdict = Verdict.FAIL_HARDWARE
     note = "; results not validated (-c 0)" if unvalidated else ""
+    if run.warnings:
+        note += f"; NCCL warned: {run.warnings[0][:120]}"
     return result(check, verdict, Evidence(gate + note, test=check, value=peak, gate=pass_gbps), exit_code=exit_code)

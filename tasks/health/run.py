@@ -76,15 +76,22 @@ def _host(node: str, settings, key_text: str | None):
                                      s.connect_timeout_seconds))
 
 
-def last_checked(raw_dir: Path, node: str) -> float | None:
+def last_clean_xid_check(raw_dir: Path, node: str) -> float | None:
+    """When the node's kernel log was last read and found clean. The next XID check reads from
+    there: a run where the check did not complete leaves no gap, and a critical XID found but
+    not yet acted on is found again (``journalctl -k`` covers the current boot, so a repaired
+    and rebooted node starts clean)."""
     try:
         lines = (Path(raw_dir) / node / HISTORY).read_text().splitlines()
     except OSError:
         return None
     for line in reversed(lines):
         try:
-            return datetime.fromisoformat(json.loads(line)["started_at"]).timestamp()
-        except (ValueError, KeyError):
+            entry = json.loads(line)
+            checks = {c["check"]: c["verdict"] for c in entry["checks"]}
+            if checks.get(xid.NAME) in (Verdict.PASS.value, Verdict.WARN.value):
+                return datetime.fromisoformat(entry["started_at"]).timestamp()
+        except (ValueError, KeyError, TypeError):
             continue
     return None
 
@@ -105,14 +112,28 @@ def _attempt(name: str, run: Callable[[Context], CheckResult], ctx: Context) -> 
         outcome = run(ctx)
     except Unreachable as e:
         outcome = result(name, Verdict.TOOL_ERROR, Evidence(str(e)))
+    except Exception as e:  # one check's surprise must not end the whole fleet's run
+        outcome = result(name, Verdict.TOOL_ERROR, Evidence(f"the check itself failed ({type(e).__name__}: {e})"))
     outcome.seconds = time.monotonic() - started
     outcome.raw = ctx.kept[-1] if len(ctx.kept) > kept else None
     return outcome
 
 
+def _below_gate(outcome: CheckResult) -> bool:
+    return outcome.verdict is Verdict.FAIL_HARDWARE and any(e.gate is not None for e in outcome.evidence)
+
+
 def _run_check(name: str, run: Callable[[Context], CheckResult], ctx: Context) -> CheckResult:
-    """A tool error gets one more try; a second one makes the node SUSPECT for this check."""
+    """A tool error gets one more try; a second one makes the node SUSPECT for this check.
+    Bandwidth below the gate also gets one more try (a busy fabric, a neighbour's job): the
+    node fails only if the second run is slow too."""
     first = _attempt(name, run, ctx)
+    if _below_gate(first):
+        second = _attempt(name, run, ctx)
+        second.attempts = 2
+        if second.verdict is Verdict.FAIL_HARDWARE:
+            second.evidence[0].detail += " (again after a retry)"
+        return second
     if first.verdict is not Verdict.TOOL_ERROR:
         return first
     second = _attempt(name, run, ctx)
@@ -136,7 +157,7 @@ def check_node(node: str, settings, level: int, key_text: str | None = None,
                checks: list[str] | None = None) -> NodeReport:
     started = time.monotonic()
     report = NodeReport(node, Verdict.PASS, started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    since = last_checked(settings.raw_dir, node)
+    since = last_clean_xid_check(settings.raw_dir, node)
     try:
         host = _connect(node, settings, key_text)
     except HostKeyRejected as e:

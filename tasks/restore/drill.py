@@ -100,6 +100,10 @@ class _Drill:
             self._judge()
         except CkptopsError as e:
             self.report.ok, self.report.reason = False, str(e)
+        except FileNotFoundError as e:  # an object or file that should have been there
+            self.report.ok, self.report.reason = False, f"{e.filename or e}: missing"
+        except OSError as e:  # scratch full, permissions, a tool not installed
+            self.report.ok, self.report.reason = False, f"{e.filename or 'drill'}: {e.strerror or e}"
         finally:
             shutil.rmtree(self.scratch, ignore_errors=True)
         append_drill(self.save_dir, self.report)

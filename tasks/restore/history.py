@@ -84,13 +84,14 @@ class Estimate:
 
 def estimate(drills: list[dict], size_bytes: int) -> dict[str, Estimate]:
     """Predicted restore window per source for a checkpoint of ``size_bytes``: each phase of the
-    newest passing drill scaled to that size (size / measured throughput), summed."""
+    newest drill that ran all three phases (passed or over budget: its speeds are the current
+    ones) scaled to that size (size / measured throughput), summed."""
     predicted = {}
     for source in ("shared", "archive"):
-        passing = [d for d in drills if d["source"] == source and d["ok"]]
-        if not passing:
+        complete = [d for d in drills if d["source"] == source and len(d.get("phases", [])) == 3]
+        if not complete:
             continue
-        phases = passing[-1]["phases"]
+        phases = complete[-1]["phases"]
         if phases and all(p["seconds"] > 0 and p["bytes"] > 0 for p in phases):
             seconds = sum(size_bytes * p["seconds"] / p["bytes"] for p in phases)
             predicted[source] = Estimate(source, seconds, max(p["bytes"] for p in phases))
@@ -146,6 +147,6 @@ def trend_markdown(job: str, drills: list[dict], predicted: dict[str, Estimate],
     image = base64.b64encode(trend_png(drills)).decode()
     lines = [f"# restore drills: {job}", "", f"![restore window per drill](data:image/png;base64,{image})", ""]
     if predicted and size_bytes:
-        lines.append("From the newest passing drills:")
+        lines.append("From the newest complete drills:")
         lines += [f"- {e.line(size_bytes, budgets[e.source])}" for e in predicted.values()]
     return "\n".join(lines) + "\n"

@@ -2,36 +2,15 @@
 allocation on the cluster. Either way the loader writes a JSON report of what it loaded."""
 
 import json
-import os
 import shlex
 import subprocess
 from pathlib import Path
 from string import Template
 
-from infra.local_job.launch import job_env, torchrun_command
+from infra.local_job.launch import TimedOut, job_env, run_reaped, torchrun_command
 from tasks.errors import CkptopsError
 
 SBATCH_TEMPLATE = Path(__file__).resolve().parents[2] / "infra" / "slurm" / "restore_drill.sbatch"
-
-
-def _run(command: list[str], log: Path, timeout_seconds: float, env: dict | None = None) -> None:
-    """Run a command in its own process group; kill the whole group on timeout."""
-    with open(log, "wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            code = process.wait(timeout=timeout_seconds)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            try:
-                os.killpg(process.pid, 9)
-            except ProcessLookupError:
-                pass
-            process.wait()
-    if code != 0:
-        tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
-        what = f"timed out after {timeout_seconds:.0f}s" if code is None else f"exited {code}"
-        raise CkptopsError(f"{log}: the drill's load {what}: {tail}")
 
 
 def render_sbatch(slurm, load_dir: Path, iteration: int, report: Path, job_name: str) -> str:
@@ -51,6 +30,14 @@ def render_sbatch(slurm, load_dir: Path, iteration: int, report: Path, job_name:
     )
 
 
+def _cancel(log: Path) -> None:
+    """``sbatch --parsable`` prints the job id first: cancel that job."""
+    lines = log.read_text(errors="replace").split()
+    job_id = lines[0].split(";")[0] if lines else ""
+    if job_id.isdigit():
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+
+
 def load_checkpoint(profile, load_dir: Path, iteration: int, report: Path) -> dict:
     """Load ``load_dir/iter_<iteration>`` for real and return the loader's report."""
     drill = profile.drill
@@ -58,12 +45,17 @@ def load_checkpoint(profile, load_dir: Path, iteration: int, report: Path) -> di
     if drill.launcher == "slurm":
         script = report.with_suffix(".sbatch")
         script.write_text(render_sbatch(drill.slurm, load_dir, iteration, report, profile.job.name))
-        _run(["sbatch", "--parsable", "--wait", str(script)], log, drill.load_timeout_seconds)
+        try:
+            run_reaped(["sbatch", "--parsable", "--wait", str(script)], log, drill.load_timeout_seconds,
+                       what="the drill's Slurm job")
+        except TimedOut:
+            _cancel(log)  # never leave the allocation running once its scratch is going away
+            raise
     else:
         nproc = profile.local_job.nproc if profile.local_job else profile.job.layout.world_size
         args = ["--load", str(load_dir), "--ckpt-step", str(iteration), "--drill-report", str(report),
                 "--tensor-sample", str(drill.tensor_sample)]
-        _run(torchrun_command(nproc, args), log, drill.load_timeout_seconds, job_env())
+        run_reaped(torchrun_command(nproc, args), log, drill.load_timeout_seconds, job_env(), "the drill's load")
     try:
         return json.loads(report.read_text())
     except (OSError, ValueError) as e:

@@ -21,6 +21,7 @@ import numpy as np
 from tasks.checkpoint import layout
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
 from tasks.checkpoint.manifest import now_iso, read_manifest
+from tasks.checkpoint.pointer import read_pointer
 from tasks.errors import CkptopsError, UsageError
 from tasks.resume.records import Steps
 from tasks.storage.local import atomic_write
@@ -74,6 +75,7 @@ class CheckpointFacts:
     global_batch_size: int
     scheduler: dict
     warmup_init_lr: float
+    verified: bool
 
 
 def checkpoint_facts(directory: Path) -> CheckpointFacts:
@@ -89,7 +91,7 @@ def checkpoint_facts(directory: Path) -> CheckpointFacts:
         raise CkptopsError(f"{directory.name}: its manifest says {manifest.status} ({manifest.reason}); not a resume point")
     return CheckpointFacts(directory, int(common["iteration"]), int(args.consumed_train_samples),
                            int(args.global_batch_size), dict(common["opt_param_scheduler"]),
-                           float(getattr(args, "lr_warmup_init", 0.0) or 0.0))
+                           float(getattr(args, "lr_warmup_init", 0.0) or 0.0), manifest is not None)
 
 
 def _schedule(facts: CheckpointFacts):
@@ -99,12 +101,16 @@ def _schedule(facts: CheckpointFacts):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     state = facts.scheduler
-    scheduler = OptimizerParamScheduler(
-        SimpleNamespace(param_groups=[{}]), init_lr=facts.warmup_init_lr, max_lr=state["max_lr"],
-        min_lr=state["min_lr"], lr_warmup_steps=state["lr_warmup_steps"], lr_decay_steps=state["lr_decay_steps"],
-        lr_decay_style=state["lr_decay_style"], start_wd=state["start_wd"], end_wd=state["end_wd"],
-        wd_incr_steps=state["wd_incr_steps"], wd_incr_style=state["wd_incr_style"],
-    )
+    try:
+        scheduler = OptimizerParamScheduler(
+            SimpleNamespace(param_groups=[{}]), init_lr=facts.warmup_init_lr, max_lr=state["max_lr"],
+            min_lr=state["min_lr"], lr_warmup_steps=state["lr_warmup_steps"], lr_decay_steps=state["lr_decay_steps"],
+            lr_decay_style=state["lr_decay_style"], start_wd=state["start_wd"], end_wd=state["end_wd"],
+            wd_incr_steps=state["wd_incr_steps"], wd_incr_style=state["wd_incr_style"],
+            wsd_decay_steps=state.get("wsd_decay_steps"), lr_wsd_decay_style=state.get("lr_wsd_decay_style"),
+        )
+    except (KeyError, AssertionError, TypeError) as e:
+        raise CkptopsError(f"{facts.directory.name}: its scheduler state cannot be replayed ({type(e).__name__}: {e})") from None
 
     def lr_after(consumed: int) -> float:
         scheduler.num_steps = consumed
@@ -146,10 +152,17 @@ def baseline_path(facts: CheckpointFacts) -> Path:
     return facts.directory.parent / layout.HISTORY / BASELINE
 
 
-def store_baseline(facts: CheckpointFacts, baseline: dict) -> None:
+def store_baseline(facts: CheckpointFacts, baseline: dict) -> str | None:
+    """Keep the baseline with the job; returns why it was not kept, if it was not."""
+    if baseline["throughput_median"] is None and baseline["peak_memory_median"] is None:
+        return "the records before the failure hold no steady state: the stored baseline is kept"
     path = baseline_path(facts)
-    path.parent.mkdir(exist_ok=True)
-    atomic_write(path, (json.dumps(baseline, indent=2) + "\n").encode())
+    try:
+        path.parent.mkdir(exist_ok=True)
+        atomic_write(path, (json.dumps(baseline, indent=2) + "\n").encode())
+    except OSError as e:
+        return f"{path}: baseline not stored ({e.strerror})"
+    return None
 
 
 def stored_baseline(facts: CheckpointFacts) -> dict | None:
@@ -174,12 +187,20 @@ def _match(before: Steps | None, iterations: np.ndarray) -> tuple[np.ndarray, np
     return found, last_row[pos]
 
 
+def _last_attempt(iterations: np.ndarray) -> int:
+    """Where the last attempt starts in a file that attempts were appended to (a restart is
+    where the iteration stops increasing)."""
+    restarts = np.nonzero(np.diff(iterations) <= 0)[0]
+    return int(restarts[-1] + 1) if restarts.size else 0
+
+
 class _Validator:
     def __init__(self, facts: CheckpointFacts, before: Steps | None, after: Steps, settings, baseline: dict | None):
         self.facts, self.before, self.after, self.settings, self.baseline = facts, before, after, settings, baseline
         self.result = Validation(str(facts.directory), facts.iteration, baseline=baseline)
-        # Rows of the resumed run, in order, from the first iteration after the checkpoint on.
-        self.rows = np.nonzero(after.iteration > facts.iteration)[0]
+        # Rows of the resumed run (its last attempt), in order, from after the checkpoint on.
+        self.start = _last_attempt(after.iteration) if len(after) else 0
+        self.rows = self.start + np.nonzero(after.iteration[self.start:] > facts.iteration)[0]
         found, before_rows = _match(before, after.iteration[self.rows])
         self.recomputed, self.recomputed_before = self.rows[found], before_rows[found]
         self.beyond = self.rows[~found]
@@ -191,6 +212,7 @@ class _Validator:
         self.result.checks.append(ResumeCheck(name, None if ok is None else bool(ok), str(expected), str(observed), detail))
 
     def run(self) -> Validation:
+        self._promoted()
         self._resume_point()
         self._learning_rate()
         self._data_order()
@@ -200,18 +222,29 @@ class _Validator:
         self._skipped()
         return self.result
 
+    def _promoted(self) -> None:
+        f = self.facts
+        promoted = read_pointer(f.directory.parent)
+        if not f.verified:
+            self.add("promoted checkpoint", False, "a verified checkpoint", f"{f.directory.name} was never verified")
+        elif promoted is None:
+            self.add("promoted checkpoint", None, "", "", "no promotion pointer in the save directory")
+        else:
+            self.add("promoted checkpoint", promoted == f.iteration, f"iteration {promoted} (latest verified)",
+                     f"iteration {f.iteration}")
+
     def _resume_point(self) -> None:
         f, a = self.facts, self.after
         if not len(a):
             self.add("resume point", False, f"iteration {f.iteration + 1}", "no records after the resume")
             return
-        first = int(a.iteration[0])
+        first = int(a.iteration[self.start])
         if first != f.iteration + 1:
             self.add("resume point", False, f"first iteration {f.iteration + 1}", f"first iteration {first}",
                      "resumed from another checkpoint than this one")
             return
-        size = a.batch_count[0] if not np.isnan(a.batch_count[0]) else f.global_batch_size
-        resumed_at = None if np.isnan(a.consumed[0]) else int(a.consumed[0] - size)
+        size = a.batch_count[self.start] if not np.isnan(a.batch_count[self.start]) else f.global_batch_size
+        resumed_at = None if np.isnan(a.consumed[self.start]) else int(a.consumed[self.start] - size)
         self.add("resume point", resumed_at == f.consumed, f"iteration {f.iteration + 1} after {f.consumed} samples",
                  f"iteration {first} after {resumed_at} samples")
 
@@ -258,10 +291,11 @@ class _Validator:
         if wrong_position.size:
             k = wrong_position[0]
             bad.append((int(a.iteration[self.rows[k]]), f"position {int(expected[k])}", f"position {positions[k]:.0f}"))
-        wrong_batch = 0
+        wrong_batch, compared = 0, 0
         if self.recomputed.size:
             theirs = b.batch_digest[self.recomputed_before]
             mine = a.batch_digest[self.recomputed]
+            compared = sum(t is not None for t in theirs)
             differ = np.array([t is not None and m != t for m, t in zip(mine, theirs)], dtype=bool)
             wrong_batch = int(differ.sum())
             if wrong_batch:
@@ -272,8 +306,13 @@ class _Validator:
             it, expected_text, observed = min(bad)
             self.add("data order", False, f"{expected_text} at iteration {it}", observed,
                      f"{wrong_position.size} positions and {wrong_batch} recomputed batches differ")
+        elif not compared:
+            # Positions follow on, but no batch could be compared: a changed seed or shuffle
+            # would look the same. Not a pass.
+            self.add("data order", None, "", "", f"positions contiguous from sample {f.consumed}, but no recomputed "
+                     "batch to compare (a resume at the checkpoint, or records without batch IDs)")
         else:
-            self.add("data order", True, f"{self.recomputed.size} recomputed batches identical, positions contiguous "
+            self.add("data order", True, f"{compared} recomputed batches identical, positions contiguous "
                      f"from sample {f.consumed}", "as expected")
 
     def _loss(self) -> None:
@@ -324,12 +363,20 @@ class _Validator:
             self.add("throughput", None, "", "", "no baseline (or a zero one) or too few steady-state steps")
             return
         unit = self.after.throughput_unit
+        if (self.baseline or {}).get("throughput_unit") != unit:
+            self.add("throughput", None, "", "", f"baseline in {(self.baseline or {}).get('throughput_unit')}, "
+                     f"the resumed run in {unit}")
+            return
         self.add("throughput", now >= (1 - drop) * base, f">= {(1 - drop) * base:.4g} {unit} ({1 - drop:.0%} of {base:.4g})",
                  f"{now:.4g} {unit} ({now / base - 1:+.1%})")
 
     def _skipped(self) -> None:
-        a = self.after
-        hits = self.rows[(np.nan_to_num(a.skipped[self.rows]) > 0) | (np.nan_to_num(a.nan[self.rows]) > 0)]
+        a, b = self.after, self.before
+        flagged = (np.nan_to_num(a.skipped) > 0) | (np.nan_to_num(a.nan) > 0)
+        if self.recomputed.size:  # the run before skipped these too: not new
+            before_flagged = (np.nan_to_num(b.skipped) > 0) | (np.nan_to_num(b.nan) > 0)
+            flagged[self.recomputed[before_flagged[self.recomputed_before]]] = False
+        hits = self.rows[flagged[self.rows]]
         if hits.size:
             i = hits[0]
             self.add("skipped and NaN iterations", False, "none",
@@ -342,9 +389,15 @@ class _Validator:
 def validate_resume(checkpoint: Path, before: Steps | None, after: Steps, settings) -> Validation:
     """Validate ``after`` (the resumed run) against ``before`` (the run before the failure)."""
     facts = checkpoint_facts(checkpoint)
+    note = None
     if before is not None:
         baseline = make_baseline(before, facts, settings)
-        store_baseline(facts, baseline)
+        note = store_baseline(facts, baseline)
+        if note and baseline["throughput_median"] is None and baseline["peak_memory_median"] is None:
+            baseline = stored_baseline(facts)
     else:
         baseline = stored_baseline(facts)
-    return _Validator(facts, before, after, settings, baseline).run()
+    result = _Validator(facts, before, after, settings, baseline).run()
+    if note:
+        result.checks.append(ResumeCheck("baseline", None, "", "", note))
+    return result

@@ -41,6 +41,7 @@ class ArchiveStore:
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, chunk_bytes: int, concurrency: int):
         self.fs, self.root, self.url = fs, root.rstrip("/"), url.rstrip("/")
+        self.is_local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
         self.chunk_bytes, self.concurrency = chunk_bytes, concurrency
 
     @classmethod
@@ -109,8 +110,15 @@ class ArchiveStore:
         return self._call("read", key, self.fs.cat_file, self._path(key))
 
     def write(self, key: str, data: bytes) -> None:
-        """A small object, in one request (an S3 PUT is atomic: all or nothing)."""
-        self._call("write", key, self.fs.pipe_file, self._path(key), data)
+        """A small object, all or nothing: an S3 PUT is atomic; on a directory it is written to a
+        temporary name and renamed, as a manifest (the commit marker) must never be half there."""
+        path = self._path(key)
+        if self.is_local:
+            temporary = f"{path}.tmp-{os.getpid()}"
+            self._call("write", key, self.fs.pipe_file, temporary, data)
+            self._call("write", key, self.fs.mv, temporary, path)
+        else:
+            self._call("write", key, self.fs.pipe_file, path, data)
 
     def remove(self, key: str, recursive: bool = False) -> None:
         try:
