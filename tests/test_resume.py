@@ -103,7 +103,7 @@ def test_resume_from_another_checkpoint_is_caught_by_resume_point(failed_run):
 
 
 def test_slow_resumed_run_is_caught_by_throughput(failed_run):
-    result = validate(failed_run, resume(failed_run, "slow", extra=("--slow-step-ms", "80")))
+    result = validate(failed_run, resume(failed_run, "slow", extra=("--slow-step-ms", "250")))
     assert failed_checks(result) == ["throughput"]
 
 
@@ -165,7 +165,7 @@ def test_post_resume_validation_flow_emits_its_event(failed_run, prefect_api):
     profile = root / "profile.yaml"
     profile.write_text(f"job: {{name: resume-test, save_dir: '{save}'}}\n"
                        "resume: {warmup_steps: 3, window_steps: 20, min_steps: 5, loss_rel_tolerance: 0.0, "
-                       "memory_band: 0.15, throughput_drop: 0.3}\n")
+                       "memory_band: 0.15, throughput_drop: 0.6}\n")
     state = post_resume_validation(after=str(records), before=str(root / "before.jsonl"), profile=str(profile),
                                    return_state=True)
     assert state.is_completed() and state.message.startswith("VALIDATED resume from iteration 12")
