@@ -2,6 +2,8 @@
 evidence, and the drains (or the drain plan) that follow from them. ``admit=True`` runs the spare
 admission set (r3, single-node NCCL, a pair test with a known-good node) on the given nodes."""
 
+import time
+
 from prefect import flow
 from prefect.states import Completed, Failed
 
@@ -22,8 +24,9 @@ def node_health(profile: str = "local", nodes: list[str] | None = None, level: i
     names = nodes_task(settings, nodes)
     # One batch at a time, each as wide as the profile's concurrency: never more nodes at once.
     batches = [names[i:i + settings.concurrency] for i in range(0, len(names), settings.concurrency)]
+    started = time.monotonic()
     reports = [r for b in batches for r in check_batch(settings, b, len(b) - 1, level, admit)]
-    run = HealthRun(reports, 3 if admit else (level or settings.level), max((r.seconds for r in reports), default=0.0))
+    run = HealthRun(reports, 3 if admit else (level or settings.level), time.monotonic() - started)
     plan = drain_task(settings, reports)
     spares = spare_readiness(reports, names if admit else settings.spares, run.level)
     publish_health(run, plan, settings, spares)

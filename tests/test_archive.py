@@ -111,6 +111,20 @@ def test_archive_retention_keeps_the_newest_commits_and_never_the_only_one(save_
     assert apply_archive_retention(store, "test-job", keep=2) == []
 
 
+def test_an_unreadable_archived_manifest_does_not_stop_the_archive(save_dir, tmp_path, options):
+    """A bad old entry is left for a human (named, never deleted); newer copies still commit."""
+    profile = load_profile(write_job_profile(tmp_path, save_dir, str(tmp_path / "archive"), keep=2))
+    store = store_of(profile)
+    promote(save_dir, options, 30, requested=16)
+    assert archive_checkpoint(save_dir, profile, force=True).committed
+    store.write("test-job/iter_0000016/manifest.json", b"")
+    for iteration in (20, 24):
+        promote(save_dir, options, 30, requested=iteration)
+        result = archive_checkpoint(save_dir, profile, force=True)
+        assert result.committed and "unreadable archived manifests kept for inspection: iterations 16" in result.message
+    assert committed_iterations(store, "test-job") == [16, 20, 24]
+
+
 def test_a_resaved_iteration_never_overwrites_its_committed_copy(save_dir, tmp_path, options):
     """The same iteration with other bytes: the committed copy may be the only one, so it stays."""
     profile = load_profile(write_job_profile(tmp_path, save_dir, str(tmp_path / "archive")))

@@ -2,6 +2,7 @@
 history, estimate and the Slurm allocation a production drill submits."""
 
 import json
+import os
 import shlex
 import subprocess
 
@@ -11,7 +12,8 @@ from tasks.checkpoint.promote import promote
 from tasks.profile import load_profile
 from tasks.restore.drill import run_drill
 from tasks.restore.history import estimate, read_drills
-from tasks.restore.launch import render_sbatch
+from infra.local_job.launch import TimedOut
+from tasks.restore.launch import load_checkpoint, render_sbatch
 from tests.conftest import ROOT, write_job_profile
 
 pytestmark = pytest.mark.slow
@@ -93,3 +95,21 @@ def test_production_drill_allocation_script(tmp_path):
     assert shlex.split(srun)[-1] == tricky.load_command  # passed as one argument, never re-parsed
     checked = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
     assert checked.returncode == 0, checked.stderr
+
+
+def test_a_drill_allocation_past_its_timeout_is_cancelled(tmp_path, monkeypatch):
+    """Slurm itself is missing here: stand-ins for sbatch (warns, prints its id, never ends) and
+    scancel (records its arguments). The job id is found after sbatch's warning."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text('#!/bin/sh\necho "sbatch: warning: no account given" >&2\n'
+                                    'echo "4242;clusterA"\nexec sleep 600\n')
+    (bin_dir / "scancel").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/scancel.args\n')
+    for tool in ("sbatch", "scancel"):
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    profile = load_profile("example-500b")
+    profile = profile.model_copy(update={"drill": profile.drill.model_copy(update={"load_timeout_seconds": 2})})
+    with pytest.raises(TimedOut, match="Slurm job 4242 cancelled"):
+        load_checkpoint(profile, tmp_path / "restore", 12000, tmp_path / "report.json")
+    assert (tmp_path / "scancel.args").read_text().split() == ["-M", "clusterA", "4242"]

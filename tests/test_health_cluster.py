@@ -75,6 +75,7 @@ def test_fan_out_gives_each_node_its_verdict_and_drains_within_the_cap(cluster, 
     assert got[UNREACHABLE].verdict is Verdict.SUSPECT and "unreachable" in got[UNREACHABLE].summary
     assert got[PERSISTENCE].verdict is Verdict.FAIL_CONFIG and "error 29 (CONFIG)" in got[PERSISTENCE].summary
     assert got[SLOW_NCCL].verdict is Verdict.FAIL_HARDWARE and got[SLOW_NCCL].worst_check.evidence[0].value == 338.82
+    assert got[SLOW_NCCL].worst_check.attempts == 2 and "again after a retry" in got[SLOW_NCCL].summary  # measured twice
     assert got[XID].verdict is Verdict.FAIL_HARDWARE and "critical XID 79" in got[XID].summary
     # A node without a host key we trust was never sent a command.
     assert not [c for c in cluster.calls() if c["address"] in (KEY_CHANGED, KEY_UNKNOWN)]

@@ -2,6 +2,7 @@
 checkpoint, validated; and each way a resume goes wrong, caught and named by its check."""
 
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -100,6 +101,23 @@ def test_resume_from_another_checkpoint_is_caught_by_resume_point(failed_run):
                              SETTINGS)
     assert failed_checks(honest)[0] == "promoted checkpoint"
     assert honest.failed[0].expected == "iteration 12 (latest verified)"
+
+
+def test_resume_point_still_passes_after_the_resumed_run_promoted_its_own_saves(failed_run, tmp_path):
+    """The resumed run saves into the same directory and moves the pointer on; validating later,
+    with or without the records from before, must still accept the resume from 12."""
+    root, save = failed_run
+    shutil.copytree(save, tmp_path / "checkpoints")
+    save = tmp_path / "checkpoints"
+    records = tmp_path / "after.jsonl"
+    run_local_job(save, train_iters=20, save_interval=4, timeout_seconds=600, log=tmp_path / "train.log",
+                  extra=["--load", str(save), "--ckpt-step", "12", "--step-records", str(records)])
+    promote(save, VerifyOptions(job="resume-test"), 30)
+    assert read_pointer(save) == 20
+    for before in (load_steps(root / "before.jsonl"), None):
+        checks = {c.name: c for c in validate_resume(save / "iter_0000012", before, load_steps(records), SETTINGS).checks}
+        assert checks["promoted checkpoint"].ok, checks["promoted checkpoint"]
+        assert checks["promoted checkpoint"].expected == "iteration 12 (latest verified when the run failed at 14)"
 
 
 def test_slow_resumed_run_is_caught_by_throughput(failed_run):

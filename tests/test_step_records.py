@@ -8,9 +8,9 @@ from tasks.errors import UsageError
 from tasks.resume.records import FULL_IDS, StepRecorder, batch_summary, load_steps
 
 
-def record_steps(path, count=5, ids=range(8)):
-    recorder = StepRecorder(path, "run-1", "attempt-1", flops_per_step=1e12)
-    for it in range(1, count + 1):
+def record_steps(path, count=5, ids=range(8), attempt="attempt-1", first=1):
+    recorder = StepRecorder(path, "run-1", attempt, flops_per_step=1e12)
+    for it in range(first, first + count):
         recorder.record(iteration=it, consumed_samples=it * 8, lr=1e-3 * it, batch=batch_summary((it - 1) * 8, ids),
                         loss=2.5 - it / 100, grad_norm=None if it == 2 else 1.0, skipped=int(it == 3), nan=0,
                         tokens=256, step_seconds=0.5)
@@ -54,3 +54,38 @@ def test_a_torn_last_line_is_forgiven_a_bad_line_is_not(tmp_path):
     with pytest.raises(UsageError, match="neither step records nor Megatron-LM log lines"):
         (tmp_path / "other.txt").write_text("hello\n")
         load_steps(tmp_path / "other.txt")
+
+
+def test_the_last_attempt_starts_where_the_attempt_id_changes(tmp_path):
+    """An attempt that died exactly at a checkpoint leaves no drop in the iteration numbers."""
+    from tasks.resume.validate import _last_attempt
+
+    path = tmp_path / "steps.jsonl"
+    record_steps(path, count=12)
+    record_steps(path, count=18, attempt="attempt-2", first=13)
+    steps = load_steps(path)
+    assert steps.iteration[_last_attempt(steps)] == 13
+    path.write_text(path.read_text() + path.read_text().split("\n", 12)[-1])  # the same attempt appended again
+    assert _last_attempt(load_steps(path)) == 30
+
+
+def test_a_wsd_schedule_is_replayed_from_the_checkpoint_args(tmp_path):
+    """Megatron's scheduler state leaves out the WSD decay settings; the args have them."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from tasks.resume.validate import CheckpointFacts, _schedule, _wsd_decay_steps
+
+    args = SimpleNamespace(train_iters=100, global_batch_size=8, lr_wsd_decay_iters=20, lr_wsd_decay_style="linear")
+    settings = dict(init_lr=0.0, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=80, lr_decay_steps=800,
+                    lr_decay_style="WSD", start_wd=0.01, end_wd=0.01, wd_incr_steps=800, wd_incr_style="constant")
+    job = OptimizerParamScheduler(SimpleNamespace(param_groups=[{}]), **settings,
+                                  wsd_decay_steps=_wsd_decay_steps(args), lr_wsd_decay_style="linear")
+    state = job.state_dict()
+    assert "wsd_decay_steps" not in state
+    facts = CheckpointFacts(tmp_path, 50, 400, 8, state, 0.0, True, _wsd_decay_steps(args), args.lr_wsd_decay_style)
+    lr_after = _schedule(facts)
+    for consumed in (40, 400, 700, 760, 800):
+        job.num_steps = consumed
+        assert lr_after(consumed) == job.get_lr({})

@@ -125,13 +125,19 @@ def _commit(store: ArchiveStore, job: str, manifest: Manifest, source: Path) -> 
     return status
 
 
-def _committed_at(store: ArchiveStore, job: str, iteration: int) -> str:
-    return (archived_manifest(store, job, iteration).archive or {}).get("committed_at", "1970-01-01T00:00:00+00:00")
-
-
-def _by_commit_time(store: ArchiveStore, job: str, committed: list[int]) -> list[int]:
-    """Committed iterations, oldest commit first (after a rollback an older iteration is newer)."""
-    return sorted(committed, key=lambda it: _committed_at(store, job, it))
+def _by_commit_time(store: ArchiveStore, job: str, committed: list[int]) -> tuple[list[int], list[int]]:
+    """Committed iterations, oldest commit first (after a rollback an older iteration is newer),
+    and those whose manifest cannot be read: one bad entry must not stop the archive, and it is
+    left out of retention for a human to look at."""
+    times, unreadable = {}, []
+    for iteration in committed:
+        try:
+            status = archived_manifest(store, job, iteration).archive or {}
+        except CkptopsError:
+            unreadable.append(iteration)
+            continue
+        times[iteration] = status.get("committed_at", "1970-01-01T00:00:00+00:00")
+    return sorted(times, key=times.get), unreadable
 
 
 def apply_archive_retention(store: ArchiveStore, job: str, keep: int) -> list[int]:
@@ -141,7 +147,7 @@ def apply_archive_retention(store: ArchiveStore, job: str, keep: int) -> list[in
     before its objects go, so a reader never sees half of one. Uncommitted leftovers older than
     the newest commit are removed too."""
     committed = committed_iterations(store, job)
-    by_commit = _by_commit_time(store, job, committed)
+    by_commit, _ = _by_commit_time(store, job, committed)
     named = newest_committed(store, job)
     deleted = []
     for iteration in by_commit[:-keep] if len(by_commit) > keep else []:
@@ -175,7 +181,8 @@ def archive_checkpoint(save_dir: Path, profile, force: bool = False,
         if manifest is None or not manifest.valid or not manifest.same_save(list_files(directory)):
             raise CkptopsError(f"{directory.name}: promoted but its manifest does not say valid for this save")
         committed = committed_iterations(store, job)
-        skip = _skip_reason(store, job, manifest, committed, profile.archive.period_hours, force)
+        by_commit, unreadable = _by_commit_time(store, job, committed)
+        skip = _skip_reason(store, job, manifest, committed, by_commit, profile.archive.period_hours, force)
         if skip:
             return ArchiveResult(iteration, store.where(entry_key(job, iteration)), False, skip)
         if iteration in committed:
@@ -199,19 +206,22 @@ def archive_checkpoint(save_dir: Path, profile, force: bool = False,
         with job_lock(save_dir, profile.verify.lock_timeout_seconds):
             record_archive_status(directory, status)
         deleted = apply_archive_retention(store, job, profile.archive.keep)
-        return ArchiveResult(iteration, status["url"], True, "committed", uploaded, reused, seconds, deleted)
+        message = "committed" + (f"; unreadable archived manifests kept for inspection: iterations "
+                                 f"{', '.join(map(str, unreadable))}" if unreadable else "")
+        return ArchiveResult(iteration, status["url"], True, message, uploaded, reused, seconds, deleted)
 
 
-def _skip_reason(store: ArchiveStore, job: str, manifest: Manifest, committed: list[int],
+def _skip_reason(store: ArchiveStore, job: str, manifest: Manifest, committed: list[int], by_commit: list[int],
                  period_hours: float, force: bool) -> str | None:
     if manifest.iteration in committed:
         archived = archived_manifest(store, job, manifest.iteration)
         if archived.files == manifest.files:
             return f"iteration {manifest.iteration} is already archived"
-    if force or not committed:
+    if force or not by_commit:
         return None
-    newest = _by_commit_time(store, job, committed)[-1]
-    committed_at = datetime.fromisoformat(_committed_at(store, job, newest))
+    newest = by_commit[-1]
+    committed_at = datetime.fromisoformat((archived_manifest(store, job, newest).archive or {})
+                                          .get("committed_at", "1970-01-01T00:00:00+00:00"))
     age_hours = (datetime.now(timezone.utc) - committed_at).total_seconds() / 3600
     if age_hours < period_hours:
         return f"the newest archive copy (iteration {newest}) is {age_hours:.1f} h old, the period is {period_hours:g} h"

@@ -6,8 +6,9 @@
 - The footer (``# Out of bounds values``, ``# Avg bus bandwidth``) means the run finished; the
   average is over all sizes and is never gated on. The gate is the largest out-of-place busbw at
   sizes of at least 1 GiB.
-- ``Test NCCL failure`` / ``Test CUDA failure`` / ``NCCL WARN`` lines and exit codes 1-4 mean
-  the test could not run: a tool or environment error, not a verdict on the node. Exit 7, a
+- ``Test NCCL failure`` / ``Test CUDA failure`` lines and exit codes 1-4 mean the test could
+  not run: a tool or environment error, not a verdict on the node. ``NCCL WARN`` lines mean the
+  same only when the table did not finish; after a complete table they are kept as evidence. Exit 7, a
   ``#wrong`` above 0 or ``FAILED`` out-of-bounds values mean wrong results: hardware.
 - A build without MPI launched by mpirun runs one rank per process: busbw 0.00 with ``nranks 1``,
   a setup error (FAIL_CONFIG), not a slow node.

@@ -119,8 +119,10 @@ def _attempt(name: str, run: Callable[[Context], CheckResult], ctx: Context) -> 
     return outcome
 
 
-def _below_gate(outcome: CheckResult) -> bool:
-    return outcome.verdict is Verdict.FAIL_HARDWARE and any(e.gate is not None for e in outcome.evidence)
+def _below_gate(name: str, outcome: CheckResult) -> bool:
+    """Bandwidth under the gate (an nccl check), not any other failure with a threshold."""
+    return (name.startswith("nccl") and outcome.verdict is Verdict.FAIL_HARDWARE
+            and any(e.gate is not None for e in outcome.evidence))
 
 
 def _run_check(name: str, run: Callable[[Context], CheckResult], ctx: Context) -> CheckResult:
@@ -128,8 +130,12 @@ def _run_check(name: str, run: Callable[[Context], CheckResult], ctx: Context) -
     Bandwidth below the gate also gets one more try (a busy fabric, a neighbour's job): the
     node fails only if the second run is slow too."""
     first = _attempt(name, run, ctx)
-    if _below_gate(first):
+    if _below_gate(name, first):
         second = _attempt(name, run, ctx)
+        if second.verdict is Verdict.TOOL_ERROR:  # the retry could not measure: the slow run stands
+            first.attempts = 2
+            first.evidence[0].detail += f" (the retry could not run: {second.summary})"
+            return first
         second.attempts = 2
         if second.verdict is Verdict.FAIL_HARDWARE:
             second.evidence[0].detail += " (again after a retry)"

@@ -2,6 +2,7 @@
 allocation on the cluster. Either way the loader writes a JSON report of what it loaded."""
 
 import json
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -30,12 +31,23 @@ def render_sbatch(slurm, load_dir: Path, iteration: int, report: Path, job_name:
     )
 
 
-def _cancel(log: Path) -> None:
-    """``sbatch --parsable`` prints the job id first: cancel that job."""
-    lines = log.read_text(errors="replace").split()
-    job_id = lines[0].split(";")[0] if lines else ""
-    if job_id.isdigit():
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+_JOB_ID = re.compile(r"^(\d+)(?:;(\S+))?$", re.MULTILINE)
+
+
+def _cancel(log: Path) -> str:
+    """``sbatch --parsable`` prints ``jobid[;cluster]`` on a line of its own (warnings may come
+    first): cancel that job, and say how that went (the timeout stays the drill's error)."""
+    found = _JOB_ID.search(log.read_text(errors="replace"))
+    if not found:
+        return f"no Slurm job id in {log}: cancel it by hand"
+    cluster = ["-M", found[2]] if found[2] else []
+    try:
+        done = subprocess.run(["scancel", *cluster, found[1]], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"scancel {found[1]} failed ({e}): cancel it by hand"
+    if done.returncode:
+        return f"scancel {found[1]} failed ({done.stderr.strip() or done.returncode}): cancel it by hand"
+    return f"Slurm job {found[1]} cancelled"
 
 
 def load_checkpoint(profile, load_dir: Path, iteration: int, report: Path) -> dict:
@@ -48,9 +60,9 @@ def load_checkpoint(profile, load_dir: Path, iteration: int, report: Path) -> di
         try:
             run_reaped(["sbatch", "--parsable", "--wait", str(script)], log, drill.load_timeout_seconds,
                        what="the drill's Slurm job")
-        except TimedOut:
-            _cancel(log)  # never leave the allocation running once its scratch is going away
-            raise
+        except TimedOut as e:
+            # Never leave the allocation running once its scratch is going away.
+            raise TimedOut(f"{e}; {_cancel(log)}") from None
     else:
         nproc = profile.local_job.nproc if profile.local_job else profile.job.layout.world_size
         args = ["--load", str(load_dir), "--ckpt-step", str(iteration), "--drill-report", str(report),

@@ -117,6 +117,7 @@ class Steps:
     kind: str                                   # "records" or "megatron-log"
     columns: dict[str, np.ndarray] = field(default_factory=dict)
     batch_digest: np.ndarray = field(default_factory=lambda: np.array([], dtype=object))
+    attempt: np.ndarray = field(default_factory=lambda: np.array([], dtype=object))  # empty for logs
     memory_kind: str | None = None
     throughput_unit: str = "tokens/s"           # or TFLOP/s/GPU from Megatron-LM logs
 
@@ -148,6 +149,7 @@ def _record_schema():
         ("grad_norm", pa.float64()), ("skipped", pa.float64()), ("nan", pa.float64()), ("step_seconds", pa.float64()),
         ("tokens_per_second", pa.float64()), ("peak_memory_bytes", pa.float64()), ("memory_kind", pa.string()),
         ("batch", pa.struct([("position", pa.float64()), ("count", pa.float64()), ("digest", pa.string())])),
+        ("attempt", pa.string()),
     ])
 
 
@@ -174,8 +176,9 @@ def _table_to_steps(path: Path, table) -> Steps:
     for name in ("skipped", "nan"):
         columns[name] = np.nan_to_num(columns[name])
     digests = np.array(column("batch").field("digest").to_pylist() if table.num_rows else [], dtype=object)
+    attempts = np.array(table.column("attempt").to_pylist() if table.num_rows else [], dtype=object)
     kinds = [k for k in table.column("memory_kind").to_pylist() if k] if table.num_rows else []
-    return Steps(str(path), "records", columns, digests, kinds[-1] if kinds else None)
+    return Steps(str(path), "records", columns, digests, attempts, memory_kind=kinds[-1] if kinds else None)
 
 
 def _load_records(path: Path, data: bytes) -> Steps:
@@ -239,7 +242,7 @@ def parse_megatron_log(path: Path, text: str) -> Steps:
         if later:
             values["peak_memory"][later[0]] = value
     return Steps(str(path), "megatron-log", _as_columns(values), np.array([None] * len(values["iteration"]), dtype=object),
-                 "cuda_max_allocated", "TFLOP/s/GPU")
+                 memory_kind="cuda_max_allocated", throughput_unit="TFLOP/s/GPU")
 
 
 def load_steps(path: Path) -> Steps:

@@ -11,6 +11,7 @@ has it when the old records are gone.
 
 import json
 import math
+import os
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,6 +77,9 @@ class CheckpointFacts:
     scheduler: dict
     warmup_init_lr: float
     verified: bool
+    # Megatron-LM passes these to the scheduler from its args; its state_dict does not keep them.
+    wsd_decay_steps: int | None = None
+    wsd_decay_style: str | None = None
 
 
 def checkpoint_facts(directory: Path) -> CheckpointFacts:
@@ -91,7 +95,17 @@ def checkpoint_facts(directory: Path) -> CheckpointFacts:
         raise CkptopsError(f"{directory.name}: its manifest says {manifest.status} ({manifest.reason}); not a resume point")
     return CheckpointFacts(directory, int(common["iteration"]), int(args.consumed_train_samples),
                            int(args.global_batch_size), dict(common["opt_param_scheduler"]),
-                           float(getattr(args, "lr_warmup_init", 0.0) or 0.0), manifest is not None)
+                           float(getattr(args, "lr_warmup_init", 0.0) or 0.0), manifest is not None,
+                           _wsd_decay_steps(args), getattr(args, "lr_wsd_decay_style", None))
+
+
+def _wsd_decay_steps(args) -> int | None:
+    """As Megatron-LM's get_optimizer_param_scheduler computes it (in samples)."""
+    iters = getattr(args, "lr_wsd_decay_iters", None)
+    if iters is not None and getattr(args, "train_iters", None):
+        return int(iters) * int(args.global_batch_size)
+    samples = getattr(args, "lr_wsd_decay_samples", None)
+    return None if samples is None else int(samples)
 
 
 def _schedule(facts: CheckpointFacts):
@@ -107,7 +121,8 @@ def _schedule(facts: CheckpointFacts):
             min_lr=state["min_lr"], lr_warmup_steps=state["lr_warmup_steps"], lr_decay_steps=state["lr_decay_steps"],
             lr_decay_style=state["lr_decay_style"], start_wd=state["start_wd"], end_wd=state["end_wd"],
             wd_incr_steps=state["wd_incr_steps"], wd_incr_style=state["wd_incr_style"],
-            wsd_decay_steps=state.get("wsd_decay_steps"), lr_wsd_decay_style=state.get("lr_wsd_decay_style"),
+            wsd_decay_steps=state.get("wsd_decay_steps", facts.wsd_decay_steps),
+            lr_wsd_decay_style=state.get("lr_wsd_decay_style", facts.wsd_decay_style),
         )
     except (KeyError, AssertionError, TypeError) as e:
         raise CkptopsError(f"{facts.directory.name}: its scheduler state cannot be replayed ({type(e).__name__}: {e})") from None
@@ -187,11 +202,31 @@ def _match(before: Steps | None, iterations: np.ndarray) -> tuple[np.ndarray, np
     return found, last_row[pos]
 
 
-def _last_attempt(iterations: np.ndarray) -> int:
-    """Where the last attempt starts in a file that attempts were appended to (a restart is
-    where the iteration stops increasing)."""
-    restarts = np.nonzero(np.diff(iterations) <= 0)[0]
+def _last_attempt(steps: Steps) -> int:
+    """Where the last attempt starts in a file that attempts were appended to: where the
+    attempt id changes (records), or where the iteration stops increasing (logs have no id, and
+    an attempt that died exactly at a checkpoint continues the numbering of the one before)."""
+    restart = np.diff(steps.iteration) <= 0
+    if steps.attempt.size == len(steps):
+        restart |= steps.attempt[1:] != steps.attempt[:-1]
+    restarts = np.nonzero(restart)[0]
     return int(restarts[-1] + 1) if restarts.size else 0
+
+
+def _verified_iterations(save_dir: Path) -> list[int]:
+    """Iterations in the save directory whose manifest says valid (unreadable ones are not)."""
+    found = []
+    for name in sorted(os.listdir(save_dir)):
+        iteration = layout.parse_iter_dir(name)
+        if iteration is None:
+            continue
+        try:
+            manifest = read_manifest(save_dir / name)
+        except CkptopsError:
+            continue
+        if manifest is not None and manifest.valid:
+            found.append(iteration)
+    return found
 
 
 class _Validator:
@@ -199,7 +234,7 @@ class _Validator:
         self.facts, self.before, self.after, self.settings, self.baseline = facts, before, after, settings, baseline
         self.result = Validation(str(facts.directory), facts.iteration, baseline=baseline)
         # Rows of the resumed run (its last attempt), in order, from after the checkpoint on.
-        self.start = _last_attempt(after.iteration) if len(after) else 0
+        self.start = _last_attempt(after) if len(after) else 0
         self.rows = self.start + np.nonzero(after.iteration[self.start:] > facts.iteration)[0]
         found, before_rows = _match(before, after.iteration[self.rows])
         self.recomputed, self.recomputed_before = self.rows[found], before_rows[found]
@@ -223,15 +258,29 @@ class _Validator:
         return self.result
 
     def _promoted(self) -> None:
+        """The resume must start from the newest verified checkpoint the failed run left (or the
+        one an operator rolled the pointer back to). Not simply "the pointer": the resumed run's
+        own saves move it on, and a validation run later must still pass."""
         f = self.facts
         promoted = read_pointer(f.directory.parent)
         if not f.verified:
             self.add("promoted checkpoint", False, "a verified checkpoint", f"{f.directory.name} was never verified")
-        elif promoted is None:
+            return
+        if promoted is None:
             self.add("promoted checkpoint", None, "", "", "no promotion pointer in the save directory")
-        else:
-            self.add("promoted checkpoint", promoted == f.iteration, f"iteration {promoted} (latest verified)",
-                     f"iteration {f.iteration}")
+            return
+        failed_at = self._last_iteration_before()
+        limit = promoted if failed_at is None else min(promoted, failed_at)
+        expected = max((it for it in _verified_iterations(f.directory.parent) if it <= limit), default=None)
+        where = "latest verified" if limit == promoted else f"latest verified when the run failed at {failed_at}"
+        self.add("promoted checkpoint", expected == f.iteration, f"iteration {expected} ({where})",
+                 f"iteration {f.iteration}")
+
+    def _last_iteration_before(self) -> int | None:
+        if self.before is not None and len(self.before):
+            return int(self.before.iteration.max())
+        window = (self.baseline or {}).get("iterations")
+        return int(window[1]) if window else None
 
     def _resume_point(self) -> None:
         f, a = self.facts, self.after

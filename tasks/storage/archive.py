@@ -16,6 +16,7 @@ import xxhash
 from fsspec.callbacks import Callback
 
 from tasks.errors import CkptopsError
+from tasks.storage.local import atomic_write
 
 READ_BLOCK = 8 << 20
 
@@ -34,6 +35,12 @@ class _Relay(Callback):
     def relative_update(self, inc=1):
         if self.progress and inc:
             self.progress(inc)
+
+
+def _write_local(path: Path, data: bytes) -> None:
+    """Temp file, fsync, rename, fsync of the directory: all or nothing, and durable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, data)
 
 
 class ArchiveStore:
@@ -114,9 +121,7 @@ class ArchiveStore:
         temporary name and renamed, as a manifest (the commit marker) must never be half there."""
         path = self._path(key)
         if self.is_local:
-            temporary = f"{path}.tmp-{os.getpid()}"
-            self._call("write", key, self.fs.pipe_file, temporary, data)
-            self._call("write", key, self.fs.mv, temporary, path)
+            self._call("write", key, _write_local, Path(path), data)
         else:
             self._call("write", key, self.fs.pipe_file, path, data)
 

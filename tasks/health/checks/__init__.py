@@ -16,7 +16,7 @@ class Context:
     settings: object             # the profile's health section
     level: int
     raw_dir: Path
-    since: float | None = None   # when this node was last checked (for kernel-log XIDs)
+    since: float | None = None   # the node's last clean XID check (where the kernel log is read from)
     kept: list[str] = field(default_factory=list)
 
     def command(self, check: str, argv: list[str], timeout: float | None = None) -> Output:

@@ -1,4 +1,5 @@
-"""Critical XIDs in the kernel log since the node was last checked (``journalctl -k``).
+"""Critical XIDs in the kernel log (``journalctl -k``, the current boot) since the node's last
+clean XID check: an XID found but not yet acted on is found again until the node reboots.
 
 Critical, after Azure's HPC health checks: 48 56 57 58 62 63 64 65 68 69 73 74 79 80 81 92 119
 120 (the profile may change the list). 13 31 43 45 are usually the application's fault and are
