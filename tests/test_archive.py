@@ -123,6 +123,10 @@ def test_an_unreadable_archived_manifest_does_not_stop_the_archive(save_dir, tmp
         result = archive_checkpoint(save_dir, profile, force=True)
         assert result.committed and "unreadable archived manifests kept for inspection: iterations 16" in result.message
     assert committed_iterations(store, "test-job") == [16, 20, 24]
+    promote(save_dir, options, 30, requested=16)  # rolled back to the iteration with the bad entry
+    result = archive_checkpoint(save_dir, profile, force=True)
+    assert not result.committed and "its archived manifest is unreadable" in result.message
+    assert store.read("test-job/iter_0000016/manifest.json") == b""  # left as found, for a human
 
 
 def test_a_resaved_iteration_never_overwrites_its_committed_copy(save_dir, tmp_path, options):

@@ -5,12 +5,13 @@ import os
 import select
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tasks.checkpoint.layout import POINTER
 from tasks.checkpoint.manifest import read_manifest
-from tasks.checkpoint.pointer import read_hold, read_pointer, write_pointer
+from tasks.checkpoint.pointer import pointer_at, read_hold, read_pointer, write_pointer
 from tasks.checkpoint.promote import promote
 from tasks.checkpoint.state import State
 from tasks.checkpoint.verify import verify_checkpoint
@@ -182,6 +183,20 @@ def test_rollback_holds_until_checkpoints_verified_after_it(save_dir, options):
     resumed = promote(save_dir, options, 10)
     assert [v.iteration for v in resumed.verifications] == [12]
     assert resumed.current == 12 and read_hold(save_dir) is None
+
+
+def test_the_promotion_log_says_what_the_pointer_was_at_any_moment(save_dir, options):
+    """Post-resume validation asks which checkpoint was the one to resume from at the resume."""
+    before_any = time.time()
+    promote(save_dir, options, 10)
+    after_first = time.time()
+    promote(save_dir, options, 10, requested=8)
+    assert pointer_at(save_dir, before_any) == (False, None)
+    assert pointer_at(save_dir, after_first) == (True, 24)
+    assert pointer_at(save_dir, time.time()) == (True, 8)
+    log = save_dir / ".ckptops-history" / "promotions.jsonl"
+    log.write_text(log.read_text() + '{"time": 1e99, "iterat')  # a torn last line is skipped
+    assert pointer_at(save_dir, time.time()) == (True, 8)
 
 
 def test_pointer_leaves_a_checkpoint_found_invalid_on_reverification(save_dir, options):

@@ -100,7 +100,7 @@ def test_resume_from_another_checkpoint_is_caught_by_resume_point(failed_run):
     honest = validate_resume(save / "iter_0000008", load_steps(root / "before.jsonl"), load_steps(root / "older.jsonl"),
                              SETTINGS)
     assert failed_checks(honest)[0] == "promoted checkpoint"
-    assert honest.failed[0].expected == "iteration 12 (latest verified)"
+    assert honest.failed[0].expected == "iteration 12 (latest verified when the run resumed)"
 
 
 def test_resume_point_still_passes_after_the_resumed_run_promoted_its_own_saves(failed_run, tmp_path):
@@ -117,7 +117,7 @@ def test_resume_point_still_passes_after_the_resumed_run_promoted_its_own_saves(
     for before in (load_steps(root / "before.jsonl"), None):
         checks = {c.name: c for c in validate_resume(save / "iter_0000012", before, load_steps(records), SETTINGS).checks}
         assert checks["promoted checkpoint"].ok, checks["promoted checkpoint"]
-        assert checks["promoted checkpoint"].expected == "iteration 12 (latest verified when the run failed at 14)"
+        assert checks["promoted checkpoint"].expected == "iteration 12 (latest verified when the run resumed)"
 
 
 def test_slow_resumed_run_is_caught_by_throughput(failed_run):

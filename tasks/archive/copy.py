@@ -65,6 +65,10 @@ def committed_iterations(store: ArchiveStore, job: str) -> list[int]:
     return sorted(found)
 
 
+class UnreadableManifest(CkptopsError):
+    """An archived manifest that exists but does not parse (not a store outage)."""
+
+
 def archived_manifest(store: ArchiveStore, job: str, iteration: int) -> Manifest:
     key = entry_key(job, iteration, layout.MANIFEST)
     try:
@@ -72,7 +76,7 @@ def archived_manifest(store: ArchiveStore, job: str, iteration: int) -> Manifest
     except FileNotFoundError:
         raise CkptopsError(f"{store.where(key)}: no committed archive entry") from None
     except (ValueError, TypeError, KeyError) as e:
-        raise CkptopsError(f"{store.where(key)}: unreadable archived manifest ({e})") from None
+        raise UnreadableManifest(f"{store.where(key)}: unreadable archived manifest ({e})") from None
 
 
 def newest_committed(store: ArchiveStore, job: str) -> int | None:
@@ -133,7 +137,7 @@ def _by_commit_time(store: ArchiveStore, job: str, committed: list[int]) -> tupl
     for iteration in committed:
         try:
             status = archived_manifest(store, job, iteration).archive or {}
-        except CkptopsError:
+        except UnreadableManifest:  # an outage (ArchiveUnavailable) still fails the run
             unreadable.append(iteration)
             continue
         times[iteration] = status.get("committed_at", "1970-01-01T00:00:00+00:00")
@@ -182,6 +186,10 @@ def archive_checkpoint(save_dir: Path, profile, force: bool = False,
             raise CkptopsError(f"{directory.name}: promoted but its manifest does not say valid for this save")
         committed = committed_iterations(store, job)
         by_commit, unreadable = _by_commit_time(store, job, committed)
+        if iteration in unreadable:
+            return ArchiveResult(iteration, store.where(entry_key(job, iteration)), False,
+                                 f"iteration {iteration} is archived but its archived manifest is unreadable; "
+                                 "kept for inspection, never overwritten")
         skip = _skip_reason(store, job, manifest, committed, by_commit, profile.archive.period_hours, force)
         if skip:
             return ArchiveResult(iteration, store.where(entry_key(job, iteration)), False, skip)

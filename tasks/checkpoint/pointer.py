@@ -11,16 +11,19 @@ again by the next scheduled run; only checkpoints verified after the rollback ma
 """
 
 import json
+import os
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from tasks.checkpoint.layout import POINTER
+from tasks.checkpoint.layout import HISTORY, POINTER
 from tasks.checkpoint.manifest import now_iso
 from tasks.errors import CkptopsError, unreadable
 from tasks.storage.local import atomic_write, remove_file, remove_stale_temps
 
 HOLD = "latest_verified_iteration.hold"
+PROMOTIONS = "promotions.jsonl"
 
 
 def read_pointer(save_dir: Path) -> int | None:
@@ -42,6 +45,43 @@ def write_pointer(save_dir: Path, iteration: int) -> None:
     path = Path(save_dir) / POINTER
     remove_stale_temps(path)
     atomic_write(path, f"{iteration}\n".encode())
+
+
+def record_promotion(save_dir: Path, iteration: int | None, why: str) -> None:
+    """Append the pointer's new value to ``.ckptops-history/promotions.jsonl``: which checkpoint
+    was the one to resume from at any moment (post-resume validation asks "at the resume").
+    One ``write`` on an O_APPEND file: lines never interleave; a torn last line is skipped."""
+    path = Path(save_dir) / HISTORY / PROMOTIONS
+    path.parent.mkdir(exist_ok=True)
+    line = json.dumps({"time": time.time(), "at": now_iso(), "iteration": iteration, "why": why}) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pointer_at(save_dir: Path, when: float) -> tuple[bool, int | None]:
+    """(known, iteration): the pointer's value at ``when`` (epoch seconds) from the promotion
+    log; not known when the log does not reach back that far."""
+    try:
+        lines = (Path(save_dir) / HISTORY / PROMOTIONS).read_text().splitlines()
+    except FileNotFoundError:
+        return False, None
+    except OSError as e:
+        raise unreadable(Path(save_dir) / HISTORY / PROMOTIONS, e) from None
+    known, iteration = False, None
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            stamp, value = float(entry["time"]), entry["iteration"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if stamp > when:
+            break
+        known, iteration = True, value
+    return known, iteration
 
 
 def clear_pointer(save_dir: Path) -> None:

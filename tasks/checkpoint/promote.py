@@ -29,6 +29,7 @@ from tasks.checkpoint.pointer import (
     clear_pointer,
     read_hold,
     read_pointer,
+    record_promotion,
     write_hold,
     write_pointer,
 )
@@ -160,8 +161,10 @@ def apply_promotion(save_dir: Path, options: VerifyOptions, requested: int | Non
     if target is None:
         if previous is not None:
             clear_pointer(save_dir)
+            record_promotion(save_dir, None, why)
     elif target != previous:
         point_to(save_dir, target)
+        record_promotion(save_dir, target, why)
     if requested is not None:
         rolled_back = any(i.iteration > requested and i.state == State.VALID.value for i in catalog(save_dir, options))
         if rolled_back:

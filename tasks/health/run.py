@@ -128,12 +128,12 @@ def _below_gate(name: str, outcome: CheckResult) -> bool:
 def _run_check(name: str, run: Callable[[Context], CheckResult], ctx: Context) -> CheckResult:
     """A tool error gets one more try; a second one makes the node SUSPECT for this check.
     Bandwidth below the gate also gets one more try (a busy fabric, a neighbour's job): the
-    node fails only if the second run is slow too."""
+    node fails only if the second run is slow too, and is SUSPECT if the retry cannot run."""
     first = _attempt(name, run, ctx)
     if _below_gate(name, first):
         second = _attempt(name, run, ctx)
-        if second.verdict is Verdict.TOOL_ERROR:  # the retry could not measure: the slow run stands
-            first.attempts = 2
+        if second.verdict is Verdict.TOOL_ERROR:  # one slow run is not enough to drain on
+            first.verdict, first.attempts = Verdict.SUSPECT, 2
             first.evidence[0].detail += f" (the retry could not run: {second.summary})"
             return first
         second.attempts = 2

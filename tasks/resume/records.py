@@ -89,7 +89,7 @@ class StepRecorder:
         if self.file is None:
             return
         line = {
-            "v": SCHEMA, "run": self.run_id, "attempt": self.attempt_id, "pid": os.getpid(), "time": time.time(),
+            "v": SCHEMA, "run": str(self.run_id), "attempt": str(self.attempt_id), "pid": os.getpid(), "time": time.time(),
             "iteration": iteration, "consumed_samples": consumed_samples, "lr": lr, "batch": batch,
             "loss": loss, "grad_norm": grad_norm, "skipped": skipped, "nan": nan, "tokens": tokens,
             "step_seconds": step_seconds, "tokens_per_second": tokens / step_seconds if step_seconds > 0 else None,
@@ -105,7 +105,7 @@ class StepRecorder:
 
 
 _COLUMNS = ("iteration", "consumed", "lr", "loss", "grad_norm", "skipped", "nan", "step_seconds", "throughput",
-            "peak_memory", "batch_position", "batch_count")
+            "peak_memory", "batch_position", "batch_count", "time")
 
 
 @dataclass
@@ -149,7 +149,7 @@ def _record_schema():
         ("grad_norm", pa.float64()), ("skipped", pa.float64()), ("nan", pa.float64()), ("step_seconds", pa.float64()),
         ("tokens_per_second", pa.float64()), ("peak_memory_bytes", pa.float64()), ("memory_kind", pa.string()),
         ("batch", pa.struct([("position", pa.float64()), ("count", pa.float64()), ("digest", pa.string())])),
-        ("attempt", pa.string()),
+        ("attempt", pa.string()), ("time", pa.float64()),
     ])
 
 
@@ -235,6 +235,7 @@ def parse_megatron_log(path: Path, text: str) -> Steps:
         values["peak_memory"].append(None)
         values["batch_position"].append(None)
         values["batch_count"].append(fields.get("global batch size"))
+        values["time"].append(None)  # Megatron-LM's iteration lines carry no time of their own
     # Megatron reports memory once, after the first iterations: it holds for the first logged
     # iteration at or after the report.
     for reported, value in memory.items():

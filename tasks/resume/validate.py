@@ -11,7 +11,6 @@ has it when the old records are gone.
 
 import json
 import math
-import os
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 from tasks.checkpoint import layout
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
 from tasks.checkpoint.manifest import now_iso, read_manifest
-from tasks.checkpoint.pointer import read_pointer
+from tasks.checkpoint.pointer import pointer_at, read_pointer
 from tasks.errors import CkptopsError, UsageError
 from tasks.resume.records import Steps
 from tasks.storage.local import atomic_write
@@ -101,9 +100,9 @@ def checkpoint_facts(directory: Path) -> CheckpointFacts:
 
 def _wsd_decay_steps(args) -> int | None:
     """As Megatron-LM's get_optimizer_param_scheduler computes it (in samples)."""
-    iters = getattr(args, "lr_wsd_decay_iters", None)
-    if iters is not None and getattr(args, "train_iters", None):
-        return int(iters) * int(args.global_batch_size)
+    if getattr(args, "train_iters", None):
+        iters = getattr(args, "lr_wsd_decay_iters", None)
+        return None if iters is None else int(iters) * int(args.global_batch_size)
     samples = getattr(args, "lr_wsd_decay_samples", None)
     return None if samples is None else int(samples)
 
@@ -213,22 +212,6 @@ def _last_attempt(steps: Steps) -> int:
     return int(restarts[-1] + 1) if restarts.size else 0
 
 
-def _verified_iterations(save_dir: Path) -> list[int]:
-    """Iterations in the save directory whose manifest says valid (unreadable ones are not)."""
-    found = []
-    for name in sorted(os.listdir(save_dir)):
-        iteration = layout.parse_iter_dir(name)
-        if iteration is None:
-            continue
-        try:
-            manifest = read_manifest(save_dir / name)
-        except CkptopsError:
-            continue
-        if manifest is not None and manifest.valid:
-            found.append(iteration)
-    return found
-
-
 class _Validator:
     def __init__(self, facts: CheckpointFacts, before: Steps | None, after: Steps, settings, baseline: dict | None):
         self.facts, self.before, self.after, self.settings, self.baseline = facts, before, after, settings, baseline
@@ -258,29 +241,26 @@ class _Validator:
         return self.result
 
     def _promoted(self) -> None:
-        """The resume must start from the newest verified checkpoint the failed run left (or the
-        one an operator rolled the pointer back to). Not simply "the pointer": the resumed run's
-        own saves move it on, and a validation run later must still pass."""
-        f = self.facts
-        promoted = read_pointer(f.directory.parent)
+        """The resume must start from the checkpoint the pointer named when the resumed run
+        started (the promotion log says; an operator's rollback included). Not the pointer now:
+        the resumed run's own saves move it on, and a validation run later must still pass."""
+        f, a = self.facts, self.after
+        name = "promoted checkpoint"
         if not f.verified:
-            self.add("promoted checkpoint", False, "a verified checkpoint", f"{f.directory.name} was never verified")
+            self.add(name, False, "a verified checkpoint", f"{f.directory.name} was never verified")
             return
-        if promoted is None:
-            self.add("promoted checkpoint", None, "", "", "no promotion pointer in the save directory")
+        started = a.time[self.start] if len(a) else float("nan")
+        known, expected = pointer_at(f.directory.parent, float(started)) if np.isfinite(started) else (False, None)
+        if known:
+            self.add(name, expected == f.iteration, f"iteration {expected} (latest verified when the run resumed)",
+                     f"iteration {f.iteration}")
             return
-        failed_at = self._last_iteration_before()
-        limit = promoted if failed_at is None else min(promoted, failed_at)
-        expected = max((it for it in _verified_iterations(f.directory.parent) if it <= limit), default=None)
-        where = "latest verified" if limit == promoted else f"latest verified when the run failed at {failed_at}"
-        self.add("promoted checkpoint", expected == f.iteration, f"iteration {expected} ({where})",
-                 f"iteration {f.iteration}")
-
-    def _last_iteration_before(self) -> int | None:
-        if self.before is not None and len(self.before):
-            return int(self.before.iteration.max())
-        window = (self.baseline or {}).get("iterations")
-        return int(window[1]) if window else None
+        now = read_pointer(f.directory.parent)
+        if now is not None and now <= f.iteration:
+            self.add(name, now == f.iteration, f"iteration {now} (latest verified)", f"iteration {f.iteration}")
+        else:  # moved on since, or never set: no record says what it was at the resume
+            self.add(name, None, "", "", "the promotion log does not cover the resume "
+                     f"(pointer now: {now}); not checkable")
 
     def _resume_point(self) -> None:
         f, a = self.facts, self.after

@@ -16,7 +16,7 @@ import xxhash
 from fsspec.callbacks import Callback
 
 from tasks.errors import CkptopsError
-from tasks.storage.local import atomic_write
+from tasks.storage.local import atomic_write, make_durable
 
 READ_BLOCK = 8 << 20
 
@@ -139,6 +139,8 @@ class ArchiveStore:
                        callback=_Relay(progress), chunksize=self.chunk_bytes)
 
         self._parallel(put, pairs)
+        if self.is_local and pairs:  # on disk, uploaded must mean on the disk before the commit
+            self._call("upload", pairs[0][1], make_durable, [Path(self._path(key)) for _, key in pairs])
 
     def get_files(self, pairs: list[tuple[str, Path]], progress: Callable[[int], None] | None = None) -> None:
         def get(pair):

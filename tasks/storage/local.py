@@ -64,6 +64,16 @@ def atomic_write(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def make_durable(files: list[Path]) -> None:
+    """fsync the files, their directories and those directories' parents (new entries there)."""
+    directories = set()
+    for path in map(Path, files):
+        _fsync_file(path)
+        directories.update((path.parent, path.parent.parent))
+    for directory in sorted(directories):
+        _fsync_dir(directory)
+
+
 def remove_file(path: Path) -> None:
     """Remove a file durably (the directory entry's removal is fsynced); absent is fine."""
     path = Path(path)
