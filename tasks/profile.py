@@ -207,6 +207,9 @@ class Resume(_Section):
     loss_rel_tolerance: Annotated[float, Field(ge=0)] = Field(default=1e-3, description="0: bit-exact recomputed loss")
     memory_band: Annotated[float, Field(gt=0)] = 0.05
     throughput_drop: Annotated[float, Field(gt=0, lt=1)] = 0.05
+    pointer_window_seconds: Annotated[float, Field(ge=0)] = Field(
+        default=1800, description="a resume may start from any checkpoint promoted this long before its first step "
+                                  "(the load, and the clocks of two hosts)")
 
 
 class Prefect(_Section):

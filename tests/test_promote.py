@@ -11,7 +11,7 @@ import pytest
 
 from tasks.checkpoint.layout import POINTER
 from tasks.checkpoint.manifest import read_manifest
-from tasks.checkpoint.pointer import pointer_at, read_hold, read_pointer, write_pointer
+from tasks.checkpoint.pointer import pointer_during, read_hold, read_pointer, write_pointer
 from tasks.checkpoint.promote import promote
 from tasks.checkpoint.state import State
 from tasks.checkpoint.verify import verify_checkpoint
@@ -191,12 +191,36 @@ def test_the_promotion_log_says_what_the_pointer_was_at_any_moment(save_dir, opt
     promote(save_dir, options, 10)
     after_first = time.time()
     promote(save_dir, options, 10, requested=8)
-    assert pointer_at(save_dir, before_any) == (False, None)
-    assert pointer_at(save_dir, after_first) == (True, 24)
-    assert pointer_at(save_dir, time.time()) == (True, 8)
+    now = time.time()
+    assert pointer_during(save_dir, before_any - 1, before_any) == {None}   # nothing promoted yet
+    assert pointer_during(save_dir, after_first, after_first) == {24}
+    assert pointer_during(save_dir, now, now) == {8}
+    assert pointer_during(save_dir, before_any, now) == {None, 24, 8}
     log = save_dir / ".ckptops-history" / "promotions.jsonl"
-    log.write_text(log.read_text() + '{"time": 1e99, "iterat')  # a torn last line is skipped
-    assert pointer_at(save_dir, time.time()) == (True, 8)
+    log.write_text(log.read_text() + '{"time": 1e99, "iterat')  # torn: the next entry starts a new line
+    promote(save_dir, options, 10, requested=24)
+    assert pointer_during(save_dir, time.time(), time.time()) == {24}
+
+
+def test_a_failed_log_write_costs_a_rollback_nothing_and_is_reconciled(save_dir, options, monkeypatch):
+    import tasks.checkpoint.promote as promotion
+
+    promote(save_dir, options, 10)
+    logged = time.time()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(promotion, "record_promotion", full_disk)
+    report = promote(save_dir, options, 10, requested=8)
+    assert report.current == 8 and read_hold(save_dir).iteration == 8
+    assert "promotion log not written" in report.message
+    monkeypatch.undo()
+    again = promote(save_dir, options, 10)   # the hold stands, and the log catches up
+    assert again.current == 8
+    # When the rollback happened is unknown: either value may have held since the last entry.
+    assert pointer_during(save_dir, logged, logged) == {24, 8}
+    assert pointer_during(save_dir, time.time(), time.time()) == {8}
 
 
 def test_pointer_leaves_a_checkpoint_found_invalid_on_reverification(save_dir, options):

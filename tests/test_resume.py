@@ -118,6 +118,16 @@ def test_resume_point_still_passes_after_the_resumed_run_promoted_its_own_saves(
         checks = {c.name: c for c in validate_resume(save / "iter_0000012", before, load_steps(records), SETTINGS).checks}
         assert checks["promoted checkpoint"].ok, checks["promoted checkpoint"]
         assert checks["promoted checkpoint"].expected == "iteration 12 (latest verified when the run resumed)"
+    # Records without times (as from logs): the save directory and the failed run's end decide.
+    timeless = tmp_path / "timeless.jsonl"
+    timeless.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "time"}) + "\n"
+                                for line in records.read_text().splitlines()))
+    with_before = validate_resume(save / "iter_0000012", load_steps(root / "before.jsonl"), load_steps(timeless), SETTINGS)
+    check = next(c for c in with_before.checks if c.name == "promoted checkpoint")
+    assert check.ok and check.expected == "iteration 12 (latest verified up to the failure at 14)"
+    alone = validate_resume(save / "iter_0000012", None, load_steps(timeless), SETTINGS)
+    check = next(c for c in alone.checks if c.name == "promoted checkpoint")
+    assert check.ok is None and "not checkable" in check.detail
 
 
 def test_slow_resumed_run_is_caught_by_throughput(failed_run):
@@ -153,6 +163,7 @@ def test_cli_tells_records_from_megatron_logs(failed_run, tmp_path):
     checks = {c["name"]: c for c in data["checks"]}
     assert done.returncode == 0, data
     assert checks["data order"]["ok"] is None and checks["learning rate"]["ok"] is True
+    assert checks["promoted checkpoint"]["ok"] and "up to the failure at 14" in checks["promoted checkpoint"]["expected"]
     missing = subprocess.run([str(ROOT / ".venv" / "bin" / "ckptops"), "validate-resume", "--checkpoint",
                               str(save / "iter_0000012"), "--after", str(tmp_path / "nope.jsonl")],
                              capture_output=True, text=True, timeout=300)

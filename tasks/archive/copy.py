@@ -29,7 +29,7 @@ from tasks.checkpoint.manifest import Manifest, now_iso, read_manifest, record_a
 from tasks.checkpoint.pins import pinned
 from tasks.checkpoint.pointer import read_pointer
 from tasks.errors import CkptopsError, UsageError
-from tasks.storage.archive import ArchiveStore, ArchiveUnavailable
+from tasks.storage.archive import AccessDenied, ArchiveStore, ArchiveUnavailable
 from tasks.storage.local import list_files
 
 POINTER_OBJECT = "latest_committed_iteration.txt"
@@ -66,7 +66,11 @@ def committed_iterations(store: ArchiveStore, job: str) -> list[int]:
 
 
 class UnreadableManifest(CkptopsError):
-    """An archived manifest that exists but does not parse (not a store outage)."""
+    """An archived manifest that exists but does not parse or may not be read (not an outage)."""
+
+
+class NoEntry(CkptopsError):
+    """No committed manifest at that key (never committed, or removed meanwhile)."""
 
 
 def archived_manifest(store: ArchiveStore, job: str, iteration: int) -> Manifest:
@@ -74,7 +78,9 @@ def archived_manifest(store: ArchiveStore, job: str, iteration: int) -> Manifest
     try:
         return Manifest.from_dict(json.loads(store.read(key)))
     except FileNotFoundError:
-        raise CkptopsError(f"{store.where(key)}: no committed archive entry") from None
+        raise NoEntry(f"{store.where(key)}: no committed archive entry") from None
+    except AccessDenied as e:
+        raise UnreadableManifest(f"{e} (unreadable archived manifest)") from None
     except (ValueError, TypeError, KeyError) as e:
         raise UnreadableManifest(f"{store.where(key)}: unreadable archived manifest ({e})") from None
 
@@ -139,6 +145,8 @@ def _by_commit_time(store: ArchiveStore, job: str, committed: list[int]) -> tupl
             status = archived_manifest(store, job, iteration).archive or {}
         except UnreadableManifest:  # an outage (ArchiveUnavailable) still fails the run
             unreadable.append(iteration)
+            continue
+        except NoEntry:  # uncommitted since it was listed
             continue
         times[iteration] = status.get("committed_at", "1970-01-01T00:00:00+00:00")
     return sorted(times, key=times.get), unreadable

@@ -47,41 +47,79 @@ def write_pointer(save_dir: Path, iteration: int) -> None:
     atomic_write(path, f"{iteration}\n".encode())
 
 
-def record_promotion(save_dir: Path, iteration: int | None, why: str) -> None:
-    """Append the pointer's new value to ``.ckptops-history/promotions.jsonl``: which checkpoint
+def record_promotion(save_dir: Path, iteration: int | None, previous: int | None, why: str,
+                     gap: bool = False) -> None:
+    """Append a change of the pointer to ``.ckptops-history/promotions.jsonl``: which checkpoint
     was the one to resume from at any moment (post-resume validation asks "at the resume").
-    One ``write`` on an O_APPEND file: lines never interleave; a torn last line is skipped."""
+    ``gap``: the change happened at an unknown time since the entry before (found unlogged).
+    One write on an O_APPEND file, after a newline if a torn line ends the file."""
     path = Path(save_dir) / HISTORY / PROMOTIONS
     path.parent.mkdir(exist_ok=True)
-    line = json.dumps({"time": time.time(), "at": now_iso(), "iteration": iteration, "why": why}) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    entry = {"time": time.time(), "at": now_iso(), "iteration": iteration, "previous": previous, "why": why}
+    if gap:
+        entry["gap"] = True
+    data = (json.dumps(entry) + "\n").encode()
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line.encode())
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        if os.write(fd, data) != len(data):
+            raise OSError(f"short write to {path}")
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def pointer_at(save_dir: Path, when: float) -> tuple[bool, int | None]:
-    """(known, iteration): the pointer's value at ``when`` (epoch seconds) from the promotion
-    log; not known when the log does not reach back that far."""
+@dataclass
+class _Change:
+    time: float
+    iteration: int | None
+    previous: int | None
+    gap: bool
+
+
+def _changes(save_dir: Path) -> list[_Change]:
+    path = Path(save_dir) / HISTORY / PROMOTIONS
     try:
-        lines = (Path(save_dir) / HISTORY / PROMOTIONS).read_text().splitlines()
+        lines = path.read_text().splitlines()
     except FileNotFoundError:
-        return False, None
+        return []
     except OSError as e:
-        raise unreadable(Path(save_dir) / HISTORY / PROMOTIONS, e) from None
-    known, iteration = False, None
+        raise unreadable(path, e) from None
+    changes = []
     for line in lines:
         try:
             entry = json.loads(line)
-            stamp, value = float(entry["time"]), entry["iteration"]
-        except (ValueError, KeyError, TypeError):
-            continue
-        if stamp > when:
-            break
-        known, iteration = True, value
-    return known, iteration
+            changes.append(_Change(float(entry["time"]), entry["iteration"], entry.get("previous"), bool(entry.get("gap"))))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue  # a torn line
+    return changes
+
+
+def last_logged(save_dir: Path) -> tuple[bool, int | None]:
+    """(any entry, the pointer value the log ends with)."""
+    changes = _changes(save_dir)
+    return (True, changes[-1].iteration) if changes else (False, None)
+
+
+def pointer_during(save_dir: Path, start: float, end: float) -> set[int | None] | None:
+    """Every value the pointer may have had between ``start`` and ``end`` (epoch seconds), from
+    the promotion log; None without a log. A span that ends in a gap entry may have held either
+    value. Entries are taken in file order (clocks of different writers may disagree a little;
+    the caller's window absorbs that)."""
+    changes = _changes(save_dir)
+    if not changes:
+        return None
+    values = {changes[0].previous} if start < changes[0].time else set()
+    for i, change in enumerate(changes):
+        following = changes[i + 1] if i + 1 < len(changes) else None
+        until = following.time if following else float("inf")
+        if change.time <= end and until > start:
+            values.add(change.iteration)
+            if following is not None and following.gap:
+                values.add(following.iteration)
+    return values
 
 
 def clear_pointer(save_dir: Path) -> None:

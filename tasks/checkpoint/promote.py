@@ -28,6 +28,7 @@ from tasks.checkpoint.pointer import (
     clear_hold,
     clear_pointer,
     read_hold,
+    last_logged,
     read_pointer,
     record_promotion,
     write_hold,
@@ -157,14 +158,16 @@ def apply_promotion(save_dir: Path, options: VerifyOptions, requested: int | Non
     """Move the pointer (the caller holds the job lock); returns (previous, current, why)."""
     save_dir = Path(save_dir)
     previous = read_pointer(save_dir)
+    _reconcile_log(save_dir, previous)
     target, why = choose_target(save_dir, options, requested)
+    changed = False
     if target is None:
         if previous is not None:
             clear_pointer(save_dir)
-            record_promotion(save_dir, None, why)
+            changed = True
     elif target != previous:
         point_to(save_dir, target)
-        record_promotion(save_dir, target, why)
+        changed = True
     if requested is not None:
         rolled_back = any(i.iteration > requested and i.state == State.VALID.value for i in catalog(save_dir, options))
         if rolled_back:
@@ -173,7 +176,27 @@ def apply_promotion(save_dir: Path, options: VerifyOptions, requested: int | Non
             clear_hold(save_dir)
     elif target is not None and (hold := read_hold(save_dir)) is not None and target > hold.iteration:
         clear_hold(save_dir)
+    if changed:  # after the hold: the log is a record, and must never cost a rollback its hold
+        why = _log(save_dir, target, previous, why)
     return previous, target, why
+
+
+def _log(save_dir: Path, target: int | None, previous: int | None, why: str, gap: bool = False) -> str:
+    """Append to the promotion log; a failure is reported in ``why``, not raised (the pointer
+    has moved already, and the next run reconciles the log with it)."""
+    try:
+        record_promotion(save_dir, target, previous, why, gap)
+    except OSError as e:
+        return f"{why} (promotion log not written: {e}; the next run records it)"
+    return why
+
+
+def _reconcile_log(save_dir: Path, pointer: int | None) -> None:
+    """A crash (or a full disk) between the pointer write and the log append leaves the log
+    behind the pointer: record the change as happened at an unknown time since the last entry."""
+    logged, value = last_logged(save_dir)
+    if logged and value != pointer:
+        _log(save_dir, pointer, value, "found unlogged: changed at an unknown time since the entry before", gap=True)
 
 
 def promote(save_dir: Path, options: VerifyOptions, lock_timeout_seconds: float,

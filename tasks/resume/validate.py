@@ -11,6 +11,7 @@ has it when the old records are gone.
 
 import json
 import math
+import os
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,10 +22,10 @@ import numpy as np
 from tasks.checkpoint import layout
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
 from tasks.checkpoint.manifest import now_iso, read_manifest
-from tasks.checkpoint.pointer import pointer_at, read_pointer
+from tasks.checkpoint.pointer import pointer_during, read_pointer
 from tasks.errors import CkptopsError, UsageError
 from tasks.resume.records import Steps
-from tasks.storage.local import atomic_write
+from tasks.storage.local import atomic_write, list_files
 
 BASELINE = "resume-baseline.json"
 
@@ -212,6 +213,25 @@ def _last_attempt(steps: Steps) -> int:
     return int(restarts[-1] + 1) if restarts.size else 0
 
 
+_PROMOTED = "promoted checkpoint"
+
+
+def _verified_iterations(save_dir: Path) -> list[int]:
+    """Iterations in the save directory whose manifest says valid for the save on disk."""
+    found = []
+    for name in sorted(os.listdir(save_dir)):
+        iteration = layout.parse_iter_dir(name)
+        if iteration is None:
+            continue
+        try:
+            manifest = read_manifest(save_dir / name)
+        except CkptopsError:
+            continue
+        if manifest is not None and manifest.valid and manifest.same_save(list_files(save_dir / name)):
+            found.append(iteration)
+    return found
+
+
 class _Validator:
     def __init__(self, facts: CheckpointFacts, before: Steps | None, after: Steps, settings, baseline: dict | None):
         self.facts, self.before, self.after, self.settings, self.baseline = facts, before, after, settings, baseline
@@ -241,26 +261,47 @@ class _Validator:
         return self.result
 
     def _promoted(self) -> None:
-        """The resume must start from the checkpoint the pointer named when the resumed run
-        started (the promotion log says; an operator's rollback included). Not the pointer now:
-        the resumed run's own saves move it on, and a validation run later must still pass."""
+        """The resume must start from a checkpoint the pointer named shortly before the resumed
+        run's first step (the promotion log says; an operator's rollback included). The window,
+        ``resume.pointer_window_seconds``, covers the load and the clocks of two hosts. Not the
+        pointer now: the resumed run's own saves move it on, and a later validation must pass."""
         f, a = self.facts, self.after
-        name = "promoted checkpoint"
         if not f.verified:
-            self.add(name, False, "a verified checkpoint", f"{f.directory.name} was never verified")
+            self.add(_PROMOTED, False, "a verified checkpoint", f"{f.directory.name} was never verified")
             return
-        started = a.time[self.start] if len(a) else float("nan")
-        known, expected = pointer_at(f.directory.parent, float(started)) if np.isfinite(started) else (False, None)
-        if known:
-            self.add(name, expected == f.iteration, f"iteration {expected} (latest verified when the run resumed)",
-                     f"iteration {f.iteration}")
+        started = float(a.time[self.start]) if len(a) else float("nan")
+        window = self.settings.pointer_window_seconds
+        values = pointer_during(f.directory.parent, started - window, started) if math.isfinite(started) else None
+        if values is None:
+            self._promoted_without_log()
             return
-        now = read_pointer(f.directory.parent)
-        if now is not None and now <= f.iteration:
-            self.add(name, now == f.iteration, f"iteration {now} (latest verified)", f"iteration {f.iteration}")
-        else:  # moved on since, or never set: no record says what it was at the resume
-            self.add(name, None, "", "", "the promotion log does not cover the resume "
-                     f"(pointer now: {now}); not checkable")
+        named = sorted(v for v in values if v is not None)
+        expected = (f"iteration {named[0]} (latest verified when the run resumed)" if len(named) == 1 else
+                    f"one of iterations {', '.join(map(str, named)) or 'none'} (the pointer in the "
+                    f"{window:g} s before the run resumed)")
+        self.add(_PROMOTED, f.iteration in named, expected, f"iteration {f.iteration}")
+
+    def _promoted_without_log(self) -> None:
+        """No start time (Megatron-LM logs) or no promotion log: the newest verified checkpoint
+        up to where the failed run stopped, no newer than the pointer (a rollback) - as good as
+        the save directory can tell (a checkpoint the resumed run re-saved looks the same)."""
+        f = self.facts
+        pointer = read_pointer(f.directory.parent)
+        if pointer is None:
+            self.add(_PROMOTED, None, "", "", "no promotion pointer and no promotion log: not checkable")
+            return
+        if self.before is None or not len(self.before):
+            if pointer > f.iteration:
+                self.add(_PROMOTED, None, "", "", f"the pointer has moved on (now {pointer}) and neither a "
+                         "promotion log nor the records before the failure say what it was: not checkable")
+            else:
+                self.add(_PROMOTED, pointer == f.iteration, f"iteration {pointer} (latest verified)", f"iteration {f.iteration}")
+            return
+        failed_at = int(self.before.iteration.max())
+        limit = min(pointer, failed_at)
+        expected = max((it for it in _verified_iterations(f.directory.parent) if it <= limit), default=None)
+        self.add(_PROMOTED, expected == f.iteration,
+                 f"iteration {expected} (latest verified up to the failure at {failed_at})", f"iteration {f.iteration}")
 
     def _resume_point(self) -> None:
         f, a = self.facts, self.after

@@ -25,6 +25,10 @@ class ArchiveUnavailable(CkptopsError):
     """The archive could not be reached or refused an operation (after the bounded retries)."""
 
 
+class AccessDenied(ArchiveUnavailable):
+    """The store refused this one object (permissions), while it answers otherwise."""
+
+
 class _Relay(Callback):
     """Passes fsspec's byte counts on to our progress callback."""
 
@@ -90,6 +94,8 @@ class ArchiveStore:
             return fn(*args, **kwargs)
         except FileNotFoundError:
             raise
+        except PermissionError as e:  # one object refused (s3fs: AccessDenied): not an outage
+            raise AccessDenied(f"{self.where(key)}: {what} refused ({e})") from None
         except CkptopsError:
             raise
         except Exception as e:  # botocore, aiohttp and OS errors all mean the same here
@@ -140,7 +146,7 @@ class ArchiveStore:
 
         self._parallel(put, pairs)
         if self.is_local and pairs:  # on disk, uploaded must mean on the disk before the commit
-            self._call("upload", pairs[0][1], make_durable, [Path(self._path(key)) for _, key in pairs])
+            self._call("upload", pairs[0][1], make_durable, [Path(self._path(key)) for _, key in pairs], Path(self.root))
 
     def get_files(self, pairs: list[tuple[str, Path]], progress: Callable[[int], None] | None = None) -> None:
         def get(pair):

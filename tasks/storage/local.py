@@ -64,12 +64,12 @@ def atomic_write(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def make_durable(files: list[Path]) -> None:
-    """fsync the files, their directories and those directories' parents (new entries there)."""
-    directories = set()
+def make_durable(files: list[Path], root: Path) -> None:
+    """fsync the files and every directory from theirs up to ``root`` (new entries in each)."""
+    root, directories = Path(root), set()
     for path in map(Path, files):
         _fsync_file(path)
-        directories.update((path.parent, path.parent.parent))
+        directories.update(d for d in path.parents if d == root or root in d.parents)
     for directory in sorted(directories):
         _fsync_dir(directory)
 
