@@ -135,9 +135,9 @@ def _commit(store: ArchiveStore, job: str, manifest: Manifest, source: Path) -> 
     return status
 
 
-def _by_commit_time(store: ArchiveStore, job: str, committed: list[int]) -> tuple[list[int], list[int]]:
-    """Committed iterations, oldest commit first (after a rollback an older iteration is newer),
-    and those whose manifest cannot be read: one bad entry must not stop the archive, and it is
+def _by_commit_time(store: ArchiveStore, job: str, committed: list[int]) -> tuple[dict[int, str], list[int]]:
+    """Commit times of the committed iterations, oldest commit first (after a rollback an older
+    iteration is newer), and the iterations whose manifest cannot be read: one bad entry must not stop the archive, and it is
     left out of retention for a human to look at."""
     times, unreadable = {}, []
     for iteration in committed:
@@ -149,7 +149,7 @@ def _by_commit_time(store: ArchiveStore, job: str, committed: list[int]) -> tupl
         except NoEntry:  # uncommitted since it was listed
             continue
         times[iteration] = status.get("committed_at", "1970-01-01T00:00:00+00:00")
-    return sorted(times, key=times.get), unreadable
+    return dict(sorted(times.items(), key=lambda item: item[1])), unreadable
 
 
 def apply_archive_retention(store: ArchiveStore, job: str, keep: int) -> list[int]:
@@ -159,7 +159,7 @@ def apply_archive_retention(store: ArchiveStore, job: str, keep: int) -> list[in
     before its objects go, so a reader never sees half of one. Uncommitted leftovers older than
     the newest commit are removed too."""
     committed = committed_iterations(store, job)
-    by_commit, _ = _by_commit_time(store, job, committed)
+    by_commit = list(_by_commit_time(store, job, committed)[0])
     named = newest_committed(store, job)
     deleted = []
     for iteration in by_commit[:-keep] if len(by_commit) > keep else []:
@@ -193,12 +193,12 @@ def archive_checkpoint(save_dir: Path, profile, force: bool = False,
         if manifest is None or not manifest.valid or not manifest.same_save(list_files(directory)):
             raise CkptopsError(f"{directory.name}: promoted but its manifest does not say valid for this save")
         committed = committed_iterations(store, job)
-        by_commit, unreadable = _by_commit_time(store, job, committed)
+        commit_times, unreadable = _by_commit_time(store, job, committed)
         if iteration in unreadable:
             return ArchiveResult(iteration, store.where(entry_key(job, iteration)), False,
                                  f"iteration {iteration} is archived but its archived manifest is unreadable; "
                                  "kept for inspection, never overwritten")
-        skip = _skip_reason(store, job, manifest, committed, by_commit, profile.archive.period_hours, force)
+        skip = _skip_reason(store, job, manifest, committed, commit_times, profile.archive.period_hours, force)
         if skip:
             return ArchiveResult(iteration, store.where(entry_key(job, iteration)), False, skip)
         if iteration in committed:
@@ -227,17 +227,16 @@ def archive_checkpoint(save_dir: Path, profile, force: bool = False,
         return ArchiveResult(iteration, status["url"], True, message, uploaded, reused, seconds, deleted)
 
 
-def _skip_reason(store: ArchiveStore, job: str, manifest: Manifest, committed: list[int], by_commit: list[int],
+def _skip_reason(store: ArchiveStore, job: str, manifest: Manifest, committed: list[int], commit_times: dict[int, str],
                  period_hours: float, force: bool) -> str | None:
     if manifest.iteration in committed:
         archived = archived_manifest(store, job, manifest.iteration)
         if archived.files == manifest.files:
             return f"iteration {manifest.iteration} is already archived"
-    if force or not by_commit:
+    if force or not commit_times:
         return None
-    newest = by_commit[-1]
-    committed_at = datetime.fromisoformat((archived_manifest(store, job, newest).archive or {})
-                                          .get("committed_at", "1970-01-01T00:00:00+00:00"))
+    newest = list(commit_times)[-1]
+    committed_at = datetime.fromisoformat(commit_times[newest])
     age_hours = (datetime.now(timezone.utc) - committed_at).total_seconds() / 3600
     if age_hours < period_hours:
         return f"the newest archive copy (iteration {newest}) is {age_hours:.1f} h old, the period is {period_hours:g} h"

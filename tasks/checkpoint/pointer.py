@@ -11,7 +11,6 @@ again by the next scheduled run; only checkpoints verified after the rollback ma
 """
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -20,7 +19,7 @@ from pathlib import Path
 from tasks.checkpoint.layout import HISTORY, POINTER
 from tasks.checkpoint.manifest import now_iso
 from tasks.errors import CkptopsError, unreadable
-from tasks.storage.local import atomic_write, remove_file, remove_stale_temps
+from tasks.storage.local import append_jsonl, atomic_write, read_jsonl, remove_file, remove_stale_temps
 
 HOLD = "latest_verified_iteration.hold"
 PROMOTIONS = "promotions.jsonl"
@@ -51,24 +50,11 @@ def record_promotion(save_dir: Path, iteration: int | None, previous: int | None
                      gap: bool = False) -> None:
     """Append a change of the pointer to ``.ckptops-history/promotions.jsonl``: which checkpoint
     was the one to resume from at any moment (post-resume validation asks "at the resume").
-    ``gap``: the change happened at an unknown time since the entry before (found unlogged).
-    One write on an O_APPEND file, after a newline if a torn line ends the file."""
-    path = Path(save_dir) / HISTORY / PROMOTIONS
-    path.parent.mkdir(exist_ok=True)
+    ``gap``: the change happened at an unknown time since the entry before (found unlogged)."""
     entry = {"time": time.time(), "at": now_iso(), "iteration": iteration, "previous": previous, "why": why}
     if gap:
         entry["gap"] = True
-    data = (json.dumps(entry) + "\n").encode()
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        size = os.fstat(fd).st_size
-        if size and os.pread(fd, 1, size - 1) != b"\n":
-            data = b"\n" + data
-        if os.write(fd, data) != len(data):
-            raise OSError(f"short write to {path}")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    append_jsonl(Path(save_dir) / HISTORY / PROMOTIONS, entry)
 
 
 @dataclass
@@ -80,20 +66,12 @@ class _Change:
 
 
 def _changes(save_dir: Path) -> list[_Change]:
-    path = Path(save_dir) / HISTORY / PROMOTIONS
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    except OSError as e:
-        raise unreadable(path, e) from None
     changes = []
-    for line in lines:
+    for entry in read_jsonl(Path(save_dir) / HISTORY / PROMOTIONS):
         try:
-            entry = json.loads(line)
             changes.append(_Change(float(entry["time"]), entry["iteration"], entry.get("previous"), bool(entry.get("gap"))))
         except (ValueError, KeyError, TypeError, AttributeError):
-            continue  # a torn line
+            continue  # not a promotion entry
     return changes
 
 

@@ -9,7 +9,6 @@ Safety rules (health.md):
 With draining off, the same decisions make a drain plan for a human.
 """
 
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 from tasks.cluster import slurm
 from tasks.health.run import NodeReport
 from tasks.health.verdict import Verdict
+from tasks.storage.local import append_jsonl, read_jsonl
 
 DRAIN_LOG = "drains.jsonl"
 _REASON_LIMIT = 200
@@ -37,18 +37,13 @@ def _reason(report: NodeReport) -> str:
 
 
 def _drained_in_last_hour(raw_dir: Path, now: float) -> list[str]:
-    try:
-        lines = (Path(raw_dir) / DRAIN_LOG).read_text().splitlines()
-    except FileNotFoundError:
-        return []
     recent = []
-    for line in lines:
+    for entry in read_jsonl(Path(raw_dir) / DRAIN_LOG):
         try:
-            entry = json.loads(line)
             if now - entry["at"] < 3600:
                 recent.append(entry["node"])
-        except (ValueError, KeyError, TypeError):
-            continue  # a torn line from a crash mid-append
+        except (KeyError, TypeError):
+            continue  # not a drain entry
     return recent
 
 
@@ -85,8 +80,7 @@ def apply_drains(plan: DrainPlan, settings, now: float | None = None) -> DrainPl
     for node, reason in plan.drain:
         slurm.drain(node, reason)
         plan.drained.append(node)
-        with open(log, "a") as f:
-            f.write(json.dumps({"at": time.time() if now is None else now, "node": node, "reason": reason}) + "\n")
+        append_jsonl(log, {"at": time.time() if now is None else now, "node": node, "reason": reason})
     return plan
 
 

@@ -5,7 +5,6 @@ Raw outputs: ``<raw_dir>/<node>/<time>-<check>-<n>.txt``; history: ``<raw_dir>/<
 (one line per check run of the node), which also tells the XID check where to start reading.
 """
 
-import json
 import os
 import time
 from collections.abc import Callable
@@ -19,6 +18,8 @@ from tasks.cluster.transport import HostKeyRejected, LocalHost, SshHost, SshSett
 from tasks.health.checks import Context, dcgm_diag, gpu_count, nccl, nvlink, recovery, row_remap, xid
 from tasks.health.nccl import classify_allreduce
 from tasks.health.verdict import CheckResult, Evidence, Verdict, result, worst
+from tasks.errors import Unreadable
+from tasks.storage.local import append_jsonl, read_jsonl
 
 CHECKS = {m.NAME: m for m in (gpu_count, recovery, row_remap, xid, nvlink, dcgm_diag, nccl)}
 HISTORY = "history.jsonl"
@@ -82,12 +83,11 @@ def last_clean_xid_check(raw_dir: Path, node: str) -> float | None:
     not yet acted on is found again (``journalctl -k`` covers the current boot, so a repaired
     and rebooted node starts clean)."""
     try:
-        lines = (Path(raw_dir) / node / HISTORY).read_text().splitlines()
-    except OSError:
+        entries = read_jsonl(Path(raw_dir) / node / HISTORY)
+    except Unreadable:
         return None
-    for line in reversed(lines):
+    for entry in reversed(entries):
         try:
-            entry = json.loads(line)
             checks = {c["check"]: c["verdict"] for c in entry["checks"]}
             if checks.get(xid.NAME) in (Verdict.PASS.value, Verdict.WARN.value):
                 return datetime.fromisoformat(entry["started_at"]).timestamp()
@@ -97,13 +97,10 @@ def last_clean_xid_check(raw_dir: Path, node: str) -> float | None:
 
 
 def _append_history(raw_dir: Path, report: NodeReport) -> None:
-    path = Path(raw_dir) / report.node / HISTORY
-    path.parent.mkdir(parents=True, exist_ok=True)
     line = {"started_at": report.started_at, "verdict": report.verdict.value, "summary": report.summary,
             "checks": [{"check": c.check, "verdict": c.verdict.value, "summary": c.summary, "raw": c.raw}
                        for c in report.checks]}
-    with open(path, "a") as f:
-        f.write(json.dumps(line) + "\n")
+    append_jsonl(Path(raw_dir) / report.node / HISTORY, line)
 
 
 def _attempt(name: str, run: Callable[[Context], CheckResult], ctx: Context) -> CheckResult:

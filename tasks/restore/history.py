@@ -8,13 +8,11 @@ window at production size.
 
 import base64
 import io
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.checkpoint.layout import HISTORY
-from tasks.errors import CkptopsError
+from tasks.storage.local import append_jsonl, read_jsonl
 
 DRILLS = "drills.jsonl"
 
@@ -24,34 +22,12 @@ def history_path(save_dir: Path) -> Path:
 
 
 def append_drill(save_dir: Path, report) -> None:
-    """Append one line: a single write to an O_APPEND file, fsynced."""
-    path = history_path(save_dir)
-    path.parent.mkdir(exist_ok=True)
-    line = (json.dumps(report.to_dict(), sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    append_jsonl(history_path(save_dir), report.to_dict())
 
 
 def read_drills(save_dir: Path) -> list[dict]:
-    """Every recorded drill, oldest first; a torn last line (a crash mid-append) is skipped."""
-    path = history_path(save_dir)
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    except OSError as e:
-        raise CkptopsError(f"{path}: unreadable drill history ({e.strerror})") from None
-    drills = []
-    for line in lines:
-        try:
-            drills.append(json.loads(line))
-        except ValueError:
-            continue
-    return drills
+    """Every recorded drill, oldest first; a torn line (a crash mid-append) is skipped."""
+    return read_jsonl(history_path(save_dir))
 
 
 def phase(drill: dict, name: str) -> dict | None:

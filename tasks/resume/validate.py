@@ -11,7 +11,6 @@ has it when the old records are gone.
 
 import json
 import math
-import os
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,12 +19,14 @@ from types import SimpleNamespace
 import numpy as np
 
 from tasks.checkpoint import layout
+from tasks.checkpoint.catalog import catalog
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
 from tasks.checkpoint.manifest import now_iso, read_manifest
 from tasks.checkpoint.pointer import pointer_during, read_pointer
+from tasks.checkpoint.state import State, VerifyOptions
 from tasks.errors import CkptopsError, UsageError
 from tasks.resume.records import Steps
-from tasks.storage.local import atomic_write, list_files
+from tasks.storage.local import atomic_write
 
 BASELINE = "resume-baseline.json"
 
@@ -216,22 +217,6 @@ def _last_attempt(steps: Steps) -> int:
 _PROMOTED = "promoted checkpoint"
 
 
-def _verified_iterations(save_dir: Path) -> list[int]:
-    """Iterations in the save directory whose manifest says valid for the save on disk."""
-    found = []
-    for name in sorted(os.listdir(save_dir)):
-        iteration = layout.parse_iter_dir(name)
-        if iteration is None:
-            continue
-        try:
-            manifest = read_manifest(save_dir / name)
-        except CkptopsError:
-            continue
-        if manifest is not None and manifest.valid and manifest.same_save(list_files(save_dir / name)):
-            found.append(iteration)
-    return found
-
-
 class _Validator:
     def __init__(self, facts: CheckpointFacts, before: Steps | None, after: Steps, settings, baseline: dict | None):
         self.facts, self.before, self.after, self.settings, self.baseline = facts, before, after, settings, baseline
@@ -299,7 +284,10 @@ class _Validator:
             return
         failed_at = int(self.before.iteration.max())
         limit = min(pointer, failed_at)
-        expected = max((it for it in _verified_iterations(f.directory.parent) if it <= limit), default=None)
+        # The catalog's "valid" is a manifest that says so for the save now on disk.
+        verified = [i.iteration for i in catalog(f.directory.parent, VerifyOptions(job=f.directory.parent.name))
+                    if i.state == State.VALID.value]
+        expected = max((it for it in verified if it <= limit), default=None)
         self.add(_PROMOTED, expected == f.iteration,
                  f"iteration {expected} (latest verified up to the failure at {failed_at})", f"iteration {f.iteration}")
 
@@ -412,31 +400,34 @@ class _Validator:
             return None
         return _median(values[rows])
 
-    def _memory(self) -> None:
-        base = (self.baseline or {}).get("peak_memory_median")
-        now = self._window(self.after.peak_memory)
-        band = self.settings.memory_band
+    def _steady_state(self, name: str, median: str, values: np.ndarray, kind: str, now_kind, mismatch: str):
+        """(baseline, resumed) medians to compare, or None after saying why they cannot be."""
+        baseline = self.baseline or {}
+        base, now = baseline.get(median), self._window(values)
         if not base or now is None:
-            self.add("peak memory", None, "", "", "no baseline (or a zero one) or too few steady-state steps")
+            self.add(name, None, "", "", "no baseline (or a zero one) or too few steady-state steps")
+            return None
+        if baseline.get(kind) != now_kind:
+            self.add(name, None, "", "", mismatch)
+            return None
+        return base, now
+
+    def _memory(self) -> None:
+        pair = self._steady_state("peak memory", "peak_memory_median", self.after.peak_memory, "memory_kind",
+                                  self.after.memory_kind, "baseline and resumed run measure memory differently")
+        if pair is None:
             return
-        if (self.baseline or {}).get("memory_kind") != self.after.memory_kind:
-            self.add("peak memory", None, "", "", "baseline and resumed run measure memory differently")
-            return
+        (base, now), band = pair, self.settings.memory_band
         ok = abs(now - base) <= band * base
         self.add("peak memory", ok, f"{base / 2**20:.1f} MiB +-{band:.0%}", f"{now / 2**20:.1f} MiB ({now / base - 1:+.1%})")
 
     def _throughput(self) -> None:
-        base = (self.baseline or {}).get("throughput_median")
-        now = self._window(self.after.throughput)
-        drop = self.settings.throughput_drop
-        if not base or now is None:
-            self.add("throughput", None, "", "", "no baseline (or a zero one) or too few steady-state steps")
-            return
         unit = self.after.throughput_unit
-        if (self.baseline or {}).get("throughput_unit") != unit:
-            self.add("throughput", None, "", "", f"baseline in {(self.baseline or {}).get('throughput_unit')}, "
-                     f"the resumed run in {unit}")
+        pair = self._steady_state("throughput", "throughput_median", self.after.throughput, "throughput_unit", unit,
+                                  f"baseline in {(self.baseline or {}).get('throughput_unit')}, the resumed run in {unit}")
+        if pair is None:
             return
+        (base, now), drop = pair, self.settings.throughput_drop
         self.add("throughput", now >= (1 - drop) * base, f">= {(1 - drop) * base:.4g} {unit} ({1 - drop:.0%} of {base:.4g})",
                  f"{now:.4g} {unit} ({now / base - 1:+.1%})")
 

@@ -5,10 +5,13 @@ manifests): a reader sees the old content or the new, never an empty or partial 
 is its own function so the crash tests can kill the process between any two of them.
 """
 
+import json
 import os
 import secrets
 import shutil
 from pathlib import Path
+
+from tasks.errors import unreadable
 
 TEMP_MARK = ".tmp-"
 TRASH_PREFIX = ".ckptops-trash-"
@@ -62,6 +65,44 @@ def atomic_write(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def append_jsonl(path: Path, entry: dict) -> None:
+    """Append one line to a JSON-lines log: one write on an O_APPEND file (lines of concurrent
+    writers never interleave), after a newline if a torn line ends the file (so a crash mid-append
+    costs that line only), fsynced."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = (json.dumps(entry) + "\n").encode()
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        if os.write(fd, data) != len(data):
+            raise OSError(f"short write to {path}")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: Path) -> list:
+    """Every whole line of a JSON-lines log, oldest first; torn lines are skipped; no file is an
+    empty log. An unreadable file is an ``Unreadable`` error naming it."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise unreadable(path, e) from None
+    entries = []
+    for line in text.splitlines():
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            continue
+    return entries
 
 
 def make_durable(files: list[Path], root: Path) -> None:
