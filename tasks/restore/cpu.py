@@ -1,10 +1,10 @@
-"""Lets Megatron-Core 0.19 train and checkpoint on a machine without a GPU.
+"""Lets Megatron-Core 0.19 build, load and train on a machine without a GPU.
 
-Imported by the local training job before megatron; every patch below is applied only when
-``torch.cuda.is_available()`` is false, so the same job runs unchanged on a GPU. Megatron-Core
-hard-codes CUDA on its training and checkpoint paths (synchronize, streams, the CUDA RNG,
-``device="cuda"`` tensors); each patch maps one of those to its CPU meaning. This module belongs
-to the local job only and never to code that runs on a cluster.
+Imported by the drill's loader and by the local training job before megatron; every patch below
+is applied only when ``torch.cuda.is_available()`` is false, so the same code runs unchanged on a
+GPU (a drill allocation) and on CPU ranks (tests, the embedded default). Megatron-Core hard-codes
+CUDA on its training and checkpoint paths (synchronize, streams, the CUDA RNG, ``device="cuda"``
+tensors); each patch maps one of those to its CPU meaning.
 """
 
 import contextlib

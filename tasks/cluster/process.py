@@ -1,0 +1,98 @@
+"""Running a local command to its end: a time limit, its output kept in a log, and nothing it
+started left running afterwards, however it ended.
+
+Training and loading jobs hang rather than crash in many failure modes, and a dead torchrun rank
+leaves helpers behind (megatron's checkpoint writer Manager, a process group of its own): every
+process the command started is noted while it runs and killed, with its group, at the end.
+"""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+from tasks.errors import CkptopsError
+
+_POLL_SECONDS = 0.5
+
+
+class TimedOut(CkptopsError):
+    """The command ran past its time limit (it and everything it started were killed)."""
+
+
+class Failed(CkptopsError):
+    """The command exited non-zero; ``code`` is its exit status and ``log`` where it wrote."""
+
+    def __init__(self, message: str, code: int, log: Path):
+        super().__init__(message)
+        self.code, self.log = code, log
+
+
+def start(argv: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
+    """Start ``argv`` in a session of its own, stdout and stderr into ``log``."""
+    log = Path(log)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as sink:
+        return subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                start_new_session=True)
+
+
+def tail(log: Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(Path(log).read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def wait(process: subprocess.Popen, log: Path, timeout_seconds: float, what: str = "the command") -> None:
+    """Wait for ``process``; then kill everything it started, and raise if it failed or timed out."""
+    descendants: dict[int, int] = {}
+    deadline = time.monotonic() + timeout_seconds
+    code = None
+    try:
+        while code is None and time.monotonic() < deadline:
+            _note_descendants(process.pid, descendants)
+            try:
+                code = process.wait(timeout=min(_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                continue
+    finally:
+        _kill_all(process, descendants)
+    if code is None:
+        raise TimedOut(f"{log}: {what} timed out after {timeout_seconds:.0f}s: {tail(log)}")
+    if code != 0:
+        raise Failed(f"{log}: {what} exited {code}: {tail(log)}", code, Path(log))
+
+
+def run(argv: list[str], log: Path, timeout_seconds: float, env: dict | None = None,
+        what: str = "the command", cwd: Path | None = None) -> None:
+    """Run ``argv`` to its end with ``wait``'s guarantees."""
+    wait(start(argv, log, env, cwd), log, timeout_seconds, what)
+
+
+def _note_descendants(pid: int, seen: dict[int, int]) -> None:
+    try:
+        for child in psutil.Process(pid).children(recursive=True):
+            try:
+                seen.setdefault(child.pid, os.getpgid(child.pid))
+            except (ProcessLookupError, psutil.Error):
+                continue
+    except psutil.Error:
+        pass
+
+
+def _kill_all(process: subprocess.Popen, descendants: dict[int, int]) -> None:
+    for group in {process.pid, *descendants.values()}:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in descendants:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    process.wait()
