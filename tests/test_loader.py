@@ -1,0 +1,94 @@
+"""The loader's parts without a process group: the model a checkpoint's args and tensor shapes
+describe, and the comparison of loaded pieces with the stored bytes after resharding."""
+
+import argparse
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
+from tasks.restore.compare import compare
+from tasks.restore.model_args import ModelArgsError, resolve
+from tests.conftest import iter_dir
+
+
+def index_and_args(directory):
+    index = build_index(load_dcp_metadata(directory / ".metadata"))
+    return index, load_common_state(directory, index)["args"]
+
+
+def test_the_jobs_own_args_need_no_inference(variety):
+    for name in ("tp2-distopt-bf16", "pp2", "llama-like"):
+        index, args = index_and_args(iter_dir(variety[name], 4))
+        resolved = resolve(args, index.tensors)
+        assert resolved.inferred == [], name
+    index, args = index_and_args(iter_dir(variety["llama-like"], 4))
+    got = resolve(args, index.tensors).args
+    assert (got.swiglu, got.normalization, got.position_embedding_type, got.group_query_attention,
+            got.num_query_groups, got.untie_embeddings_and_output_weights, got.add_bias_linear, got.qk_layernorm) == \
+           (True, "RMSNorm", "rope", True, 2, True, False, True)
+
+
+def test_shapes_win_over_missing_and_contradicting_args(variety):
+    index, args = index_and_args(iter_dir(variety["llama-like"], 4))
+    stripped = argparse.Namespace(num_attention_heads=4, seq_length=32, tensor_model_parallel_size=1,
+                                  pipeline_model_parallel_size=1, hidden_size=999, swiglu=False)
+    resolved = resolve(stripped, index.tensors)
+    got = resolved.args
+    assert (got.hidden_size, got.num_layers, got.ffn_hidden_size, got.swiglu, got.kv_channels) == (64, 2, 128, True, 16)
+    notes = "\n".join(resolved.inferred)
+    assert "hidden_size=64 (the args say 999; embedding.word_embeddings.weight [128, 64] says otherwise)" in notes
+    assert "swiglu=True (the args say False; decoder.layers.mlp.linear_fc1.weight [2, 256, 64]" in notes
+    assert "normalization='RMSNorm' (missing from the args; from norm biases absent)" in notes
+    assert "num_layers=2 (missing from the args; from decoder.layers.self_attention.linear_qkv.weight" in notes
+    assert "max_position_embeddings=32 (Megatron-LM's default: seq_length)" in notes
+    assert args.hidden_size == 64  # the checkpoint's own args are not modified
+
+
+def test_an_arg_the_shapes_cannot_settle_is_named(variety):
+    index, args = index_and_args(iter_dir(variety["pp2"], 4))
+    with pytest.raises(ModelArgsError, match=r"^args.num_attention_heads: missing from the checkpoint's args"):
+        resolve(argparse.Namespace(), index.tensors)
+    with pytest.raises(ModelArgsError, match="kv_channels=48: does not divide the query width 64"):
+        resolve(argparse.Namespace(num_attention_heads=4, kv_channels=48), index.tensors)
+    not_gpt = {k: v for k, v in index.tensors.items() if not k.startswith("decoder.layers.self_attention")}
+    with pytest.raises(ModelArgsError, match="linear_qkv.weight: not in the checkpoint; not a Megatron-Core GPT"):
+        resolve(args, not_gpt)
+
+
+@dataclass
+class Piece:
+    """What a rank holds of a global tensor, as megatron's ShardedTensor describes it."""
+
+    key: str
+    data: torch.Tensor
+    global_shape: tuple
+    global_offset: tuple
+    local_shape: tuple
+    flattened_range: slice | None = None
+
+
+def test_a_resharded_piece_is_assembled_from_the_stored_chunks_and_compared_bit_for_bit(variety, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    directory = iter_dir(variety["tp2-bf16"], 4)
+    index, _ = index_and_args(directory)
+    # PyTorch's own DCP reader (our checkpoint, so its full unpickling is safe here) gives the
+    # expected values: whole tensors, put together by code that is not ours.
+    dcp_to_torch_save(directory, tmp_path / "whole.pt")
+    full = torch.load(tmp_path / "whole.pt", weights_only=False)
+    key = "decoder.layers.mlp.linear_fc1.weight"
+    assert len(index.tensors[key].chunks) == 4  # saved as 2 layers x 2 tensor-parallel halves
+    # On TP1 a rank holds a whole layer: both stored halves; on TP4 a quarter of one.
+    whole = Piece(key, full[key][1].clone(), (2, 256, 64), (1, 0, 0), (256, 64))
+    quarter = Piece(key, full[key][0, 64:128].clone(), (2, 256, 64), (0, 64, 0), (64, 64))
+    flat = Piece(key, full[key][0].flatten()[100:300].clone(), (2, 256, 64), (0, 0, 0), (256, 64), slice(100, 300))
+    compared, mismatches = compare(directory, index, [whole, quarter, flat])
+    assert compared == [f"{key}@[1, 0, 0]", f"{key}@[0, 64, 0]", f"{key}@[0, 0, 0]"] and mismatches == []
+    whole.data.view(torch.int16)[5, 7] ^= 1  # one bit of one bf16 value
+    quarter.data = quarter.data.float()      # right values, wrong dtype
+    assert compare(directory, index, [whole, quarter, flat])[1] == [f"{key}@[1, 0, 0]", f"{key}@[0, 64, 0]"]
+    missing = Piece("decoder.layers.mlp.linear_fc9.weight", whole.data, (2, 256, 64), (1, 0, 0), (256, 64))
+    assert compare(directory, index, [missing])[1] == [
+        "decoder.layers.mlp.linear_fc9.weight@[1, 0, 0] (not all of it is in the checkpoint)"]
