@@ -106,23 +106,42 @@ class Budget(_Section):
 
 
 class SlurmDrill(_Section):
-    """The production drill: an allocation that loads the checkpoint on the real layout."""
+    """The production drill: an allocation that loads the checkpoint with one loader per task."""
 
-    partition: str
+    partition: str | None = None
     nodes: Annotated[int, Field(ge=1)]
-    gpus_per_node: Annotated[int, Field(ge=1)] = 8
+    ntasks_per_node: Annotated[int, Field(ge=1)] = Field(default=8, description="loader processes per node (one per GPU)")
+    gpus_per_node: Annotated[int, Field(ge=0)] = Field(default=8, description="0: request no GPUs (a CPU partition)")
     time_limit: str = "01:00:00"
     account: str | None = None
-    load_command: str = Field(description="runs on every node under srun; reads $CKPTOPS_LOAD_DIR and "
-                                          "$CKPTOPS_CKPT_STEP, writes the report to $CKPTOPS_DRILL_REPORT")
+    exclusive: bool = True
+    python: str | None = Field(default=None, description="the interpreter with ckptops installed on the nodes; "
+                                                         "default: the one running the drill")
+    prelude: str = Field(default="", description="shell lines run before srun (module load, a venv)")
+    srun_args: list[str] = Field(default_factory=list, description="more srun options (a container image, ...)")
+    master_port: Annotated[int, Field(ge=1024, le=65535)] = 29500
+
+
+class DrillLayout(_Section):
+    """The drill allocation's layout; the load reshards onto it through dist_checkpointing."""
+
+    tensor_parallel: Annotated[int, Field(ge=1)] | None = Field(default=None, description="default: the checkpoint's")
+    pipeline_parallel: Annotated[int, Field(ge=1)] | None = Field(default=None, description="default: the checkpoint's")
+    data_parallel: Annotated[int, Field(ge=1)] = Field(default=1, description="local launcher; on Slurm the "
+                                                                           "allocation's tasks decide it")
 
 
 class Drill(_Section):
     scratch_dir: Path
     budget_seconds: Budget = Budget()
-    tensor_sample: Annotated[int, Field(ge=1)] = 8
+    tensor_sample: Annotated[int, Field(ge=1)] = Field(default=8, description="tensors each rank compares with the stored bytes")
     launcher: Literal["local", "slurm"] = "local"
     slurm: SlurmDrill | None = None
+    layout: DrillLayout = DrillLayout()
+    model_provider: str | None = Field(
+        default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="package.module:function building the job's model when it is not a Megatron-Core GPT; called "
+                    "as Megatron-LM's gpt_builder: (args, pre_process=..., post_process=...)")
     load_timeout_seconds: Positive = 1800
     estimate_for_bytes: Annotated[int, Field(gt=0)] | None = Field(
         default=None, description="predict the restore window for a checkpoint of this size (e.g. 7 TB)")

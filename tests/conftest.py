@@ -8,6 +8,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -124,13 +126,14 @@ def s3_bucket(endpoint: str, name: str) -> str:
 
 def write_job_profile(tmp_path: Path, save_dir: Path, archive_url: str | None = None,
                       endpoint: str | None = None, budget: float = 600, keep: int = 3,
-                      extra_archive: str = "") -> Path:
-    """A profile for a test job: the save directory, an archive, drills in tmp_path/scratch."""
+                      extra_archive: str = "", layout: str = "data_parallel: 2", drill_extra: str = "") -> Path:
+    """A profile for a test job: the save directory (saved with ``layout``), an archive, drills in
+    tmp_path/scratch."""
     lines = [
-        f"job: {{name: test-job, save_dir: '{save_dir}', megatron_core_version: '0.19.2', layout: {{data_parallel: 2}}}}",
+        f"job: {{name: test-job, save_dir: '{save_dir}', megatron_core_version: '0.19.2', layout: {{{layout}}}}}",
         "verify: {lock_timeout_seconds: 30}",
-        f"drill: {{scratch_dir: '{tmp_path / 'scratch'}', budget_seconds: {{shared: {budget}, archive: {budget}}}, load_timeout_seconds: 600}}",
-        "local_job: {nproc: 2}",
+        f"drill: {{scratch_dir: '{tmp_path / 'scratch'}', budget_seconds: {{shared: {budget}, archive: {budget}}}, "
+        f"load_timeout_seconds: 600{drill_extra}}}",
     ]
     if archive_url:
         endpoint_line = f", endpoint_url: '{endpoint}'" if endpoint else ""
@@ -138,6 +141,67 @@ def write_job_profile(tmp_path: Path, save_dir: Path, archive_url: str | None = 
     path = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*.yaml')))}.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A job the local trainer writes, as its users' jobs differ: its switches, the layout it
+    saves with (for its profile), and what its drill should report."""
+
+    name: str
+    switches: tuple[str, ...]
+    layout: str
+    nproc: int = 2
+
+
+# Six architectures and layouts (the default job is the seventh): what users bring.
+VARIANTS = {v.name: v for v in (
+    Variant("tp2-distopt-bf16", ("--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16",
+                                 "--verify-integrity"), "tensor_parallel: 2"),
+    Variant("dp2-other-shape", ("--num-layers", "3", "--hidden-size", "96", "--num-attention-heads", "6",
+                                "--vocab-size", "200", "--seq-length", "48", "--use-distributed-optimizer",
+                                "--drop-saved-arg", "num_layers"), "data_parallel: 2"),
+    Variant("pp2", ("--pipeline-model-parallel-size", "2",), "pipeline_parallel: 2"),
+    Variant("tp2-bf16", ("--tensor-model-parallel-size", "2", "--bf16"), "tensor_parallel: 2"),
+    Variant("llama-like", ("--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+                           "--group-query-attention", "--num-query-groups", "2",
+                           "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--qk-layernorm"),
+            "data_parallel: 2"),
+    Variant("no-heads-arg", ("--drop-saved-arg", "num_attention_heads", "--drop-saved-arg", "kv_channels"),
+            "data_parallel: 2"),
+)}
+
+
+@pytest.fixture(scope="session")
+def variety(tmp_path_factory) -> dict[str, Path]:
+    """Save directories of the variants, one checkpoint each (iteration 4), trained once."""
+    root = tmp_path_factory.mktemp("variety")
+    saves = {}
+    for variant in VARIANTS.values():
+        save = root / variant.name
+        run_local_job(save, nproc=variant.nproc, train_iters=4, save_interval=4, timeout_seconds=600,
+                      extra=list(variant.switches))
+        saves[variant.name] = save
+    return saves
+
+
+def variant_profile(variety, name: str, tmp_path: Path, **kwargs) -> Path:
+    """A profile for a private copy of a variant's save directory, with a local-directory archive."""
+    save = shutil.copytree(variety[name], tmp_path / name)
+    return write_job_profile(tmp_path, save, str(tmp_path / "archive"), layout=VARIANTS[name].layout, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def slurm_conf() -> str:
+    """The local Slurm cluster (``make slurm``: slurmctld, nodes n1-n3, munge), started if it is
+    not running; every node resumed, so a test starts with all three idle."""
+    done = subprocess.run([str(ROOT / "infra" / "slurm" / "local_cluster.sh"), "up"], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, f"the local Slurm cluster did not start: {done.stderr or done.stdout}"
+    conf = done.stdout.strip().rsplit("=", 1)[-1]
+    os.environ["SLURM_CONF"] = conf
+    subprocess.run(["scontrol", "update", "NodeName=n[1-3]", "State=RESUME"], capture_output=True, timeout=30)
+    return conf
 
 
 @pytest.fixture(scope="session")

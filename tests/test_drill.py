@@ -1,39 +1,159 @@
-"""Restore drills from the shared store on real checkpoints with the real load, their budget,
-history, estimate and the Slurm allocation a production drill submits."""
+"""Restore drills on real checkpoints with the real load: jobs of several architectures and
+layouts from both sources, resharded loads, what the load reports, its budget, history, estimate,
+and the batch script a production drill submits."""
 
 import json
-import os
 import shlex
 import subprocess
+from pathlib import Path
 
 import pytest
 
+from tasks.archive.copy import archive_checkpoint
 from tasks.checkpoint.promote import promote
+from tasks.errors import UsageError
 from tasks.profile import load_profile
 from tasks.restore.drill import run_drill
 from tasks.restore.history import estimate, read_drills
-from infra.local_job.launch import TimedOut
-from tasks.restore.launch import load_checkpoint, render_sbatch
-from tests.conftest import ROOT, write_job_profile
+from tasks.restore.launch import DrillLayout, render_sbatch
+from tests.conftest import ROOT, variant_profile, write_job_profile
 
 pytestmark = pytest.mark.slow
 CKPTOPS = ROOT / ".venv" / "bin" / "ckptops"
 
 
-def test_shared_drill_restores_verifies_loads_and_records(save_dir, tmp_path, options):
+def checks(report) -> dict[str, dict]:
+    return {c["name"]: c for c in report.checks}
+
+
+def promoted_profile(variety, name, tmp_path, options, **kwargs):
+    profile = load_profile(variant_profile(variety, name, tmp_path, **kwargs))
+    promote(profile.job.save_dir, options, 30)
+    return profile
+
+
+# What each variant's drill must show: its layout on the drill, and its optimizer's format.
+MATRIX = {
+    "tp2-distopt-bf16": ("TP 2 x PP 1 x DP 1 (2 ranks)", "optimizer loaded (dp_reshardable)"),
+    "dp2-other-shape": ("TP 1 x PP 1 x DP 1 (1 ranks)", "optimizer loaded (dp_reshardable)"),
+    "pp2": ("TP 1 x PP 2 x DP 1 (2 ranks)", "optimizer loaded"),
+    "tp2-bf16": ("TP 2 x PP 1 x DP 1 (2 ranks)", "optimizer loaded"),
+    "llama-like": ("TP 1 x PP 1 x DP 1 (1 ranks)", "optimizer loaded"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MATRIX))
+def test_drills_from_both_sources_load_jobs_of_every_shape(variety, name, tmp_path, options):
+    profile = promoted_profile(variety, name, tmp_path, options)
+    archived = archive_checkpoint(profile.job.save_dir, profile, force=True)
+    assert archived.committed, archived.message
+    for source in ("shared", "archive"):
+        report = run_drill(profile, source)
+        assert report.ok, f"{source}: {report.reason}"
+        found = checks(report)
+        layout, optimizer = MATRIX[name]
+        assert layout in found["model"]["detail"] and optimizer in found["model"]["detail"]
+        assert found["iteration"]["detail"] == "loaded 4, manifest 4"
+        assert found["scheduler"]["ok"] and "(samples of the checkpoint)" in found["scheduler"]["detail"]
+        ranks = report.layout["tensor_parallel"] * report.layout["pipeline_parallel"] * report.layout["data_parallel"]
+        load = json.loads(Path(report.log).with_suffix(".load.json").read_text())
+        # Every rank compared its own sample, optimizer state included.
+        assert len(load["ranks"]) == ranks and all(r["compared"] and not r["mismatches"] for r in load["ranks"])
+        assert all(any(key.startswith("optimizer.") for key in r["compared"]) for r in load["ranks"])
+        assert f"on {ranks} ranks, differing: none" in found["tensors"]["detail"]
+        assert Path(report.log).read_text().count("drill: loaded iteration 4") == 1
+    assert list(profile.drill.scratch_dir.iterdir()) == []
+
+
+def test_args_missing_from_the_checkpoint_are_taken_from_the_tensor_shapes(variety, tmp_path, options):
+    profile = promoted_profile(variety, "dp2-other-shape", tmp_path, options)
+    report = run_drill(profile, "shared")
+    assert report.ok, report.reason
+    assert ("inferred from the tensor shapes: num_layers=3 (missing from the args; from "
+            "decoder.layers.self_attention.linear_qkv.weight [3, 288, 96])") in checks(report)["model"]["detail"]
+
+
+def test_a_tp2_job_loads_as_tp1_x_dp2(variety, tmp_path, options):
+    profile = promoted_profile(variety, "tp2-bf16", tmp_path, options,
+                               drill_extra=", layout: {tensor_parallel: 1, data_parallel: 2}")
+    report = run_drill(profile, "shared")
+    assert report.ok, report.reason
+    detail = checks(report)["model"]["detail"]
+    assert "on TP 1 x PP 1 x DP 2 (2 ranks)" in detail and "RNG state not loaded: the TP/PP layout changed" in detail
+    assert "16 compared with the stored bytes on 2 ranks" in checks(report)["tensors"]["detail"]
+
+
+def test_a_pp2_job_loads_as_pp1(variety, tmp_path, options):
+    profile = promoted_profile(variety, "pp2", tmp_path, options, drill_extra=", layout: {pipeline_parallel: 1}")
+    report = run_drill(profile, "shared")
+    assert report.ok, report.reason
+    assert "on TP 1 x PP 1 x DP 1 (1 ranks)" in checks(report)["model"]["detail"]
+
+
+def test_a_bucketwise_distributed_optimizer_is_not_resharded_across_tp(variety, tmp_path, options):
+    profile = promoted_profile(variety, "tp2-distopt-bf16", tmp_path, options,
+                               drill_extra=", layout: {tensor_parallel: 1}")
+    report = run_drill(profile, "shared")
+    assert not report.ok
+    assert report.reason.startswith("optimizer state saved as 'dp_reshardable' cannot be loaded on TP 1 x PP 1 "
+                                    "(the checkpoint's is TP 2 x PP 1); Megatron-LM refuses this too")
+    assert f"log: {report.log}" in report.reason and "LayoutError" in Path(report.log).read_text()
+
+
+def test_a_checkpoint_whose_args_cannot_build_its_model_fails_naming_the_arg(variety, tmp_path, options):
+    profile = promoted_profile(variety, "no-heads-arg", tmp_path, options)
+    report = run_drill(profile, "shared")
+    assert not report.ok and [p.name for p in report.phases] == ["copy", "verify"]
+    assert report.reason.startswith("args.num_attention_heads: missing from the checkpoint's args, and the "
+                                    "tensor shapes cannot tell the number of heads (rank 0; log: ")
+    assert read_drills(profile.job.save_dir)[-1]["reason"] == report.reason
+
+
+def test_a_jobs_own_model_provider_builds_the_model(variety, tmp_path, options):
+    profile = promoted_profile(variety, "tp2-bf16", tmp_path, options,
+                               drill_extra=", model_provider: 'tests.helpers.model_provider:gpt_from_args'")
+    report = run_drill(profile, "shared")
+    assert report.ok, report.reason
+    assert checks(report)["model"]["detail"].startswith("tests.helpers.model_provider:gpt_from_args; on TP 2")
+
+
+def test_the_loads_own_first_error_is_the_reason_and_its_log_is_kept(variety, tmp_path, options):
+    profile = promoted_profile(variety, "llama-like", tmp_path, options,
+                               drill_extra=", model_provider: 'tests.helpers.model_provider:broken'")
+    report = run_drill(profile, "shared")
+    assert not report.ok
+    assert report.reason.startswith("RuntimeError: no layer type for 2 layers in this provider (rank 0; log: ")
+    log = Path(report.log)
+    assert log.parent == profile.job.save_dir / ".ckptops-history" / "drills" and "Traceback" in log.read_text()
+    assert list(profile.drill.scratch_dir.iterdir()) == []
+
+
+def test_a_model_provider_that_does_not_import_is_a_usage_error(variety, tmp_path, options):
+    path = variant_profile(variety, "llama-like", tmp_path, drill_extra=", model_provider: 'nowhere.to_be:found'")
+    promote(load_profile(path).job.save_dir, options, 30)
+    with pytest.raises(UsageError, match="drill.model_provider 'nowhere.to_be:found': cannot be imported"):
+        run_drill(load_profile(path), "shared")
+    cli = subprocess.run([str(CKPTOPS), "drill", "--profile", str(path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert cli.returncode == 2 and "nowhere.to_be:found" in cli.stderr and "Traceback" not in cli.stderr
+    assert read_drills(load_profile(path).job.save_dir) == []
+
+
+def test_shared_drill_of_the_default_job_is_recorded(save_dir, tmp_path, options):
     promote(save_dir, options, 30)
     profile = load_profile(write_job_profile(tmp_path, save_dir))
     report = run_drill(profile, "shared")
     assert report.ok, report.reason
     assert [p.name for p in report.phases] == ["copy", "verify", "load"]
     assert all(p.seconds > 0 and p.bytes > 1_000_000 for p in report.phases)
-    checks = {c["name"]: c for c in report.checks}
-    assert checks["iteration"]["detail"] == "loaded 24, manifest 24"
-    assert checks["consumed samples"]["detail"] == "loaded 192, manifest 192"
-    assert checks["scheduler"]["ok"] and checks["tensors"]["detail"].startswith("8 compared")
+    found = checks(report)
+    assert found["iteration"]["detail"] == "loaded 24, manifest 24"
+    assert found["consumed samples"]["detail"] == "loaded 192, manifest 192"
+    assert set(found) == {"model", "iteration", "consumed samples", "scheduler", "tensors"}
     assert list(profile.drill.scratch_dir.iterdir()) == []
     recorded = read_drills(save_dir)
     assert len(recorded) == 1 and recorded[0]["ok"] and recorded[0]["window_seconds"] == pytest.approx(report.window_seconds)
+    assert recorded[0]["log"] == report.log
 
 
 def test_drill_over_budget_fails_and_is_recorded(save_dir, tmp_path, options):
@@ -85,31 +205,15 @@ def test_estimate_scales_each_phase_to_the_production_size():
 
 def test_production_drill_allocation_script(tmp_path):
     profile = load_profile("example-500b")
-    tricky = profile.drill.slurm.model_copy(update={"load_command": "echo 'it''s' \"$CKPTOPS_CKPT_STEP\"; touch /tmp/x"})
-    script = render_sbatch(tricky, tmp_path / "restore dir", 12000, tmp_path / "report.json", "gpt-500b")
-    assert "#SBATCH --partition=drill" in script and "#SBATCH --nodes=8" in script
-    assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --time=01:30:00" in script
-    assert f"export CKPTOPS_LOAD_DIR='{tmp_path}/restore dir'" in script
-    assert "export CKPTOPS_CKPT_STEP=12000" in script
+    slurm = profile.drill.slurm.model_copy(update={"prelude": "module load cuda/12 # it's", "account": "ml team"})
+    arguments = ["--checkpoint", str(tmp_path / "restore dir" / "iter_0012000"), "--report", str(tmp_path / "r.json")]
+    script = render_sbatch(slurm, DrillLayout(8, 8, 64), arguments, tmp_path / "job.log", "ckptops-drill-gpt-500b")
+    for directive in ("--partition=drill", "--nodes=8", "--ntasks-per-node=8", "--gpus-per-node=8",
+                      "--time=01:30:00", "--exclusive", "'--account=ml team'"):
+        assert f"#SBATCH {directive}" in script
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
-    assert shlex.split(srun)[-1] == tricky.load_command  # passed as one argument, never re-parsed
+    words = shlex.split(srun)
+    assert words[:5] == ["srun", "--kill-on-bad-exit=1", "/opt/ckptops/.venv/bin/python", "-m", "tasks.restore.loader"]
+    assert words[5:] == arguments  # each argument one word, never re-parsed by the shell
     checked = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
     assert checked.returncode == 0, checked.stderr
-
-
-def test_a_drill_allocation_past_its_timeout_is_cancelled(tmp_path, monkeypatch):
-    """Slurm itself is missing here: stand-ins for sbatch (warns, prints its id, never ends) and
-    scancel (records its arguments). The job id is found after sbatch's warning."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text('#!/bin/sh\necho "sbatch: warning: no account given" >&2\n'
-                                    'echo "4242;clusterA"\nexec sleep 600\n')
-    (bin_dir / "scancel").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/scancel.args\n')
-    for tool in ("sbatch", "scancel"):
-        (bin_dir / tool).chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    profile = load_profile("example-500b")
-    profile = profile.model_copy(update={"drill": profile.drill.model_copy(update={"load_timeout_seconds": 2})})
-    with pytest.raises(TimedOut, match="Slurm job 4242 cancelled"):
-        load_checkpoint(profile, tmp_path / "restore", 12000, tmp_path / "report.json")
-    assert (tmp_path / "scancel.args").read_text().split() == ["-M", "clusterA", "4242"]

@@ -4,11 +4,12 @@
     source=archive  the newest committed archive entry
 
 Phases, each timed with its bytes: ``copy`` (or download) into a scratch directory, ``verify``
-the copy against the manifest of what was copied, ``load`` it with megatron-core into a model
-and optimizer built from the checkpoint's own args. Then check what was loaded: iteration,
-consumed samples, scheduler state, and a sample of tensors equal to the stored ones. The restore
-window (the phases' sum) is compared with the profile's budget. A drill never writes to its
-source, and always removes its scratch directory.
+the copy against the manifest of what was copied, ``load`` it with ckptops' loader into a model
+and optimizer rebuilt from the checkpoint (``tasks.restore.loader``), on the drill's layout.
+Then check what was loaded: iteration, consumed samples, scheduler state, and on every rank a
+sample of tensors equal to the stored ones. The restore window (the phases' sum) is compared
+with the profile's budget. A drill never writes to its source and always removes its scratch
+directory; the load's log and report are kept in the job's history.
 """
 
 import os
@@ -28,8 +29,9 @@ from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.state import State, VerifyOptions
 from tasks.checkpoint.verify import verify_checkpoint
 from tasks.errors import CkptopsError, UsageError
-from tasks.restore.history import append_drill
-from tasks.restore.launch import load_checkpoint
+from tasks.restore.history import append_drill, drill_files
+from tasks.restore.launch import drill_layout, run_loader
+from tasks.restore.report import LoadReport
 from tasks.storage.archive import ArchiveStore
 
 SOURCES = ("shared", "archive")
@@ -59,6 +61,9 @@ class DrillReport:
     checks: list[dict] = field(default_factory=list)
     budget_seconds: float = 0.0
     host: str = field(default_factory=socket.gethostname)
+    id: str = ""
+    layout: dict = field(default_factory=dict)      # the drill's TP, PP, DP
+    log: str | None = None                           # the load's own output, kept in the history
 
     @property
     def window_seconds(self) -> float:
@@ -87,10 +92,11 @@ class _Drill:
             raise UsageError(f"{profile.source}: no archive section, no archive to drill from")
         self.profile, self.source, self.progress = profile, source, progress
         self.save_dir = profile.job.save_dir
-        self.report = DrillReport(profile.job.name, source, now_iso(),
-                                  budget_seconds=getattr(profile.drill.budget_seconds, source))
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        self.scratch = Path(profile.drill.scratch_dir) / f"drill-{source}-{stamp}-{os.getpid()}"
+        self.report = DrillReport(profile.job.name, source, now_iso(),
+                                  budget_seconds=getattr(profile.drill.budget_seconds, source),
+                                  id=f"{source}-{stamp}-{os.getpid()}")
+        self.scratch = Path(profile.drill.scratch_dir) / f"drill-{self.report.id}"
 
     def run(self) -> DrillReport:
         try:
@@ -98,6 +104,8 @@ class _Drill:
             self._verify(manifest)
             self._load(manifest)
             self._judge()
+        except UsageError:
+            raise  # the profile is at fault, not the checkpoint: no drill result to record
         except CkptopsError as e:
             self.report.ok, self.report.reason = False, str(e)
         except FileNotFoundError as e:  # an object or file that should have been there
@@ -189,30 +197,43 @@ class _Drill:
 
     def _load(self, manifest: Manifest) -> None:
         directory = self._restored_dir(manifest)
-        started = time.monotonic()
-        loaded = load_checkpoint(self.profile, directory.parent, manifest.iteration, self.scratch / "load-report.json")
+        layout = drill_layout(self.profile.drill, manifest.layout)
+        self.report.layout = {"tensor_parallel": layout.tensor_parallel, "pipeline_parallel": layout.pipeline_parallel,
+                              "data_parallel": layout.data_parallel}
+        log, kept_report = drill_files(self.save_dir, self.report.id)
+        self.report.log = str(log)
+        loaded = run_loader(self.profile, directory, layout, self.scratch / "load-report.json", log)
+        kept_report.write_text(loaded.to_json())
         # The phase is the load itself, timed inside the loader; starting the processes (imports,
-        # process group) is the same for any checkpoint and is reported apart.
-        self.report.phases.append(Phase("load", loaded["load_seconds"], manifest.totals["bytes"]))
+        # process group) is the same for any checkpoint and is not part of the restore window.
+        self.report.phases.append(Phase("load", loaded.load_seconds, manifest.totals["bytes"]))
         self.report.checks += self._checks(manifest, loaded)
-        self.report.checks.append({"name": "load process", "ok": True,
-                                   "detail": f"{time.monotonic() - started:.2f}s including start-up"})
 
     @staticmethod
-    def _checks(manifest: Manifest, loaded: dict) -> list[dict]:
+    def _checks(manifest: Manifest, loaded: LoadReport) -> list[dict]:
         consumed = manifest.consumed_train_samples
-        scheduler = loaded.get("scheduler") or {}
+        steps = (loaded.scheduler or {}).get("num_steps")
+        # Megatron-LM steps its scheduler by the samples of each batch; some loops step it once
+        # per iteration. Either count must match the checkpoint's progress exactly.
+        unit = "samples" if steps == consumed else "iterations" if steps == manifest.iteration else None
+        model = loaded.model + (f"; inferred from the tensor shapes: {'; '.join(loaded.inferred)}" if loaded.inferred else "")
+        optimizer = ("loaded" if loaded.optimizer_loaded else "not loaded (the job saved none)") + (
+            f" ({loaded.optimizer_format})" if loaded.optimizer_format else "")
         checks = [
-            ("iteration", loaded.get("iteration") == manifest.iteration,
-             f"loaded {loaded.get('iteration')}, manifest {manifest.iteration}"),
-            ("consumed samples", loaded.get("consumed_train_samples") == consumed,
-             f"loaded {loaded.get('consumed_train_samples')}, manifest {consumed}"),
-            # Megatron's scheduler counts samples: after N samples its step count is N.
-            ("scheduler", scheduler.get("num_steps") == consumed,
-             f"scheduler at step {scheduler.get('num_steps')}, lr {loaded.get('lr')}"),
-            ("tensors", bool(loaded.get("tensors_compared")) and not loaded.get("tensor_mismatches"),
-             f"{len(loaded.get('tensors_compared') or [])} compared with the stored bytes, "
-             f"differing: {loaded.get('tensor_mismatches') or 'none'}"),
+            ("model", True, f"{model}; on TP {loaded.layout.get('tensor_parallel')} x PP "
+                            f"{loaded.layout.get('pipeline_parallel')} x DP {loaded.layout.get('data_parallel')} "
+                            f"({loaded.world_size} ranks); optimizer {optimizer}"
+                            + "".join(f"; {n}" for n in loaded.notes)),
+            ("iteration", loaded.iteration == manifest.iteration,
+             f"loaded {loaded.iteration}, manifest {manifest.iteration}"),
+            ("consumed samples", loaded.consumed_train_samples == consumed,
+             f"loaded {loaded.consumed_train_samples}, manifest {consumed}"),
+            ("scheduler", not loaded.optimizer_loaded or unit is not None,
+             f"scheduler at step {steps} ({unit or 'neither the samples nor the iterations'} of the checkpoint), "
+             f"lr {loaded.lr}" if loaded.optimizer_loaded else "not loaded with the optimizer"),
+            ("tensors", loaded.compared > 0 and not loaded.mismatches,
+             f"{loaded.compared} compared with the stored bytes on {len(loaded.ranks)} ranks, "
+             f"differing: {', '.join(loaded.mismatches) or 'none'}"),
         ]
         return [{"name": n, "ok": bool(ok), "detail": d} for n, ok, d in checks]
 

@@ -1,7 +1,8 @@
 """Drill history: one JSON line per drill, kept with the job's data.
 
 ``<save_dir>/.ckptops-history/drills.jsonl`` survives a Prefect database reset (and a Prefect
-server that was never there). The trend (restore window per night per source, against the
+server that was never there); each drill's load log and load report are kept beside it in
+``.ckptops-history/drills/``. The trend (restore window per night per source, against the
 budget) is drawn from it for the UI and the terminal, and so is the estimate of the restore
 window at production size.
 """
@@ -19,6 +20,14 @@ DRILLS = "drills.jsonl"
 
 def history_path(save_dir: Path) -> Path:
     return Path(save_dir) / HISTORY / DRILLS
+
+
+def drill_files(save_dir: Path, drill_id: str) -> tuple[Path, Path]:
+    """Where a drill's load log and load report are kept: ``.ckptops-history/drills/<id>.log``
+    and ``<id>.load.json``, beside the history line, not in the scratch the drill removes."""
+    folder = Path(save_dir) / HISTORY / "drills"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{drill_id}.log", folder / f"{drill_id}.load.json"
 
 
 def append_drill(save_dir: Path, report) -> None:

@@ -1,75 +1,162 @@
-"""Where a drill loads the restored checkpoint: the local job on this machine, or a Slurm drill
-allocation on the cluster. Either way the loader writes a JSON report of what it loaded."""
+"""Where a drill runs its loader (``tasks.restore.loader``): torchrun on this host, or a Slurm
+drill allocation submitted with ``sbatch --wait`` and started on every node with ``srun``.
 
-import json
+Either way the loader writes a ``LoadReport``, and a rank that fails writes its own first error
+beside it; the load's whole output goes to a log the caller keeps.
+"""
+
+import os
 import re
 import shlex
 import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
-from infra.local_job.launch import TimedOut, job_env, run_reaped, torchrun_command
-from tasks.errors import CkptopsError
+from tasks.cluster import process
+from tasks.errors import CkptopsError, UsageError
+from tasks.restore.report import LoadReport, first_error, read_report
 
 SBATCH_TEMPLATE = Path(__file__).resolve().parents[2] / "infra" / "slurm" / "restore_drill.sbatch"
 
 
-def render_sbatch(slurm, load_dir: Path, iteration: int, report: Path, job_name: str) -> str:
-    """The batch script a production drill submits (values shell-quoted; nothing is eval'd)."""
+@dataclass(frozen=True)
+class DrillLayout:
+    tensor_parallel: int
+    pipeline_parallel: int
+    world_size: int
+
+    @property
+    def data_parallel(self) -> int:
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
+
+
+def drill_layout(drill, checkpoint_layout: dict) -> DrillLayout:
+    """TP and PP as the profile sets them (default: the checkpoint's); the world is the Slurm
+    allocation's tasks, or TP x PP x ``drill.layout.data_parallel`` locally."""
+    tp = drill.layout.tensor_parallel or checkpoint_layout.get("tensor_parallel") or 1
+    pp = drill.layout.pipeline_parallel or checkpoint_layout.get("pipeline_parallel") or 1
+    if drill.launcher == "slurm":
+        world = drill.slurm.nodes * drill.slurm.ntasks_per_node
+        if world % (tp * pp):
+            raise UsageError(f"drill.slurm: {drill.slurm.nodes} nodes x {drill.slurm.ntasks_per_node} tasks = {world} "
+                             f"ranks, not a multiple of TP {tp} x PP {pp}")
+    else:
+        world = tp * pp * drill.layout.data_parallel
+    return DrillLayout(tp, pp, world)
+
+
+def loader_args(drill, checkpoint: Path, report: Path, layout: DrillLayout) -> list[str]:
+    args = ["--checkpoint", str(checkpoint), "--report", str(report), "--tensor-sample", str(drill.tensor_sample),
+            "--tensor-parallel", str(layout.tensor_parallel), "--pipeline-parallel", str(layout.pipeline_parallel)]
+    if drill.model_provider:
+        args += ["--model-provider", drill.model_provider]
+    return args
+
+
+def loader_env() -> dict[str, str]:
+    # One thread per rank on CPU (ranks share the cores); huge pages for torch's large CPU
+    # tensors: first-touch page faults dominate a CPU load on this project's VMs.
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore",
+            "TORCH_CPP_LOG_LEVEL": "ERROR", "THP_MEM_ALLOC_ENABLE": "1"}
+
+
+def render_sbatch(slurm, layout: DrillLayout, arguments: list[str], output: Path, job_name: str) -> str:
+    """The batch script a Slurm drill submits (every value shell-quoted; nothing is eval'd)."""
+    python = slurm.python or sys.executable
+    command = shlex.join([python, "-m", "tasks.restore.loader", *arguments])
+    directives = [f"--job-name={job_name}", f"--nodes={slurm.nodes}", f"--ntasks-per-node={slurm.ntasks_per_node}",
+                  f"--time={slurm.time_limit}", f"--output={output}"]
+    directives += [f"--partition={slurm.partition}"] * bool(slurm.partition)
+    directives += [f"--gpus-per-node={slurm.gpus_per_node}"] * bool(slurm.gpus_per_node)
+    directives += [f"--account={slurm.account}"] * bool(slurm.account)
+    directives += ["--exclusive"] * slurm.exclusive
     return Template(SBATCH_TEMPLATE.read_text()).substitute(
-        JOB_NAME=shlex.quote(f"ckptops-drill-{job_name}"),
-        PARTITION=shlex.quote(slurm.partition),
-        NODES=slurm.nodes,
-        GPUS_PER_NODE=slurm.gpus_per_node,
-        TIME_LIMIT=shlex.quote(slurm.time_limit),
-        ACCOUNT_LINE=f"#SBATCH --account={shlex.quote(slurm.account)}" if slurm.account else "",
-        OUTPUT=shlex.quote(str(report.with_suffix(".slurm.log"))),
-        LOAD_DIR=shlex.quote(str(load_dir)),
-        CKPT_STEP=iteration,
-        REPORT=shlex.quote(str(report)),
-        LOAD_COMMAND=shlex.quote(slurm.load_command),
+        DIRECTIVES="\n".join(f"#SBATCH {shlex.quote(d)}" for d in directives),
+        PRELUDE=slurm.prelude,
+        MASTER_PORT=slurm.master_port,
+        SRUN_ARGS=shlex.join(slurm.srun_args),
+        COMMAND=command,
     )
 
 
 _JOB_ID = re.compile(r"^(\d+)(?:;(\S+))?$", re.MULTILINE)
 
 
-def _cancel(log: Path) -> str:
+def submitted_job(log: Path) -> tuple[str, list[str]] | None:
     """``sbatch --parsable`` prints ``jobid[;cluster]`` on a line of its own (warnings may come
-    first): cancel that job, and say how that went (the timeout stays the drill's error)."""
-    found = _JOB_ID.search(log.read_text(errors="replace"))
-    if not found:
+    first): the job id and the ``-M`` option that names its cluster."""
+    try:
+        found = _JOB_ID.search(Path(log).read_text(errors="replace"))
+    except OSError:
+        return None
+    return (found[1], ["-M", found[2]] if found[2] else []) if found else None
+
+
+def cancel(log: Path) -> str:
+    """Cancel the submitted job, and say how that went (the timeout stays the drill's error)."""
+    job = submitted_job(log)
+    if job is None:
         return f"no Slurm job id in {log}: cancel it by hand"
-    cluster = ["-M", found[2]] if found[2] else []
+    job_id, cluster = job
     try:
-        done = subprocess.run(["scancel", *cluster, found[1]], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(["scancel", *cluster, job_id], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as e:
-        return f"scancel {found[1]} failed ({e}): cancel it by hand"
+        return f"scancel {job_id} failed ({e}): cancel it by hand"
     if done.returncode:
-        return f"scancel {found[1]} failed ({done.stderr.strip() or done.returncode}): cancel it by hand"
-    return f"Slurm job {found[1]} cancelled"
+        return f"scancel {job_id} failed ({done.stderr.strip() or done.returncode}): cancel it by hand"
+    return f"Slurm job {job_id} cancelled"
 
 
-def load_checkpoint(profile, load_dir: Path, iteration: int, report: Path) -> dict:
-    """Load ``load_dir/iter_<iteration>`` for real and return the loader's report."""
+class LoadFailed(CkptopsError):
+    """The load itself failed; the message is its own first error, with where its log is."""
+
+
+def run_loader(profile, checkpoint: Path, layout: DrillLayout, report: Path, log: Path) -> LoadReport:
+    """Load ``checkpoint`` for real on ``layout``; return the loader's report, or raise with the
+    load's own first error (a usage error when the profile, not the checkpoint, is at fault)."""
     drill = profile.drill
-    log = report.with_suffix(".log")
-    if drill.launcher == "slurm":
-        script = report.with_suffix(".sbatch")
-        script.write_text(render_sbatch(drill.slurm, load_dir, iteration, report, profile.job.name))
-        try:
-            run_reaped(["sbatch", "--parsable", "--wait", str(script)], log, drill.load_timeout_seconds,
-                       what="the drill's Slurm job")
-        except TimedOut as e:
-            # Never leave the allocation running once its scratch is going away.
-            raise TimedOut(f"{e}; {_cancel(log)}") from None
-    else:
-        nproc = profile.local_job.nproc if profile.local_job else profile.job.layout.world_size
-        args = ["--load", str(load_dir), "--ckpt-step", str(iteration), "--drill-report", str(report),
-                "--tensor-sample", str(drill.tensor_sample)]
-        run_reaped(torchrun_command(nproc, args), log, drill.load_timeout_seconds, job_env(), "the drill's load")
+    arguments = loader_args(drill, checkpoint, report, layout)
     try:
-        return json.loads(report.read_text())
-    except (OSError, ValueError) as e:
-        raise CkptopsError(f"{report}: the drill's load wrote no readable report ({e})") from None
+        if drill.launcher == "slurm":
+            _run_slurm(profile, layout, arguments, report, log)
+        else:
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc_per_node={layout.world_size}", "-m", "tasks.restore.loader", *arguments]
+            process.run(argv, log, drill.load_timeout_seconds, loader_env(), "the drill's load")
+    except process.Failed as e:
+        own = first_error(report)
+        if own is None:
+            raise LoadFailed(f"the load exited {e.code} without saying why; its log: {log}") from None
+        error = UsageError if own.get("usage") else LoadFailed
+        raise error(f"{own['error']} (rank {own['rank']}; log: {log})") from None
+    return read_report(report)
 
+
+def _run_slurm(profile, layout: DrillLayout, arguments: list[str], report: Path, log: Path) -> None:
+    slurm = profile.drill.slurm
+    script = report.with_suffix(".sbatch")
+    output = log.with_suffix(".job.log")
+    script.write_text(render_sbatch(slurm, layout, arguments, output, f"ckptops-drill-{profile.job.name}"))
+    try:
+        process.run(["sbatch", "--parsable", "--wait", str(script)], log, profile.drill.load_timeout_seconds,
+                    what="the drill's Slurm job")
+    except FileNotFoundError:
+        raise UsageError("sbatch: not found on this host (drill.launcher is slurm)") from None
+    except process.TimedOut as e:
+        # Never leave the allocation running once its scratch is going away.
+        raise process.TimedOut(f"{e}; {cancel(log)}") from None
+    finally:
+        _append(log, output)
+
+
+def _append(log: Path, output: Path) -> None:
+    """The job's own output (the loader's) after sbatch's lines, in the one log the drill keeps."""
+    try:
+        text = output.read_text(errors="replace")
+    except OSError:
+        return
+    with open(log, "a") as f:
+        f.write(f"\n# the Slurm job's output\n{text}")
+    output.unlink()
