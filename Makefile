@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv sshd test demo bench clean
+.PHONY: venv sshd slurm slurm-down test demo bench clean
 
 venv: $(STAMP)
 
@@ -23,7 +23,15 @@ sshd:
 	@test -x /usr/sbin/sshd || { command -v apt-get >/dev/null && apt-get install -y -q openssh-server >/dev/null; } \
 		|| { echo "make: the tests need OpenSSH's sshd (Debian: apt-get install openssh-server)"; exit 2; }
 
-test: venv sshd
+# A real Slurm cluster on this machine (slurmctld, three slurmd as nodes n1-n3, munge), installed
+# from Debian's packages if missing; state in data/slurm. The drill and drain tests use it.
+slurm:
+	@infra/slurm/local_cluster.sh up
+
+slurm-down:
+	@infra/slurm/local_cluster.sh down
+
+test: venv sshd slurm
 	$(BIN)/python -m pytest
 
 demo: venv

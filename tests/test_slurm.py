@@ -1,0 +1,82 @@
+"""The production paths on a real Slurm cluster (``make slurm``: slurmctld, nodes n1-n3, munge on
+this machine): a drill allocation submitted with ``sbatch --wait`` whose loader runs under srun on
+two nodes, its cancellation when it overruns, and drains in slurmctld."""
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.checkpoint.promote import promote
+from tasks.cluster import slurm
+from tasks.health.actions import apply_drains, plan_drains
+from tasks.health.run import NodeReport
+from tasks.health.verdict import Evidence, Verdict, result
+from tasks.profile import load_profile
+from tasks.restore.drill import run_drill
+from tests.conftest import variant_profile
+
+pytestmark = pytest.mark.slow
+ON_TWO_NODES = (", launcher: slurm, slurm: {nodes: 2, ntasks_per_node: 1, gpus_per_node: 0, exclusive: false, "
+                "partition: debug, time_limit: '00:15:00'}")
+
+
+def node_state(node: str) -> tuple[str, str]:
+    out = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T|%E"], capture_output=True, text=True, timeout=30)
+    state, _, reason = out.stdout.strip().partition("|")
+    return state, reason
+
+
+def test_a_drill_loads_under_srun_on_two_nodes(slurm_conf, variety, tmp_path, options):
+    profile = load_profile(variant_profile(variety, "tp2-distopt-bf16", tmp_path, drill_extra=ON_TWO_NODES))
+    promote(profile.job.save_dir, options, 30)
+    report = run_drill(profile, "shared")
+    assert report.ok, report.reason
+    load = json.loads(Path(report.log).with_suffix(".load.json").read_text())
+    assert sorted(r["node"] for r in load["ranks"]) == ["n1", "n2"]  # one loader per node
+    assert all(r["compared"] and not r["mismatches"] for r in load["ranks"])
+    log = Path(report.log).read_text()
+    assert "# the Slurm job's output" in log and "drill: loaded iteration 4 in" in log
+
+
+def test_a_drill_past_its_timeout_is_cancelled(slurm_conf, variety, tmp_path, options):
+    profile = load_profile(variant_profile(variety, "llama-like", tmp_path,
+                                           drill_extra=ON_TWO_NODES.replace("nodes: 2", "nodes: 1")))
+    profile = profile.model_copy(update={"drill": profile.drill.model_copy(update={"load_timeout_seconds": 2})})
+    promote(profile.job.save_dir, options, 30)
+    report = run_drill(profile, "shared")
+    assert not report.ok and "timed out after 2s" in report.reason
+    job = report.reason.rsplit("Slurm job ", 1)[1].split()[0]
+    assert job.isdigit() and report.reason.endswith(f"Slurm job {job} cancelled")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        queue = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=30)
+        if queue.stdout.strip() in ("", "CANCELLED"):
+            break
+    assert queue.stdout.strip() in ("", "CANCELLED"), f"job {job} still {queue.stdout.strip()}"
+
+
+def test_nodelists_partitions_and_drains_in_slurmctld(slurm_conf, tmp_path):
+    assert slurm.expand_nodelist("n[1-3]") == ["n1", "n2", "n3"]
+    assert slurm.partition_nodes("debug") == ["n1", "n2", "n3"]
+    settings = load_profile(_health_profile(tmp_path)).health
+    bad = NodeReport("n2", Verdict.FAIL_HARDWARE, [result("xid", Verdict.FAIL_HARDWARE, Evidence("critical XID 79"))])
+    good = NodeReport("n3", Verdict.PASS, [result("xid", Verdict.PASS, Evidence("clean"))])
+    try:
+        plan = apply_drains(plan_drains([bad, good], settings), settings)
+        assert plan.drained == ["n2"]
+        state, reason = node_state("n2")
+        assert state == "drained" and reason == "ckptops FAIL_HARDWARE xid: critical XID 79"
+        assert node_state("n3")[0] == "idle"
+    finally:
+        subprocess.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], capture_output=True, timeout=30)
+
+
+def _health_profile(tmp_path: Path) -> Path:
+    path = tmp_path / "health.yaml"
+    path.write_text(f"job: {{name: slurm-test, save_dir: '{tmp_path}'}}\n"
+                    f"health: {{nodes: [n1, n2, n3], transport: local, raw_dir: '{tmp_path / 'raw'}', "
+                    "drain: {enabled: true}}\n")
+    return path
