@@ -92,3 +92,17 @@ def test_a_resharded_piece_is_assembled_from_the_stored_chunks_and_compared_bit_
     missing = Piece("decoder.layers.mlp.linear_fc9.weight", whole.data, (2, 256, 64), (1, 0, 0), (256, 64))
     assert compare(directory, index, [missing])[1] == [
         "decoder.layers.mlp.linear_fc9.weight@[1, 0, 0] (not all of it is in the checkpoint)"]
+
+
+def test_a_mixture_of_experts_is_recognised_by_its_router(variety):
+    """The local job cannot train MoE on CPU (megatron-core's router fails in autograd there), so
+    the shapes of a MoE checkpoint are those of the dense job plus a router, as megatron names it."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    index, args = index_and_args(iter_dir(variety["pp2"], 4))
+    dense = {k: v for k, v in index.tensors.items() if ".mlp.linear_fc" not in k}
+    router = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2, 8, 64]),
+                                   [ChunkStorageMetadata(torch.Size([0, 0, 0]), torch.Size([2, 8, 64]))])
+    resolved = resolve(args, {**dense, "decoder.layers.mlp.router.weight": router})
+    assert resolved.args.num_experts == 8 and resolved.args.moe_router_topk == 2
+    assert resolved.inferred == ["num_experts=8 (the args say None; decoder.layers.mlp.router.weight [2, 8, 64] says otherwise)"]
