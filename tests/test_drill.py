@@ -73,14 +73,16 @@ def test_args_missing_from_the_checkpoint_are_taken_from_the_tensor_shapes(varie
             "decoder.layers.self_attention.linear_qkv.weight [3, 288, 96])") in checks(report)["model"]["detail"]
 
 
-def test_a_tp2_job_loads_as_tp1_x_dp2(variety, tmp_path, options):
+def test_a_tp2_job_loads_as_tp1_x_dp2_from_both_sources(variety, tmp_path, options):
     profile = promoted_profile(variety, "tp2-bf16", tmp_path, options,
                                drill_extra=", layout: {tensor_parallel: 1, data_parallel: 2}")
-    report = run_drill(profile, "shared")
-    assert report.ok, report.reason
-    detail = checks(report)["model"]["detail"]
-    assert "on TP 1 x PP 1 x DP 2 (2 ranks)" in detail and "RNG state not loaded: the TP/PP layout changed" in detail
-    assert "16 compared with the stored bytes on 2 ranks" in checks(report)["tensors"]["detail"]
+    assert archive_checkpoint(profile.job.save_dir, profile, force=True).committed
+    for source in ("shared", "archive"):
+        report = run_drill(profile, source)
+        assert report.ok, report.reason
+        detail = checks(report)["model"]["detail"]
+        assert "on TP 1 x PP 1 x DP 2 (2 ranks)" in detail and "RNG state not loaded: the TP/PP layout changed" in detail
+        assert "16 compared with the stored bytes on 2 ranks" in checks(report)["tensors"]["detail"]
 
 
 def test_a_pp2_job_loads_as_pp1(variety, tmp_path, options):
