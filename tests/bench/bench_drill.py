@@ -71,12 +71,17 @@ def main() -> int:
         repeated = load_twice(profile, directory)
     reports = {}
     for source in ("shared", "archive"):
-        with console.status(f"restore drill from {source} (copy, verify, load with 2 ranks)..."):
-            reports[source] = run_drill(profile, source)
-        if not reports[source].ok:
-            raise SystemExit(f"bench drill failed: {reports[source].line()}")
+        drills = []
+        for n in range(REPEATS):
+            with console.status(f"restore drill {n + 1} of {REPEATS} from {source} (copy, verify, load on 2 ranks)..."):
+                drills.append(run_drill(profile, source))
+            if not drills[-1].ok:
+                raise SystemExit(f"bench drill failed: {drills[-1].line()}")
+        # The drill with the median restore window, whole: its phases add up to its window.
+        reports[source] = sorted(drills, key=lambda r: r.window_seconds)[len(drills) // 2]
 
-    table = Table(title=f"make bench: restore drill of a {size / 1e9:.2f} GB checkpoint, page cache warm")
+    table = Table(title=f"make bench: restore drill of a {size / 1e9:.2f} GB checkpoint, page cache warm "
+                        f"(the median of {REPEATS} drills per source)")
     for column in ("step", "GB", "seconds", "GB/s"):
         table.add_column(column, justify="left" if column == "step" else "right")
     table.add_row("plain copy (cp -r)", f"{size / 1e9:.3f}", f"{copy_s:.3f}", f"{size / copy_s / 1e9:.2f}")
