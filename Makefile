@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv sshd slurm slurm-down test demo bench clean
+.PHONY: venv sshd slurm slurm-down lint test demo bench clean
 
 venv: $(STAMP)
 
@@ -31,7 +31,12 @@ slurm:
 slurm-down:
 	@infra/slurm/local_cluster.sh down
 
-test: venv sshd slurm
+# The linter first: it costs seconds, the suite minutes.
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: venv sshd slurm lint
 	$(BIN)/python -m pytest
 
 demo: venv

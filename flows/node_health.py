@@ -7,23 +7,24 @@ import time
 from prefect import flow
 from prefect.states import Completed, Failed
 
+from tasks.errors import UsageError
 from tasks.health.actions import spare_readiness
 from tasks.health.flow_tasks import check_batch, drain_task, nodes_task, publish_health
 from tasks.health.run import HealthRun
-from tasks.errors import UsageError
 from tasks.profile import load_profile
 
 
 @flow(name="node-health", log_prints=True)
-def node_health(profile: str = "local", nodes: list[str] | None = None, level: int | None = None,
-                admit: bool = False):
+def node_health(
+    profile: str = "local", nodes: list[str] | None = None, level: int | None = None, admit: bool = False
+):
     prof = load_profile(profile)
     settings = prof.health
     if settings is None:
         raise UsageError(f"{prof.source}: no health section")
     names = nodes_task(settings, nodes)
     # One batch at a time, each as wide as the profile's concurrency: never more nodes at once.
-    batches = [names[i:i + settings.concurrency] for i in range(0, len(names), settings.concurrency)]
+    batches = [names[i : i + settings.concurrency] for i in range(0, len(names), settings.concurrency)]
     started = time.monotonic()
     reports = [r for b in batches for r in check_batch(settings, b, len(b) - 1, level, admit)]
     run = HealthRun(reports, 3 if admit else (level or settings.level), time.monotonic() - started)

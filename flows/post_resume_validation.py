@@ -19,8 +19,9 @@ from tasks.resume.flow_tasks import publish_validation, validate_task
 
 
 @flow(name="post-resume-validation", log_prints=True)
-def post_resume_validation(after: str, before: str | None = None, checkpoint: str | None = None,
-                           profile: str = "local"):
+def post_resume_validation(
+    after: str, before: str | None = None, checkpoint: str | None = None, profile: str = "local"
+):
     """``checkpoint`` defaults to the promoted one; ``before`` to the stored baseline."""
     prof = load_profile(profile)
     if checkpoint is None:

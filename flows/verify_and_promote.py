@@ -31,8 +31,9 @@ _MIN_SLOT_WAIT_SECONDS = 30
 
 
 @flow(name="verify-and-promote", log_prints=True)
-def verify_and_promote(profile: str = "local", iteration: int | None = None,
-                       wait_timeout_seconds: float | None = None):
+def verify_and_promote(
+    profile: str = "local", iteration: int | None = None, wait_timeout_seconds: float | None = None
+):
     """Verify new checkpoints and promote the newest valid one (or ``iteration``, if given)."""
     prof = load_profile(profile)
     save_dir = prof.job.save_dir
@@ -42,17 +43,24 @@ def verify_and_promote(profile: str = "local", iteration: int | None = None,
     # The Prefect limit serialises runs across workers and shows who waits in the UI; the file
     # lock also keeps out the CLI and runs from other Prefect servers.
     slot_timeout = max(prof.verify.lock_timeout_seconds, _MIN_SLOT_WAIT_SECONDS)
-    with concurrency(limit, occupy=1, strict=True, timeout_seconds=slot_timeout), \
-            job_lock(save_dir, prof.verify.lock_timeout_seconds):
+    with (
+        concurrency(limit, occupy=1, strict=True, timeout_seconds=slot_timeout),
+        job_lock(save_dir, prof.verify.lock_timeout_seconds),
+    ):
         verifications = verify_pending(
-            save_dir, options, iteration,
+            save_dir,
+            options,
+            iteration,
             verify=lambda it: verify_one(save_dir, it, options),
             wait=lambda it: wait_for_save(save_dir, it, options, wait, prof.verify.poll_seconds),
         )
         previous, current, why = promote_step(save_dir, options, iteration)
         plan, deleted = retention(save_dir, options, prof.retention.keep_verified)
-    publish_report(prof.job.name, check_rows(verifications),
-                   summary_markdown(prof, previous, current, why, verifications, plan, deleted))
+    publish_report(
+        prof.job.name,
+        check_rows(verifications),
+        summary_markdown(prof, previous, current, why, verifications, plan, deleted),
+    )
     failed = [v.line() for v in verifications if v.state is State.INVALID]
     if current is None and previous is not None:
         failed.append(f"pointer removed: {why}")
@@ -60,9 +68,13 @@ def verify_and_promote(profile: str = "local", iteration: int | None = None,
         return Failed(message="; ".join(failed))
     done = [str(v.iteration) for v in verifications if v.state is State.VALID]
     waiting = [str(v.iteration) for v in verifications if v.state is State.IN_PROGRESS]
-    return Completed(message="".join([
-        f"verified {', '.join(done)}; " if done else "",
-        f"latest verified: {current} ({why})",
-        f"; retention deleted {', '.join(map(str, deleted))}" if deleted else "",
-        f"; still in progress: {', '.join(waiting)}" if waiting else "",
-    ]))
+    return Completed(
+        message="".join(
+            [
+                f"verified {', '.join(done)}; " if done else "",
+                f"latest verified: {current} ({why})",
+                f"; retention deleted {', '.join(map(str, deleted))}" if deleted else "",
+                f"; still in progress: {', '.join(waiting)}" if waiting else "",
+            ]
+        )
+    )

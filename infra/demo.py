@@ -24,8 +24,8 @@ from rich.console import Console
 
 from tasks.checkpoint.layout import HISTORY
 from tasks.errors import CkptopsError
-from tasks.profile import load_profile
 from tasks.prefect_server import server_env, start_server
+from tasks.profile import load_profile
 
 console = Console(highlight=False)
 
@@ -37,7 +37,9 @@ def _ui_url(api_url: str) -> str:
 def _training_at(log) -> str:
     """The newest 'iteration N' line of the job's log, for the progress line."""
     try:
-        lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("iteration ")]
+        lines = [
+            line for line in log.read_text(errors="replace").splitlines() if line.startswith("iteration ")
+        ]
     except FileNotFoundError:
         return "starting"
     return f"iteration {lines[-1].split()[1]}" if lines else "starting (torch and megatron imports)"
@@ -47,8 +49,11 @@ def _completed_iterations(save_dir, options) -> set[int]:
     from tasks.checkpoint.layout import iter_dir_name, list_iterations
     from tasks.checkpoint.state import completeness
 
-    return {i for i in list_iterations(save_dir)
-            if completeness(save_dir / iter_dir_name(i), options).state is None}
+    return {
+        i
+        for i in list_iterations(save_dir)
+        if completeness(save_dir / iter_dir_name(i), options).state is None
+    }
 
 
 def main(profile_name: str | None = None) -> int:
@@ -59,8 +64,10 @@ def main(profile_name: str | None = None) -> int:
     home = profile.prefect.home
     with console.status(f"Prefect server at {_ui_url(api_url)} (a first start takes about 30 s)..."):
         started = start_server(api_url, home, home / "server.log")
-    console.print(f"Prefect server: {'started' if started else 'reused'} at {_ui_url(api_url)}"
-                  f" (log: {home / 'server.log'})")
+    console.print(
+        f"Prefect server: {'started' if started else 'reused'} at {_ui_url(api_url)}"
+        f" (log: {home / 'server.log'})"
+    )
     # Before prefect is imported: this process and its threads are clients of that server.
     os.environ.update(server_env(api_url, home))
 
@@ -83,10 +90,15 @@ def main(profile_name: str | None = None) -> int:
             else:
                 entry.unlink()
     options = VerifyOptions.from_profile(profile)
-    console.print(f"training: {job.train_iters} iterations, a checkpoint every {job.save_interval}, "
-                  f"{job.nproc} CPU ranks -> {save_dir}")
+    console.print(
+        f"training: {job.train_iters} iterations, a checkpoint every {job.save_interval}, "
+        f"{job.nproc} CPU ranks -> {save_dir}"
+    )
     process, log = start_local_job(
-        save_dir, nproc=job.nproc, train_iters=job.train_iters, save_interval=job.save_interval,
+        save_dir,
+        nproc=job.nproc,
+        train_iters=job.train_iters,
+        save_interval=job.save_interval,
         extra=["--notify-url", api_url, "--job-name", profile.job.name],
     )
     handled: set[int] = set()

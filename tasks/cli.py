@@ -10,7 +10,7 @@ import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -20,12 +20,19 @@ from rich.table import Table
 from tasks.errors import CkptopsError, UsageError, unreadable
 from tasks.profile import Profile, load_profile
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Verify, promote and keep training checkpoints you can trust.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Verify, promote and keep training checkpoints you can trust.",
+)
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
-ProfileOpt = Annotated[Optional[str], typer.Option("--profile", "-p", help="profile name in profiles/ or a YAML path [default: local]")]
+ProfileOpt = Annotated[
+    str | None,
+    typer.Option("--profile", "-p", help="profile name in profiles/ or a YAML path [default: local]"),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the result as JSON")]
 
 
@@ -52,8 +59,13 @@ def _byte_progress(description: str, total: int, enabled: bool):
     if not enabled or not err.is_terminal:
         yield None
         return
-    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-               TransferSpeedColumn(), TimeRemainingColumn())
+    columns = (
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
@@ -65,7 +77,7 @@ def _dir_bytes(path: Path) -> int:
     return sum(st.st_size for st in list_files(path).values())
 
 
-def _save_dir(profile: Profile, given: Optional[Path]) -> Path:
+def _save_dir(profile: Profile, given: Path | None) -> Path:
     return (given or profile.job.save_dir).resolve()
 
 
@@ -96,21 +108,38 @@ def verify(
         with lock, _byte_progress(f"verify {path.name}", _dir_bytes(directory), not as_json) as progress:
             result = verify_checkpoint(directory, options, progress)
     if as_json:
-        out.print_json(json.dumps({
-            "directory": str(result.directory), "iteration": result.iteration,
-            "state": result.state.value, "reason": result.reason, "bytes_read": result.bytes_read,
-            "seconds": round(result.seconds, 3), "checks": [asdict(c) for c in result.checks],
-        }))
+        out.print_json(
+            json.dumps(
+                {
+                    "directory": str(result.directory),
+                    "iteration": result.iteration,
+                    "state": result.state.value,
+                    "reason": result.reason,
+                    "bytes_read": result.bytes_read,
+                    "seconds": round(result.seconds, 3),
+                    "checks": [asdict(c) for c in result.checks],
+                }
+            )
+        )
     else:
-        stats = f" ({result.bytes_read / 1e6:.1f} MB in {result.seconds:.2f}s, {result.throughput_gbps:.2f} GB/s)"
+        stats = (
+            f" ({result.bytes_read / 1e6:.1f} MB in {result.seconds:.2f}s, {result.throughput_gbps:.2f} GB/s)"
+        )
         out.print(result.line() + (stats if result.ok else ""), markup=False)
     raise typer.Exit(0 if result.ok else 1)
 
 
 @app.command()
 def promote(
-    save_dir: Annotated[Optional[Path], typer.Argument(help="the job's save directory [default: the profile's]")] = None,
-    iteration: Annotated[Optional[int], typer.Option("--iteration", "-i", help="promote this iteration (verified valid) instead of the newest")] = None,
+    save_dir: Annotated[
+        Path | None, typer.Argument(help="the job's save directory [default: the profile's]")
+    ] = None,
+    iteration: Annotated[
+        int | None,
+        typer.Option(
+            "--iteration", "-i", help="promote this iteration (verified valid) instead of the newest"
+        ),
+    ] = None,
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ):
@@ -126,17 +155,28 @@ def promote(
             if not as_json:
                 out.print(result.line(), markup=False)
 
-        report_ = run_promote(directory, options, prof.verify.lock_timeout_seconds, iteration,
-                              on_verified=report)
+        report_ = run_promote(
+            directory, options, prof.verify.lock_timeout_seconds, iteration, on_verified=report
+        )
     if as_json:
-        out.print_json(json.dumps({
-            "previous": report_.previous, "current": report_.current, "changed": report_.changed,
-            "message": report_.message,
-            "verified": [{"iteration": v.iteration, "state": v.state.value, "reason": v.reason}
-                         for v in report_.verifications],
-        }))
+        out.print_json(
+            json.dumps(
+                {
+                    "previous": report_.previous,
+                    "current": report_.current,
+                    "changed": report_.changed,
+                    "message": report_.message,
+                    "verified": [
+                        {"iteration": v.iteration, "state": v.state.value, "reason": v.reason}
+                        for v in report_.verifications
+                    ],
+                }
+            )
+        )
     else:
-        arrow = f"{report_.previous} -> {report_.current}" if report_.changed else f"stays at {report_.current}"
+        arrow = (
+            f"{report_.previous} -> {report_.current}" if report_.changed else f"stays at {report_.current}"
+        )
         out.print(f"latest verified: {arrow} ({report_.message})", markup=False)
     if report_.cleared:
         err.print(f"ckptops: {directory}: pointer removed, no valid checkpoint to resume from", markup=False)
@@ -145,7 +185,9 @@ def promote(
 
 @app.command()
 def status(
-    save_dir: Annotated[Optional[Path], typer.Argument(help="the job's save directory [default: the profile's]")] = None,
+    save_dir: Annotated[
+        Path | None, typer.Argument(help="the job's save directory [default: the profile's]")
+    ] = None,
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ):
@@ -176,9 +218,12 @@ def status_table(save_dir: Path, infos) -> Table:
     colour = {"valid": "green", "invalid": "red", "in-progress": "yellow"}
     for i in infos:
         row = [
-            str(i.iteration), f"[{colour.get(i.state, 'white')}]{i.state}[/]", f"{i.size_bytes / 1e6:.1f} MB",
+            str(i.iteration),
+            f"[{colour.get(i.state, 'white')}]{i.state}[/]",
+            f"{i.size_bytes / 1e6:.1f} MB",
             "" if i.consumed_train_samples is None else str(i.consumed_train_samples),
-            (i.verified_at or "").replace("T", " ")[:19], "yes" if i.promoted else "",
+            (i.verified_at or "").replace("T", " ")[:19],
+            "yes" if i.promoted else "",
         ]
         row += [", ".join(i.pins)] * show_pins
         row += ["" if i.state == "valid" else i.reason] * show_reason
@@ -188,8 +233,12 @@ def status_table(save_dir: Path, infos) -> Table:
 
 @app.command()
 def retain(
-    save_dir: Annotated[Optional[Path], typer.Argument(help="the job's save directory [default: the profile's]")] = None,
-    keep: Annotated[Optional[int], typer.Option("--keep", help="verified checkpoints to keep [default: the profile's]")] = None,
+    save_dir: Annotated[
+        Path | None, typer.Argument(help="the job's save directory [default: the profile's]")
+    ] = None,
+    keep: Annotated[
+        int | None, typer.Option("--keep", help="verified checkpoints to keep [default: the profile's]")
+    ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="show the plan, delete nothing")] = False,
     profile: ProfileOpt = None,
 ):
@@ -202,8 +251,9 @@ def retain(
         keep_verified = keep if keep is not None else prof.retention.keep_verified
         if keep_verified < 2:
             raise UsageError("--keep: at least 2 (the newest may still be in use)")
-        plan, deleted = run_retain(directory, _options(prof, directory), keep_verified,
-                                   prof.verify.lock_timeout_seconds, dry_run)
+        plan, deleted = run_retain(
+            directory, _options(prof, directory), keep_verified, prof.verify.lock_timeout_seconds, dry_run
+        )
     verb = "would delete" if dry_run else "deleted"
     targets = plan.delete if dry_run else deleted
     out.print(f"{verb}: {', '.join(map(str, targets)) or 'nothing'}", markup=False)
@@ -217,7 +267,7 @@ def retain(
 def pin(
     iteration: Annotated[int, typer.Argument()],
     reason: Annotated[str, typer.Option("--reason", help="why it must be kept")],
-    save_dir: Annotated[Optional[Path], typer.Option("--save-dir")] = None,
+    save_dir: Annotated[Path | None, typer.Option("--save-dir")] = None,
     holder: Annotated[str, typer.Option("--holder")] = "operator",
     profile: ProfileOpt = None,
 ):
@@ -232,7 +282,7 @@ def pin(
 @app.command()
 def unpin(
     iteration: Annotated[int, typer.Argument()],
-    save_dir: Annotated[Optional[Path], typer.Option("--save-dir")] = None,
+    save_dir: Annotated[Path | None, typer.Option("--save-dir")] = None,
     holder: Annotated[str, typer.Option("--holder")] = "operator",
     profile: ProfileOpt = None,
 ):
@@ -245,7 +295,7 @@ def unpin(
     raise typer.Exit(0 if removed else 1)
 
 
-def _profile_for(profile: Optional[str], save_dir: Optional[Path]) -> Profile:
+def _profile_for(profile: str | None, save_dir: Path | None) -> Profile:
     """The profile, checked to describe ``save_dir`` when one is given: archive and drill
     settings belong to one job, and must not be applied to another job's directory."""
     prof = load_profile(profile)
@@ -256,14 +306,17 @@ def _profile_for(profile: Optional[str], save_dir: Optional[Path]) -> Profile:
 
 @app.command()
 def archive(
-    save_dir: Annotated[Optional[Path], typer.Argument(help="the job's save directory [default: the profile's]")] = None,
-    force: Annotated[bool, typer.Option("--force", help="copy even if the newest archive copy is younger than the period")] = False,
+    save_dir: Annotated[
+        Path | None, typer.Argument(help="the job's save directory [default: the profile's]")
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="copy even if the newest archive copy is younger than the period")
+    ] = False,
     profile: ProfileOpt = None,
 ):
     """Copy the promoted checkpoint to the archive: upload, read back, commit, retention."""
     with _expected_errors():
         from tasks.archive.copy import archive_checkpoint
-
         from tasks.checkpoint.layout import iter_dir_name
         from tasks.checkpoint.pointer import read_pointer
 
@@ -274,14 +327,19 @@ def archive(
             result = archive_checkpoint(prof.job.save_dir, prof, force, progress)
     out.print(f"iteration {result.iteration} -> {result.location}: {result.message}", markup=False)
     if result.committed:
-        out.print(f"uploaded {result.uploaded_bytes / 1e6:.1f} MB, reused {result.reused_bytes / 1e6:.1f} MB, "
-                  f"read back and committed in {result.seconds:.2f}s; archive retention deleted: "
-                  f"{', '.join(map(str, result.deleted)) or 'nothing'}", markup=False)
+        out.print(
+            f"uploaded {result.uploaded_bytes / 1e6:.1f} MB, reused {result.reused_bytes / 1e6:.1f} MB, "
+            f"read back and committed in {result.seconds:.2f}s; archive retention deleted: "
+            f"{', '.join(map(str, result.deleted)) or 'nothing'}",
+            markup=False,
+        )
 
 
 @app.command()
 def drill(
-    save_dir: Annotated[Optional[Path], typer.Argument(help="the job's save directory [default: the profile's]")] = None,
+    save_dir: Annotated[
+        Path | None, typer.Argument(help="the job's save directory [default: the profile's]")
+    ] = None,
     source: Annotated[str, typer.Option("--source", "-s", help="shared or archive")] = "shared",
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
@@ -303,10 +361,12 @@ def drill(
 
 @app.command()
 def drills(
-    save_dir: Annotated[Optional[Path], typer.Argument(help="the job's save directory [default: the profile's]")] = None,
+    save_dir: Annotated[
+        Path | None, typer.Argument(help="the job's save directory [default: the profile's]")
+    ] = None,
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="also write the trend as a PNG here")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="also write the trend as a PNG here")] = None,
 ):
     """Drill history: restore window per drill and source, and the estimate at production size."""
     with _expected_errors():
@@ -319,8 +379,15 @@ def drills(
         if plot is not None and history:
             plot.write_bytes(trend_png(history))
     if as_json:
-        out.print_json(json.dumps({"drills": history, "estimate_for_bytes": size,
-                                   "estimate_seconds": {s: e.seconds for s, e in predicted.items()}}))
+        out.print_json(
+            json.dumps(
+                {
+                    "drills": history,
+                    "estimate_for_bytes": size,
+                    "estimate_seconds": {s: e.seconds for s, e in predicted.items()},
+                }
+            )
+        )
         return
     rows = trend_rows(history)
     if not rows:
@@ -339,9 +406,18 @@ def drills(
 
 @app.command("validate-resume")
 def validate_resume_command(
-    checkpoint: Annotated[Path, typer.Option("--checkpoint", help="the checkpoint the run resumed from (iter_NNNNNNN)")],
-    after: Annotated[Path, typer.Option("--after", help="step records or Megatron-LM log of the resumed run")],
-    before: Annotated[Optional[Path], typer.Option("--before", help="records or log of the run before the failure [default: the stored baseline]")] = None,
+    checkpoint: Annotated[
+        Path, typer.Option("--checkpoint", help="the checkpoint the run resumed from (iter_NNNNNNN)")
+    ],
+    after: Annotated[
+        Path, typer.Option("--after", help="step records or Megatron-LM log of the resumed run")
+    ],
+    before: Annotated[
+        Path | None,
+        typer.Option(
+            "--before", help="records or log of the run before the failure [default: the stored baseline]"
+        ),
+    ] = None,
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ):
@@ -351,14 +427,18 @@ def validate_resume_command(
         from tasks.resume.validate import validate_resume
 
         prof = load_profile(profile)
-        result = validate_resume(checkpoint, load_steps(before) if before else None, load_steps(after), prof.resume)
+        result = validate_resume(
+            checkpoint, load_steps(before) if before else None, load_steps(after), prof.resume
+        )
     if as_json:
         out.print_json(json.dumps(result.to_dict()))
     else:
         out.print(result.line(), markup=False)
         for check in result.checks:
             mark = {True: "ok ", False: "BAD", None: " - "}[check.ok]
-            text = check.detail if check.ok is None else f"expected {check.expected}; observed {check.observed}"
+            text = (
+                check.detail if check.ok is None else f"expected {check.expected}; observed {check.observed}"
+            )
             out.print(f"  {mark} {check.name}: {text}", markup=False)
     raise typer.Exit(0 if result.ok else 1)
 
@@ -370,9 +450,15 @@ app.add_typer(health_app, name="health")
 @health_app.command("run")
 def health_run(
     profile: ProfileOpt = None,
-    nodes: Annotated[Optional[str], typer.Option("--nodes", help="comma-separated node names [default: the profile's]")] = None,
-    level: Annotated[Optional[int], typer.Option("--level", min=1, max=4, help="DCGM diag level [default: the profile's]")] = None,
-    admit: Annotated[bool, typer.Option("--admit", help="run the spare admission set (r3, NCCL, pair test)")] = False,
+    nodes: Annotated[
+        str | None, typer.Option("--nodes", help="comma-separated node names [default: the profile's]")
+    ] = None,
+    level: Annotated[
+        int | None, typer.Option("--level", min=1, max=4, help="DCGM diag level [default: the profile's]")
+    ] = None,
+    admit: Annotated[
+        bool, typer.Option("--admit", help="run the spare admission set (r3, NCCL, pair test)")
+    ] = False,
     as_json: JsonOpt = False,
 ):
     """Check nodes in parallel; print a verdict per node; drain (or plan drains) as the profile says."""
@@ -384,21 +470,38 @@ def health_run(
         if prof.health is None:
             raise UsageError(f"{prof.source}: no health section")
         names = resolve_nodes(prof.health, nodes.split(",") if nodes else None)
-        run = run_health(prof.health, names, level, admit,
-                         progress=None if as_json else lambda r: err.print(f"  {r.node}: {r.verdict.value}", markup=False))
+        run = run_health(
+            prof.health,
+            names,
+            level,
+            admit,
+            progress=None if as_json else lambda r: err.print(f"  {r.node}: {r.verdict.value}", markup=False),
+        )
         plan = apply_drains(plan_drains(run.reports, prof.health), prof.health)
         spares = spare_readiness(run.reports, names if admit else prof.health.spares, run.level)
     if as_json:
-        out.print_json(json.dumps({"nodes": [r.to_dict() for r in run.reports], "drain": plan.drain,
-                                   "drained": plan.drained, "held": plan.held, "rerun": plan.rerun,
-                                   "page": plan.page, "spares": spares}))
+        out.print_json(
+            json.dumps(
+                {
+                    "nodes": [r.to_dict() for r in run.reports],
+                    "drain": plan.drain,
+                    "drained": plan.drained,
+                    "held": plan.held,
+                    "rerun": plan.rerun,
+                    "page": plan.page,
+                    "spares": spares,
+                }
+            )
+        )
     else:
         for r in sorted(run.reports, key=lambda r: (-r.verdict.rank, r.node)):
             out.print(f"{r.verdict.value} {r.node}: {r.summary}", markup=False)
         if plan.page:
             out.print(f"PAGE: {plan.page}", markup=False)
         for node, reason in plan.drain:
-            out.print(f"{'drained' if node in plan.drained else 'drain plan'}: {node}: {reason}", markup=False)
+            out.print(
+                f"{'drained' if node in plan.drained else 'drain plan'}: {node}: {reason}", markup=False
+            )
         for node, why in plan.held:
             out.print(f"{why}: {node}", markup=False)
         for node, state in spares.items():
@@ -410,8 +513,12 @@ def health_run(
 def health_classify(
     tool: Annotated[str, typer.Argument(help="dcgm or nccl")],
     file: Annotated[Path, typer.Argument(help="a saved raw output")],
-    exit_code: Annotated[Optional[int], typer.Option("--exit-code", help="the tool's exit code, if known")] = None,
-    level: Annotated[Optional[int], typer.Option("--level", help="dcgm: the level it ran at (checks the test set)")] = None,
+    exit_code: Annotated[
+        int | None, typer.Option("--exit-code", help="the tool's exit code, if known")
+    ] = None,
+    level: Annotated[
+        int | None, typer.Option("--level", help="dcgm: the level it ran at (checks the test set)")
+    ] = None,
     pass_gbps: Annotated[float, typer.Option("--pass-gbps", help="nccl: busbw gate")] = 431.0,
     warn_gbps: Annotated[float, typer.Option("--warn-gbps", help="nccl: warn threshold")] = 410.0,
     as_json: JsonOpt = False,
@@ -427,8 +534,11 @@ def health_classify(
             text = file.read_text(errors="replace")
         except OSError as e:
             raise UsageError(f"{file}: {e.strerror}") from None
-        verdict = (classify_diag(text, exit_code, level) if tool == "dcgm"
-                   else classify_allreduce(text, exit_code, pass_gbps, warn_gbps))
+        verdict = (
+            classify_diag(text, exit_code, level)
+            if tool == "dcgm"
+            else classify_allreduce(text, exit_code, pass_gbps, warn_gbps)
+        )
     if as_json:
         out.print_json(json.dumps(verdict.to_dict()))
     else:

@@ -38,7 +38,9 @@ def server_env(api_url: str, home: Path | None) -> dict[str, str]:
     return env
 
 
-def start_server(api_url: str, home: Path, log: Path, timeout_seconds: float = 180.0) -> subprocess.Popen | None:
+def start_server(
+    api_url: str, home: Path, log: Path, timeout_seconds: float = 180.0
+) -> subprocess.Popen | None:
     """Start ``prefect server start`` for ``api_url`` unless one already answers there.
 
     Returns the new process (the caller may leave it running), or None if one was reused.
@@ -54,9 +56,21 @@ def start_server(api_url: str, home: Path, log: Path, timeout_seconds: float = 1
     env.pop("PREFECT_API_URL")  # the server itself must not act as a client of itself
     with open(log, "ab") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "server", "start", "--host", parts.hostname,
-             "--port", str(parts.port or 4200)],
-            stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "prefect",
+                "server",
+                "start",
+                "--host",
+                parts.hostname,
+                "--port",
+                str(parts.port or 4200),
+            ],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
     deadline = time.monotonic() + timeout_seconds
     while not healthy(api_url):

@@ -84,9 +84,14 @@ class Archive(_Section):
     """The independent archive: an S3-compatible bucket, or a local directory (same code path)."""
 
     url: str = Field(description="s3://bucket/prefix, or a directory path")
-    endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, Ceph RGW); None: AWS")
+    endpoint_url: str | None = Field(
+        default=None, description="S3-compatible endpoint (MinIO, Ceph RGW); None: AWS"
+    )
     region: str | None = None
-    aws_profile: str | None = Field(default=None, description="credentials profile; else the standard AWS chain (env, files, instance role)")
+    aws_profile: str | None = Field(
+        default=None,
+        description="credentials profile; else the standard AWS chain (env, files, instance role)",
+    )
     period_hours: Positive = Field(default=24, description="a new archive copy at most this often")
     keep: Annotated[int, Field(ge=2)] = Field(default=14, description="committed archive copies kept")
     max_concurrency: Annotated[int, Field(ge=1)] = 8
@@ -110,49 +115,72 @@ class SlurmDrill(_Section):
 
     partition: str | None = None
     nodes: Annotated[int, Field(ge=1)]
-    ntasks_per_node: Annotated[int, Field(ge=1)] = Field(default=8, description="loader processes per node (one per GPU)")
-    gpus_per_node: Annotated[int, Field(ge=0)] = Field(default=8, description="0: request no GPUs (a CPU partition)")
+    ntasks_per_node: Annotated[int, Field(ge=1)] = Field(
+        default=8, description="loader processes per node (one per GPU)"
+    )
+    gpus_per_node: Annotated[int, Field(ge=0)] = Field(
+        default=8, description="0: request no GPUs (a CPU partition)"
+    )
     time_limit: str = "01:00:00"
     account: str | None = None
     exclusive: bool = True
-    python: str | None = Field(default=None, description="the interpreter with ckptops installed on the nodes; "
-                                                         "default: the one running the drill")
+    python: str | None = Field(
+        default=None,
+        description="the interpreter with ckptops installed on the nodes; default: the one running the drill",
+    )
     prelude: str = Field(default="", description="shell lines run before srun (module load, a venv)")
-    srun_args: list[str] = Field(default_factory=list, description="more srun options (a container image, ...)")
+    srun_args: list[str] = Field(
+        default_factory=list, description="more srun options (a container image, ...)"
+    )
     master_port: Annotated[int, Field(ge=1024, le=65535)] = 29500
 
 
 class DrillLayout(_Section):
     """The drill allocation's layout; the load reshards onto it through dist_checkpointing."""
 
-    tensor_parallel: Annotated[int, Field(ge=1)] | None = Field(default=None, description="default: the checkpoint's")
-    pipeline_parallel: Annotated[int, Field(ge=1)] | None = Field(default=None, description="default: the checkpoint's")
-    data_parallel: Annotated[int, Field(ge=1)] = Field(default=1, description="local launcher; on Slurm the "
-                                                                           "allocation's tasks decide it")
+    tensor_parallel: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="default: the checkpoint's"
+    )
+    pipeline_parallel: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="default: the checkpoint's"
+    )
+    data_parallel: Annotated[int, Field(ge=1)] = Field(
+        default=1, description="local launcher; on Slurm the allocation's tasks decide it"
+    )
 
 
 class Drill(_Section):
     scratch_dir: Path
     budget_seconds: Budget = Budget()
-    tensor_sample: Annotated[int, Field(ge=1)] = Field(default=8, description="tensors each rank compares with the stored bytes")
+    tensor_sample: Annotated[int, Field(ge=1)] = Field(
+        default=8, description="tensors each rank compares with the stored bytes"
+    )
     launcher: Literal["local", "slurm"] = "local"
     slurm: SlurmDrill | None = None
     layout: DrillLayout = DrillLayout()
     model_provider: str | None = Field(
-        default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
-        description="package.module:function building the job's model when it is not a Megatron-Core GPT; called "
-                    "as Megatron-LM's gpt_builder: (args, pre_process=..., post_process=...)")
+        default=None,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="package.module:function building the job's model when it is not a Megatron-Core GPT; "
+        "called "
+        "as Megatron-LM's gpt_builder: (args, pre_process=..., post_process=...)",
+    )
     load_timeout_seconds: Positive = 1800
     estimate_for_bytes: Annotated[int, Field(gt=0)] | None = Field(
-        default=None, description="predict the restore window for a checkpoint of this size (e.g. 7 TB)")
+        default=None, description="predict the restore window for a checkpoint of this size (e.g. 7 TB)"
+    )
 
 
 class SshAccess(_Section):
     user: str = "root"
     port: Annotated[int, Field(ge=1, le=65535)] = 22
-    known_hosts: Path = Field(description="host keys are checked against this file; unknown or changed keys are refused")
+    known_hosts: Path = Field(
+        description="host keys are checked against this file; unknown or changed keys are refused"
+    )
     key_file: Path | None = None
-    secret_block: str | None = Field(default=None, description="a Prefect Secret block holding the private key")
+    secret_block: str | None = Field(
+        default=None, description="a Prefect Secret block holding the private key"
+    )
     use_agent: bool = True
     connect_timeout_seconds: Positive = 10
 
@@ -160,7 +188,7 @@ class SshAccess(_Section):
 class Nccl(_Section):
     enabled: bool = True
     command: list[str] = ["all_reduce_perf", "-b", "1G", "-e", "8G", "-f", "2", "-g", "8"]
-    pass_gbps: Positive = 431   # one node, 8 x H200 (health.md); replace with the fleet's median
+    pass_gbps: Positive = 431  # one node, 8 x H200 (health.md); replace with the fleet's median
     warn_gbps: Positive = 410
     timeout_seconds: Positive = 900
 
@@ -170,9 +198,25 @@ class Pairs(_Section):
 
     enabled: bool = False
     known_good: str | None = None
-    command: list[str] = ["mpirun", "-np", "16", "-H", "{a}:8,{b}:8", "-x", "NCCL_ALGO=Ring",
-                          "all_reduce_perf", "-b", "1G", "-e", "8G", "-f", "2", "-g", "1"]
-    pass_gbps: Positive = 360   # several nodes, 8 x 400G InfiniBand, Ring
+    command: list[str] = [
+        "mpirun",
+        "-np",
+        "16",
+        "-H",
+        "{a}:8,{b}:8",
+        "-x",
+        "NCCL_ALGO=Ring",
+        "all_reduce_perf",
+        "-b",
+        "1G",
+        "-e",
+        "8G",
+        "-f",
+        "2",
+        "-g",
+        "1",
+    ]
+    pass_gbps: Positive = 360  # several nodes, 8 x 400G InfiniBand, Ring
     warn_gbps: Positive = 330
     timeout_seconds: Positive = 1200
 
@@ -182,7 +226,8 @@ class Drain(_Section):
     max_per_run: Annotated[int, Field(ge=0)] = 2
     max_per_hour: Annotated[int, Field(ge=0)] = 4
     page_when_same_check_fails: Annotated[int, Field(ge=2)] = Field(
-        default=3, description="this many nodes failing one check at once: drain nothing, call a human")
+        default=3, description="this many nodes failing one check at once: drain nothing, call a human"
+    )
 
 
 class Health(_Section):
@@ -196,10 +241,13 @@ class Health(_Section):
     level: Literal[1, 2, 3, 4] = 1
     concurrency: Annotated[int, Field(ge=1)] = 32
     command_timeout_seconds: Positive = 60
-    diag_timeout_seconds: dict[int, Positive] = Field(default_factory=lambda: {1: 300, 2: 900, 3: 7200, 4: 14400})
+    diag_timeout_seconds: dict[int, Positive] = Field(
+        default_factory=lambda: {1: 300, 2: 900, 3: 7200, 4: 14400}
+    )
     node_timeout_seconds: Positive = 10800
-    checks: list[Literal["gpu-count", "recovery-action", "row-remap", "xid", "nvlink", "dcgm-diag", "nccl"]] = [
-        "gpu-count", "recovery-action", "row-remap", "xid", "nvlink", "dcgm-diag", "nccl"]
+    checks: list[
+        Literal["gpu-count", "recovery-action", "row-remap", "xid", "nvlink", "dcgm-diag", "nccl"]
+    ] = ["gpu-count", "recovery-action", "row-remap", "xid", "nvlink", "dcgm-diag", "nccl"]
     critical_xids: list[int] = [48, 56, 57, 58, 62, 63, 64, 65, 68, 69, 73, 74, 79, 80, 81, 92, 119, 120]
     nccl: Nccl = Nccl()
     pairs: Pairs = Pairs()
@@ -220,15 +268,25 @@ class Health(_Section):
 class Resume(_Section):
     """Post-resume validation: windows and tolerances."""
 
-    warmup_steps: Annotated[int, Field(ge=0)] = Field(default=10, description="steps skipped after a (re)start before timing")
-    window_steps: Annotated[int, Field(ge=1)] = Field(default=100, description="pre-failure steady-state steps in the baseline")
-    min_steps: Annotated[int, Field(ge=1)] = Field(default=10, description="steady-state steps needed after resume")
-    loss_rel_tolerance: Annotated[float, Field(ge=0)] = Field(default=1e-3, description="0: bit-exact recomputed loss")
+    warmup_steps: Annotated[int, Field(ge=0)] = Field(
+        default=10, description="steps skipped after a (re)start before timing"
+    )
+    window_steps: Annotated[int, Field(ge=1)] = Field(
+        default=100, description="pre-failure steady-state steps in the baseline"
+    )
+    min_steps: Annotated[int, Field(ge=1)] = Field(
+        default=10, description="steady-state steps needed after resume"
+    )
+    loss_rel_tolerance: Annotated[float, Field(ge=0)] = Field(
+        default=1e-3, description="0: bit-exact recomputed loss"
+    )
     memory_band: Annotated[float, Field(gt=0)] = 0.05
     throughput_drop: Annotated[float, Field(gt=0, lt=1)] = 0.05
     pointer_window_seconds: Annotated[float, Field(ge=0)] = Field(
-        default=1800, description="a resume may start from any checkpoint promoted this long before its first step "
-                                  "(the load, and the clocks of two hosts)")
+        default=1800,
+        description="a resume may start from any checkpoint promoted this long before its first step "
+        "(the load, and the clocks of two hosts)",
+    )
 
 
 class Prefect(_Section):
@@ -276,8 +334,15 @@ class Profile(_Section):
 def _resolve_paths(data: dict, base: Path) -> dict:
     """Make the profile's relative paths relative to the profile file, not the caller's cwd.
     (Sections that are not mappings are left for the schema to reject, naming the key.)"""
-    for path in (("job", "save_dir"), ("prefect", "home"), ("archive", "url"), ("drill", "scratch_dir"),
-                 ("health", "raw_dir"), ("health", "ssh", "known_hosts"), ("health", "ssh", "key_file")):
+    for path in (
+        ("job", "save_dir"),
+        ("prefect", "home"),
+        ("archive", "url"),
+        ("drill", "scratch_dir"),
+        ("health", "raw_dir"),
+        ("health", "ssh", "known_hosts"),
+        ("health", "ssh", "key_file"),
+    ):
         values = data
         for key in path[:-1]:
             values = values.get(key) if isinstance(values, dict) else None

@@ -103,9 +103,12 @@ def s3_endpoint():
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
-    os.environ.update(AWS_ACCESS_KEY_ID="ckptops-test", AWS_SECRET_ACCESS_KEY="ckptops-test",
-                      AWS_DEFAULT_REGION="us-east-1")
+    saved = {
+        k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+    }
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="ckptops-test", AWS_SECRET_ACCESS_KEY="ckptops-test", AWS_DEFAULT_REGION="us-east-1"
+    )
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -124,15 +127,25 @@ def s3_bucket(endpoint: str, name: str) -> str:
     return name
 
 
-def write_job_profile(tmp_path: Path, save_dir: Path, archive_url: str | None = None,
-                      endpoint: str | None = None, budget: float = 600, keep: int = 3,
-                      extra_archive: str = "", layout: str = "data_parallel: 2", drill_extra: str = "") -> Path:
+def write_job_profile(
+    tmp_path: Path,
+    save_dir: Path,
+    archive_url: str | None = None,
+    endpoint: str | None = None,
+    budget: float = 600,
+    keep: int = 3,
+    extra_archive: str = "",
+    layout: str = "data_parallel: 2",
+    drill_extra: str = "",
+) -> Path:
     """A profile for a test job: the save directory (saved with ``layout``), an archive, drills in
     tmp_path/scratch."""
     lines = [
-        f"job: {{name: test-job, save_dir: '{save_dir}', megatron_core_version: '0.19.2', layout: {{{layout}}}}}",
+        f"job: {{name: test-job, save_dir: '{save_dir}', megatron_core_version: '0.19.2', "
+        f"layout: {{{layout}}}}}",
         "verify: {lock_timeout_seconds: 30}",
-        f"drill: {{scratch_dir: '{tmp_path / 'scratch'}', budget_seconds: {{shared: {budget}, archive: {budget}}}, "
+        f"drill: {{scratch_dir: '{tmp_path / 'scratch'}', "
+        f"budget_seconds: {{shared: {budget}, archive: {budget}}}, "
         f"load_timeout_seconds: 600{drill_extra}}}",
     ]
     if archive_url:
@@ -155,21 +168,72 @@ class Variant:
 
 
 # Six architectures and layouts (the default job is the seventh): what users bring.
-VARIANTS = {v.name: v for v in (
-    Variant("tp2-distopt-bf16", ("--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16",
-                                 "--verify-integrity"), "tensor_parallel: 2"),
-    Variant("dp2-other-shape", ("--num-layers", "3", "--hidden-size", "96", "--num-attention-heads", "6",
-                                "--vocab-size", "200", "--seq-length", "48", "--use-distributed-optimizer",
-                                "--drop-saved-arg", "num_layers"), "data_parallel: 2"),
-    Variant("pp2", ("--pipeline-model-parallel-size", "2",), "pipeline_parallel: 2"),
-    Variant("tp2-bf16", ("--tensor-model-parallel-size", "2", "--bf16"), "tensor_parallel: 2"),
-    Variant("llama-like", ("--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
-                           "--group-query-attention", "--num-query-groups", "2",
-                           "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--qk-layernorm"),
-            "data_parallel: 2"),
-    Variant("no-heads-arg", ("--drop-saved-arg", "num_attention_heads", "--drop-saved-arg", "kv_channels"),
-            "data_parallel: 2"),
-)}
+VARIANTS = {
+    v.name: v
+    for v in (
+        Variant(
+            "tp2-distopt-bf16",
+            (
+                "--tensor-model-parallel-size",
+                "2",
+                "--use-distributed-optimizer",
+                "--bf16",
+                "--verify-integrity",
+            ),
+            "tensor_parallel: 2",
+        ),
+        Variant(
+            "dp2-other-shape",
+            (
+                "--num-layers",
+                "3",
+                "--hidden-size",
+                "96",
+                "--num-attention-heads",
+                "6",
+                "--vocab-size",
+                "200",
+                "--seq-length",
+                "48",
+                "--use-distributed-optimizer",
+                "--drop-saved-arg",
+                "num_layers",
+            ),
+            "data_parallel: 2",
+        ),
+        Variant(
+            "pp2",
+            (
+                "--pipeline-model-parallel-size",
+                "2",
+            ),
+            "pipeline_parallel: 2",
+        ),
+        Variant("tp2-bf16", ("--tensor-model-parallel-size", "2", "--bf16"), "tensor_parallel: 2"),
+        Variant(
+            "llama-like",
+            (
+                "--swiglu",
+                "--position-embedding-type",
+                "rope",
+                "--normalization",
+                "RMSNorm",
+                "--group-query-attention",
+                "--num-query-groups",
+                "2",
+                "--untie-embeddings-and-output-weights",
+                "--disable-bias-linear",
+                "--qk-layernorm",
+            ),
+            "data_parallel: 2",
+        ),
+        Variant(
+            "no-heads-arg",
+            ("--drop-saved-arg", "num_attention_heads", "--drop-saved-arg", "kv_channels"),
+            "data_parallel: 2",
+        ),
+    )
+}
 
 
 @pytest.fixture(scope="session")
@@ -179,8 +243,14 @@ def variety(tmp_path_factory) -> dict[str, Path]:
     saves = {}
     for variant in VARIANTS.values():
         save = root / variant.name
-        run_local_job(save, nproc=variant.nproc, train_iters=4, save_interval=4, timeout_seconds=600,
-                      extra=list(variant.switches))
+        run_local_job(
+            save,
+            nproc=variant.nproc,
+            train_iters=4,
+            save_interval=4,
+            timeout_seconds=600,
+            extra=list(variant.switches),
+        )
         saves[variant.name] = save
     return saves
 
@@ -188,15 +258,21 @@ def variety(tmp_path_factory) -> dict[str, Path]:
 def variant_profile(variety, name: str, tmp_path: Path, **kwargs) -> Path:
     """A profile for a private copy of a variant's save directory, with a local-directory archive."""
     save = shutil.copytree(variety[name], tmp_path / name)
-    return write_job_profile(tmp_path, save, str(tmp_path / "archive"), layout=VARIANTS[name].layout, **kwargs)
+    return write_job_profile(
+        tmp_path, save, str(tmp_path / "archive"), layout=VARIANTS[name].layout, **kwargs
+    )
 
 
 @pytest.fixture(scope="session")
 def slurm_conf() -> str:
     """The local Slurm cluster (``make slurm``: slurmctld, nodes n1-n3, munge), started if it is
     not running; every node resumed, so a test starts with all three idle."""
-    done = subprocess.run([str(ROOT / "infra" / "slurm" / "local_cluster.sh"), "up"], capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [str(ROOT / "infra" / "slurm" / "local_cluster.sh"), "up"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, f"the local Slurm cluster did not start: {done.stderr or done.stdout}"
     conf = done.stdout.strip().rsplit("=", 1)[-1]
     os.environ["SLURM_CONF"] = conf
@@ -209,8 +285,13 @@ def medium_trained(tmp_path_factory) -> Path:
     """One checkpoint of a wider model (hidden 384, about 20 MB per data file): large enough for
     multipart uploads with 5 MiB parts (s3fs uses them from two parts' worth on)."""
     save = tmp_path_factory.mktemp("medium") / "checkpoints"
-    run_local_job(save, train_iters=4, save_interval=4, timeout_seconds=900,
-                  extra=["--hidden-size", "384", "--num-attention-heads", "4"])
+    run_local_job(
+        save,
+        train_iters=4,
+        save_interval=4,
+        timeout_seconds=900,
+        extra=["--hidden-size", "384", "--num-attention-heads", "4"],
+    )
     return save
 
 

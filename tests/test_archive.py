@@ -12,7 +12,12 @@ import uuid
 import pytest
 import xxhash
 
-from tasks.archive.copy import apply_archive_retention, archive_checkpoint, committed_iterations, newest_committed
+from tasks.archive.copy import (
+    apply_archive_retention,
+    archive_checkpoint,
+    committed_iterations,
+    newest_committed,
+)
 from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.promote import promote
 from tasks.profile import load_profile
@@ -55,8 +60,13 @@ def test_archive_commits_manifest_last_and_records_status(archived_profile, save
 
 
 def test_killed_upload_is_not_committed_and_the_next_run_completes_it(archived_profile, save_dir):
-    child = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "archive_child.py"),
-                            str(archived_profile.source)], cwd=ROOT, timeout=300, capture_output=True, text=True)
+    child = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "helpers" / "archive_child.py"), str(archived_profile.source)],
+        cwd=ROOT,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
     assert child.returncode == -9, child.stderr
     store = store_of(archived_profile)
     assert committed_iterations(store, "test-job") == []
@@ -73,7 +83,12 @@ def test_drill_from_archive_restores_verifies_and_loads(archived_profile, save_d
     report = run_drill(archived_profile, "archive")
     assert report.ok, report.reason
     assert [p.name for p in report.phases] == ["download", "verify", "load"]
-    assert {c["name"] for c in report.checks if c["ok"]} >= {"iteration", "consumed samples", "scheduler", "tensors"}
+    assert {c["name"] for c in report.checks if c["ok"]} >= {
+        "iteration",
+        "consumed samples",
+        "scheduler",
+        "tensors",
+    }
     assert report.iteration == 24 and report.location.endswith("test-job/iter_0000024")
     assert list((archived_profile.drill.scratch_dir).iterdir()) == []
     assert read_drills(save_dir)[-1]["source"] == "archive"
@@ -96,10 +111,12 @@ def test_corrupted_archived_object_fails_the_drill_naming_it(archived_profile, s
     assert list(archived_profile.drill.scratch_dir.iterdir()) == []
 
 
-@pytest.mark.parametrize("order, kept, named", [((16, 20, 24), [20, 24], 24),
-                                                 ((20, 24, 16), [16, 24], 16)])  # rolled back to 16
-def test_archive_retention_keeps_the_newest_commits_and_never_the_only_one(save_dir, tmp_path, options,
-                                                                           order, kept, named):
+@pytest.mark.parametrize(
+    "order, kept, named", [((16, 20, 24), [20, 24], 24), ((20, 24, 16), [16, 24], 16)]
+)  # rolled back to 16
+def test_archive_retention_keeps_the_newest_commits_and_never_the_only_one(
+    save_dir, tmp_path, options, order, kept, named
+):
     """Retention goes by commit time: after a rollback the older iteration's fresh copy stays."""
     profile = load_profile(write_job_profile(tmp_path, save_dir, str(tmp_path / "archive"), keep=2))
     store = store_of(profile)
@@ -121,7 +138,10 @@ def test_an_unreadable_archived_manifest_does_not_stop_the_archive(save_dir, tmp
     for iteration in (20, 24):
         promote(save_dir, options, 30, requested=iteration)
         result = archive_checkpoint(save_dir, profile, force=True)
-        assert result.committed and "unreadable archived manifests kept for inspection: iterations 16" in result.message
+        assert (
+            result.committed
+            and "unreadable archived manifests kept for inspection: iterations 16" in result.message
+        )
     assert committed_iterations(store, "test-job") == [16, 20, 24]
     promote(save_dir, options, 30, requested=16)  # rolled back to the iteration with the bad entry
     result = archive_checkpoint(save_dir, profile, force=True)
@@ -139,24 +159,37 @@ def test_a_resaved_iteration_never_overwrites_its_committed_copy(save_dir, tmp_p
     archived = json.loads(store.read(key))
     archived["files"][0]["hash"] = "0" * 32  # the archive now holds "another save" of iteration 24
     store.write(key, json.dumps(archived).encode())
-    objects = {name: store.read(f"test-job/iter_0000024/{name}") for name in store.listdir("test-job/iter_0000024")}
+    objects = {
+        name: store.read(f"test-job/iter_0000024/{name}") for name in store.listdir("test-job/iter_0000024")
+    }
     result = archive_checkpoint(save_dir, profile, force=True)
     assert not result.committed and "already archived from an earlier save" in result.message
-    assert {name: store.read(f"test-job/iter_0000024/{name}") for name in store.listdir("test-job/iter_0000024")} == objects
+    assert {
+        name: store.read(f"test-job/iter_0000024/{name}") for name in store.listdir("test-job/iter_0000024")
+    } == objects
 
 
 def test_multipart_upload_of_large_files(medium_save_dir, tmp_path, s3_endpoint, options):
     """Files larger than the part size go up in several parts and still read back exactly."""
     promote(medium_save_dir, options, 30)
     bucket = s3_bucket(s3_endpoint, f"multipart-{uuid.uuid4().hex[:12]}")
-    profile = load_profile(write_job_profile(tmp_path, medium_save_dir, f"s3://{bucket}/c", s3_endpoint,
-                                             extra_archive=", multipart_chunk_mb: 5"))
+    profile = load_profile(
+        write_job_profile(
+            tmp_path,
+            medium_save_dir,
+            f"s3://{bucket}/c",
+            s3_endpoint,
+            extra_archive=", multipart_chunk_mb: 5",
+        )
+    )
     manifest = read_manifest(iter_dir(medium_save_dir, 4))
     assert max(f.size for f in manifest.files) > 2 * (5 << 20)
     assert archive_checkpoint(medium_save_dir, profile).committed
     import boto3
 
-    head = boto3.client("s3", endpoint_url=s3_endpoint).head_object(Bucket=bucket, Key="c/test-job/iter_0000004/__0_0.distcp")
+    head = boto3.client("s3", endpoint_url=s3_endpoint).head_object(
+        Bucket=bucket, Key="c/test-job/iter_0000004/__0_0.distcp"
+    )
     assert re.search(r"-[2-9]$", head["ETag"].strip('"'))  # a multipart object's ETag counts its parts
     assert run_drill(profile, "archive").ok
 
@@ -168,13 +201,36 @@ def test_unreachable_store_fails_the_drill_after_bounded_retries(save_dir, tmp_p
     silent.bind(("127.0.0.1", 0))
     silent.listen(16)  # connections complete in the backlog; nothing ever answers
     endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
-    path = write_job_profile(tmp_path, save_dir, "s3://nobody/here", endpoint,
-                             extra_archive=", read_timeout_seconds: 1, connect_timeout_seconds: 1, max_attempts: 2")
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"}
+    path = write_job_profile(
+        tmp_path,
+        save_dir,
+        "s3://nobody/here",
+        endpoint,
+        extra_archive=", read_timeout_seconds: 1, connect_timeout_seconds: 1, max_attempts: 2",
+    )
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "x",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     try:
-        result = subprocess.run([str(ROOT / ".venv" / "bin" / "ckptops"), "drill", "--source", "archive",
-                                 "--profile", str(path), "--json"], cwd=ROOT, env=env, timeout=240,
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            [
+                str(ROOT / ".venv" / "bin" / "ckptops"),
+                "drill",
+                "--source",
+                "archive",
+                "--profile",
+                str(path),
+                "--json",
+            ],
+            cwd=ROOT,
+            env=env,
+            timeout=240,
+            capture_output=True,
+            text=True,
+        )
     finally:
         silent.close()
     assert result.returncode == 1, result.stderr
@@ -185,9 +241,17 @@ def test_unreachable_store_fails_the_drill_after_bounded_retries(save_dir, tmp_p
 
 def test_archive_never_modifies_the_source(archived_profile, save_dir):
     directory = iter_dir(save_dir, 24)
-    before = {p.name: xxhash.xxh3_128(p.read_bytes()).hexdigest() for p in directory.iterdir() if p.name != "manifest.json"}
+    before = {
+        p.name: xxhash.xxh3_128(p.read_bytes()).hexdigest()
+        for p in directory.iterdir()
+        if p.name != "manifest.json"
+    }
     archive_checkpoint(save_dir, archived_profile)
     run_drill(archived_profile, "shared")
-    after = {p.name: xxhash.xxh3_128(p.read_bytes()).hexdigest() for p in directory.iterdir() if p.name != "manifest.json"}
+    after = {
+        p.name: xxhash.xxh3_128(p.read_bytes()).hexdigest()
+        for p in directory.iterdir()
+        if p.name != "manifest.json"
+    }
     assert after == before
     assert not list((save_dir / ".ckptops-pins").iterdir())  # the drill's and the copy's leases are gone

@@ -11,7 +11,9 @@ CKPTOPS = Path(os.environ.get("VIRTUAL_ENV", ROOT / ".venv")) / "bin" / "ckptops
 
 
 def ckptops(*args):
-    return subprocess.run([str(CKPTOPS), *map(str, args)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [str(CKPTOPS), *map(str, args)], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
 
 
 def test_verify_valid_exits_0_with_one_line(save_dir):
@@ -26,7 +28,8 @@ def test_verify_invalid_exits_1_naming_file_and_check_without_traceback(save_dir
     result = ckptops("verify", iter_dir(save_dir, 4))
     assert result.returncode == 1
     assert result.stdout.strip() == (
-        "INVALID iter_0000004: __1_0.distcp: referenced by .metadata but missing [files] (+1 more)")
+        "INVALID iter_0000004: __1_0.distcp: referenced by .metadata but missing [files] (+1 more)"
+    )
     assert "Traceback" not in result.stderr
 
 
@@ -45,12 +48,19 @@ def test_verify_json(save_dir):
 
 def test_usage_and_unreadable_input_exit_2(save_dir, tmp_path):
     missing = ckptops("verify", tmp_path / "iter_0000001")
-    assert missing.returncode == 2 and missing.stderr.strip() == f"ckptops: {tmp_path}/iter_0000001: no such checkpoint directory"
+    assert (
+        missing.returncode == 2
+        and missing.stderr.strip() == f"ckptops: {tmp_path}/iter_0000001: no such checkpoint directory"
+    )
     assert ckptops("verify").returncode == 2
     bad_profile = tmp_path / "p.yaml"
     bad_profile.write_text("job: {name: x, save_dir: /x}\nretention: {keep_verified: 0}\n")
     result = ckptops("promote", save_dir, "--profile", bad_profile)
-    assert result.returncode == 2 and "retention.keep_verified" in result.stderr and "Traceback" not in result.stderr
+    assert (
+        result.returncode == 2
+        and "retention.keep_verified" in result.stderr
+        and "Traceback" not in result.stderr
+    )
 
 
 def test_promote_then_status(save_dir):
@@ -59,8 +69,13 @@ def test_promote_then_status(save_dir):
     assert result.stdout.strip().splitlines()[-1] == "latest verified: None -> 24 (first promotion)"
     rows = json.loads(ckptops("status", save_dir, "--json").stdout)
     assert [(r["iteration"], r["state"], r["promoted"]) for r in rows] == [
-        (4, "valid", False), (8, "valid", False), (12, "valid", False), (16, "valid", False),
-        (20, "valid", False), (24, "valid", True)]
+        (4, "valid", False),
+        (8, "valid", False),
+        (12, "valid", False),
+        (16, "valid", False),
+        (20, "valid", False),
+        (24, "valid", True),
+    ]
     assert all(r["size_bytes"] > 1_000_000 and r["verified_at"] for r in rows)
     table = ckptops("status", save_dir)
     assert table.returncode == 0 and "24" in table.stdout and "valid" in table.stdout
@@ -74,13 +89,21 @@ def test_retain_and_pins_from_the_command_line(save_dir):
     done = ckptops("retain", save_dir, "--keep", 3)
     assert done.stdout.splitlines()[0] == "deleted: 8, 12"
     assert sorted(p.name for p in save_dir.glob("iter_*")) == [
-        "iter_0000004", "iter_0000016", "iter_0000020", "iter_0000024"]
+        "iter_0000004",
+        "iter_0000016",
+        "iter_0000020",
+        "iter_0000024",
+    ]
     assert ckptops("retain", save_dir, "--keep", 1).returncode == 2
 
 
 def test_environment_problems_exit_2_with_one_line(save_dir, tmp_path):
-    for args in (["promote", tmp_path / "nowhere"], ["retain", tmp_path / "nowhere"],
-                 ["status", tmp_path / "nowhere"], ["pin", 4, "--reason", "x", "--save-dir", tmp_path / "nowhere"]):
+    for args in (
+        ["promote", tmp_path / "nowhere"],
+        ["retain", tmp_path / "nowhere"],
+        ["status", tmp_path / "nowhere"],
+        ["pin", 4, "--reason", "x", "--save-dir", tmp_path / "nowhere"],
+    ):
         result = ckptops(*args)
         assert result.returncode == 2, (args, result.stderr)
         assert result.stderr.strip() == f"ckptops: {tmp_path}/nowhere: no such save directory"
@@ -91,7 +114,7 @@ def test_environment_problems_exit_2_with_one_line(save_dir, tmp_path):
 
 
 def test_status_ignores_what_is_not_a_checkpoint(save_dir):
-    (save_dir / "iter_00000099").mkdir()           # not Megatron's name for iteration 99
+    (save_dir / "iter_00000099").mkdir()  # not Megatron's name for iteration 99
     (save_dir / "iter_0000100").symlink_to(save_dir / "iter_0000004")
     (save_dir / "iter_0000200").write_text("a file")
     rows = json.loads(ckptops("status", save_dir, "--json").stdout)

@@ -24,17 +24,28 @@ def test_demo_trains_verifies_promotes_and_prints_status(prefect_api, tmp_path):
         "drill: {scratch_dir: scratch, budget_seconds: {shared: 600, archive: 600}}\n"
         "health: {nodes: [localhost], transport: local, gpus_per_node: 1, raw_dir: health}\n"
     )
-    result = subprocess.run([sys.executable, "-m", "infra.demo", str(profile)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=900,
-                            env={**os.environ, "COLUMNS": "300"})  # long lines unwrapped, to match whole
+    result = subprocess.run(
+        [sys.executable, "-m", "infra.demo", str(profile)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "COLUMNS": "300"},
+    )  # long lines unwrapped, to match whole
 
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "Prefect server: reused" in result.stdout
     assert "verify-and-promote (training finished): Completed" in result.stdout
     assert read_pointer(tmp_path / "checkpoints") == 12
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("iter_*")) == ["iter_0000008", "iter_0000012"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("iter_*")) == [
+        "iter_0000008",
+        "iter_0000012",
+    ]
     assert "checkpoints in" in result.stdout and prefect_api.removesuffix("/api") in result.stdout
     assert "archive-copy: Completed: iteration 12: committed" in result.stdout
     assert "restore-drill: PASS drill from shared, iteration 12" in result.stdout
     assert "restore-drill: PASS drill from archive, iteration 12" in result.stdout
-    assert "node-health: Failed: 1 nodes: FAIL_CONFIG 1; localhost FAIL_CONFIG: gpu-count: no GPUs found" in result.stdout
+    assert (
+        "node-health: Failed: 1 nodes: FAIL_CONFIG 1; localhost FAIL_CONFIG: gpu-count: no GPUs found"
+        in result.stdout
+    )

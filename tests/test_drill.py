@@ -55,10 +55,16 @@ def test_drills_from_both_sources_load_jobs_of_every_shape(variety, name, tmp_pa
         assert layout in found["model"]["detail"] and optimizer in found["model"]["detail"]
         assert found["iteration"]["detail"] == "loaded 4, manifest 4"
         assert found["scheduler"]["ok"] and "(samples of the checkpoint)" in found["scheduler"]["detail"]
-        ranks = report.layout["tensor_parallel"] * report.layout["pipeline_parallel"] * report.layout["data_parallel"]
+        ranks = (
+            report.layout["tensor_parallel"]
+            * report.layout["pipeline_parallel"]
+            * report.layout["data_parallel"]
+        )
         load = json.loads(Path(report.log).with_suffix(".load.json").read_text())
         # Every rank compared its own sample, optimizer state included.
-        assert len(load["ranks"]) == ranks and all(r["compared"] and not r["mismatches"] for r in load["ranks"])
+        assert len(load["ranks"]) == ranks and all(
+            r["compared"] and not r["mismatches"] for r in load["ranks"]
+        )
         assert all(any(key.startswith("optimizer.") for key in r["compared"]) for r in load["ranks"])
         assert f"on {ranks} ranks, differing: none" in found["tensors"]["detail"]
         assert Path(report.log).read_text().count("drill: loaded iteration 4") == 1
@@ -69,36 +75,47 @@ def test_args_missing_from_the_checkpoint_are_taken_from_the_tensor_shapes(varie
     profile = promoted_profile(variety, "dp2-other-shape", tmp_path, options)
     report = run_drill(profile, "shared")
     assert report.ok, report.reason
-    assert ("inferred from the tensor shapes: num_layers=3 (missing from the args; from "
-            "decoder.layers.self_attention.linear_qkv.weight [3, 288, 96])") in checks(report)["model"]["detail"]
+    assert (
+        "inferred from the tensor shapes: num_layers=3 (missing from the args; from "
+        "decoder.layers.self_attention.linear_qkv.weight [3, 288, 96])"
+    ) in checks(report)["model"]["detail"]
 
 
 def test_a_tp2_job_loads_as_tp1_x_dp2_from_both_sources(variety, tmp_path, options):
-    profile = promoted_profile(variety, "tp2-bf16", tmp_path, options,
-                               drill_extra=", layout: {tensor_parallel: 1, data_parallel: 2}")
+    profile = promoted_profile(
+        variety, "tp2-bf16", tmp_path, options, drill_extra=", layout: {tensor_parallel: 1, data_parallel: 2}"
+    )
     assert archive_checkpoint(profile.job.save_dir, profile, force=True).committed
     for source in ("shared", "archive"):
         report = run_drill(profile, source)
         assert report.ok, report.reason
         detail = checks(report)["model"]["detail"]
-        assert "on TP 1 x PP 1 x DP 2 (2 ranks)" in detail and "RNG state not loaded: the TP/PP layout changed" in detail
+        assert (
+            "on TP 1 x PP 1 x DP 2 (2 ranks)" in detail
+            and "RNG state not loaded: the TP/PP layout changed" in detail
+        )
         assert "16 compared with the stored bytes on 2 ranks" in checks(report)["tensors"]["detail"]
 
 
 def test_a_pp2_job_loads_as_pp1(variety, tmp_path, options):
-    profile = promoted_profile(variety, "pp2", tmp_path, options, drill_extra=", layout: {pipeline_parallel: 1}")
+    profile = promoted_profile(
+        variety, "pp2", tmp_path, options, drill_extra=", layout: {pipeline_parallel: 1}"
+    )
     report = run_drill(profile, "shared")
     assert report.ok, report.reason
     assert "on TP 1 x PP 1 x DP 1 (1 ranks)" in checks(report)["model"]["detail"]
 
 
 def test_a_bucketwise_distributed_optimizer_is_not_resharded_across_tp(variety, tmp_path, options):
-    profile = promoted_profile(variety, "tp2-distopt-bf16", tmp_path, options,
-                               drill_extra=", layout: {tensor_parallel: 1}")
+    profile = promoted_profile(
+        variety, "tp2-distopt-bf16", tmp_path, options, drill_extra=", layout: {tensor_parallel: 1}"
+    )
     report = run_drill(profile, "shared")
     assert not report.ok
-    assert report.reason.startswith("optimizer state saved as 'dp_reshardable' cannot be loaded on TP 1 x PP 1 "
-                                    "(the checkpoint's is TP 2 x PP 1); Megatron-LM refuses this too")
+    assert report.reason.startswith(
+        "optimizer state saved as 'dp_reshardable' cannot be loaded on TP 1 x PP 1 "
+        "(the checkpoint's is TP 2 x PP 1); Megatron-LM refuses this too"
+    )
     assert f"log: {report.log}" in report.reason and "LayoutError" in Path(report.log).read_text()
 
 
@@ -106,37 +123,56 @@ def test_a_checkpoint_whose_args_cannot_build_its_model_fails_naming_the_arg(var
     profile = promoted_profile(variety, "no-heads-arg", tmp_path, options)
     report = run_drill(profile, "shared")
     assert not report.ok and [p.name for p in report.phases] == ["copy", "verify"]
-    assert report.reason.startswith("args.num_attention_heads: missing from the checkpoint's args, and the "
-                                    "tensor shapes cannot tell the number of heads (rank 0; log: ")
+    assert report.reason.startswith(
+        "args.num_attention_heads: missing from the checkpoint's args, and the "
+        "tensor shapes cannot tell the number of heads (rank 0; log: "
+    )
     assert read_drills(profile.job.save_dir)[-1]["reason"] == report.reason
 
 
 def test_a_jobs_own_model_provider_builds_the_model(variety, tmp_path, options):
-    profile = promoted_profile(variety, "tp2-bf16", tmp_path, options,
-                               drill_extra=", model_provider: 'tests.helpers.model_provider:gpt_from_args'")
+    profile = promoted_profile(
+        variety,
+        "tp2-bf16",
+        tmp_path,
+        options,
+        drill_extra=", model_provider: 'tests.helpers.model_provider:gpt_from_args'",
+    )
     report = run_drill(profile, "shared")
     assert report.ok, report.reason
     assert checks(report)["model"]["detail"].startswith("tests.helpers.model_provider:gpt_from_args; on TP 2")
 
 
 def test_the_loads_own_first_error_is_the_reason_and_its_log_is_kept(variety, tmp_path, options):
-    profile = promoted_profile(variety, "llama-like", tmp_path, options,
-                               drill_extra=", model_provider: 'tests.helpers.model_provider:broken'")
+    profile = promoted_profile(
+        variety,
+        "llama-like",
+        tmp_path,
+        options,
+        drill_extra=", model_provider: 'tests.helpers.model_provider:broken'",
+    )
     report = run_drill(profile, "shared")
     assert not report.ok
-    assert report.reason.startswith("RuntimeError: no layer type for 2 layers in this provider (rank 0; log: ")
+    assert report.reason.startswith(
+        "RuntimeError: no layer type for 2 layers in this provider (rank 0; log: "
+    )
     log = Path(report.log)
-    assert log.parent == profile.job.save_dir / ".ckptops-history" / "drills" and "Traceback" in log.read_text()
+    assert (
+        log.parent == profile.job.save_dir / ".ckptops-history" / "drills" and "Traceback" in log.read_text()
+    )
     assert list(profile.drill.scratch_dir.iterdir()) == []
 
 
 def test_a_model_provider_that_does_not_import_is_a_usage_error(variety, tmp_path, options):
-    path = variant_profile(variety, "llama-like", tmp_path, drill_extra=", model_provider: 'nowhere.to_be:found'")
+    path = variant_profile(
+        variety, "llama-like", tmp_path, drill_extra=", model_provider: 'nowhere.to_be:found'"
+    )
     promote(load_profile(path).job.save_dir, options, 30)
     with pytest.raises(UsageError, match="drill.model_provider 'nowhere.to_be:found': cannot be imported"):
         run_drill(load_profile(path), "shared")
-    cli = subprocess.run([str(CKPTOPS), "drill", "--profile", str(path)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
+    cli = subprocess.run(
+        [str(CKPTOPS), "drill", "--profile", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert cli.returncode == 2 and "nowhere.to_be:found" in cli.stderr and "Traceback" not in cli.stderr
     assert read_drills(load_profile(path).job.save_dir) == []
 
@@ -154,7 +190,11 @@ def test_shared_drill_of_the_default_job_is_recorded(save_dir, tmp_path, options
     assert set(found) == {"model", "iteration", "consumed samples", "scheduler", "tensors"}
     assert list(profile.drill.scratch_dir.iterdir()) == []
     recorded = read_drills(save_dir)
-    assert len(recorded) == 1 and recorded[0]["ok"] and recorded[0]["window_seconds"] == pytest.approx(report.window_seconds)
+    assert (
+        len(recorded) == 1
+        and recorded[0]["ok"]
+        and recorded[0]["window_seconds"] == pytest.approx(report.window_seconds)
+    )
     assert recorded[0]["log"] == report.log
 
 
@@ -176,27 +216,49 @@ def test_drill_with_nothing_promoted_fails_clearly(save_dir, tmp_path):
 def test_drill_cli_history_estimate_and_plot(save_dir, tmp_path, options):
     promote(save_dir, options, 30)
     path = write_job_profile(tmp_path, save_dir)
-    drill = subprocess.run([str(CKPTOPS), "drill", "--source", "shared", "--profile", str(path)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    drill = subprocess.run(
+        [str(CKPTOPS), "drill", "--source", "shared", "--profile", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert drill.returncode == 0, drill.stderr
     assert drill.stdout.startswith("PASS drill from shared, iteration 24: window ")
     plot = tmp_path / "trend.png"
-    history = subprocess.run([str(CKPTOPS), "drills", "--profile", str(path), "--json", "--plot", str(plot)],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    history = subprocess.run(
+        [str(CKPTOPS), "drills", "--profile", str(path), "--json", "--plot", str(plot)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     data = json.loads(history.stdout)
     assert len(data["drills"]) == 1 and data["drills"][0]["source"] == "shared"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    wrong_dir = subprocess.run([str(CKPTOPS), "drill", str(tmp_path), "--profile", str(path)],
-                               cwd=ROOT, capture_output=True, text=True, timeout=120)
+    wrong_dir = subprocess.run(
+        [str(CKPTOPS), "drill", str(tmp_path), "--profile", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert wrong_dir.returncode == 2 and "not the save directory of profile" in wrong_dir.stderr
 
 
 def test_estimate_scales_each_phase_to_the_production_size():
-    drills = [{"source": "shared", "ok": True, "phases": [
-        {"name": "copy", "seconds": 2.0, "bytes": 2 << 30},
-        {"name": "verify", "seconds": 1.0, "bytes": 2 << 30},
-        {"name": "load", "seconds": 4.0, "bytes": 2 << 30}]},
-        {"source": "archive", "ok": False, "phases": []}]
+    drills = [
+        {
+            "source": "shared",
+            "ok": True,
+            "phases": [
+                {"name": "copy", "seconds": 2.0, "bytes": 2 << 30},
+                {"name": "verify", "seconds": 1.0, "bytes": 2 << 30},
+                {"name": "load", "seconds": 4.0, "bytes": 2 << 30},
+            ],
+        },
+        {"source": "archive", "ok": False, "phases": []},
+    ]
     predicted = estimate(drills, 7 * (1 << 40))
     assert set(predicted) == {"shared"}
     assert predicted["shared"].seconds == pytest.approx(7 * 1024 / 2 * 7.0)
@@ -207,15 +269,37 @@ def test_estimate_scales_each_phase_to_the_production_size():
 
 def test_production_drill_allocation_script(tmp_path):
     profile = load_profile("example-500b")
-    slurm = profile.drill.slurm.model_copy(update={"prelude": "module load cuda/12 # it's", "account": "ml team"})
-    arguments = ["--checkpoint", str(tmp_path / "restore dir" / "iter_0012000"), "--report", str(tmp_path / "r.json")]
-    script = render_sbatch(slurm, DrillLayout(8, 8, 64), arguments, tmp_path / "job.log", "ckptops-drill-gpt-500b")
-    for directive in ("--partition=drill", "--nodes=8", "--ntasks-per-node=8", "--gpus-per-node=8",
-                      "--time=01:30:00", "--exclusive", "'--account=ml team'"):
+    slurm = profile.drill.slurm.model_copy(
+        update={"prelude": "module load cuda/12 # it's", "account": "ml team"}
+    )
+    arguments = [
+        "--checkpoint",
+        str(tmp_path / "restore dir" / "iter_0012000"),
+        "--report",
+        str(tmp_path / "r.json"),
+    ]
+    script = render_sbatch(
+        slurm, DrillLayout(8, 8, 64), arguments, tmp_path / "job.log", "ckptops-drill-gpt-500b"
+    )
+    for directive in (
+        "--partition=drill",
+        "--nodes=8",
+        "--ntasks-per-node=8",
+        "--gpus-per-node=8",
+        "--time=01:30:00",
+        "--exclusive",
+        "'--account=ml team'",
+    ):
         assert f"#SBATCH {directive}" in script
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     words = shlex.split(srun)
-    assert words[:5] == ["srun", "--kill-on-bad-exit=1", "/opt/ckptops/.venv/bin/python", "-m", "tasks.restore.loader"]
+    assert words[:5] == [
+        "srun",
+        "--kill-on-bad-exit=1",
+        "/opt/ckptops/.venv/bin/python",
+        "-m",
+        "tasks.restore.loader",
+    ]
     assert words[5:] == arguments  # each argument one word, never re-parsed by the shell
     checked = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
     assert checked.returncode == 0, checked.stderr

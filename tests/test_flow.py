@@ -7,7 +7,7 @@ import sys
 import time
 import urllib.request
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from prefect.artifacts import Artifact
@@ -37,8 +37,9 @@ def write_profile(tmp_path, save_dir, name="flow-test", lock_timeout=30):
 def test_flow_verifies_promotes_retains_and_publishes(prefect_api, save_dir, tmp_path):
     state = verify_and_promote(profile=write_profile(tmp_path, save_dir), return_state=True)
     assert state.is_completed(), state.message
-    assert state.message == ("verified 4, 8, 12, 16, 20, 24; latest verified: 24 (first promotion); "
-                             "retention deleted 4, 8, 12")
+    assert state.message == (
+        "verified 4, 8, 12, 16, 20, 24; latest verified: 24 (first promotion); retention deleted 4, 8, 12"
+    )
     assert read_pointer(save_dir) == 24
     assert sorted(p.name for p in save_dir.glob("iter_*")) == ["iter_0000016", "iter_0000020", "iter_0000024"]
 
@@ -86,8 +87,14 @@ def test_flow_does_not_run_while_another_run_holds_the_job(prefect_api, save_dir
 
 
 def _prefect(*args, env):
-    return subprocess.run([sys.executable, "-m", "prefect", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "prefect", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_deployments_register_and_the_saved_event_starts_a_run(prefect_api):
@@ -103,12 +110,21 @@ def test_deployments_register_and_the_saved_event_starts_a_run(prefect_api):
         assert deployment.schedules and deployment.schedules[0].schedule.interval.total_seconds() == 30
 
         # What the training job does after a save: a plain HTTP POST, no Prefect client.
-        event = [{"id": str(uuid.uuid4()), "occurred": datetime.now(timezone.utc).isoformat(),
-                  "event": "training.checkpoint.saved",
-                  "resource": {"prefect.resource.id": "ckptops.job.local-tiny"},
-                  "payload": {"iteration": 4}}]
-        request = urllib.request.Request(f"{prefect_api}/events", data=json.dumps(event).encode(),
-                                         headers={"Content-Type": "application/json"}, method="POST")
+        event = [
+            {
+                "id": str(uuid.uuid4()),
+                "occurred": datetime.now(UTC).isoformat(),
+                "event": "training.checkpoint.saved",
+                "resource": {"prefect.resource.id": "ckptops.job.local-tiny"},
+                "payload": {"iteration": 4},
+            }
+        ]
+        request = urllib.request.Request(
+            f"{prefect_api}/events",
+            data=json.dumps(event).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         with urllib.request.urlopen(request, timeout=10) as reply:
             assert reply.status in (200, 201, 202, 204)
 
@@ -116,7 +132,9 @@ def test_deployments_register_and_the_saved_event_starts_a_run(prefect_api):
         deadline = time.monotonic() + 90
         triggered = []
         while not triggered and time.monotonic() < deadline:
-            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
+            runs = client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+            )
             triggered = [r for r in runs if r.created_by and r.created_by.type == "AUTOMATION"]
             if not triggered:
                 time.sleep(0.5)
@@ -141,7 +159,11 @@ def test_archive_and_drill_flows_publish_their_results(prefect_api, save_dir, tm
         assert state.message.startswith(f"PASS drill from {source}, iteration 24")
         phases = json.loads(Artifact.get(f"drill-{source}-test-job").data)
         assert [r["phase"] for r in phases[:4]] == [
-            "download" if source == "archive" else "copy", "verify", "load", "restore window"]
+            "download" if source == "archive" else "copy",
+            "verify",
+            "load",
+            "restore window",
+        ]
     history = json.loads(Artifact.get("drill-history-test-job").data)
     assert [r["source"] for r in history] == ["shared", "archive"]
     assert "data:image/png;base64," in Artifact.get("drill-trend-test-job").data

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 HEALTHY = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 FAILING_GPU, HANGS, KEY_CHANGED, KEY_UNKNOWN = "127.0.0.5", "127.0.0.6", "127.0.0.7", "127.0.0.8"
 PERSISTENCE, SLOW_NCCL, XID = "127.0.0.9", "127.0.0.10", "127.0.0.11"
-UNREACHABLE = "127.0.0.250"   # nothing listens there
+UNREACHABLE = "127.0.0.250"  # nothing listens there
 NODES = HEALTHY + [FAILING_GPU, HANGS, KEY_CHANGED, KEY_UNKNOWN, PERSISTENCE, SLOW_NCCL, XID, UNREACHABLE]
 
 
@@ -53,7 +53,9 @@ def scontrol(tmp_path, monkeypatch):
 
 
 def make_profile(cluster, tmp_path, nodes=NODES, **extra):
-    known_hosts = cluster.known_hosts(tmp_path / "known_hosts", wrong_key_for=(KEY_CHANGED,), missing=(KEY_UNKNOWN,))
+    known_hosts = cluster.known_hosts(
+        tmp_path / "known_hosts", wrong_key_for=(KEY_CHANGED,), missing=(KEY_UNKNOWN,)
+    )
     path = tmp_path / "health.yaml"
     path.write_text(profile_yaml(cluster, nodes, known_hosts, tmp_path / "raw", **extra))
     return load_profile(path)
@@ -68,25 +70,39 @@ def test_fan_out_gives_each_node_its_verdict_and_drains_within_the_cap(cluster, 
     assert got[FAILING_GPU].verdict is Verdict.FAIL_HARDWARE
     evidence = got[FAILING_GPU].worst_check.evidence[0]
     assert (evidence.test, evidence.gpu, evidence.error_id, evidence.severity) == ("memory", 3, 83, "ISOLATE")
-    assert got[HANGS].verdict is Verdict.SUSPECT and "timed out" in got[HANGS].summary and "again after a retry" in got[HANGS].summary
+    assert (
+        got[HANGS].verdict is Verdict.SUSPECT
+        and "timed out" in got[HANGS].summary
+        and "again after a retry" in got[HANGS].summary
+    )
     assert got[KEY_CHANGED].verdict is Verdict.TOOL_ERROR and "host key changed" in got[KEY_CHANGED].summary
     assert "refused" in got[KEY_CHANGED].summary
-    assert got[KEY_UNKNOWN].verdict is Verdict.TOOL_ERROR and "host key unknown, refused" in got[KEY_UNKNOWN].summary
+    assert (
+        got[KEY_UNKNOWN].verdict is Verdict.TOOL_ERROR
+        and "host key unknown, refused" in got[KEY_UNKNOWN].summary
+    )
     assert got[UNREACHABLE].verdict is Verdict.SUSPECT and "unreachable" in got[UNREACHABLE].summary
     assert got[PERSISTENCE].verdict is Verdict.FAIL_CONFIG and "error 29 (CONFIG)" in got[PERSISTENCE].summary
-    assert got[SLOW_NCCL].verdict is Verdict.FAIL_HARDWARE and got[SLOW_NCCL].worst_check.evidence[0].value == 338.82
-    assert got[SLOW_NCCL].worst_check.attempts == 2 and "again after a retry" in got[SLOW_NCCL].summary  # measured twice
+    assert (
+        got[SLOW_NCCL].verdict is Verdict.FAIL_HARDWARE
+        and got[SLOW_NCCL].worst_check.evidence[0].value == 338.82
+    )
+    assert (
+        got[SLOW_NCCL].worst_check.attempts == 2 and "again after a retry" in got[SLOW_NCCL].summary
+    )  # measured twice
     assert got[XID].verdict is Verdict.FAIL_HARDWARE and "critical XID 79" in got[XID].summary
     # A node without a host key we trust was never sent a command.
     assert not [c for c in cluster.calls() if c["address"] in (KEY_CHANGED, KEY_UNKNOWN)]
 
     plan = apply_drains(plan_drains(run.reports, profile.health), profile.health)
     assert plan.page is None
-    assert [n for n, _ in plan.drain] == plan.drained == [FAILING_GPU, SLOW_NCCL]   # hardware first, cap 2
+    assert [n for n, _ in plan.drain] == plan.drained == [FAILING_GPU, SLOW_NCCL]  # hardware first, cap 2
     assert {n for n, _ in plan.held} == {PERSISTENCE, XID}
     assert sorted(plan.rerun) == sorted([HANGS, KEY_CHANGED, KEY_UNKNOWN, UNREACHABLE])
     drains = scontrol.read_text().splitlines()
-    assert drains[0].startswith(f"update NodeName={FAILING_GPU} State=DRAIN Reason=ckptops FAIL_HARDWARE dcgm-diag: memory on GPU 3")
+    assert drains[0].startswith(
+        f"update NodeName={FAILING_GPU} State=DRAIN Reason=ckptops FAIL_HARDWARE dcgm-diag: memory on GPU 3"
+    )
     assert len(drains) == 2
 
     # The next run drains the next two, the hourly cap (4) then stops a third; drained nodes are
@@ -102,26 +118,47 @@ def test_raw_outputs_and_history_are_kept_per_node(cluster, tmp_path, scontrol):
     profile = make_profile(cluster, tmp_path, nodes=[HEALTHY[0]])
     first = run_health(profile.health, [HEALTHY[0]]).reports[0]
     raw = Path(first.checks[0].raw)
-    assert raw.parent == tmp_path / "raw" / HEALTHY[0] and raw.read_text().startswith("$ dcgmi discovery -l\n# exit: 0")
+    assert raw.parent == tmp_path / "raw" / HEALTHY[0] and raw.read_text().startswith(
+        "$ dcgmi discovery -l\n# exit: 0"
+    )
     run_health(profile.health, [HEALTHY[0]])
     history = (tmp_path / "raw" / HEALTHY[0] / "history.jsonl").read_text().splitlines()
     assert len(history) == 2 and json.loads(history[0])["verdict"] == "PASS"
     from datetime import datetime
 
     first_run = int(datetime.fromisoformat(json.loads(history[0])["started_at"]).timestamp())
-    journal_calls = [c["argv"] for c in cluster.calls() if c["address"] == HEALTHY[0] and c["tool"] == "journalctl"]
-    assert journal_calls[-1][-1] == f"--since=@{first_run}"  # the second run reads the log from the first's start
+    journal_calls = [
+        c["argv"] for c in cluster.calls() if c["address"] == HEALTHY[0] and c["tool"] == "journalctl"
+    ]
+    assert (
+        journal_calls[-1][-1] == f"--since=@{first_run}"
+    )  # the second run reads the log from the first's start
 
 
 def test_one_connection_per_node_and_parameters_never_reach_a_shell(cluster, tmp_path, scontrol):
     marker = tmp_path / "injected"
-    profile = make_profile(cluster, tmp_path, nodes=[HEALTHY[1]],
-                           nccl={"command": ["all_reduce_perf", "-b", "1G", "-e", "8G", "-g", "8",
-                                             f"$(touch {marker})", "; touch " + str(marker)]})
+    profile = make_profile(
+        cluster,
+        tmp_path,
+        nodes=[HEALTHY[1]],
+        nccl={
+            "command": [
+                "all_reduce_perf",
+                "-b",
+                "1G",
+                "-e",
+                "8G",
+                "-g",
+                "8",
+                f"$(touch {marker})",
+                "; touch " + str(marker),
+            ]
+        },
+    )
     before = len(cluster.calls())
     run_health(profile.health, [HEALTHY[1]])
     calls = [c for c in cluster.calls()[before:] if c["address"] == HEALTHY[1]]
-    assert len(calls) == 7 and len({c["client_port"] for c in calls}) == 1   # every check, one connection
+    assert len(calls) == 7 and len({c["client_port"] for c in calls}) == 1  # every check, one connection
     nccl = [c["argv"] for c in calls if c["tool"] == "all_reduce_perf"][-1]
     assert nccl[-2:] == [f"$(touch {marker})", f"; touch {marker}"]  # arrived as literal arguments
     assert not marker.exists()
@@ -153,13 +190,45 @@ def test_draining_off_gives_a_plan_only(cluster, tmp_path, scontrol):
 
 
 def test_spare_admission_needs_r3_nccl_and_a_pair_test(cluster, tmp_path, scontrol):
-    cluster.record("default", "diag", json.dumps({"DCGM Diagnostic": {"test_categories": [{"category": "all", "tests": [
-        {"name": name, "results": [{"entity_id": i, "status": "Pass"} for i in range(8)], "test_summary": {"status": "Pass"}}
-        for name in ("software", "pcie", "memory", "diagnostic", "targeted_stress", "targeted_power", "memory_bandwidth")]}]}}))
-    cluster.record_sample(HEALTHY[2], "pair", "nccl_allreduce_2node_init_failure_ncclwarn_issue294_excerpt.txt", rc=3)
+    cluster.record(
+        "default",
+        "diag",
+        json.dumps(
+            {
+                "DCGM Diagnostic": {
+                    "test_categories": [
+                        {
+                            "category": "all",
+                            "tests": [
+                                {
+                                    "name": name,
+                                    "results": [{"entity_id": i, "status": "Pass"} for i in range(8)],
+                                    "test_summary": {"status": "Pass"},
+                                }
+                                for name in (
+                                    "software",
+                                    "pcie",
+                                    "memory",
+                                    "diagnostic",
+                                    "targeted_stress",
+                                    "targeted_power",
+                                    "memory_bandwidth",
+                                )
+                            ],
+                        }
+                    ]
+                }
+            }
+        ),
+    )
+    cluster.record_sample(
+        HEALTHY[2], "pair", "nccl_allreduce_2node_init_failure_ncclwarn_issue294_excerpt.txt", rc=3
+    )
     try:
         spares = [HEALTHY[1], HEALTHY[2]]
-        profile = make_profile(cluster, tmp_path, nodes=spares, pairs={"enabled": False, "known_good": HEALTHY[0]})
+        profile = make_profile(
+            cluster, tmp_path, nodes=spares, pairs={"enabled": False, "known_good": HEALTHY[0]}
+        )
         run = run_health(profile.health, spares, admit=True)
     finally:
         cluster.record_sample("default", "diag", "synthetic_dcgm4_diag_r1_pass.json")
@@ -167,7 +236,9 @@ def test_spare_admission_needs_r3_nccl_and_a_pair_test(cluster, tmp_path, scontr
             (cluster.root / "scenarios" / HEALTHY[2] / f"pair.{suffix}").unlink()
     assert run.level == 3
     readiness = spare_readiness(run.reports, spares, run.level)
-    assert set(spare_readiness(run.reports, spares, 1).values()) == {"not ready: the admission set did not run completely"}
+    assert set(spare_readiness(run.reports, spares, 1).values()) == {
+        "not ready: the admission set did not run completely"
+    }
     assert readiness[HEALTHY[1]] == "ready"
     assert readiness[HEALTHY[2]].startswith(f"not ready: nccl-pair-{HEALTHY[0]}: the test could not run")
     pair = [c["argv"] for c in cluster.calls() if c["tool"] == "mpirun" and c["address"] == HEALTHY[1]][-1]
@@ -176,12 +247,28 @@ def test_spare_admission_needs_r3_nccl_and_a_pair_test(cluster, tmp_path, scontr
 
 def test_health_cli_json_and_exit_code(cluster, tmp_path, scontrol):
     profile = make_profile(cluster, tmp_path, drain={"enabled": False})
-    done = subprocess.run([str(ROOT / ".venv" / "bin" / "ckptops"), "health", "run", "--profile", str(profile.source),
-                           "--nodes", f"{HEALTHY[0]},{PERSISTENCE}", "--json"], capture_output=True, text=True,
-                          timeout=300, env=os.environ)
+    done = subprocess.run(
+        [
+            str(ROOT / ".venv" / "bin" / "ckptops"),
+            "health",
+            "run",
+            "--profile",
+            str(profile.source),
+            "--nodes",
+            f"{HEALTHY[0]},{PERSISTENCE}",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ,
+    )
     assert done.returncode == 1, done.stderr
     data = json.loads(done.stdout)
-    assert {n["node"]: n["verdict"] for n in data["nodes"]} == {HEALTHY[0]: "PASS", PERSISTENCE: "FAIL_CONFIG"}
+    assert {n["node"]: n["verdict"] for n in data["nodes"]} == {
+        HEALTHY[0]: "PASS",
+        PERSISTENCE: "FAIL_CONFIG",
+    }
     assert data["drain"][0][0] == PERSISTENCE and data["drained"] == []
 
 
@@ -195,13 +282,17 @@ def test_key_from_a_prefect_secret_block_and_the_node_health_flow(cluster, tmp_p
 
     Secret(value=cluster.client_key.read_text()).save("health-test-ssh-key", overwrite=True)
     nodes = [HEALTHY[0], FAILING_GPU, PERSISTENCE]
-    profile = make_profile(cluster, tmp_path, nodes=nodes,
-                           ssh={"key_file": None, "secret_block": "health-test-ssh-key"})
+    profile = make_profile(
+        cluster, tmp_path, nodes=nodes, ssh={"key_file": None, "secret_block": "health-test-ssh-key"}
+    )
     state = node_health(profile=str(profile.source), return_state=True)
     assert state.is_failed() and state.message.startswith("3 nodes: FAIL_CONFIG 1, FAIL_HARDWARE 1, PASS 1")
     rows = json.loads(Artifact.get("node-health").data)
     assert [(r["node"], r["verdict"]) for r in rows] == [
-        (FAILING_GPU, "FAIL_HARDWARE"), (PERSISTENCE, "FAIL_CONFIG"), (HEALTHY[0], "PASS")]
+        (FAILING_GPU, "FAIL_HARDWARE"),
+        (PERSISTENCE, "FAIL_CONFIG"),
+        (HEALTHY[0], "PASS"),
+    ]
     assert rows[0]["error id"] == 83 and rows[0]["severity"] == "ISOLATE" and rows[0]["raw"]
     actions = Artifact.get("node-health-actions").data
     assert f"drained: {FAILING_GPU}" in actions and len(scontrol.read_text().splitlines()) == 2

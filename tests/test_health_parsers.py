@@ -22,6 +22,7 @@ def read(name: str) -> str:
 
 # Real outputs.
 
+
 def test_dcgm4_persistence_mode_is_a_config_failure_not_hardware():
     verdict = classify_diag(read("dcgm4_diag_r1_gb10_fail.json"), 226, level=1)
     assert verdict.verdict is Verdict.FAIL_CONFIG
@@ -35,8 +36,9 @@ def test_dcgm4_pcie_entityless_internal_error_is_a_tool_error():
     assert verdict.summary.startswith("pcie failed with no GPU to blame") and "exclusive" in verdict.summary
 
 
-@pytest.mark.parametrize("name, level", [("dcgm4_diag_r3_text_pass_docs.txt", 3),
-                                         ("dcgm3_diag_r4_text_pass_gcm_docstring.txt", 4)])
+@pytest.mark.parametrize(
+    "name, level", [("dcgm4_diag_r3_text_pass_docs.txt", 3), ("dcgm3_diag_r4_text_pass_gcm_docstring.txt", 4)]
+)
 def test_dcgm_text_passes(name, level):
     verdict = classify_diag(read(name), 0, level)
     assert verdict.verdict is Verdict.PASS, [e.detail for e in verdict.evidence]
@@ -44,7 +46,9 @@ def test_dcgm_text_passes(name, level):
 
 def test_dcgm4_r3_fragment_wrapped_into_a_document_passes():
     fragment = read("dcgm4_diag_r3_fragment_issue215.jsonfrag").rstrip().rstrip(",")
-    document = '{"DCGM Diagnostic": {"test_categories": [{"category": "Hardware", "tests": [' + fragment + "]}]}}"
+    document = (
+        '{"DCGM Diagnostic": {"test_categories": [{"category": "Hardware", "tests": [' + fragment + "]}]}}"
+    )
     assert classify_diag(document, 0).verdict is Verdict.PASS
 
 
@@ -63,8 +67,8 @@ def test_nccl_two_nodes_ib_passes_on_peak_not_average():
 
 def test_nccl_gates_are_per_fabric():
     text = read("nccl_allreduce_2node_16xH100_gcp_a3mega.txt")
-    assert classify_allreduce(text, 0, 330, 300).verdict is Verdict.PASS       # that fabric's gate
-    failed = classify_allreduce(text, 0, 360, 350)                              # a 400G IB gate
+    assert classify_allreduce(text, 0, 330, 300).verdict is Verdict.PASS  # that fabric's gate
+    failed = classify_allreduce(text, 0, 360, 350)  # a 400G IB gate
     assert failed.verdict is Verdict.FAIL_HARDWARE and failed.evidence[0].value == 338.82
 
 
@@ -73,8 +77,13 @@ def test_nccl_old_format_passes():
     assert verdict.verdict is Verdict.PASS and verdict.evidence[0].value == 472.35
 
 
-@pytest.mark.parametrize("name", ["nccl_allreduce_2node_init_failure_ncclwarn_issue294_excerpt.txt",
-                                  "nccl_allreduce_unhandled_system_error_issue320.txt"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "nccl_allreduce_2node_init_failure_ncclwarn_issue294_excerpt.txt",
+        "nccl_allreduce_unhandled_system_error_issue320.txt",
+    ],
+)
 def test_nccl_failures_to_run_are_tool_errors(name):
     verdict = classify_allreduce(read(name), 3, 360, 330)
     assert verdict.verdict is Verdict.TOOL_ERROR and verdict.summary.startswith("the test could not run")
@@ -82,24 +91,54 @@ def test_nccl_failures_to_run_are_tool_errors(name):
 
 # Synthetic cases (labelled synthetic_ in their names).
 
-@pytest.mark.parametrize("name, exit_code, level, expected, fragment", [
-    ("synthetic_dcgm3_diag_r1_pass.json", 0, 1, Verdict.PASS, "passed"),
-    ("synthetic_dcgm3_diag_r2_isolate.json", 205, 2, Verdict.FAIL_HARDWARE, "memory on GPU 1: error 83 (ISOLATE)"),
-    ("synthetic_dcgm4_diag_r1_pass.json", 0, 1, Verdict.PASS, "passed on every GPU"),
-    ("synthetic_dcgm4_diag_r2_isolate.json", 205, 2, Verdict.FAIL_HARDWARE, "memory on GPU 3: error 83 (ISOLATE)"),
-    ("synthetic_dcgm4_diag_r2_entityless.json", 226, 2, Verdict.TOOL_ERROR, "pcie failed with no GPU to blame"),
-    ("synthetic_dcgm4_diag_r2_notrun.json", 0, 2, Verdict.TOOL_ERROR, "pcie: listed but did not run"),
-    ("synthetic_dcgm4_diag_r1_monitor.json", 226, 1, Verdict.WARN, "error 100 (MONITOR)"),
-    ("synthetic_dcgm4_diag_truncated.json", 0, 2, Verdict.TOOL_ERROR, "not a whole JSON document"),
-    ("synthetic_dcgm4_diag_r1_pass.json", 0, 3, Verdict.TOOL_ERROR, "expected test diagnostic did not run (level 3)"),
-])
+
+@pytest.mark.parametrize(
+    "name, exit_code, level, expected, fragment",
+    [
+        ("synthetic_dcgm3_diag_r1_pass.json", 0, 1, Verdict.PASS, "passed"),
+        (
+            "synthetic_dcgm3_diag_r2_isolate.json",
+            205,
+            2,
+            Verdict.FAIL_HARDWARE,
+            "memory on GPU 1: error 83 (ISOLATE)",
+        ),
+        ("synthetic_dcgm4_diag_r1_pass.json", 0, 1, Verdict.PASS, "passed on every GPU"),
+        (
+            "synthetic_dcgm4_diag_r2_isolate.json",
+            205,
+            2,
+            Verdict.FAIL_HARDWARE,
+            "memory on GPU 3: error 83 (ISOLATE)",
+        ),
+        (
+            "synthetic_dcgm4_diag_r2_entityless.json",
+            226,
+            2,
+            Verdict.TOOL_ERROR,
+            "pcie failed with no GPU to blame",
+        ),
+        ("synthetic_dcgm4_diag_r2_notrun.json", 0, 2, Verdict.TOOL_ERROR, "pcie: listed but did not run"),
+        ("synthetic_dcgm4_diag_r1_monitor.json", 226, 1, Verdict.WARN, "error 100 (MONITOR)"),
+        ("synthetic_dcgm4_diag_truncated.json", 0, 2, Verdict.TOOL_ERROR, "not a whole JSON document"),
+        (
+            "synthetic_dcgm4_diag_r1_pass.json",
+            0,
+            3,
+            Verdict.TOOL_ERROR,
+            "expected test diagnostic did not run (level 3)",
+        ),
+    ],
+)
 def test_dcgm_branches(name, exit_code, level, expected, fragment):
     verdict = classify_diag(read(name), exit_code, level)
     assert verdict.verdict is expected
     assert any(fragment in e.detail for e in verdict.evidence), [e.detail for e in verdict.evidence]
 
 
-@pytest.mark.parametrize("exit_code, meaning", [(235, "host engine unreachable"), (245, "timed out"), (1, "not an exit code")])
+@pytest.mark.parametrize(
+    "exit_code, meaning", [(235, "host engine unreachable"), (245, "timed out"), (1, "not an exit code")]
+)
 def test_dcgm_empty_output_with_an_error_exit_is_a_tool_error(exit_code, meaning):
     verdict = classify_diag("", exit_code, 1)
     assert verdict.verdict is Verdict.TOOL_ERROR and meaning in verdict.summary
@@ -109,13 +148,16 @@ def test_dcgm_nothing_printed_with_exit_0_is_a_tool_error():
     assert classify_diag("   \n", 0, 1).summary == "dcgmi diag printed nothing"
 
 
-@pytest.mark.parametrize("name, expected, fragment", [
-    ("synthetic_nccl_cut_after_header.txt", Verdict.TOOL_ERROR, "cut after the header"),
-    ("synthetic_nccl_c0_na.txt", Verdict.WARN, "not validated (-c 0)"),
-    ("synthetic_nccl_nonmpi.txt", Verdict.FAIL_CONFIG, "nranks 1 and busbw 0.00"),
-    ("synthetic_nccl_wrong.txt", Verdict.FAIL_HARDWARE, "wrong results at size 2147483648"),
-    ("synthetic_nccl_no_footer.txt", Verdict.TOOL_ERROR, "no footer"),
-])
+@pytest.mark.parametrize(
+    "name, expected, fragment",
+    [
+        ("synthetic_nccl_cut_after_header.txt", Verdict.TOOL_ERROR, "cut after the header"),
+        ("synthetic_nccl_c0_na.txt", Verdict.WARN, "not validated (-c 0)"),
+        ("synthetic_nccl_nonmpi.txt", Verdict.FAIL_CONFIG, "nranks 1 and busbw 0.00"),
+        ("synthetic_nccl_wrong.txt", Verdict.FAIL_HARDWARE, "wrong results at size 2147483648"),
+        ("synthetic_nccl_no_footer.txt", Verdict.TOOL_ERROR, "no footer"),
+    ],
+)
 def test_nccl_branches(name, expected, fragment):
     verdict = classify_allreduce(read(name), 0, 431, 410)
     assert verdict.verdict is expected and fragment in verdict.summary
@@ -123,7 +165,10 @@ def test_nccl_branches(name, expected, fragment):
 
 def test_a_finished_table_is_judged_even_when_nccl_warned():
     text = read("nccl_allreduce_2node_16xH100_ib400_issue309.txt")
-    warned = text.replace("NCCL version 2.26.2+cuda12.8", "node:1:2 [0] NCCL WARN NET/IB : port 1 degraded\nNCCL version 2.26.2+cuda12.8")
+    warned = text.replace(
+        "NCCL version 2.26.2+cuda12.8",
+        "node:1:2 [0] NCCL WARN NET/IB : port 1 degraded\nNCCL version 2.26.2+cuda12.8",
+    )
     verdict = classify_allreduce(warned, 0, 500, 480)  # synthetic: the real run plus one WARN line
     assert verdict.verdict is Verdict.FAIL_HARDWARE and "NCCL WARN NET/IB" in verdict.summary
 
@@ -136,7 +181,10 @@ def test_non_mpi_build_under_mpirun_with_several_processes():
 
 
 def test_nccl_exit_7_means_wrong_values():
-    assert classify_allreduce(read("nccl_allreduce_2node_dgxh100_g8_oldformat.txt"), 7, 360, 330).verdict is Verdict.FAIL_HARDWARE
+    assert (
+        classify_allreduce(read("nccl_allreduce_2node_dgxh100_g8_oldformat.txt"), 7, 360, 330).verdict
+        is Verdict.FAIL_HARDWARE
+    )
 
 
 def test_nvlink_down_is_found():
@@ -144,13 +192,45 @@ def test_nvlink_down_is_found():
 
 
 def test_classify_cli_prints_the_verdict_word_first():
-    done = subprocess.run([str(CKPTOPS), "health", "classify", "dcgm", str(DATA / "dcgm4_diag_r1_gb10_fail.json"),
-                           "--exit-code", "226"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            str(CKPTOPS),
+            "health",
+            "classify",
+            "dcgm",
+            str(DATA / "dcgm4_diag_r1_gb10_fail.json"),
+            "--exit-code",
+            "226",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1 and done.stdout.startswith("FAIL_CONFIG software on GPU 0: error 29 (CONFIG)")
-    passing = subprocess.run([str(CKPTOPS), "health", "classify", "nccl", str(DATA / "nccl_allreduce_2node_dgxh100_g8_oldformat.txt"),
-                              "--pass-gbps", "360", "--warn-gbps", "330", "--json"], capture_output=True, text=True, timeout=120)
+    passing = subprocess.run(
+        [
+            str(CKPTOPS),
+            "health",
+            "classify",
+            "nccl",
+            str(DATA / "nccl_allreduce_2node_dgxh100_g8_oldformat.txt"),
+            "--pass-gbps",
+            "360",
+            "--warn-gbps",
+            "330",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert passing.returncode == 0 and json.loads(passing.stdout)["verdict"] == "PASS"
-    missing = subprocess.run([str(CKPTOPS), "health", "classify", "dcgm", "/nonexistent"], capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [str(CKPTOPS), "health", "classify", "dcgm", "/nonexistent"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 2 and missing.stderr.startswith("ckptops: /nonexistent:")
 
 

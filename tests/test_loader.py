@@ -25,35 +25,63 @@ def test_the_jobs_own_args_need_no_inference(variety):
         assert resolved.inferred == [], name
     index, args = index_and_args(iter_dir(variety["llama-like"], 4))
     got = resolve(args, index.tensors).args
-    assert (got.swiglu, got.normalization, got.position_embedding_type, got.group_query_attention,
-            got.num_query_groups, got.untie_embeddings_and_output_weights, got.add_bias_linear, got.qk_layernorm) == \
-           (True, "RMSNorm", "rope", True, 2, True, False, True)
+    assert (
+        got.swiglu,
+        got.normalization,
+        got.position_embedding_type,
+        got.group_query_attention,
+        got.num_query_groups,
+        got.untie_embeddings_and_output_weights,
+        got.add_bias_linear,
+        got.qk_layernorm,
+    ) == (True, "RMSNorm", "rope", True, 2, True, False, True)
 
 
 def test_shapes_win_over_missing_and_contradicting_args(variety):
     index, args = index_and_args(iter_dir(variety["llama-like"], 4))
-    stripped = argparse.Namespace(num_attention_heads=4, seq_length=32, tensor_model_parallel_size=1,
-                                  pipeline_model_parallel_size=1, hidden_size=999, swiglu=False)
+    stripped = argparse.Namespace(
+        num_attention_heads=4,
+        seq_length=32,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        hidden_size=999,
+        swiglu=False,
+    )
     resolved = resolve(stripped, index.tensors)
     got = resolved.args
-    assert (got.hidden_size, got.num_layers, got.ffn_hidden_size, got.swiglu, got.kv_channels) == (64, 2, 128, True, 16)
+    assert (got.hidden_size, got.num_layers, got.ffn_hidden_size, got.swiglu, got.kv_channels) == (
+        64,
+        2,
+        128,
+        True,
+        16,
+    )
     notes = "\n".join(resolved.inferred)
-    assert "hidden_size=64 (the args say 999; embedding.word_embeddings.weight [128, 64] says otherwise)" in notes
+    assert (
+        "hidden_size=64 (the args say 999; embedding.word_embeddings.weight [128, 64] says otherwise)"
+        in notes
+    )
     assert "swiglu=True (the args say False; decoder.layers.mlp.linear_fc1.weight [2, 256, 64]" in notes
     assert "normalization='RMSNorm' (missing from the args; from norm biases absent)" in notes
-    assert "num_layers=2 (missing from the args; from decoder.layers.self_attention.linear_qkv.weight" in notes
+    assert (
+        "num_layers=2 (missing from the args; from decoder.layers.self_attention.linear_qkv.weight" in notes
+    )
     assert "max_position_embeddings=32 (Megatron-LM's default: seq_length)" in notes
     assert args.hidden_size == 64  # the checkpoint's own args are not modified
 
 
 def test_an_arg_the_shapes_cannot_settle_is_named(variety):
     index, args = index_and_args(iter_dir(variety["pp2"], 4))
-    with pytest.raises(ModelArgsError, match=r"^args.num_attention_heads: missing from the checkpoint's args"):
+    with pytest.raises(
+        ModelArgsError, match=r"^args.num_attention_heads: missing from the checkpoint's args"
+    ):
         resolve(argparse.Namespace(), index.tensors)
     with pytest.raises(ModelArgsError, match="kv_channels=48: does not divide the query width 64"):
         resolve(argparse.Namespace(num_attention_heads=4, kv_channels=48), index.tensors)
     not_gpt = {k: v for k, v in index.tensors.items() if not k.startswith("decoder.layers.self_attention")}
-    with pytest.raises(ModelArgsError, match="linear_qkv.weight: not in the checkpoint; not a Megatron-Core GPT"):
+    with pytest.raises(
+        ModelArgsError, match="linear_qkv.weight: not in the checkpoint; not a Megatron-Core GPT"
+    ):
         resolve(args, not_gpt)
 
 
@@ -83,26 +111,38 @@ def test_a_resharded_piece_is_assembled_from_the_stored_chunks_and_compared_bit_
     # On TP1 a rank holds a whole layer: both stored halves; on TP4 a quarter of one.
     whole = Piece(key, full[key][1].clone(), (2, 256, 64), (1, 0, 0), (256, 64))
     quarter = Piece(key, full[key][0, 64:128].clone(), (2, 256, 64), (0, 64, 0), (64, 64))
-    flat = Piece(key, full[key][0].flatten()[100:300].clone(), (2, 256, 64), (0, 0, 0), (256, 64), slice(100, 300))
+    flat = Piece(
+        key, full[key][0].flatten()[100:300].clone(), (2, 256, 64), (0, 0, 0), (256, 64), slice(100, 300)
+    )
     compared, mismatches = compare(directory, index, [whole, quarter, flat])
     assert compared == [f"{key}@[1, 0, 0]", f"{key}@[0, 64, 0]", f"{key}@[0, 0, 0]"] and mismatches == []
     whole.data.view(torch.int16)[5, 7] ^= 1  # one bit of one bf16 value
-    quarter.data = quarter.data.float()      # right values, wrong dtype
+    quarter.data = quarter.data.float()  # right values, wrong dtype
     assert compare(directory, index, [whole, quarter, flat])[1] == [f"{key}@[1, 0, 0]", f"{key}@[0, 64, 0]"]
     missing = Piece("decoder.layers.mlp.linear_fc9.weight", whole.data, (2, 256, 64), (1, 0, 0), (256, 64))
     assert compare(directory, index, [missing])[1] == [
-        "decoder.layers.mlp.linear_fc9.weight@[1, 0, 0] (not all of it is in the checkpoint)"]
+        "decoder.layers.mlp.linear_fc9.weight@[1, 0, 0] (not all of it is in the checkpoint)"
+    ]
 
 
 def test_a_mixture_of_experts_is_recognised_by_its_router(variety):
     """The local job cannot train MoE on CPU (megatron-core's router fails in autograd there), so
     the shapes of a MoE checkpoint are those of the dense job plus a router, as megatron names it."""
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     index, args = index_and_args(iter_dir(variety["pp2"], 4))
     dense = {k: v for k, v in index.tensors.items() if ".mlp.linear_fc" not in k}
-    router = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2, 8, 64]),
-                                   [ChunkStorageMetadata(torch.Size([0, 0, 0]), torch.Size([2, 8, 64]))])
+    router = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size([2, 8, 64]),
+        [ChunkStorageMetadata(torch.Size([0, 0, 0]), torch.Size([2, 8, 64]))],
+    )
     resolved = resolve(args, {**dense, "decoder.layers.mlp.router.weight": router})
     assert resolved.args.num_experts == 8 and resolved.args.moe_router_topk == 2
-    assert resolved.inferred == ["num_experts=8 (the args say None; decoder.layers.mlp.router.weight [2, 8, 64] says otherwise)"]
+    assert resolved.inferred == [
+        "num_experts=8 (the args say None; decoder.layers.mlp.router.weight [2, 8, 64] says otherwise)"
+    ]

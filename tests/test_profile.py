@@ -18,24 +18,37 @@ def test_embedded_default_resolves_paths_inside_the_project():
 def test_production_example_describes_the_500b_job():
     profile = load_profile("example-500b")
     assert profile.job.layout.world_size == 5120
-    assert (profile.job.layout.tensor_parallel, profile.job.layout.pipeline_parallel,
-            profile.job.layout.data_parallel) == (8, 8, 80)
+    assert (
+        profile.job.layout.tensor_parallel,
+        profile.job.layout.pipeline_parallel,
+        profile.job.layout.data_parallel,
+    ) == (8, 8, 80)
     assert profile.retention.keep_verified == 3 and profile.local_job is None
 
 
-@pytest.mark.parametrize("text, message", [
-    ("job: {name: j, save_dir: /x}\nretention: {keep_verified: 1}\n",
-     "retention.keep_verified: Input should be greater than or equal to 2"),
-    ("job: {name: j, save_dir: /x}\nretention: {keep_verfied: 3}\n",
-     "retention.keep_verfied: Extra inputs are not permitted"),
-    ("job: {name: Bad Name, save_dir: /x}\n", "job.name: String should match pattern"),
-    ("job: {save_dir: /x}\n", "job.name: Field required"),
-    ("job: {name: j, save_dir: /x}\nverify: {threads: many}\n", "verify.threads: Input should be a valid integer"),
-    ("- just\n- a list\n", "a profile must be a mapping"),
-    ("job: [a, b]\n", "job: Input should be a valid dictionary"),
-    ("job: {name: j, save_dir: /x}\nprefect: 5\n", "prefect: Input should be a valid dictionary"),
-    ("job: {name: j\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "job: {name: j, save_dir: /x}\nretention: {keep_verified: 1}\n",
+            "retention.keep_verified: Input should be greater than or equal to 2",
+        ),
+        (
+            "job: {name: j, save_dir: /x}\nretention: {keep_verfied: 3}\n",
+            "retention.keep_verfied: Extra inputs are not permitted",
+        ),
+        ("job: {name: Bad Name, save_dir: /x}\n", "job.name: String should match pattern"),
+        ("job: {save_dir: /x}\n", "job.name: Field required"),
+        (
+            "job: {name: j, save_dir: /x}\nverify: {threads: many}\n",
+            "verify.threads: Input should be a valid integer",
+        ),
+        ("- just\n- a list\n", "a profile must be a mapping"),
+        ("job: [a, b]\n", "job: Input should be a valid dictionary"),
+        ("job: {name: j, save_dir: /x}\nprefect: 5\n", "prefect: Input should be a valid dictionary"),
+        ("job: {name: j\n", "not valid YAML"),
+    ],
+)
 def test_bad_values_name_the_file_and_key(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(text)

@@ -24,8 +24,14 @@ STEPS = ["_write_temp", "_fsync_file", "_replace", "_fsync_dir"]
 
 
 def child(*args, **kwargs):
-    return subprocess.run([sys.executable, str(CHILD), *map(str, args)], cwd=ROOT, timeout=120,
-                          capture_output=True, text=True, **kwargs)
+    return subprocess.run(
+        [sys.executable, str(CHILD), *map(str, args)],
+        cwd=ROOT,
+        timeout=120,
+        capture_output=True,
+        text=True,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
@@ -47,8 +53,11 @@ def test_kill_at_each_step_leaves_old_or_new_pointer(tmp_path, step, when):
 def test_kill_during_a_whole_promotion_then_rerun(save_dir, options):
     """Killed after the first manifest's temp file, after its rename, and after the pointer's
     rename: each time the pointer is old or new, and the next run finishes the job."""
-    for step, when, nth, pointer in [("_write_temp", "after", 1, None), ("_replace", "after", 1, None),
-                                     ("_replace", "after", 7, 24)]:
+    for step, when, nth, pointer in [
+        ("_write_temp", "after", 1, None),
+        ("_replace", "after", 1, None),
+        ("_replace", "after", 7, 24),
+    ]:
         result = child("promote", save_dir, step, when, nth)
         assert result.returncode == -9, result.stderr
         assert read_pointer(save_dir) == pointer
@@ -111,8 +120,12 @@ def _read_line(process, timeout=120.0) -> str:
 def test_concurrent_promotions_do_not_interleave(save_dir, tmp_path):
     log = tmp_path / "sections.log"
     hold = lambda name, timeout: subprocess.Popen(  # noqa: E731
-        [sys.executable, str(CHILD), "hold", str(save_dir), name, str(timeout), str(log)], cwd=ROOT,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        [sys.executable, str(CHILD), "hold", str(save_dir), name, str(timeout), str(log)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     a = hold("A", 120)
     try:
         assert _read_line(a) == "inside"
@@ -192,7 +205,7 @@ def test_the_promotion_log_says_what_the_pointer_was_at_any_moment(save_dir, opt
     after_first = time.time()
     promote(save_dir, options, 10, requested=8)
     now = time.time()
-    assert pointer_during(save_dir, before_any - 1, before_any) == {None}   # nothing promoted yet
+    assert pointer_during(save_dir, before_any - 1, before_any) == {None}  # nothing promoted yet
     assert pointer_during(save_dir, after_first, after_first) == {24}
     assert pointer_during(save_dir, now, now) == {8}
     assert pointer_during(save_dir, before_any, now) == {None, 24, 8}
@@ -216,7 +229,7 @@ def test_a_failed_log_write_costs_a_rollback_nothing_and_is_reconciled(save_dir,
     assert report.current == 8 and read_hold(save_dir).iteration == 8
     assert "promotion log not written" in report.message
     monkeypatch.undo()
-    again = promote(save_dir, options, 10)   # the hold stands, and the log catches up
+    again = promote(save_dir, options, 10)  # the hold stands, and the log catches up
     assert again.current == 8
     # When the rollback happened is unknown: either value may have held since the last entry.
     assert pointer_during(save_dir, logged, logged) == {24, 8}

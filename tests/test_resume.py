@@ -20,7 +20,7 @@ from tasks.resume.validate import validate_resume
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
-SETTINGS = load_profile().resume   # the embedded default's windows and tolerances
+SETTINGS = load_profile().resume  # the embedded default's windows and tolerances
 MEGATRON = Path(__file__).parent / "data" / "megatron"
 
 
@@ -31,8 +31,13 @@ def failed_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("failed-run")
     save = root / "checkpoints"
     with pytest.raises(CkptopsError, match="exited"):
-        run_local_job(save, train_iters=24, save_interval=4, timeout_seconds=600,
-                      extra=["--step-records", str(root / "before.jsonl"), "--die-at", "1:15"])
+        run_local_job(
+            save,
+            train_iters=24,
+            save_interval=4,
+            timeout_seconds=600,
+            extra=["--step-records", str(root / "before.jsonl"), "--die-at", "1:15"],
+        )
     promote(save, VerifyOptions(job="resume-test"), 30)
     assert read_pointer(save) == 12
     before = load_steps(root / "before.jsonl")
@@ -44,16 +49,25 @@ def resume(failed_run, name: str, step: int = 12, extra: tuple = ()) -> Path:
     """Resume the failed run from a checkpoint (a copy of the save directory per variant)."""
     root, save = failed_run
     records = root / f"{name}.jsonl"
-    run_local_job(root / f"save-{name}", train_iters=30, save_interval=1000, timeout_seconds=600,
-                  log=root / f"{name}.log",
-                  extra=["--load", str(save), "--ckpt-step", str(step), "--step-records", str(records), *extra])
+    run_local_job(
+        root / f"save-{name}",
+        train_iters=30,
+        save_interval=1000,
+        timeout_seconds=600,
+        log=root / f"{name}.log",
+        extra=["--load", str(save), "--ckpt-step", str(step), "--step-records", str(records), *extra],
+    )
     return records
 
 
 def validate(failed_run, after: Path, before: bool = True):
     root, save = failed_run
-    return validate_resume(save / "iter_0000012", load_steps(root / "before.jsonl") if before else None,
-                           load_steps(after), SETTINGS)
+    return validate_resume(
+        save / "iter_0000012",
+        load_steps(root / "before.jsonl") if before else None,
+        load_steps(after),
+        SETTINGS,
+    )
 
 
 def failed_checks(result) -> list[str]:
@@ -97,8 +111,9 @@ def test_resume_from_another_checkpoint_is_caught_by_resume_point(failed_run):
     assert result.failed[0].observed == "first iteration 9"
     # Told the checkpoint it really resumed from, the validator names what is wrong with it.
     root, save = failed_run
-    honest = validate_resume(save / "iter_0000008", load_steps(root / "before.jsonl"), load_steps(root / "older.jsonl"),
-                             SETTINGS)
+    honest = validate_resume(
+        save / "iter_0000008", load_steps(root / "before.jsonl"), load_steps(root / "older.jsonl"), SETTINGS
+    )
     assert failed_checks(honest)[0] == "promoted checkpoint"
     assert honest.failed[0].expected == "iteration 12 (latest verified when the run resumed)"
 
@@ -110,19 +125,34 @@ def test_resume_point_still_passes_after_the_resumed_run_promoted_its_own_saves(
     shutil.copytree(save, tmp_path / "checkpoints")
     save = tmp_path / "checkpoints"
     records = tmp_path / "after.jsonl"
-    run_local_job(save, train_iters=20, save_interval=4, timeout_seconds=600, log=tmp_path / "train.log",
-                  extra=["--load", str(save), "--ckpt-step", "12", "--step-records", str(records)])
+    run_local_job(
+        save,
+        train_iters=20,
+        save_interval=4,
+        timeout_seconds=600,
+        log=tmp_path / "train.log",
+        extra=["--load", str(save), "--ckpt-step", "12", "--step-records", str(records)],
+    )
     promote(save, VerifyOptions(job="resume-test"), 30)
     assert read_pointer(save) == 20
     for before in (load_steps(root / "before.jsonl"), None):
-        checks = {c.name: c for c in validate_resume(save / "iter_0000012", before, load_steps(records), SETTINGS).checks}
+        checks = {
+            c.name: c
+            for c in validate_resume(save / "iter_0000012", before, load_steps(records), SETTINGS).checks
+        }
         assert checks["promoted checkpoint"].ok, checks["promoted checkpoint"]
         assert checks["promoted checkpoint"].expected == "iteration 12 (latest verified when the run resumed)"
     # Records without times (as from logs): the save directory and the failed run's end decide.
     timeless = tmp_path / "timeless.jsonl"
-    timeless.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "time"}) + "\n"
-                                for line in records.read_text().splitlines()))
-    with_before = validate_resume(save / "iter_0000012", load_steps(root / "before.jsonl"), load_steps(timeless), SETTINGS)
+    timeless.write_text(
+        "".join(
+            json.dumps({k: v for k, v in json.loads(line).items() if k != "time"}) + "\n"
+            for line in records.read_text().splitlines()
+        )
+    )
+    with_before = validate_resume(
+        save / "iter_0000012", load_steps(root / "before.jsonl"), load_steps(timeless), SETTINGS
+    )
     check = next(c for c in with_before.checks if c.name == "promoted checkpoint")
     assert check.ok and check.expected == "iteration 12 (latest verified up to the failure at 14)"
     alone = validate_resume(save / "iter_0000012", None, load_steps(timeless), SETTINGS)
@@ -148,25 +178,53 @@ def test_cli_tells_records_from_megatron_logs(failed_run, tmp_path):
         lines = []
         for line in source.read_text().splitlines():
             r = json.loads(line)
-            lines.append(f" [2026-11-29 03:00:00] iteration {r['iteration']:8d}/      30 | consumed samples: "
-                         f"{r['consumed_samples']:12d} | elapsed time per iteration (ms): {r['step_seconds'] * 1000:.1f} | "
-                         f"throughput per GPU (TFLOP/s/GPU): {r['tflops']:.1f} | learning rate: {r['lr']:E} | "
-                         f"global batch size: {r['batch']['count']:5d} | lm loss: {r['loss']:E} | loss scale: 1.0 | "
-                         f"grad norm: {r['grad_norm']:.3f} | number of skipped iterations:   0 | "
-                         f"number of nan iterations:   0 |")
+            lines.append(
+                f" [2026-11-29 03:00:00] iteration {r['iteration']:8d}/      30 | consumed samples: "
+                f"{r['consumed_samples']:12d} | "
+                f"elapsed time per iteration (ms): {r['step_seconds'] * 1000:.1f} | "
+                f"throughput per GPU (TFLOP/s/GPU): {r['tflops']:.1f} | learning rate: {r['lr']:E} | "
+                f"global batch size: {r['batch']['count']:5d} | lm loss: {r['loss']:E} | loss scale: 1.0 | "
+                f"grad norm: {r['grad_norm']:.3f} | number of skipped iterations:   0 | "
+                f"number of nan iterations:   0 |"
+            )
         (tmp_path / name).write_text("\n".join(lines) + "\n")
-    done = subprocess.run([str(ROOT / ".venv" / "bin" / "ckptops"), "validate-resume", "--checkpoint",
-                           str(save / "iter_0000012"), "--before", str(tmp_path / "before.log"),
-                           "--after", str(tmp_path / "after.log"), "--json"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            str(ROOT / ".venv" / "bin" / "ckptops"),
+            "validate-resume",
+            "--checkpoint",
+            str(save / "iter_0000012"),
+            "--before",
+            str(tmp_path / "before.log"),
+            "--after",
+            str(tmp_path / "after.log"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     data = json.loads(done.stdout)
     checks = {c["name"]: c for c in data["checks"]}
     assert done.returncode == 0, data
     assert checks["data order"]["ok"] is None and checks["learning rate"]["ok"] is True
-    assert checks["promoted checkpoint"]["ok"] and "up to the failure at 14" in checks["promoted checkpoint"]["expected"]
-    missing = subprocess.run([str(ROOT / ".venv" / "bin" / "ckptops"), "validate-resume", "--checkpoint",
-                              str(save / "iter_0000012"), "--after", str(tmp_path / "nope.jsonl")],
-                             capture_output=True, text=True, timeout=300)
+    assert (
+        checks["promoted checkpoint"]["ok"]
+        and "up to the failure at 14" in checks["promoted checkpoint"]["expected"]
+    )
+    missing = subprocess.run(
+        [
+            str(ROOT / ".venv" / "bin" / "ckptops"),
+            "validate-resume",
+            "--checkpoint",
+            str(save / "iter_0000012"),
+            "--after",
+            str(tmp_path / "nope.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert missing.returncode == 2 and "nope.jsonl" in missing.stderr
 
 
@@ -175,10 +233,18 @@ def test_megatron_lm_log_lines_are_parsed():
     assert steps.kind == "megatron-log" and steps.iteration.tolist() == [2, 3]
     assert steps.consumed.tolist() == [256, 384] and steps.lr.tolist() == [4e-07, 6e-07]
     assert steps.loss.tolist() == [2.02153, 2.003316] and steps.grad_norm.tolist() == [6.895, 6.603]
-    assert steps.step_seconds.tolist() == pytest.approx([5.6301, 5.4106]) and steps.throughput.tolist() == [231.9, 241.4]
-    assert steps.peak_memory[0] == int(54250.98583984375 * 1024 * 1024) and steps.batch_count.tolist() == [128, 128]
+    assert steps.step_seconds.tolist() == pytest.approx([5.6301, 5.4106]) and steps.throughput.tolist() == [
+        231.9,
+        241.4,
+    ]
+    assert steps.peak_memory[0] == int(54250.98583984375 * 1024 * 1024) and steps.batch_count.tolist() == [
+        128,
+        128,
+    ]
     older = load_steps(MEGATRON / "megatron_llm_issue11.log")
-    assert older.iteration.tolist() == [122, 123, 124, 125] and all(older.throughput != older.throughput)  # NaN: absent
+    assert older.iteration.tolist() == [122, 123, 124, 125] and all(
+        older.throughput != older.throughput
+    )  # NaN: absent
     assert older.consumed[-1] == 128000 and older.lr[0] == 9.15e-06
 
 
@@ -192,20 +258,30 @@ def test_post_resume_validation_flow_emits_its_event(failed_run, prefect_api):
     root, save = failed_run
     records = root / "good.jsonl" if (root / "good.jsonl").exists() else resume(failed_run, "good")
     profile = root / "profile.yaml"
-    profile.write_text(f"job: {{name: resume-test, save_dir: '{save}'}}\n"
-                       "resume: {warmup_steps: 3, window_steps: 20, min_steps: 5, loss_rel_tolerance: 0.0, "
-                       "memory_band: 0.15, throughput_drop: 0.6}\n")
-    state = post_resume_validation(after=str(records), before=str(root / "before.jsonl"), profile=str(profile),
-                                   return_state=True)
+    profile.write_text(
+        f"job: {{name: resume-test, save_dir: '{save}'}}\n"
+        "resume: {warmup_steps: 3, window_steps: 20, min_steps: 5, loss_rel_tolerance: 0.0, "
+        "memory_band: 0.15, throughput_drop: 0.6}\n"
+    )
+    state = post_resume_validation(
+        after=str(records), before=str(root / "before.jsonl"), profile=str(profile), return_state=True
+    )
     assert state.is_completed() and state.message.startswith("VALIDATED resume from iteration 12")
     rows = json.loads(Artifact.get("resume-checks-resume-test").data)
-    assert [r["check"] for r in rows][:5] == ["promoted checkpoint", "resume point", "learning rate", "data order",
-                                            "loss and grad norm"]
+    assert [r["check"] for r in rows][:5] == [
+        "promoted checkpoint",
+        "resume point",
+        "learning rate",
+        "data order",
+        "loss and grad norm",
+    ]
     # Events reach the server asynchronously: poll (bounded) until it has stored this one.
     deadline, found = time.monotonic() + 60, False
     with get_client(sync_client=True) as client:
         while not found and time.monotonic() < deadline:
-            page = client.read_events(filter=EventFilter(event=EventNameFilter(name=["training.resume.validated"])), limit=50)
+            page = client.read_events(
+                filter=EventFilter(event=EventNameFilter(name=["training.resume.validated"])), limit=50
+            )
             found = any(e.resource.id == "ckptops.job.resume-test" for e in page.events)
             if not found:
                 time.sleep(0.5)

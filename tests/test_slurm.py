@@ -19,12 +19,16 @@ from tasks.restore.drill import run_drill
 from tests.conftest import variant_profile
 
 pytestmark = pytest.mark.slow
-ON_TWO_NODES = (", launcher: slurm, slurm: {nodes: 2, ntasks_per_node: 1, gpus_per_node: 0, exclusive: false, "
-                "partition: debug, time_limit: '00:15:00'}")
+ON_TWO_NODES = (
+    ", launcher: slurm, slurm: {nodes: 2, ntasks_per_node: 1, gpus_per_node: 0, exclusive: false, "
+    "partition: debug, time_limit: '00:15:00'}"
+)
 
 
 def node_state(node: str) -> tuple[str, str]:
-    out = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T|%E"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["sinfo", "-h", "-N", "-n", node, "-o", "%T|%E"], capture_output=True, text=True, timeout=30
+    )
     state, _, reason = out.stdout.strip().partition("|")
     return state, reason
 
@@ -42,9 +46,14 @@ def test_a_drill_loads_under_srun_on_two_nodes(slurm_conf, variety, tmp_path, op
 
 
 def test_a_drill_past_its_timeout_is_cancelled(slurm_conf, variety, tmp_path, options):
-    profile = load_profile(variant_profile(variety, "llama-like", tmp_path,
-                                           drill_extra=ON_TWO_NODES.replace("nodes: 2", "nodes: 1")))
-    profile = profile.model_copy(update={"drill": profile.drill.model_copy(update={"load_timeout_seconds": 2})})
+    profile = load_profile(
+        variant_profile(
+            variety, "llama-like", tmp_path, drill_extra=ON_TWO_NODES.replace("nodes: 2", "nodes: 1")
+        )
+    )
+    profile = profile.model_copy(
+        update={"drill": profile.drill.model_copy(update={"load_timeout_seconds": 2})}
+    )
     promote(profile.job.save_dir, options, 30)
     report = run_drill(profile, "shared")
     assert not report.ok and "timed out after 2s" in report.reason
@@ -52,7 +61,9 @@ def test_a_drill_past_its_timeout_is_cancelled(slurm_conf, variety, tmp_path, op
     assert job.isdigit() and report.reason.endswith(f"Slurm job {job} cancelled")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        queue = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=30)
+        queue = subprocess.run(
+            ["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=30
+        )
         if queue.stdout.strip() in ("", "CANCELLED"):
             break
     assert queue.stdout.strip() in ("", "CANCELLED"), f"job {job} still {queue.stdout.strip()}"
@@ -62,7 +73,9 @@ def test_nodelists_partitions_and_drains_in_slurmctld(slurm_conf, tmp_path):
     assert slurm.expand_nodelist("n[1-3]") == ["n1", "n2", "n3"]
     assert slurm.partition_nodes("debug") == ["n1", "n2", "n3"]
     settings = load_profile(_health_profile(tmp_path)).health
-    bad = NodeReport("n2", Verdict.FAIL_HARDWARE, [result("xid", Verdict.FAIL_HARDWARE, Evidence("critical XID 79"))])
+    bad = NodeReport(
+        "n2", Verdict.FAIL_HARDWARE, [result("xid", Verdict.FAIL_HARDWARE, Evidence("critical XID 79"))]
+    )
     good = NodeReport("n3", Verdict.PASS, [result("xid", Verdict.PASS, Evidence("clean"))])
     try:
         plan = apply_drains(plan_drains([bad, good], settings), settings)
@@ -76,7 +89,9 @@ def test_nodelists_partitions_and_drains_in_slurmctld(slurm_conf, tmp_path):
 
 def _health_profile(tmp_path: Path) -> Path:
     path = tmp_path / "health.yaml"
-    path.write_text(f"job: {{name: slurm-test, save_dir: '{tmp_path}'}}\n"
-                    f"health: {{nodes: [n1, n2, n3], transport: local, raw_dir: '{tmp_path / 'raw'}', "
-                    "drain: {enabled: true}}\n")
+    path.write_text(
+        f"job: {{name: slurm-test, save_dir: '{tmp_path}'}}\n"
+        f"health: {{nodes: [n1, n2, n3], transport: local, raw_dir: '{tmp_path / 'raw'}', "
+        "drain: {enabled: true}}\n"
+    )
     return path

@@ -11,9 +11,18 @@ from tasks.resume.records import FULL_IDS, StepRecorder, batch_summary, load_ste
 def record_steps(path, count=5, ids=range(8), attempt="attempt-1", first=1):
     recorder = StepRecorder(path, "run-1", attempt, flops_per_step=1e12)
     for it in range(first, first + count):
-        recorder.record(iteration=it, consumed_samples=it * 8, lr=1e-3 * it, batch=batch_summary((it - 1) * 8, ids),
-                        loss=2.5 - it / 100, grad_norm=None if it == 2 else 1.0, skipped=int(it == 3), nan=0,
-                        tokens=256, step_seconds=0.5)
+        recorder.record(
+            iteration=it,
+            consumed_samples=it * 8,
+            lr=1e-3 * it,
+            batch=batch_summary((it - 1) * 8, ids),
+            loss=2.5 - it / 100,
+            grad_norm=None if it == 2 else 1.0,
+            skipped=int(it == 3),
+            nan=0,
+            tokens=256,
+            step_seconds=0.5,
+        )
     recorder.close()
 
 
@@ -22,13 +31,18 @@ def test_recorded_steps_read_back(tmp_path):
     record_steps(path)
     first = json.loads(path.read_text().splitlines()[0])
     assert first["run"] == "run-1" and first["attempt"] == "attempt-1" and first["tflops"] == 2.0
-    assert first["tokens_per_second"] == 512 and first["memory_kind"] in ("cpu_peak_rss", "cuda_max_allocated")
+    assert first["tokens_per_second"] == 512 and first["memory_kind"] in (
+        "cpu_peak_rss",
+        "cuda_max_allocated",
+    )
     assert first["peak_memory_bytes"] > 0 and first["batch"]["ids"] == list(range(8))
     steps = load_steps(path)
     assert steps.kind == "records" and list(steps.iteration) == [1, 2, 3, 4, 5]
     assert list(steps.consumed) == [8, 16, 24, 32, 40] and steps.lr[2] == pytest.approx(3e-3)
     assert list(steps.skipped) == [0, 0, 1, 0, 0] and steps.grad_norm[1] != steps.grad_norm[1]  # None -> NaN
-    assert list(steps.batch_position) == [0, 8, 16, 24, 32] and steps.batch_digest[0] == first["batch"]["digest"]
+    assert (
+        list(steps.batch_position) == [0, 8, 16, 24, 32] and steps.batch_digest[0] == first["batch"]["digest"]
+    )
 
 
 def test_large_batches_are_kept_as_a_digest():
@@ -65,7 +79,9 @@ def test_the_last_attempt_starts_where_the_attempt_id_changes(tmp_path):
     record_steps(path, count=18, attempt="attempt-2", first=13)
     steps = load_steps(path)
     assert steps.iteration[_last_attempt(steps)] == 13
-    path.write_text(path.read_text() + path.read_text().split("\n", 12)[-1])  # the same attempt appended again
+    path.write_text(
+        path.read_text() + path.read_text().split("\n", 12)[-1]
+    )  # the same attempt appended again
     assert _last_attempt(load_steps(path)) == 30
 
 
@@ -77,14 +93,32 @@ def test_a_wsd_schedule_is_replayed_from_the_checkpoint_args(tmp_path):
 
     from tasks.resume.validate import CheckpointFacts, _schedule, _wsd_decay_steps
 
-    args = SimpleNamespace(train_iters=100, global_batch_size=8, lr_wsd_decay_iters=20, lr_wsd_decay_style="linear")
-    settings = dict(init_lr=0.0, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=80, lr_decay_steps=800,
-                    lr_decay_style="WSD", start_wd=0.01, end_wd=0.01, wd_incr_steps=800, wd_incr_style="constant")
-    job = OptimizerParamScheduler(SimpleNamespace(param_groups=[{}]), **settings,
-                                  wsd_decay_steps=_wsd_decay_steps(args), lr_wsd_decay_style="linear")
+    args = SimpleNamespace(
+        train_iters=100, global_batch_size=8, lr_wsd_decay_iters=20, lr_wsd_decay_style="linear"
+    )
+    settings = dict(
+        init_lr=0.0,
+        max_lr=1e-3,
+        min_lr=1e-5,
+        lr_warmup_steps=80,
+        lr_decay_steps=800,
+        lr_decay_style="WSD",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=800,
+        wd_incr_style="constant",
+    )
+    job = OptimizerParamScheduler(
+        SimpleNamespace(param_groups=[{}]),
+        **settings,
+        wsd_decay_steps=_wsd_decay_steps(args),
+        lr_wsd_decay_style="linear",
+    )
     state = job.state_dict()
     assert "wsd_decay_steps" not in state
-    facts = CheckpointFacts(tmp_path, 50, 400, 8, state, 0.0, True, _wsd_decay_steps(args), args.lr_wsd_decay_style)
+    facts = CheckpointFacts(
+        tmp_path, 50, 400, 8, state, 0.0, True, _wsd_decay_steps(args), args.lr_wsd_decay_style
+    )
     lr_after = _schedule(facts)
     for consumed in (40, 400, 700, 760, 800):
         job.num_steps = consumed

@@ -44,13 +44,28 @@ def test_real_checkpoint_is_valid_and_manifest_records_it(save_dir, options):
     assert manifest.valid and manifest.iteration == 8 and manifest.job == "test"
     assert manifest.consumed_train_samples == 64  # 8 iterations x global batch 8
     assert manifest.writer["megatron_core"] == "0.19.2" and manifest.writer["sharded_backend"] == "torch_dist"
-    assert manifest.layout == {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2, "world_size": 2}
+    assert manifest.layout == {
+        "tensor_parallel": 1,
+        "pipeline_parallel": 1,
+        "data_parallel": 2,
+        "world_size": 2,
+    }
     on_disk = {p.name: p.stat().st_size for p in directory.iterdir() if p.name != "manifest.json"}
     assert {f.path: f.size for f in manifest.files} == on_disk
     assert manifest.totals["bytes"] == sum(on_disk.values())
     names = {c.name for c in manifest.checks}
-    assert {"metadata.json", "dcp-metadata", "files", "records", "coverage", "objects", "crc",
-            "integrity.json", "state", "iteration"} <= names
+    assert {
+        "metadata.json",
+        "dcp-metadata",
+        "files",
+        "records",
+        "coverage",
+        "objects",
+        "crc",
+        "integrity.json",
+        "state",
+        "iteration",
+    } <= names
     assert all(c.ok for c in manifest.checks)
 
 
@@ -146,12 +161,15 @@ def test_garbled_metadata_json_just_written_is_in_progress(save_dir, options):
     assert result.state is State.IN_PROGRESS and result.reason == "metadata.json: still being written"
 
 
-@pytest.mark.parametrize("text, message", [
-    ('{"sharded_backend": "zarr", "sharded_backend_version": 1}', "unknown sharded_backend 'zarr'"),
-    ("{}", "not a Megatron checkpoint config"),
-    ('{"sharded_backend": []}', "not a Megatron checkpoint config"),
-    ("[1, 2]", "not a Megatron checkpoint config"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"sharded_backend": "zarr", "sharded_backend_version": 1}', "unknown sharded_backend 'zarr'"),
+        ("{}", "not a Megatron checkpoint config"),
+        ('{"sharded_backend": []}', "not a Megatron checkpoint config"),
+        ("[1, 2]", "not a Megatron checkpoint config"),
+    ],
+)
 def test_metadata_json_that_parses_but_is_wrong(save_dir, options, text, message):
     directory = iter_dir(save_dir, 8)
     (directory / "metadata.json").write_text(text)
@@ -164,7 +182,7 @@ def test_garbled_dcp_metadata(save_dir, options):
     directory = iter_dir(save_dir, 8)
     path = directory / ".metadata"
     data = bytearray(path.read_bytes())
-    data[len(data) // 3: len(data) // 3 + 64] = b"\xff" * 64
+    data[len(data) // 3 : len(data) // 3 + 64] = b"\xff" * 64
     path.write_bytes(bytes(data))
     result = _reason(directory, options)
     assert result.reason.startswith(".metadata: unreadable") and "[dcp-metadata]" in result.reason
@@ -187,14 +205,18 @@ def test_malicious_dcp_metadata_is_refused_not_executed(save_dir, options, tmp_p
 def test_tensor_chunks_leaving_a_gap(save_dir, options):
     directory = iter_dir(save_dir, 8)
     metadata = load_dcp_metadata(directory / ".metadata")
-    name, item = next((k, v) for k, v in metadata.state_dict_metadata.items()
-                      if hasattr(v, "chunks") and len(v.chunks) == 2)
+    name, item = next(
+        (k, v) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks") and len(v.chunks) == 2
+    )
     first = item.chunks[0]
     first.sizes = torch.Size([first.sizes[0], first.sizes[1] - 1, *first.sizes[2:]])
     with open(directory / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     result = _reason(directory, options)
-    assert result.reason.startswith(f".metadata: tensor '{name}': chunks cover") and "[coverage]" in result.reason
+    assert (
+        result.reason.startswith(f".metadata: tensor '{name}': chunks cover")
+        and "[coverage]" in result.reason
+    )
 
 
 def test_integrity_json_mismatch(save_dir, options):
@@ -396,7 +418,7 @@ def test_every_single_bit_flip_in_a_record_is_caught_or_harmless(save_dir):
     record = min((r for r in records if "@" in r.key), key=lambda r: r.length)
     path = directory / name
     original = path.read_bytes()
-    reference = torch.load(io.BytesIO(original[record.offset:record.end]), weights_only=True)
+    reference = torch.load(io.BytesIO(original[record.offset : record.end]), weights_only=True)
     missed = []
     fd = os.open(path, os.O_RDWR)
     try:
@@ -405,7 +427,7 @@ def test_every_single_bit_flip_in_a_record_is_caught_or_harmless(save_dir):
             os.pwrite(fd, bytes([original[offset] ^ bit]), offset)
             scan = scan_file(path, records)
             if not scan.failures:
-                damaged = bytearray(original[record.offset:record.end])
+                damaged = bytearray(original[record.offset : record.end])
                 damaged[offset - record.offset] ^= bit
                 try:
                     same = torch.equal(torch.load(io.BytesIO(bytes(damaged)), weights_only=True), reference)
@@ -413,7 +435,7 @@ def test_every_single_bit_flip_in_a_record_is_caught_or_harmless(save_dir):
                     same = False
                 if not same:
                     missed.append(offset - record.offset)
-            os.pwrite(fd, original[offset:offset + 1], offset)
+            os.pwrite(fd, original[offset : offset + 1], offset)
     finally:
         os.close(fd)
     assert missed == [], f"flips at record offsets {missed[:20]} were neither caught nor harmless"

@@ -16,8 +16,15 @@ TRAIN = Path(__file__).with_name("train.py")
 
 
 def torchrun_command(nproc: int, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            str(TRAIN), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(TRAIN),
+        *args,
+    ]
 
 
 def job_env() -> dict[str, str]:
@@ -25,17 +32,37 @@ def job_env() -> dict[str, str]:
     # large CPU tensors: on this project's VMs first-touch page faults ran at about 1.2 GB/s and
     # dominated loading (optimizer state is allocated, then filled); with them a 2.6 GB load
     # went from 7.9 s to 5.8 s.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TORCH_CPP_LOG_LEVEL": "ERROR",
-            "THP_MEM_ALLOC_ENABLE": "1"}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
+        "THP_MEM_ALLOC_ENABLE": "1",
+    }
 
 
-def start_local_job(save_dir: Path, *, nproc: int = 2, train_iters: int = 8, save_interval: int = 4,
-                    log: Path | None = None, extra: list[str] = ()) -> tuple[subprocess.Popen, Path]:
+def start_local_job(
+    save_dir: Path,
+    *,
+    nproc: int = 2,
+    train_iters: int = 8,
+    save_interval: int = 4,
+    log: Path | None = None,
+    extra: list[str] = (),
+) -> tuple[subprocess.Popen, Path]:
     """Start training into ``save_dir`` in the background; pair with ``wait_local_job``."""
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     log = Path(log or save_dir.parent / f"{save_dir.name}-train.log")
-    args = ["--save", str(save_dir), "--train-iters", str(train_iters), "--save-interval", str(save_interval), *extra]
+    args = [
+        "--save",
+        str(save_dir),
+        "--train-iters",
+        str(train_iters),
+        "--save-interval",
+        str(save_interval),
+        *extra,
+    ]
     return process.start(torchrun_command(nproc, args), log, job_env()), log
 
 

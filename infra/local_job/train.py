@@ -21,7 +21,7 @@ import signal
 import time
 import urllib.request
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import partial
 
 import numpy as np
@@ -51,34 +51,60 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--save", required=True, help="save directory (Megatron-LM --save)")
     p.add_argument("--load", default=None, help="resume from this save directory (Megatron-LM --load)")
-    p.add_argument("--ckpt-step", type=int, default=None,
-                   help="iteration to load (Megatron-LM --ckpt-step); default: Megatron's tracker")
-    p.add_argument("--no-load-optim", action="store_true", help="Megatron-LM's flag: load neither optimizer nor scheduler")
+    p.add_argument(
+        "--ckpt-step",
+        type=int,
+        default=None,
+        help="iteration to load (Megatron-LM --ckpt-step); default: Megatron's tracker",
+    )
+    p.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="Megatron-LM's flag: load neither optimizer nor scheduler",
+    )
     p.add_argument("--step-records", default=None, help="write one step record (JSON line) per step here")
     p.add_argument("--run-id", default=os.environ.get("CKPTOPS_RUN_ID", "local-tiny"))
     p.add_argument("--attempt-id", default=os.environ.get("TORCHELASTIC_RUN_ID", str(uuid.uuid4())[:8]))
     # Faults, to rehearse failures and to test that validation catches them.
-    p.add_argument("--die-at", default=None, metavar="RANK:ITERATION",
-                   help="fault: that rank kills itself with SIGKILL before that iteration")
+    p.add_argument(
+        "--die-at",
+        default=None,
+        metavar="RANK:ITERATION",
+        help="fault: that rank kills itself with SIGKILL before that iteration",
+    )
     p.add_argument("--slow-step-ms", type=float, default=0.0, help="fault: every step takes this much longer")
     p.add_argument("--ballast-mb", type=int, default=0, help="fault: hold this much more memory")
-    p.add_argument("--drop-saved-arg", action="append", default=[], metavar="NAME",
-                   help="fault: save the args without NAME, like a job whose Megatron-LM never set it")
+    p.add_argument(
+        "--drop-saved-arg",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="fault: save the args without NAME, like a job whose Megatron-LM never set it",
+    )
     p.add_argument("--train-iters", type=int, default=8)
     p.add_argument("--save-interval", type=int, default=4)
     # The model.
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden (SwiGLU: Megatron-LM's 8/3)")
+    p.add_argument(
+        "--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden (SwiGLU: Megatron-LM's 8/3)"
+    )
     p.add_argument("--num-attention-heads", type=int, default=4)
     p.add_argument("--group-query-attention", action="store_true")
     p.add_argument("--num-query-groups", type=int, default=1)
     p.add_argument("--kv-channels", type=int, default=None, help="default: hidden / heads")
-    p.add_argument("--vocab-size", type=int, default=128, help="the tokenizer's vocabulary (padded as Megatron-LM pads it)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=128,
+        help="the tokenizer's vocabulary (padded as Megatron-LM pads it)",
+    )
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--seq-length", type=int, default=32)
     p.add_argument("--max-position-embeddings", type=int, default=None, help="default: seq-length")
-    p.add_argument("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
+    p.add_argument(
+        "--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"]
+    )
     p.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     p.add_argument("--swiglu", action="store_true")
     p.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
@@ -87,7 +113,9 @@ def parse_args(argv=None):
     # Parallelism, precision, optimizer.
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 main parameters in the optimizer")
+    p.add_argument(
+        "--bf16", action="store_true", help="bf16 parameters, fp32 main parameters in the optimizer"
+    )
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--global-batch-size", type=int, default=8)
@@ -98,10 +126,14 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--data-seed", type=int, default=4321)
     p.add_argument("--dataset-size", type=int, default=100_000)
-    p.add_argument("--verify-integrity", action="store_true",
-                   help="also write Megatron's integrity.json (sha256 of every file)")
-    p.add_argument("--notify-url", default=None,
-                   help="Prefect API URL: post training.checkpoint.saved after each save")
+    p.add_argument(
+        "--verify-integrity",
+        action="store_true",
+        help="also write Megatron's integrity.json (sha256 of every file)",
+    )
+    p.add_argument(
+        "--notify-url", default=None, help="Prefect API URL: post training.checkpoint.saved after each save"
+    )
     p.add_argument("--job-name", default="local-tiny", help="names the event's resource")
     return derive(p.parse_args(argv))
 
@@ -109,8 +141,9 @@ def parse_args(argv=None):
 def derive(args):
     """What Megatron-LM's validate_args adds to the command line, and saves with every checkpoint."""
     if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = (int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu
-                                else 4 * args.hidden_size)
+        args.ffn_hidden_size = (
+            int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu else 4 * args.hidden_size
+        )
     args.kv_channels = args.kv_channels or args.hidden_size // args.num_attention_heads
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
@@ -201,7 +234,7 @@ def iteration_batches(args, dataset, batch_ids):
     per_step = args.micro_batch_size * args.data_parallel_size
     for m in range(args.num_microbatches):
         first = m * per_step + dp_rank * args.micro_batch_size
-        yield torch.stack([dataset.tokens(i) for i in batch_ids[first:first + args.micro_batch_size]])
+        yield torch.stack([dataset.tokens(i) for i in batch_ids[first : first + args.micro_batch_size]])
 
 
 def forward_step(causal_mask, data_iterator, model):
@@ -246,7 +279,10 @@ def save_checkpoint(args, built, scheduler, iteration, consumed, flops):
         "megatron_core_version": importlib.metadata.version("megatron-core"),
         "torch_version": str(torch.__version__),
     }
-    metadata = {**content_metadata, "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    metadata = {
+        **content_metadata,
+        "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+    }
     model_sd = built.module.sharded_state_dict(metadata=metadata)
     state_dict = {
         "args": saved_args(args, iteration, consumed),
@@ -266,15 +302,20 @@ def save_checkpoint(args, built, scheduler, iteration, consumed, flops):
         parallel_state.get_data_parallel_group(with_context_parallel=True),
     )
     dist_checkpointing.save(
-        state_dict, directory, sharded_strategy=strategy, content_metadata=content_metadata,
+        state_dict,
+        directory,
+        sharded_strategy=strategy,
+        content_metadata=content_metadata,
         verify_integrity=args.verify_integrity,
     )
     if torch.distributed.get_rank() == 0:
         # Megatron-LM's own tracker, written the way Megatron-LM writes it (plain, not atomic).
         with open(os.path.join(args.save, TRACKER), "w") as f:
             f.write(str(iteration))
-        print(f"saved checkpoint iteration {iteration} to {directory} "
-              f"in {time.perf_counter() - start:.2f}s", flush=True)
+        print(
+            f"saved checkpoint iteration {iteration} to {directory} in {time.perf_counter() - start:.2f}s",
+            flush=True,
+        )
         if args.notify_url:
             notify_saved(args, iteration, directory)
     torch.distributed.barrier()
@@ -283,16 +324,20 @@ def save_checkpoint(args, built, scheduler, iteration, consumed, flops):
 def notify_saved(args, iteration, directory):
     """Tell Prefect a checkpoint was saved: one plain HTTP POST, so a job needs no Prefect
     installed. Best effort with a short timeout: a down server must never stall training."""
-    event = [{
-        "id": str(uuid.uuid4()),
-        "occurred": datetime.now(timezone.utc).isoformat(),
-        "event": "training.checkpoint.saved",
-        "resource": {"prefect.resource.id": f"ckptops.job.{args.job_name}"},
-        "payload": {"iteration": iteration, "directory": directory},
-    }]
+    event = [
+        {
+            "id": str(uuid.uuid4()),
+            "occurred": datetime.now(UTC).isoformat(),
+            "event": "training.checkpoint.saved",
+            "resource": {"prefect.resource.id": f"ckptops.job.{args.job_name}"},
+            "payload": {"iteration": iteration, "directory": directory},
+        }
+    ]
     request = urllib.request.Request(
-        f"{args.notify_url.rstrip('/')}/events", data=json.dumps(event).encode(),
-        headers={"Content-Type": "application/json"}, method="POST",
+        f"{args.notify_url.rstrip('/')}/events",
+        data=json.dumps(event).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
     )
     try:
         urllib.request.urlopen(request, timeout=5).close()
@@ -316,8 +361,11 @@ def reported_loss(args, losses) -> float:
         torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
         loss /= args.data_parallel_size
     if args.pipeline_model_parallel_size > 1:
-        torch.distributed.broadcast(loss, parallel_state.get_pipeline_model_parallel_last_rank(),
-                                    group=parallel_state.get_pipeline_model_parallel_group())
+        torch.distributed.broadcast(
+            loss,
+            parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
     return loss.item()
 
 
@@ -333,7 +381,11 @@ def train(args):
     model, optimizer = built.model, built.optimizer
     dataset = SyntheticDataset(args)
     # Megatron's default mask is built on "cuda"; an explicit one works on both devices.
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     causal_mask = torch.triu(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool, device=device), 1)
     causal_mask = causal_mask[None, None]
     forward_backward = get_forward_backward_func()
@@ -341,13 +393,24 @@ def train(args):
     flops_per_iteration = 6 * model_parameters(built) * args.global_batch_size * args.seq_length
     iteration, consumed, flops = 0, 0, 0.0
     if args.load:
-        loaded = load_state(checkpoint_dir(args), built, args, load_optim=not args.no_load_optim, load_rng=True,
-                            scheduler=scheduler)
-        iteration, consumed, flops = (loaded.iteration, loaded.consumed_train_samples,
-                                      loaded.num_floating_point_operations_so_far)
+        loaded = load_state(
+            checkpoint_dir(args),
+            built,
+            args,
+            load_optim=not args.no_load_optim,
+            load_rng=True,
+            scheduler=scheduler,
+        )
+        iteration, consumed, flops = (
+            loaded.iteration,
+            loaded.consumed_train_samples,
+            loaded.num_floating_point_operations_so_far,
+        )
         print(f"resumed from iteration {iteration} after {consumed} samples", flush=True)
     rank0 = torch.distributed.get_rank() == 0
-    recorder = StepRecorder(args.step_records if rank0 else None, args.run_id, args.attempt_id, flops_per_iteration)
+    recorder = StepRecorder(
+        args.step_records if rank0 else None, args.run_id, args.attempt_id, flops_per_iteration
+    )
     # Allocated and touched once: resident for the whole run, as a leak or a bigger buffer would be.
     ballast = torch.ones(args.ballast_mb << 18) if args.ballast_mb else None  # noqa: F841 (float32: 4 bytes each)
     die_before = _die_at(args)
@@ -374,16 +437,26 @@ def train(args):
         step_seconds = time.perf_counter() - started
         iteration += 1
         lr = scheduler.get_lr(optimizer.param_groups[0])
-        recorder.record(iteration=iteration, consumed_samples=consumed + args.global_batch_size, lr=lr,
-                        batch=batch_summary(consumed, batch_ids), loss=loss,
-                        grad_norm=None if grad_norm is None else float(grad_norm), skipped=0 if updated else 1,
-                        nan=int(math.isnan(loss)), tokens=args.global_batch_size * args.seq_length,
-                        step_seconds=step_seconds)
+        recorder.record(
+            iteration=iteration,
+            consumed_samples=consumed + args.global_batch_size,
+            lr=lr,
+            batch=batch_summary(consumed, batch_ids),
+            loss=loss,
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            skipped=0 if updated else 1,
+            nan=int(math.isnan(loss)),
+            tokens=args.global_batch_size * args.seq_length,
+            step_seconds=step_seconds,
+        )
         consumed += args.global_batch_size
         flops += flops_per_iteration
         if rank0:
-            print(f"iteration {iteration} consumed {consumed} lr {lr:.3e} "
-                  f"loss {loss:.6f} grad_norm {grad_norm:.6f}", flush=True)
+            print(
+                f"iteration {iteration} consumed {consumed} lr {lr:.3e} "
+                f"loss {loss:.6f} grad_norm {grad_norm:.6f}",
+                flush=True,
+            )
         if iteration % args.save_interval == 0:
             save_checkpoint(args, built, scheduler, iteration, consumed, flops)
     recorder.close()

@@ -20,7 +20,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from tasks.checkpoint import layout
@@ -137,7 +137,8 @@ def _commit(store: ArchiveStore, job: str, manifest: Manifest, source: Path) -> 
 
 def _by_commit_time(store: ArchiveStore, job: str, committed: list[int]) -> tuple[dict[int, str], list[int]]:
     """Commit times of the committed iterations, oldest commit first (after a rollback an older
-    iteration is newer), and the iterations whose manifest cannot be read: one bad entry must not stop the archive, and it is
+    iteration is newer), and the iterations whose manifest cannot be read: one bad entry must not
+    stop the archive, and it is
     left out of retention for a human to look at."""
     times, unreadable = {}, []
     for iteration in committed:
@@ -176,8 +177,9 @@ def apply_archive_retention(store: ArchiveStore, job: str, keep: int) -> list[in
     return deleted
 
 
-def archive_checkpoint(save_dir: Path, profile, force: bool = False,
-                       progress: Callable[[int], None] | None = None) -> ArchiveResult:
+def archive_checkpoint(
+    save_dir: Path, profile, force: bool = False, progress: Callable[[int], None] | None = None
+) -> ArchiveResult:
     """Copy the promoted checkpoint to the archive (once per period unless ``force``)."""
     if profile.archive is None:
         raise UsageError(f"{profile.source}: no archive section")
@@ -191,44 +193,72 @@ def archive_checkpoint(save_dir: Path, profile, force: bool = False,
         directory = save_dir / layout.iter_dir_name(iteration)
         manifest = read_manifest(directory)
         if manifest is None or not manifest.valid or not manifest.same_save(list_files(directory)):
-            raise CkptopsError(f"{directory.name}: promoted but its manifest does not say valid for this save")
+            raise CkptopsError(
+                f"{directory.name}: promoted but its manifest does not say valid for this save"
+            )
         committed = committed_iterations(store, job)
         commit_times, unreadable = _by_commit_time(store, job, committed)
         if iteration in unreadable:
-            return ArchiveResult(iteration, store.where(entry_key(job, iteration)), False,
-                                 f"iteration {iteration} is archived but its archived manifest is unreadable; "
-                                 "kept for inspection, never overwritten")
-        skip = _skip_reason(store, job, manifest, committed, commit_times, profile.archive.period_hours, force)
+            return ArchiveResult(
+                iteration,
+                store.where(entry_key(job, iteration)),
+                False,
+                f"iteration {iteration} is archived but its archived manifest is unreadable; "
+                "kept for inspection, never overwritten",
+            )
+        skip = _skip_reason(
+            store, job, manifest, committed, commit_times, profile.archive.period_hours, force
+        )
         if skip:
             return ArchiveResult(iteration, store.where(entry_key(job, iteration)), False, skip)
         if iteration in committed:
             # The same iteration with other bytes (Megatron re-saved it after a rollback). Its
             # committed copy may be the only one: never overwrite it; the next promotion archives.
-            return ArchiveResult(iteration, store.where(entry_key(job, iteration)), False,
-                                 f"iteration {iteration} is already archived from an earlier save; its committed "
-                                 "copy is kept, the next promoted iteration will be archived")
+            return ArchiveResult(
+                iteration,
+                store.where(entry_key(job, iteration)),
+                False,
+                f"iteration {iteration} is already archived from an earlier save; its committed "
+                "copy is kept, the next promoted iteration will be archived",
+            )
         started = time.monotonic()
         with pinned(save_dir, iteration, f"archive-{os.getpid()}", "archive copy reading"):
             uploaded, reused = _upload(store, job, directory, manifest, progress)
             bad = _mismatches(store, job, manifest, progress)
             if bad:  # one more upload of what read back wrong, then give up
                 names = {key.rsplit("/", 1)[-1] for key in bad}
-                store.put_files([(directory / n, entry_key(job, iteration, n)) for n in sorted(names)], progress)
+                store.put_files(
+                    [(directory / n, entry_key(job, iteration, n)) for n in sorted(names)], progress
+                )
                 bad = _mismatches(store, job, manifest, progress)
                 if bad:
-                    raise ArchiveUnavailable(f"{store.where(bad[0])}: reads back different from the manifest after a re-upload; not committed")
+                    raise ArchiveUnavailable(
+                        f"{store.where(bad[0])}: reads back different from the manifest after a re-upload; "
+                        "not committed"
+                    )
             status = _commit(store, job, manifest, directory)
         seconds = time.monotonic() - started
         with job_lock(save_dir, profile.verify.lock_timeout_seconds):
             record_archive_status(directory, status)
         deleted = apply_archive_retention(store, job, profile.archive.keep)
-        message = "committed" + (f"; unreadable archived manifests kept for inspection: iterations "
-                                 f"{', '.join(map(str, unreadable))}" if unreadable else "")
+        message = "committed" + (
+            f"; unreadable archived manifests kept for inspection: iterations "
+            f"{', '.join(map(str, unreadable))}"
+            if unreadable
+            else ""
+        )
         return ArchiveResult(iteration, status["url"], True, message, uploaded, reused, seconds, deleted)
 
 
-def _skip_reason(store: ArchiveStore, job: str, manifest: Manifest, committed: list[int], commit_times: dict[int, str],
-                 period_hours: float, force: bool) -> str | None:
+def _skip_reason(
+    store: ArchiveStore,
+    job: str,
+    manifest: Manifest,
+    committed: list[int],
+    commit_times: dict[int, str],
+    period_hours: float,
+    force: bool,
+) -> str | None:
     if manifest.iteration in committed:
         archived = archived_manifest(store, job, manifest.iteration)
         if archived.files == manifest.files:
@@ -237,7 +267,10 @@ def _skip_reason(store: ArchiveStore, job: str, manifest: Manifest, committed: l
         return None
     newest = list(commit_times)[-1]
     committed_at = datetime.fromisoformat(commit_times[newest])
-    age_hours = (datetime.now(timezone.utc) - committed_at).total_seconds() / 3600
+    age_hours = (datetime.now(UTC) - committed_at).total_seconds() / 3600
     if age_hours < period_hours:
-        return f"the newest archive copy (iteration {newest}) is {age_hours:.1f} h old, the period is {period_hours:g} h"
+        return (
+            f"the newest archive copy (iteration {newest}) is {age_hours:.1f} h old, "
+            f"the period is {period_hours:g} h"
+        )
     return None

@@ -12,18 +12,24 @@ def archive_task(profile, force: bool) -> ArchiveResult:
 
 
 def archive_markdown(job: str, result: ArchiveResult) -> str:
-    lines = [f"# archive copy: {job}", "",
-             f"- iteration: **{result.iteration}** -> `{result.location}`",
-             f"- {result.message}"]
+    lines = [
+        f"# archive copy: {job}",
+        "",
+        f"- iteration: **{result.iteration}** -> `{result.location}`",
+        f"- {result.message}",
+    ]
     if result.committed:
-        lines += [f"- uploaded {result.uploaded_bytes / 1e9:.3f} GB (reused {result.reused_bytes / 1e9:.3f} GB "
-                  f"from an earlier interrupted run) and read every object back in {result.seconds:.2f} s "
-                  f"({result.throughput_gbps:.2f} GB/s)",
-                  f"- archive retention deleted: {result.deleted or 'nothing'}"]
+        lines += [
+            f"- uploaded {result.uploaded_bytes / 1e9:.3f} GB (reused {result.reused_bytes / 1e9:.3f} GB "
+            f"from an earlier interrupted run) and read every object back in {result.seconds:.2f} s "
+            f"({result.throughput_gbps:.2f} GB/s)",
+            f"- archive retention deleted: {result.deleted or 'nothing'}",
+        ]
     return "\n".join(lines) + "\n"
 
 
 @task(name="publish-archive-report")
 def publish_archive_report(job: str, result: ArchiveResult) -> None:
-    create_markdown_artifact(markdown=archive_markdown(job, result), key=f"archive-{job}",
-                             description="archive copy")
+    create_markdown_artifact(
+        markdown=archive_markdown(job, result), key=f"archive-{job}", description="archive copy"
+    )

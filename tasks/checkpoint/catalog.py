@@ -43,8 +43,13 @@ def describe(directory: Path, options: VerifyOptions) -> CheckpointInfo:
         files = list_files(directory)
     except OSError as e:
         raise unreadable(directory, e) from None
-    info = CheckpointInfo(iteration, directory.name, UNVERIFIED, "complete, not verified yet",
-                          sum(st.st_size for st in files.values()))
+    info = CheckpointInfo(
+        iteration,
+        directory.name,
+        UNVERIFIED,
+        "complete, not verified yet",
+        sum(st.st_size for st in files.values()),
+    )
     progress = completeness(directory, options)
     if progress.state is State.IN_PROGRESS:
         info.state, info.reason = progress.state.value, progress.reason
@@ -57,9 +62,15 @@ def describe(directory: Path, options: VerifyOptions) -> CheckpointInfo:
         info.state, info.reason = State.INVALID.value, str(e)
         return info
     if manifest is not None and manifest.iteration != iteration:
-        info.state, info.reason = State.INVALID.value, f"{layout.MANIFEST}: describes iteration {manifest.iteration}"
+        info.state, info.reason = (
+            State.INVALID.value,
+            f"{layout.MANIFEST}: describes iteration {manifest.iteration}",
+        )
     elif manifest is not None and not manifest.same_save(files):
-        info.stale, info.reason = True, f"re-saved since it was found {manifest.status}; needs verifying again"
+        info.stale, info.reason = (
+            True,
+            f"re-saved since it was found {manifest.status}; needs verifying again",
+        )
     elif manifest is not None:
         info.state, info.reason = manifest.status, manifest.reason
         info.verified_at, info.checked_at = manifest.verified_at, manifest.checked_at

@@ -118,11 +118,13 @@ class DcpIndex:
         for key in self.objects:
             match = _SHARD_KEY.match(key)
             if match:
-                shards.append(ObjectShard(
-                    match["family"],
-                    tuple(int(x) for x in match["offset"].split(".")),
-                    tuple(int(x) for x in match["shape"].split(".")),
-                ))
+                shards.append(
+                    ObjectShard(
+                        match["family"],
+                        tuple(int(x) for x in match["offset"].split(".")),
+                        tuple(int(x) for x in match["shape"].split(".")),
+                    )
+                )
         return shards
 
 

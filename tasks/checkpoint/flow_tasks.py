@@ -42,10 +42,12 @@ def ensure_job_limit(job: str) -> str:
 
 
 @task(name="wait-for-save", task_run_name="wait-{iteration}")
-def wait_for_save(save_dir: Path, iteration: int, options: VerifyOptions, timeout_seconds: float,
-                  poll_seconds: float) -> Completeness:
-    return wait_until_complete(save_dir / layout.iter_dir_name(iteration), options,
-                               timeout_seconds, poll_seconds)
+def wait_for_save(
+    save_dir: Path, iteration: int, options: VerifyOptions, timeout_seconds: float, poll_seconds: float
+) -> Completeness:
+    return wait_until_complete(
+        save_dir / layout.iter_dir_name(iteration), options, timeout_seconds, poll_seconds
+    )
 
 
 class _ByteCounter:
@@ -69,7 +71,9 @@ def verify_one(save_dir: Path, iteration: int, options: VerifyOptions) -> Verifi
     """
     directory = save_dir / layout.iter_dir_name(iteration)
     total = max(1, sum(st.st_size for st in list_files(directory).values()))
-    artifact = create_progress_artifact(progress=0.0, description=f"verifying {directory.name} ({total / 1e9:.2f} GB)")
+    artifact = create_progress_artifact(
+        progress=0.0, description=f"verifying {directory.name} ({total / 1e9:.2f} GB)"
+    )
     counter = _ByteCounter()
     with ThreadPoolExecutor(max_workers=1) as pool:
         future = pool.submit(verify_checkpoint, directory, options, counter)
@@ -80,7 +84,9 @@ def verify_one(save_dir: Path, iteration: int, options: VerifyOptions) -> Verifi
 
 
 @task(name="promote")
-def promote_step(save_dir: Path, options: VerifyOptions, requested: int | None) -> tuple[int | None, int | None, str]:
+def promote_step(
+    save_dir: Path, options: VerifyOptions, requested: int | None
+) -> tuple[int | None, int | None, str]:
     return apply_promotion(save_dir, options, requested)
 
 
@@ -91,39 +97,67 @@ def retention(save_dir: Path, options: VerifyOptions, keep_verified: int) -> tup
 
 def check_rows(verifications: list[Verification]) -> list[dict]:
     return [
-        {"iteration": v.iteration, "check": c.name, "result": "pass" if c.ok else "FAIL",
-         "file": c.file or "", "detail": c.detail}
+        {
+            "iteration": v.iteration,
+            "check": c.name,
+            "result": "pass" if c.ok else "FAIL",
+            "file": c.file or "",
+            "detail": c.detail,
+        }
         for v in verifications
         for c in v.checks
     ]
 
 
-def summary_markdown(profile: Profile, previous: int | None, current: int | None, why: str,
-                     verifications: list[Verification], plan: RetentionPlan | None, deleted: list[int]) -> str:
-    lines = [f"# verify-and-promote: {profile.job.name}", "",
-             f"- save directory: `{profile.job.save_dir}`",
-             f"- latest verified: **{current}** (was {previous}; {why})", ""]
+def summary_markdown(
+    profile: Profile,
+    previous: int | None,
+    current: int | None,
+    why: str,
+    verifications: list[Verification],
+    plan: RetentionPlan | None,
+    deleted: list[int],
+) -> str:
+    lines = [
+        f"# verify-and-promote: {profile.job.name}",
+        "",
+        f"- save directory: `{profile.job.save_dir}`",
+        f"- latest verified: **{current}** (was {previous}; {why})",
+        "",
+    ]
     checked = [v for v in verifications if v.state is not State.IN_PROGRESS]
     if checked:
-        lines += ["| iteration | state | files | GB | seconds | GB/s | reason |",
-                  "|---:|---|---:|---:|---:|---:|---|"]
+        lines += [
+            "| iteration | state | files | GB | seconds | GB/s | reason |",
+            "|---:|---|---:|---:|---:|---:|---|",
+        ]
         for v in checked:
             files = v.manifest.totals["files"] if v.manifest else 0
-            lines.append(f"| {v.iteration} | {v.state.value} | {files} | {v.bytes_read / 1e9:.3f} | "
-                         f"{v.seconds:.2f} | {v.throughput_gbps:.2f} | {v.reason} |")
+            lines.append(
+                f"| {v.iteration} | {v.state.value} | {files} | {v.bytes_read / 1e9:.3f} | "
+                f"{v.seconds:.2f} | {v.throughput_gbps:.2f} | {v.reason} |"
+            )
         total_bytes = sum(v.bytes_read for v in checked)
         total_seconds = sum(v.seconds for v in checked)
         rate = total_bytes / total_seconds / 1e9 if total_seconds else 0.0
-        lines += ["", f"Totals: {len(checked)} checkpoints, {total_bytes / 1e9:.3f} GB read "
-                      f"in {total_seconds:.2f} s ({rate:.2f} GB/s)."]
+        lines += [
+            "",
+            f"Totals: {len(checked)} checkpoints, {total_bytes / 1e9:.3f} GB read "
+            f"in {total_seconds:.2f} s ({rate:.2f} GB/s).",
+        ]
     else:
         lines.append("No new complete checkpoint to verify.")
     for v in verifications:
         if v.state is State.IN_PROGRESS:
-            lines.append(f"- iteration {v.iteration} still in progress after the wait ({v.reason}); the next run picks it up")
+            lines.append(
+                f"- iteration {v.iteration} still in progress after the wait ({v.reason}); "
+                "the next run picks it up"
+            )
     if plan is not None:
-        lines.append(f"- retention (keep {plan.keep_verified}): deleted {deleted or 'nothing'}; "
-                     f"failed kept for inspection: {plan.failed or 'none'}")
+        lines.append(
+            f"- retention (keep {plan.keep_verified}): deleted {deleted or 'nothing'}; "
+            f"failed kept for inspection: {plan.failed or 'none'}"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -131,4 +165,6 @@ def summary_markdown(profile: Profile, previous: int | None, current: int | None
 def publish_report(job: str, rows: list[dict], markdown: str) -> None:
     if rows:
         create_table_artifact(table=rows, key=f"verify-checks-{job}", description="checks per checkpoint")
-    create_markdown_artifact(markdown=markdown, key=f"verify-summary-{job}", description="verify-and-promote summary")
+    create_markdown_artifact(
+        markdown=markdown, key=f"verify-summary-{job}", description="verify-and-promote summary"
+    )

@@ -1,9 +1,9 @@
 """Megatron-LM's on-disk layout and the names ckptops adds to it.
 
-    <save>/latest_checkpointed_iteration.txt   Megatron-LM's tracker (Megatron's; never written here)
-    <save>/latest_verified_iteration.txt       ckptops' promotion pointer
-    <save>/iter_0000100/                       one checkpoint
-        metadata.json  .metadata  __<rank>_<n>.distcp  [integrity.json]  manifest.json (ckptops)
+<save>/latest_checkpointed_iteration.txt   Megatron-LM's tracker (Megatron's; never written here)
+<save>/latest_verified_iteration.txt       ckptops' promotion pointer
+<save>/iter_0000100/                       one checkpoint
+    metadata.json  .metadata  __<rank>_<n>.distcp  [integrity.json]  manifest.json (ckptops)
 """
 
 import os

@@ -50,8 +50,11 @@ def job_lock(save_dir: Path, timeout_seconds: float, name: str = LOCK):
                         f"{path}: held by {_holder(fd)}; gave up after {timeout_seconds:.0f}s"
                     ) from None
                 time.sleep(_POLL_SECONDS)
-        stamp = {"pid": os.getpid(), "host": socket.gethostname(),
-                 "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        stamp = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(stamp).encode(), 0)
         yield

@@ -10,7 +10,7 @@ import json
 import os
 import socket
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from tasks import __version__
@@ -23,7 +23,7 @@ HASH_ALGORITHM = "xxh3-128"
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+    return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
 @dataclass
@@ -105,7 +105,10 @@ def read_manifest(directory: Path) -> Manifest | None:
     except ValueError as e:
         raise CkptopsError(f"{path}: unreadable manifest ({e})") from None
     if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
-        raise CkptopsError(f"{path}: unknown manifest schema {data.get('schema_version') if isinstance(data, dict) else None!r}")
+        raise CkptopsError(
+            f"{path}: unknown manifest schema "
+            f"{data.get('schema_version') if isinstance(data, dict) else None!r}"
+        )
     try:
         return Manifest.from_dict(data)
     except (TypeError, KeyError) as e:

@@ -31,7 +31,9 @@ def pin(save_dir: Path, iteration: int, holder: str, reason: str) -> Path:
     path = _pin_path(save_dir, iteration, holder)
     try:
         path.parent.mkdir(exist_ok=True)
-        atomic_write(path, json.dumps({"reason": reason, "since": now_iso(), "host": socket.gethostname()}).encode())
+        atomic_write(
+            path, json.dumps({"reason": reason, "since": now_iso(), "host": socket.gethostname()}).encode()
+        )
     except OSError as e:
         raise unreadable(path, e) from None
     return path

@@ -46,8 +46,9 @@ def write_pointer(save_dir: Path, iteration: int) -> None:
     atomic_write(path, f"{iteration}\n".encode())
 
 
-def record_promotion(save_dir: Path, iteration: int | None, previous: int | None, why: str,
-                     gap: bool = False) -> None:
+def record_promotion(
+    save_dir: Path, iteration: int | None, previous: int | None, why: str, gap: bool = False
+) -> None:
     """Append a change of the pointer to ``.ckptops-history/promotions.jsonl``: which checkpoint
     was the one to resume from at any moment (post-resume validation asks "at the resume").
     ``gap``: the change happened at an unknown time since the entry before (found unlogged)."""
@@ -69,7 +70,11 @@ def _changes(save_dir: Path) -> list[_Change]:
     changes = []
     for entry in read_jsonl(Path(save_dir) / HISTORY / PROMOTIONS):
         try:
-            changes.append(_Change(float(entry["time"]), entry["iteration"], entry.get("previous"), bool(entry.get("gap"))))
+            changes.append(
+                _Change(
+                    float(entry["time"]), entry["iteration"], entry.get("previous"), bool(entry.get("gap"))
+                )
+            )
         except (ValueError, KeyError, TypeError, AttributeError):
             continue  # not a promotion entry
     return changes
@@ -122,7 +127,9 @@ def read_hold(save_dir: Path) -> Hold | None:
     except OSError as e:
         raise unreadable(path, e) from None
     except (ValueError, KeyError, TypeError) as e:
-        raise CkptopsError(f"{path}: garbled rollback hold ({e}); remove it to resume automatic promotion") from None
+        raise CkptopsError(
+            f"{path}: garbled rollback hold ({e}); remove it to resume automatic promotion"
+        ) from None
 
 
 def write_hold(save_dir: Path, iteration: int) -> None:

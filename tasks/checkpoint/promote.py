@@ -27,8 +27,8 @@ from tasks.checkpoint.pointer import (
     Hold,
     clear_hold,
     clear_pointer,
-    read_hold,
     last_logged,
+    read_hold,
     read_pointer,
     record_promotion,
     write_hold,
@@ -80,10 +80,14 @@ def pending(save_dir: Path, options: VerifyOptions) -> list[int]:
     return [info.iteration for info in catalog(save_dir, options) if _needs_verifying(info, pointer)]
 
 
-def verify_pending(save_dir: Path, options: VerifyOptions, requested: int | None = None,
-                   verify: Callable[[int], Verification] | None = None,
-                   wait: Callable[[int], Completeness] | None = None,
-                   on_verified: Callable[[Verification], None] | None = None) -> list[Verification]:
+def verify_pending(
+    save_dir: Path,
+    options: VerifyOptions,
+    requested: int | None = None,
+    verify: Callable[[int], Verification] | None = None,
+    wait: Callable[[int], Completeness] | None = None,
+    on_verified: Callable[[Verification], None] | None = None,
+) -> list[Verification]:
     """Verify what needs it (only ``requested``, if given), oldest first. ``wait`` may hold a
     checkpoint still being saved until it finishes; one still in progress is skipped."""
     save_dir = Path(save_dir)
@@ -92,14 +96,19 @@ def verify_pending(save_dir: Path, options: VerifyOptions, requested: int | None
         todo = pending(save_dir, options)
     else:
         directory = save_dir / layout.iter_dir_name(requested)
-        todo = [requested] if directory.is_dir() and _needs_verifying(describe(directory, options), None) else []
+        todo = (
+            [requested] if directory.is_dir() and _needs_verifying(describe(directory, options), None) else []
+        )
     results = []
     for iteration in todo:
         if wait is not None:
             done = wait(iteration)
             if done.state is State.IN_PROGRESS:
-                results.append(Verification(save_dir / layout.iter_dir_name(iteration), iteration,
-                                            State.IN_PROGRESS, done.reason))
+                results.append(
+                    Verification(
+                        save_dir / layout.iter_dir_name(iteration), iteration, State.IN_PROGRESS, done.reason
+                    )
+                )
                 continue
         result = verify(iteration)
         results.append(result)
@@ -112,7 +121,9 @@ def _verified_since(info: CheckpointInfo, hold: Hold) -> bool:
     return info.verified_at is not None and datetime.fromisoformat(info.verified_at) > hold.since
 
 
-def choose_target(save_dir: Path, options: VerifyOptions, requested: int | None = None) -> tuple[int | None, str]:
+def choose_target(
+    save_dir: Path, options: VerifyOptions, requested: int | None = None
+) -> tuple[int | None, str]:
     """The iteration the pointer should name (None: no valid checkpoint left), and why."""
     pointer = read_pointer(save_dir)
     infos = {i.iteration: i for i in catalog(save_dir, options)}
@@ -122,16 +133,22 @@ def choose_target(save_dir: Path, options: VerifyOptions, requested: int | None 
         if info is None:
             raise CkptopsError(f"{layout.iter_dir_name(requested)}: no such checkpoint in {save_dir}")
         if requested not in valid:
-            raise CkptopsError(f"{layout.iter_dir_name(requested)}: not promotable, it is {info.state} ({info.reason})")
+            raise CkptopsError(
+                f"{layout.iter_dir_name(requested)}: not promotable, it is {info.state} ({info.reason})"
+            )
         return requested, "requested by the operator"
     hold = read_hold(save_dir)
-    eligible = sorted(i for i, info in valid.items()
-                      if hold is None or i <= hold.iteration or _verified_since(info, hold))
+    eligible = sorted(
+        i for i, info in valid.items() if hold is None or i <= hold.iteration or _verified_since(info, hold)
+    )
     if pointer is not None and pointer not in valid:
         current = infos.get(pointer)
         why = "its directory is gone" if current is None else f"it is now {current.state}: {current.reason}"
         if not eligible:
-            return None, f"no valid checkpoint left: {layout.iter_dir_name(pointer)} {why.removeprefix('it ')}"
+            return (
+                None,
+                f"no valid checkpoint left: {layout.iter_dir_name(pointer)} {why.removeprefix('it ')}",
+            )
         return eligible[-1], f"moved off {layout.iter_dir_name(pointer)} because {why}"
     if not eligible:
         return pointer, "no verified checkpoint to promote"
@@ -141,20 +158,32 @@ def choose_target(save_dir: Path, options: VerifyOptions, requested: int | None 
     if newest > pointer:
         return newest, "newer checkpoint verified"
     held = hold is not None and any(i > pointer for i in valid)
-    return pointer, f"held at {hold.iteration} by an operator's rollback" if held else "already the newest verified"
+    return (
+        pointer,
+        f"held at {hold.iteration} by an operator's rollback" if held else "already the newest verified",
+    )
 
 
 def point_to(save_dir: Path, iteration: int) -> None:
     """Write the pointer after re-reading the manifest: the last line of defence."""
     directory = Path(save_dir) / layout.iter_dir_name(iteration)
     manifest = read_manifest(directory)
-    if (manifest is None or not manifest.valid or manifest.iteration != iteration
-            or directory.is_symlink() or not manifest.same_save(list_files(directory))):
-        raise CkptopsError(f"{directory.name}: refusing to promote, its manifest does not say valid for this save")
+    if (
+        manifest is None
+        or not manifest.valid
+        or manifest.iteration != iteration
+        or directory.is_symlink()
+        or not manifest.same_save(list_files(directory))
+    ):
+        raise CkptopsError(
+            f"{directory.name}: refusing to promote, its manifest does not say valid for this save"
+        )
     write_pointer(save_dir, iteration)
 
 
-def apply_promotion(save_dir: Path, options: VerifyOptions, requested: int | None = None) -> tuple[int | None, int | None, str]:
+def apply_promotion(
+    save_dir: Path, options: VerifyOptions, requested: int | None = None
+) -> tuple[int | None, int | None, str]:
     """Move the pointer (the caller holds the job lock); returns (previous, current, why)."""
     save_dir = Path(save_dir)
     previous = read_pointer(save_dir)
@@ -169,7 +198,9 @@ def apply_promotion(save_dir: Path, options: VerifyOptions, requested: int | Non
         point_to(save_dir, target)
         changed = True
     if requested is not None:
-        rolled_back = any(i.iteration > requested and i.state == State.VALID.value for i in catalog(save_dir, options))
+        rolled_back = any(
+            i.iteration > requested and i.state == State.VALID.value for i in catalog(save_dir, options)
+        )
         if rolled_back:
             write_hold(save_dir, requested)
         else:
@@ -196,12 +227,23 @@ def _reconcile_log(save_dir: Path, pointer: int | None) -> None:
     behind the pointer: record the change as happened at an unknown time since the last entry."""
     logged, value = last_logged(save_dir)
     if logged and value != pointer:
-        _log(save_dir, pointer, value, "found unlogged: changed at an unknown time since the entry before", gap=True)
+        _log(
+            save_dir,
+            pointer,
+            value,
+            "found unlogged: changed at an unknown time since the entry before",
+            gap=True,
+        )
 
 
-def promote(save_dir: Path, options: VerifyOptions, lock_timeout_seconds: float,
-            requested: int | None = None, progress: Callable[[int], None] | None = None,
-            on_verified: Callable[[Verification], None] | None = None) -> PromotionReport:
+def promote(
+    save_dir: Path,
+    options: VerifyOptions,
+    lock_timeout_seconds: float,
+    requested: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_verified: Callable[[Verification], None] | None = None,
+) -> PromotionReport:
     """Verify pending checkpoints (or the requested one) oldest first, then promote."""
     save_dir = Path(save_dir)
     with job_lock(save_dir, lock_timeout_seconds):

@@ -57,8 +57,9 @@ def plan_retention(infos: list[CheckpointInfo], pointer: int | None, keep_verifi
     return plan
 
 
-def apply_retention(save_dir: Path, options: VerifyOptions, keep_verified: int,
-                    dry_run: bool = False) -> tuple[RetentionPlan, list[int]]:
+def apply_retention(
+    save_dir: Path, options: VerifyOptions, keep_verified: int, dry_run: bool = False
+) -> tuple[RetentionPlan, list[int]]:
     """Plan, then delete (the caller holds the job lock). Pins and the pointer are re-read
     before each delete: a drill may have pinned a checkpoint since the plan was made."""
     save_dir = Path(save_dir)
@@ -77,7 +78,12 @@ def apply_retention(save_dir: Path, options: VerifyOptions, keep_verified: int,
     return plan, deleted
 
 
-def retain(save_dir: Path, options: VerifyOptions, keep_verified: int, lock_timeout_seconds: float,
-           dry_run: bool = False) -> tuple[RetentionPlan, list[int]]:
+def retain(
+    save_dir: Path,
+    options: VerifyOptions,
+    keep_verified: int,
+    lock_timeout_seconds: float,
+    dry_run: bool = False,
+) -> tuple[RetentionPlan, list[int]]:
     with job_lock(save_dir, lock_timeout_seconds):
         return apply_retention(save_dir, options, keep_verified, dry_run)

@@ -106,13 +106,20 @@ def _read_exact(window: _Window, offset: int, size: int, what: str) -> bytes:
 def _data_start(window: _Window, info: zipfile.ZipInfo) -> int:
     """Where an entry's data begins, after checking that its local header agrees with the
     central directory (PKZIP APPNOTE 4.3.7): a flip in either copy is caught here."""
-    header = _read_exact(window, info.header_offset, zipfile.sizeFileHeader, f"local header of {info.filename}")
-    (signature, _, _, flags, method, _, _, crc, compressed, size,
-     name_length, extra_length) = struct.unpack(zipfile.structFileHeader, header)
+    header = _read_exact(
+        window, info.header_offset, zipfile.sizeFileHeader, f"local header of {info.filename}"
+    )
+    (signature, _, _, flags, method, _, _, crc, compressed, size, name_length, extra_length) = struct.unpack(
+        zipfile.structFileHeader, header
+    )
     if signature != zipfile.stringFileHeader:
         raise zipfile.BadZipFile(f"bad local header signature for {info.filename}")
     name = _read_exact(window, info.header_offset + zipfile.sizeFileHeader, name_length, "entry name")
-    if name.decode("utf-8", "replace") != info.filename or flags != info.flag_bits or method != info.compress_type:
+    if (
+        name.decode("utf-8", "replace") != info.filename
+        or flags != info.flag_bits
+        or method != info.compress_type
+    ):
         raise zipfile.BadZipFile(f"local header of {info.filename} disagrees with the central directory")
     if not flags & 0x08 and (crc, compressed, size) != (info.CRC, info.compress_size, info.file_size):
         raise zipfile.BadZipFile(f"local header of {info.filename} disagrees with the central directory")
@@ -126,8 +133,9 @@ def _check_descriptor(window: _Window, info: zipfile.ZipInfo, data_end: int) -> 
     tail = window.length - data_end
     peek = _read_exact(window, data_end, min(4, tail), f"data descriptor of {info.filename}")
     start = data_end + (4 if peek == _DESCRIPTOR else 0)
-    crc, compressed, size = struct.unpack(fmt, _read_exact(window, start, struct.calcsize(fmt),
-                                                           f"data descriptor of {info.filename}"))
+    crc, compressed, size = struct.unpack(
+        fmt, _read_exact(window, start, struct.calcsize(fmt), f"data descriptor of {info.filename}")
+    )
     if (crc, compressed, size) != (info.CRC, info.compress_size, info.file_size):
         raise zipfile.BadZipFile(f"data descriptor of {info.filename} disagrees with the central directory")
 
@@ -151,7 +159,9 @@ def plan_crc_ranges(fd: int, record: Record) -> list[CrcRange]:
     with zipfile.ZipFile(window) as archive:
         infos = archive.infolist()
         if len(infos) != len(torch_offsets):
-            raise zipfile.BadZipFile(f"torch's reader sees {len(torch_offsets)} entries, the zip directory {len(infos)}")
+            raise zipfile.BadZipFile(
+                f"torch's reader sees {len(torch_offsets)} entries, the zip directory {len(infos)}"
+            )
         folders = {info.filename.split("/", 1)[0] for info in infos}
         if len(folders) != 1 or f"{next(iter(folders))}/data.pkl" not in archive.NameToInfo:
             raise zipfile.BadZipFile("not laid out like a torch.save archive")
@@ -161,14 +171,20 @@ def plan_crc_ranges(fd: int, record: Record) -> list[CrcRange]:
             # Fields torch.save leaves zero and its reader (miniz) acts on: a disk number makes it
             # refuse the archive, the MS-DOS directory bit makes it skip the entry's data.
             if info.volume or info.comment or info.external_attr & _DOS_DIRECTORY or info.is_dir():
-                raise zipfile.BadZipFile(f"entry {info.filename} has disk, comment or directory fields torch.save never sets")
+                raise zipfile.BadZipFile(
+                    f"entry {info.filename} has disk, comment or directory fields torch.save never sets"
+                )
             if info.flag_bits & ~_TORCH_FLAGS:
-                raise zipfile.BadZipFile(f"entry {info.filename} has flags {info.flag_bits:#x} torch.save never sets")
+                raise zipfile.BadZipFile(
+                    f"entry {info.filename} has flags {info.flag_bits:#x} torch.save never sets"
+                )
             if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
                 raise zipfile.BadZipFile(f"entry {info.filename} is compressed; torch.save never compresses")
             data_start = _data_start(window, info)
             if torch_offsets.get(info.filename.split("/", 1)[-1]) != data_start:
-                raise zipfile.BadZipFile(f"entry {info.filename}: torch's reader and the zip directory disagree")
+                raise zipfile.BadZipFile(
+                    f"entry {info.filename}: torch's reader and the zip directory disagree"
+                )
             start = record.offset + data_start
             end = start + info.compress_size
             if end > record.end:
@@ -197,17 +213,16 @@ def _plan_file(fd: int, records: list[Record], scan: FileScan) -> list[CrcRange]
 
 def _finish(scan: FileScan, r: CrcRange) -> None:
     if r.crc != r.expected:
-        scan.failures.append(
-            f"{r.label} at offset {r.start}: CRC {r.crc:08x}, expected {r.expected:08x}"
-        )
+        scan.failures.append(f"{r.label} at offset {r.start}: CRC {r.crc:08x}, expected {r.expected:08x}")
 
 
 def _stat_key(st: os.stat_result) -> tuple:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def scan_file(path: Path, records: list[Record], want_sha256: bool = False,
-              progress: Progress | None = None) -> FileScan:
+def scan_file(
+    path: Path, records: list[Record], want_sha256: bool = False, progress: Progress | None = None
+) -> FileScan:
     """Hash ``path`` and check the CRCs of ``records`` in it, reading each byte once."""
     scan = FileScan(path.name, records=len(records))
     try:
@@ -244,7 +259,7 @@ def scan_file(path: Path, records: list[Record], want_sha256: bool = False,
             for r in open_ranges:
                 lo, hi = max(r.start, pos), min(r.end, stop)
                 if hi > lo:
-                    r.crc = isal_zlib.crc32(chunk[lo - pos:hi - pos], r.crc)
+                    r.crc = isal_zlib.crc32(chunk[lo - pos : hi - pos], r.crc)
                 if r.end <= stop:
                     _finish(scan, r)
                 else:
@@ -272,8 +287,13 @@ def scan_file(path: Path, records: list[Record], want_sha256: bool = False,
     return scan
 
 
-def scan_files(directory: Path, files: dict[str, list[Record]], sha256_for: set[str] = frozenset(),
-               threads: int = 0, progress: Progress | None = None) -> dict[str, FileScan]:
+def scan_files(
+    directory: Path,
+    files: dict[str, list[Record]],
+    sha256_for: set[str] = frozenset(),
+    threads: int = 0,
+    progress: Progress | None = None,
+) -> dict[str, FileScan]:
     """Scan many files in parallel, largest first so the last thread does not start last."""
     threads = threads or os.cpu_count() or 1
     lock = threading.Lock()
@@ -291,8 +311,9 @@ def scan_files(directory: Path, files: dict[str, list[Record]], sha256_for: set[
     order = sorted(files, key=size_of, reverse=True)
     with ThreadPoolExecutor(max_workers=min(threads, max(1, len(order)))) as pool:
         results = pool.map(
-            lambda name: scan_file(directory / name, files[name], name in sha256_for,
-                                   locked_progress if progress else None),
+            lambda name: scan_file(
+                directory / name, files[name], name in sha256_for, locked_progress if progress else None
+            ),
             order,
         )
         return {scan.name: scan for scan in results}

@@ -48,7 +48,9 @@ class VerifyOptions:
             abandon_after_seconds=profile.verify.abandon_after_seconds,
             settle_seconds=profile.verify.settle_seconds,
             threads=profile.verify.threads,
-            layout=(job_layout.tensor_parallel, job_layout.pipeline_parallel, job_layout.data_parallel) if own else None,
+            layout=(job_layout.tensor_parallel, job_layout.pipeline_parallel, job_layout.data_parallel)
+            if own
+            else None,
             **overrides,
         )
 
@@ -92,17 +94,25 @@ def completeness(directory: Path, options: VerifyOptions) -> Completeness:
         idle = time.time() - max((st.st_mtime for st in files.values()), default=directory.stat().st_mtime)
         if layout.METADATA_JSON not in files:
             if _newer_checkpoint_complete(directory):
-                return Completeness(State.INVALID, layout.METADATA_JSON, "missing, and a newer checkpoint finished saving")
+                return Completeness(
+                    State.INVALID, layout.METADATA_JSON, "missing, and a newer checkpoint finished saving"
+                )
             if idle > options.abandon_after_seconds:
-                return Completeness(State.INVALID, layout.METADATA_JSON, f"missing, no change for {idle:.0f}s")
+                return Completeness(
+                    State.INVALID, layout.METADATA_JSON, f"missing, no change for {idle:.0f}s"
+                )
             return Completeness(State.IN_PROGRESS, layout.METADATA_JSON, "not written yet")
         finished = files[layout.METADATA_JSON].st_mtime_ns + CLOCK_SKEW_NS
-        newer = sorted(n for n, st in files.items() if n.endswith(layout.DATA_SUFFIX) and st.st_mtime_ns > finished)
+        newer = sorted(
+            n for n, st in files.items() if n.endswith(layout.DATA_SUFFIX) and st.st_mtime_ns > finished
+        )
         # Megatron re-saving into an existing directory leaves the old metadata.json visible
         # while new shards are written. Only while they keep changing: shards modified after the
         # save and then left alone are judged by their bytes, not waited for forever.
         if newer and idle <= options.abandon_after_seconds:
-            return Completeness(State.IN_PROGRESS, newer[0], f"newer than {layout.METADATA_JSON} (being re-saved)")
+            return Completeness(
+                State.IN_PROGRESS, newer[0], f"newer than {layout.METADATA_JSON} (being re-saved)"
+            )
         # Megatron writes metadata.json and integrity.json with a plain open('w'): a file that
         # does not parse yet may still be being written. Judged once it has settled.
         for name in (layout.METADATA_JSON, layout.INTEGRITY_JSON):
@@ -118,8 +128,9 @@ def completeness(directory: Path, options: VerifyOptions) -> Completeness:
     return Completeness(None)
 
 
-def wait_until_complete(directory: Path, options: VerifyOptions, timeout_seconds: float,
-                        poll_seconds: float) -> Completeness:
+def wait_until_complete(
+    directory: Path, options: VerifyOptions, timeout_seconds: float, poll_seconds: float
+) -> Completeness:
     """Poll a checkpoint's completeness until its save is done or the timeout passes."""
     deadline = time.monotonic() + timeout_seconds
     while True:

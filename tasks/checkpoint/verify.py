@@ -107,7 +107,7 @@ def _tiles_exactly(size: tuple[int, ...], chunks) -> str | None:
     # Sweep along the first dimension: only chunks whose first-dimension spans meet can overlap.
     boxes.sort()
     for i, (oa, sa) in enumerate(boxes):
-        for ob, sb in boxes[i + 1:]:
+        for ob, sb in boxes[i + 1 :]:
             if size and ob[0] >= oa[0] + sa[0]:
                 break
             if all(b < a + la and a < b + lb for a, la, b, lb in zip(oa, sa, ob, sb)):
@@ -131,8 +131,14 @@ def _grid_missing(shards) -> str | None:
 
 
 class _Verifier:
-    def __init__(self, directory: Path, iteration: int, options: VerifyOptions, progress,
-                 reference: Manifest | None = None):
+    def __init__(
+        self,
+        directory: Path,
+        iteration: int,
+        options: VerifyOptions,
+        progress,
+        reference: Manifest | None = None,
+    ):
         self.directory = directory
         self.iteration = iteration
         self.options = options
@@ -196,16 +202,27 @@ class _Verifier:
             # Kept as evidence: a manifest we cannot read is never replaced by a new one, or a
             # corruption it would have caught could be accepted as the new reference.
             self.manifest_unreadable = True
-            self.checks.failed("manifest", layout.MANIFEST, f"{str(e).split(': ', 1)[-1]}; move it aside to re-verify from scratch")
+            self.checks.failed(
+                "manifest",
+                layout.MANIFEST,
+                f"{str(e).split(': ', 1)[-1]}; move it aside to re-verify from scratch",
+            )
             return
         if manifest is not None and manifest.iteration != self.iteration:
             self.manifest_unreadable = True
-            self.checks.failed("manifest", layout.MANIFEST, f"describes iteration {manifest.iteration}, not {self.iteration}")
+            self.checks.failed(
+                "manifest", layout.MANIFEST, f"describes iteration {manifest.iteration}, not {self.iteration}"
+            )
             return
         # Only a passing verification of this very save, hashed the way we hash, is a reference
         # for its bytes; after a re-save into the directory the checkpoint is judged afresh.
-        if (manifest is not None and manifest.files and manifest.verified_at
-                and manifest.hash_algorithm == HASH_ALGORITHM and manifest.same_save(self.files)):
+        if (
+            manifest is not None
+            and manifest.files
+            and manifest.verified_at
+            and manifest.hash_algorithm == HASH_ALGORITHM
+            and manifest.same_save(self.files)
+        ):
             self.reference = manifest
 
     def _load_index(self) -> None:
@@ -214,8 +231,11 @@ class _Verifier:
         except CheckFailed as e:
             self.checks.record(e)
             return
-        self.checks.passed("dcp-metadata", f"{len(self.index.tensors)} tensors, "
-                                           f"{len(self.index.objects)} objects, {len(self.index.records)} records")
+        self.checks.passed(
+            "dcp-metadata",
+            f"{len(self.index.tensors)} tensors, "
+            f"{len(self.index.objects)} objects, {len(self.index.records)} records",
+        )
 
     def _check_files(self) -> None:
         referenced = self.index.files
@@ -235,7 +255,9 @@ class _Verifier:
         for fqn, item in self.index.tensors.items():
             for chunk in item.chunks:
                 if (fqn, tuple(chunk.offsets)) not in self.index.records:
-                    self.checks.failed("records", None, f"tensor '{fqn}' chunk at {list(chunk.offsets)} has no record")
+                    self.checks.failed(
+                        "records", None, f"tensor '{fqn}' chunk at {list(chunk.offsets)} has no record"
+                    )
         for fqn in self.index.objects:
             if (fqn, None) not in self.index.records:
                 self.checks.failed("records", None, f"object '{fqn}' has no record")
@@ -272,7 +294,9 @@ class _Verifier:
                 raise ValueError(f"algorithm {data.get('algorithm')!r} is not sha256")
             # Megatron hashes every top-level file when it finalises; if we verified before it
             # did, it lists our own manifest too, which says nothing about the checkpoint.
-            self.integrity = {str(k): str(v) for k, v in data["files"].items() if not layout.is_own_file(str(k))}
+            self.integrity = {
+                str(k): str(v) for k, v in data["files"].items() if not layout.is_own_file(str(k))
+            }
         except OSError as e:
             raise unreadable(self.directory / name, e) from None
         except (ValueError, TypeError, KeyError, AttributeError) as e:
@@ -282,8 +306,9 @@ class _Verifier:
         referenced = self.index.files if self.index is not None else {}
         present = sorted(name for name in self.files if not layout.is_own_file(name))
         files = {name: referenced.get(name, []) for name in present}
-        self.scans = scan_files(self.directory, files, set(self.integrity) & set(present),
-                                self.options.threads, self.progress)
+        self.scans = scan_files(
+            self.directory, files, set(self.integrity) & set(present), self.options.threads, self.progress
+        )
         for name, scan in sorted(self.scans.items()):
             if scan.unreadable is not None:
                 raise unreadable(self.directory / name, scan.unreadable)
@@ -338,7 +363,9 @@ class _Verifier:
         if args is not None and getattr(args, "consumed_train_samples", None) is None:
             missing.append("args.consumed_train_samples")
         keys = list(self.index.tensors) + list(self.index.objects)
-        if not any(not k.startswith(("optimizer.", "rng_state/", "common_state/")) for k in self.index.tensors):
+        if not any(
+            not k.startswith(("optimizer.", "rng_state/", "common_state/")) for k in self.index.tensors
+        ):
             missing.append("model tensors")
         if not getattr(args, "no_save_optim", False) and not any(k.startswith("optimizer.") for k in keys):
             missing.append("optimizer state")
@@ -350,7 +377,11 @@ class _Verifier:
             self.checks.passed("state", "model, optimizer, scheduler, RNG and common state present")
         stored = self.common.get("iteration")
         if stored != self.iteration:
-            self.checks.failed("iteration", self.common_file, f"common state says iteration {stored}, the directory {self.iteration}")
+            self.checks.failed(
+                "iteration",
+                self.common_file,
+                f"common state says iteration {stored}, the directory {self.iteration}",
+            )
         else:
             self.checks.passed("iteration", f"iteration {stored} matches the directory")
         self._check_layout(args)
@@ -361,7 +392,11 @@ class _Verifier:
         if self.options.layout is None or None in found:
             return
         if found != self.options.layout:
-            self.checks.failed("layout", self.common_file, f"saved with TP/PP/DP {found}, the profile says {self.options.layout}")
+            self.checks.failed(
+                "layout",
+                self.common_file,
+                f"saved with TP/PP/DP {found}, the profile says {self.options.layout}",
+            )
         else:
             self.checks.passed("layout", f"TP/PP/DP {found} as the profile says")
 
@@ -403,7 +438,9 @@ class _Verifier:
         recorded = content.get("megatron_core_version")
         return {
             "megatron_core": recorded or self.options.megatron_core_version,
-            "megatron_core_source": "checkpoint" if recorded else ("profile" if self.options.megatron_core_version else "unknown"),
+            "megatron_core_source": "checkpoint"
+            if recorded
+            else ("profile" if self.options.megatron_core_version else "unknown"),
             "torch": content.get("torch_version"),
             "sharded_backend": self.backend.get("sharded_backend"),
             "sharded_backend_version": self.backend.get("sharded_backend_version"),
@@ -436,9 +473,12 @@ def checkpoint_path(directory: Path) -> Path:
     return path
 
 
-def verify_checkpoint(directory: Path, options: VerifyOptions,
-                      progress: Callable[[int], None] | None = None,
-                      reference: Manifest | None = None) -> Verification:
+def verify_checkpoint(
+    directory: Path,
+    options: VerifyOptions,
+    progress: Callable[[int], None] | None = None,
+    reference: Manifest | None = None,
+) -> Verification:
     """Verify one checkpoint directory and (unless it is still in progress) write its manifest.
 
     ``reference`` compares the bytes with a given manifest instead of the directory's own: a
@@ -463,10 +503,25 @@ def verify_checkpoint(directory: Path, options: VerifyOptions,
     if changed or after.state is State.IN_PROGRESS:
         # Whatever we read is void: the writer is still at work.
         reason = f"{changed[0]}: changed while being read" if changed else after.reason
-        return Verification(directory, iteration, State.IN_PROGRESS, reason, verifier.checks.results,
-                            bytes_read=bytes_read, seconds=seconds)
+        return Verification(
+            directory,
+            iteration,
+            State.IN_PROGRESS,
+            reason,
+            verifier.checks.results,
+            bytes_read=bytes_read,
+            seconds=seconds,
+        )
     manifest = verifier.manifest()
     if options.write_manifest and not verifier.manifest_unreadable:
         write_manifest(directory, manifest)
-    return Verification(directory, iteration, State(manifest.status), manifest.reason,
-                        manifest.checks, manifest, bytes_read, seconds)
+    return Verification(
+        directory,
+        iteration,
+        State(manifest.status),
+        manifest.reason,
+        manifest.checks,
+        manifest,
+        bytes_read,
+        seconds,
+    )

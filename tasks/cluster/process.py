@@ -6,6 +6,7 @@ leaves helpers behind (megatron's checkpoint writer Manager, a process group of 
 process the command started is noted while it runs and killed, with its group, at the end.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -36,8 +37,9 @@ def start(argv: list[str], log: Path, env: dict | None = None, cwd: Path | None 
     log = Path(log)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as sink:
-        return subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                start_new_session=True)
+        return subprocess.Popen(
+            argv, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+        )
 
 
 def tail(log: Path, lines: int = 5) -> str:
@@ -67,8 +69,14 @@ def wait(process: subprocess.Popen, log: Path, timeout_seconds: float, what: str
         raise Failed(f"{log}: {what} exited {code}: {tail(log)}", code, Path(log))
 
 
-def run(argv: list[str], log: Path, timeout_seconds: float, env: dict | None = None,
-        what: str = "the command", cwd: Path | None = None) -> None:
+def run(
+    argv: list[str],
+    log: Path,
+    timeout_seconds: float,
+    env: dict | None = None,
+    what: str = "the command",
+    cwd: Path | None = None,
+) -> None:
     """Run ``argv`` to its end with ``wait``'s guarantees."""
     wait(start(argv, log, env, cwd), log, timeout_seconds, what)
 
@@ -86,13 +94,9 @@ def _note_descendants(pid: int, seen: dict[int, int]) -> None:
 
 def _kill_all(process: subprocess.Popen, descendants: dict[int, int]) -> None:
     for group in {process.pid, *descendants.values()}:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(group, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
     for pid in descendants:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
     process.wait()

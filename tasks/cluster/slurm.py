@@ -16,7 +16,9 @@ def _run(argv: list[str]) -> str:
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_SECONDS)
     except FileNotFoundError:
-        raise CkptopsError(f"{argv[0]}: not installed on this host (Slurm commands are needed here)") from None
+        raise CkptopsError(
+            f"{argv[0]}: not installed on this host (Slurm commands are needed here)"
+        ) from None
     except subprocess.TimeoutExpired:
         raise CkptopsError(f"{' '.join(argv[:2])}: no answer within {TIMEOUT_SECONDS}s") from None
     if done.returncode != 0:
@@ -30,7 +32,9 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
 
 def partition_nodes(partition: str) -> list[str]:
-    return sorted({check_node_name(n) for n in _run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N"]).split()})
+    return sorted(
+        {check_node_name(n) for n in _run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N"]).split()}
+    )
 
 
 def drain(node: str, reason: str) -> None:

@@ -13,7 +13,6 @@ SSH done the careful way:
 import io
 import re
 import shlex
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ class HostKeyRejected(CkptopsError):
 @dataclass
 class Output:
     argv: list[str]
-    exit_code: int | None     # None: timed out
+    exit_code: int | None  # None: timed out
     stdout: str
     stderr: str
     seconds: float
@@ -83,7 +82,7 @@ class SshSettings:
     port: int
     known_hosts: Path
     key_file: Path | None
-    key_text: str | None       # from a Prefect Secret block
+    key_text: str | None  # from a Prefect Secret block
     use_agent: bool
     connect_timeout: float
 
@@ -95,7 +94,9 @@ def _private_key(text: str) -> paramiko.PKey:
             return kind.from_private_key(io.StringIO(text))
         except (paramiko.SSHException, ValueError):
             continue
-    raise UsageError("the SSH private key from the Secret block is not an unencrypted ed25519, ECDSA or RSA key")
+    raise UsageError(
+        "the SSH private key from the Secret block is not an unencrypted ed25519, ECDSA or RSA key"
+    )
 
 
 class SshHost:
@@ -117,22 +118,32 @@ class SshHost:
         pkey = _private_key(s.key_text) if s.key_text else None
         try:
             client.connect(
-                self.node, port=s.port, username=s.user, pkey=pkey,
+                self.node,
+                port=s.port,
+                username=s.user,
+                pkey=pkey,
                 key_filename=str(s.key_file) if s.key_file else None,
-                allow_agent=s.use_agent, look_for_keys=False,
-                timeout=s.connect_timeout, banner_timeout=s.connect_timeout, auth_timeout=s.connect_timeout,
+                allow_agent=s.use_agent,
+                look_for_keys=False,
+                timeout=s.connect_timeout,
+                banner_timeout=s.connect_timeout,
+                auth_timeout=s.connect_timeout,
             )
         except paramiko.BadHostKeyException as e:
             client.close()
-            raise HostKeyRejected(f"{self.node}: host key changed ({e.key.get_name()} "
-                                  f"{e.key.fingerprint}), refused; check the node before updating "
-                                  f"{s.known_hosts}") from None
+            raise HostKeyRejected(
+                f"{self.node}: host key changed ({e.key.get_name()} "
+                f"{e.key.fingerprint}), refused; check the node before updating "
+                f"{s.known_hosts}"
+            ) from None
         except paramiko.SSHException as e:
             client.close()
             if "not found in known_hosts" in str(e):
-                raise HostKeyRejected(f"{self.node}: host key unknown, refused (not in {s.known_hosts})") from None
+                raise HostKeyRejected(
+                    f"{self.node}: host key unknown, refused (not in {s.known_hosts})"
+                ) from None
             raise Unreachable(f"{self.node}: SSH failed ({e})") from None
-        except (OSError, socket.timeout) as e:
+        except (TimeoutError, OSError) as e:
             client.close()
             raise Unreachable(f"{self.node}: unreachable ({getattr(e, 'strerror', None) or e})") from None
         # Keepalives: a node that dies mid-session is noticed, so no wait on it is endless.
@@ -162,13 +173,27 @@ class SshHost:
                     stdout += channel.recv(1 << 16)
                 while channel.recv_stderr_ready():
                     stderr += channel.recv_stderr(1 << 16)
-                if channel.exit_status_ready() and not channel.recv_ready() and not channel.recv_stderr_ready():
+                if (
+                    channel.exit_status_ready()
+                    and not channel.recv_ready()
+                    and not channel.recv_stderr_ready()
+                ):
                     break
                 if time.monotonic() >= deadline:
-                    return Output(argv, None, stdout.decode(errors="replace"), stderr.decode(errors="replace"),
-                                  time.monotonic() - started)
+                    return Output(
+                        argv,
+                        None,
+                        stdout.decode(errors="replace"),
+                        stderr.decode(errors="replace"),
+                        time.monotonic() - started,
+                    )
                 channel.status_event.wait(0.05)
-            return Output(argv, channel.recv_exit_status(), stdout.decode(errors="replace"),
-                          stderr.decode(errors="replace"), time.monotonic() - started)
+            return Output(
+                argv,
+                channel.recv_exit_status(),
+                stdout.decode(errors="replace"),
+                stderr.decode(errors="replace"),
+                time.monotonic() - started,
+            )
         finally:
             channel.close()

@@ -25,9 +25,9 @@ _REASON_LIMIT = 200
 
 @dataclass
 class DrainPlan:
-    drain: list[tuple[str, str]] = field(default_factory=list)    # (node, reason)
-    held: list[tuple[str, str]] = field(default_factory=list)     # (node, why not drained)
-    rerun: list[str] = field(default_factory=list)                # SUSPECT / TOOL_ERROR nodes
+    drain: list[tuple[str, str]] = field(default_factory=list)  # (node, reason)
+    held: list[tuple[str, str]] = field(default_factory=list)  # (node, why not drained)
+    rerun: list[str] = field(default_factory=list)  # SUSPECT / TOOL_ERROR nodes
     page: str | None = None
     drained: list[str] = field(default_factory=list)
 
@@ -56,8 +56,10 @@ def plan_drains(reports: list[NodeReport], settings, now: float | None = None) -
     crowded = [(check, n) for check, n in by_check.items() if n >= settings.drain.page_when_same_check_fails]
     if crowded:
         check, n = max(crowded, key=lambda c: c[1])
-        plan.page = (f"{n} nodes fail {check} at once: likely a software or fabric regression, not {n} bad "
-                     f"nodes; nothing drained, a human must look")
+        plan.page = (
+            f"{n} nodes fail {check} at once: likely a software or fabric regression, not {n} bad "
+            f"nodes; nothing drained, a human must look"
+        )
         plan.held = [(r.node, "held: stop-and-page") for r in failing]
         return plan
     recent = _drained_in_last_hour(settings.raw_dir, now)
@@ -91,7 +93,9 @@ def spare_readiness(reports: list[NodeReport], spares: list[str], level: int) ->
         if report.node not in spares:
             continue
         names = {c.check for c in report.checks}
-        complete = level >= 3 and {"dcgm-diag", "nccl"} <= names and any(n.startswith("nccl-pair-") for n in names)
+        complete = (
+            level >= 3 and {"dcgm-diag", "nccl"} <= names and any(n.startswith("nccl-pair-") for n in names)
+        )
         if not complete:
             ready[report.node] = "not ready: the admission set did not run completely"
         elif report.verdict in (Verdict.PASS, Verdict.WARN):

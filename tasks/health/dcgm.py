@@ -23,21 +23,47 @@ from tasks.health.verdict import CheckResult, Evidence, Verdict, result, worst
 SEVERITY = {1: "MONITOR", 2: "ISOLATE", 3: "UNKNOWN", 4: "TRIAGE", 5: "CONFIG", 6: "RESET"}
 SEVERITY_VERDICT = {1: Verdict.WARN, 5: Verdict.FAIL_CONFIG}  # every other severity: hardware
 RAN = {0: "ran clean", 226: "ran and found errors", 205: "found an ISOLATE-class error"}
-TOOL_EXIT = {203: "killed", 217: "another diagnostic is running", 245: "timed out",
-             235: "host engine unreachable", 242: "no data", 254: "exception", 127: "dcgmi not installed"}
+TOOL_EXIT = {
+    203: "killed",
+    217: "another diagnostic is running",
+    245: "timed out",
+    235: "host engine unreachable",
+    242: "no data",
+    254: "exception",
+    127: "dcgmi not installed",
+}
 
 # The tests each run level must include, by 4.x plugin name (3.x display names are mapped).
 LEVEL_TESTS = {
     1: {"software"},
     2: {"software", "pcie", "memory"},
     3: {"software", "pcie", "memory", "diagnostic", "targeted_stress", "targeted_power", "memory_bandwidth"},
-    4: {"software", "pcie", "memory", "diagnostic", "targeted_stress", "targeted_power", "memory_bandwidth",
-        "memtest", "pulse_test"},
+    4: {
+        "software",
+        "pcie",
+        "memory",
+        "diagnostic",
+        "targeted_stress",
+        "targeted_power",
+        "memory_bandwidth",
+        "memtest",
+        "pulse_test",
+    },
 }
 _V3_NAMES = {"gpu_memory": "memory", "pcie": "pcie", "sm_stress": "sm_stress", "diagnostic": "diagnostic"}
-_V3_DEPLOYMENT = {"blacklist", "denylist", "nvml_library", "cuda_main_library", "cuda_toolkit_library",
-                  "permissions_and_os_blocks", "persistence_mode", "environment_variables",
-                  "page_retirement/row_remap", "graphics_processes", "inforom"}
+_V3_DEPLOYMENT = {
+    "blacklist",
+    "denylist",
+    "nvml_library",
+    "cuda_main_library",
+    "cuda_toolkit_library",
+    "permissions_and_os_blocks",
+    "persistence_mode",
+    "environment_variables",
+    "page_retirement/row_remap",
+    "graphics_processes",
+    "inforom",
+}
 CHECK = "dcgm-diag"
 
 
@@ -72,8 +98,13 @@ def _error_evidence(test: str, gpu: int | None, problem: dict) -> tuple[Verdict,
     text = str(problem.get("warning") or problem.get("error") or problem.get("msg") or "").strip()
     where = f"GPU {gpu}" if gpu is not None else "no GPU (entity-less)"
     name = SEVERITY.get(severity, "no severity")
-    return verdict, Evidence(f"{test} on {where}: error {problem.get('error_id')} ({name}): {text[:200]}",
-                             test=test, gpu=gpu, error_id=problem.get("error_id"), severity=name)
+    return verdict, Evidence(
+        f"{test} on {where}: error {problem.get('error_id')} ({name}): {text[:200]}",
+        test=test,
+        gpu=gpu,
+        error_id=problem.get("error_id"),
+        severity=name,
+    )
 
 
 def _tests_from_json(doc: dict) -> list[tuple[str, list[dict], dict]]:
@@ -108,19 +139,33 @@ def _judge_tests(tests: list[tuple[str, list[dict], dict]], level: int | None) -
                 for problem in problems:
                     add(*_error_evidence(name, gpu, problem))
                 if not problems:
-                    add(Verdict.FAIL_HARDWARE, Evidence(f"{name} failed on GPU {gpu} without error details", test=name, gpu=gpu))
+                    add(
+                        Verdict.FAIL_HARDWARE,
+                        Evidence(f"{name} failed on GPU {gpu} without error details", test=name, gpu=gpu),
+                    )
             elif status.startswith("skip"):
-                add(Verdict.TOOL_ERROR, Evidence(f"{name} skipped on GPU {gpu}: a skip is never a pass", test=name, gpu=gpu))
+                add(
+                    Verdict.TOOL_ERROR,
+                    Evidence(f"{name} skipped on GPU {gpu}: a skip is never a pass", test=name, gpu=gpu),
+                )
             elif status.startswith("warn"):
                 add(Verdict.WARN, Evidence(f"{name} warned on GPU {gpu}", test=name, gpu=gpu))
         summary_status = str(summary.get("status", "")).lower()
         if summary_status.startswith("fail") and not gpu_failed:
             problems = _problems(summary)
             texts = " ".join(str(p.get("warning") or p.get("error") or "") for p in problems)
-            texts += " ".join(str(i) for i in summary.get("info") or [] if isinstance(summary.get("info"), list))
+            texts += " ".join(
+                str(i) for i in summary.get("info") or [] if isinstance(summary.get("info"), list)
+            )
             if "internal error" in texts.lower() or not problems:
-                add(Verdict.TOOL_ERROR, Evidence(f"{name} failed with no GPU to blame ({texts.strip()[:160] or 'no details'}): "
-                                                 "rerun on an exclusive node", test=name))
+                add(
+                    Verdict.TOOL_ERROR,
+                    Evidence(
+                        f"{name} failed with no GPU to blame ({texts.strip()[:160] or 'no details'}): "
+                        "rerun on an exclusive node",
+                        test=name,
+                    ),
+                )
             else:
                 for problem in problems:
                     add(*_error_evidence(name, None, problem))
@@ -131,7 +176,9 @@ def _judge_tests(tests: list[tuple[str, list[dict], dict]], level: int | None) -
         add(Verdict.TOOL_ERROR, Evidence("no test results in the output"))
     verdict = worst(v for v, _ in findings)
     if verdict is Verdict.PASS:
-        return result(CHECK, verdict, Evidence(f"{len({name for name, _, _ in tests})} tests passed on every GPU"))
+        return result(
+            CHECK, verdict, Evidence(f"{len({name for name, _, _ in tests})} tests passed on every GPU")
+        )
     # The worst findings first: the first line is what an operator reads.
     findings.sort(key=lambda f: -f[0].rank)
     return result(CHECK, verdict, *[e for v, e in findings if v is not Verdict.PASS])
@@ -146,7 +193,12 @@ def classify_diag(text: str, exit_code: int | None, level: int | None = None) ->
     """Verdict for one ``dcgmi diag`` output (JSON with -j, or the text table)."""
     if exit_code is not None and exit_code not in RAN:
         meaning = TOOL_EXIT.get(exit_code, "not an exit code dcgmi gives with a result")
-        return result(CHECK, Verdict.TOOL_ERROR, Evidence(f"dcgmi diag exited {exit_code} ({meaning})"), exit_code=exit_code)
+        return result(
+            CHECK,
+            Verdict.TOOL_ERROR,
+            Evidence(f"dcgmi diag exited {exit_code} ({meaning})"),
+            exit_code=exit_code,
+        )
     stripped = text.strip()
     if not stripped:
         return result(CHECK, Verdict.TOOL_ERROR, Evidence("dcgmi diag printed nothing"), exit_code=exit_code)
@@ -154,8 +206,12 @@ def classify_diag(text: str, exit_code: int | None, level: int | None = None) ->
         try:
             judged = judge_document(json.loads(stripped), level)
         except ValueError as e:
-            return result(CHECK, Verdict.TOOL_ERROR, Evidence(f"not a whole JSON document ({e}): truncated output?"),
-                          exit_code=exit_code)
+            return result(
+                CHECK,
+                Verdict.TOOL_ERROR,
+                Evidence(f"not a whole JSON document ({e}): truncated output?"),
+                exit_code=exit_code,
+            )
     else:
         judged = _judge_tests(_tests_from_text(stripped), level)
     judged.exit_code = exit_code

@@ -29,21 +29,37 @@ def node_rows(run: HealthRun) -> list[dict]:
     for r in sorted(run.reports, key=lambda r: (-r.verdict.rank, r.node)):
         worst = r.worst_check
         evidence = worst.evidence[0] if worst and worst.evidence else None
-        rows.append({"node": r.node, "verdict": r.verdict.value, "check": worst.check if worst else "",
-                     "evidence": r.summary, "gpu": getattr(evidence, "gpu", None),
-                     "error id": getattr(evidence, "error_id", None), "severity": getattr(evidence, "severity", None),
-                     "busbw / gate": f"{evidence.value:g} / {evidence.gate:g}" if evidence and evidence.value is not None
-                     and evidence.gate is not None else "",
-                     "raw": worst.raw if worst else "", "seconds": round(r.seconds, 2)})
+        rows.append(
+            {
+                "node": r.node,
+                "verdict": r.verdict.value,
+                "check": worst.check if worst else "",
+                "evidence": r.summary,
+                "gpu": getattr(evidence, "gpu", None),
+                "error id": getattr(evidence, "error_id", None),
+                "severity": getattr(evidence, "severity", None),
+                "busbw / gate": f"{evidence.value:g} / {evidence.gate:g}"
+                if evidence and evidence.value is not None and evidence.gate is not None
+                else "",
+                "raw": worst.raw if worst else "",
+                "seconds": round(r.seconds, 2),
+            }
+        )
     return rows
 
 
 def plan_markdown(run: HealthRun, plan: DrainPlan, settings, spares: dict[str, str]) -> str:
-    lines = [f"# node health (level {run.level}): {len(run.reports)} nodes in {run.seconds:.1f} s", "",
-             "Verdicts: " + ", ".join(f"{v} {n}" for v, n in sorted(run.counts().items())), ""]
+    lines = [
+        f"# node health (level {run.level}): {len(run.reports)} nodes in {run.seconds:.1f} s",
+        "",
+        "Verdicts: " + ", ".join(f"{v} {n}" for v, n in sorted(run.counts().items())),
+        "",
+    ]
     if plan.page:
         lines.append(f"**PAGE: {plan.page}**")
-    verb = "drained" if settings.drain.enabled and not plan.page else "to drain (draining is off: a plan only)"
+    verb = (
+        "drained" if settings.drain.enabled and not plan.page else "to drain (draining is off: a plan only)"
+    )
     lines += [f"- {verb}: " + (", ".join(f"{n} ({why})" for n, why in plan.drain) or "none")]
     lines += [f"- held: {n} ({why})" for n, why in plan.held]
     if plan.rerun:
@@ -54,8 +70,11 @@ def plan_markdown(run: HealthRun, plan: DrainPlan, settings, spares: dict[str, s
 
 @task(name="publish-health")
 def publish_health(run: HealthRun, plan: DrainPlan, settings, spares: dict[str, str]) -> None:
-    create_table_artifact(table=node_rows(run), key="node-health", description="verdict per node, worst first")
-    create_markdown_artifact(markdown=plan_markdown(run, plan, settings, spares), key="node-health-actions",
-                             description="drains, held nodes, reruns, spares")
-
-
+    create_table_artifact(
+        table=node_rows(run), key="node-health", description="verdict per node, worst first"
+    )
+    create_markdown_artifact(
+        markdown=plan_markdown(run, plan, settings, spares),
+        key="node-health-actions",
+        description="drains, held nodes, reruns, spares",
+    )

@@ -29,7 +29,7 @@ _WARN = re.compile(r"(NCCL WARN.*)")
 class Row:
     size: int
     busbw_out: float
-    wrong_out: int | None   # None: not validated (-c 0)
+    wrong_out: int | None  # None: not validated (-c 0)
     wrong_in: int | None
 
 
@@ -38,7 +38,7 @@ class AllReduceRun:
     rows: list[Row] = field(default_factory=list)
     header: bool = False
     rank_ids: set[int] = field(default_factory=set)
-    out_of_bounds: tuple[int, bool] | None = None   # (count, ok)
+    out_of_bounds: tuple[int, bool] | None = None  # (count, ok)
     average_busbw: float | None = None
     failures: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -63,7 +63,7 @@ def parse_allreduce(text: str) -> AllReduceRun:
         if stripped.startswith("#"):
             if re.match(r"#\s+size\s+count", stripped):
                 run.header = True
-            elif (rank := re.match(r"#\s+Rank\s+(\d+)", stripped)):
+            elif rank := re.match(r"#\s+Rank\s+(\d+)", stripped):
                 # Distinct ranks: a non-MPI build under mpirun prints "Rank 0" once per process.
                 run.rank_ids.add(int(rank[1]))
             elif "Out of bounds values" in stripped:
@@ -91,45 +91,80 @@ def _wrong(token: str) -> int | None:
     return int(value > 0) if "." in token or "e" in token else int(value)
 
 
-def classify_allreduce(text: str, exit_code: int | None, pass_gbps: float, warn_gbps: float,
-                       check: str = "nccl") -> CheckResult:
+def classify_allreduce(
+    text: str, exit_code: int | None, pass_gbps: float, warn_gbps: float, check: str = "nccl"
+) -> CheckResult:
     """Verdict for one all_reduce_perf run against the gate (pass >= pass_gbps, warn >= warn_gbps)."""
     run = parse_allreduce(text)
     wrong = [r for r in run.rows if (r.wrong_out or 0) > 0 or (r.wrong_in or 0) > 0]
     if exit_code == 7 or wrong or (run.out_of_bounds and not run.out_of_bounds[1]):
         first = wrong[0].size if wrong else None
         detail = f"wrong results at size {first}" if first else f"out-of-bounds values: {run.out_of_bounds}"
-        return result(check, Verdict.FAIL_HARDWARE, Evidence(f"{detail} (data corruption: hardware)", test=check),
-                      exit_code=exit_code)
+        return result(
+            check,
+            Verdict.FAIL_HARDWARE,
+            Evidence(f"{detail} (data corruption: hardware)", test=check),
+            exit_code=exit_code,
+        )
     if run.failures or (run.warnings and run.out_of_bounds is None):
         # A finished table is judged on its numbers, whatever NCCL warned about on the way; a run
         # that failed, or warned and never finished, could not test the node.
         first = (run.failures or run.warnings)[0]
-        return result(check, Verdict.TOOL_ERROR, Evidence(f"the test could not run: {first[:200]}", test=check),
-                      exit_code=exit_code)
+        return result(
+            check,
+            Verdict.TOOL_ERROR,
+            Evidence(f"the test could not run: {first[:200]}", test=check),
+            exit_code=exit_code,
+        )
     if exit_code not in (0, None):
-        return result(check, Verdict.TOOL_ERROR, Evidence(f"all_reduce_perf exited {exit_code}", test=check),
-                      exit_code=exit_code)
+        return result(
+            check,
+            Verdict.TOOL_ERROR,
+            Evidence(f"all_reduce_perf exited {exit_code}", test=check),
+            exit_code=exit_code,
+        )
     if not run.header:
-        return result(check, Verdict.TOOL_ERROR, Evidence("no result table in the output", test=check), exit_code=exit_code)
+        return result(
+            check,
+            Verdict.TOOL_ERROR,
+            Evidence("no result table in the output", test=check),
+            exit_code=exit_code,
+        )
     if not run.rows:
-        return result(check, Verdict.TOOL_ERROR, Evidence("output cut after the header: no data rows", test=check),
-                      exit_code=exit_code)
+        return result(
+            check,
+            Verdict.TOOL_ERROR,
+            Evidence("output cut after the header: no data rows", test=check),
+            exit_code=exit_code,
+        )
     if run.out_of_bounds is None:
-        return result(check, Verdict.TOOL_ERROR,
-                      Evidence(f"no footer after {len(run.rows)} rows: the run did not finish", test=check),
-                      exit_code=exit_code)
+        return result(
+            check,
+            Verdict.TOOL_ERROR,
+            Evidence(f"no footer after {len(run.rows)} rows: the run did not finish", test=check),
+            exit_code=exit_code,
+        )
     if len(run.rank_ids) <= 1 and max(r.busbw_out for r in run.rows) == 0.0:
-        return result(check, Verdict.FAIL_CONFIG,
-                      Evidence("nranks 1 and busbw 0.00: a build without MPI launched by mpirun (setup error)",
-                               test=check), exit_code=exit_code)
+        return result(
+            check,
+            Verdict.FAIL_CONFIG,
+            Evidence(
+                "nranks 1 and busbw 0.00: a build without MPI launched by mpirun (setup error)", test=check
+            ),
+            exit_code=exit_code,
+        )
     large = [r for r in run.rows if r.size >= GIB]
     if not large:
-        return result(check, Verdict.TOOL_ERROR,
-                      Evidence("no message size of at least 1 GiB to gate on (run with -e 8G)", test=check),
-                      exit_code=exit_code)
+        return result(
+            check,
+            Verdict.TOOL_ERROR,
+            Evidence("no message size of at least 1 GiB to gate on (run with -e 8G)", test=check),
+            exit_code=exit_code,
+        )
     peak = max(r.busbw_out for r in large)
-    gate = f"peak out-of-place busbw {peak:.2f} GB/s at >= 1 GiB (pass >= {pass_gbps:g}, warn >= {warn_gbps:g})"
+    gate = (
+        f"peak out-of-place busbw {peak:.2f} GB/s at >= 1 GiB (pass >= {pass_gbps:g}, warn >= {warn_gbps:g})"
+    )
     unvalidated = any(r.wrong_out is None for r in run.rows)
     if peak >= pass_gbps:
         verdict = Verdict.WARN if unvalidated else Verdict.PASS
@@ -140,4 +175,6 @@ def classify_allreduce(text: str, exit_code: int | None, pass_gbps: float, warn_
     note = "; results not validated (-c 0)" if unvalidated else ""
     if run.warnings:
         note += f"; NCCL warned: {run.warnings[0][:120]}"
-    return result(check, verdict, Evidence(gate + note, test=check, value=peak, gate=pass_gbps), exit_code=exit_code)
+    return result(
+        check, verdict, Evidence(gate + note, test=check, value=peak, gate=pass_gbps), exit_code=exit_code
+    )

@@ -10,15 +10,22 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from tasks.cluster import slurm
-from tasks.cluster.transport import HostKeyRejected, LocalHost, SshHost, SshSettings, Unreachable, check_node_name
+from tasks.cluster.transport import (
+    HostKeyRejected,
+    LocalHost,
+    SshHost,
+    SshSettings,
+    Unreachable,
+    check_node_name,
+)
+from tasks.errors import Unreadable
 from tasks.health.checks import Context, dcgm_diag, gpu_count, nccl, nvlink, recovery, row_remap, xid
 from tasks.health.nccl import classify_allreduce
 from tasks.health.verdict import CheckResult, Evidence, Verdict, result, worst
-from tasks.errors import Unreadable
 from tasks.storage.local import append_jsonl, read_jsonl
 
 CHECKS = {m.NAME: m for m in (gpu_count, recovery, row_remap, xid, nvlink, dcgm_diag, nccl)}
@@ -44,8 +51,13 @@ class NodeReport:
         return f"{check.check}: {check.summary}" if check else "all checks passed"
 
     def to_dict(self) -> dict:
-        return {"node": self.node, "verdict": self.verdict.value, "started_at": self.started_at,
-                "seconds": round(self.seconds, 3), "checks": [c.to_dict() for c in self.checks]}
+        return {
+            "node": self.node,
+            "verdict": self.verdict.value,
+            "started_at": self.started_at,
+            "seconds": round(self.seconds, 3),
+            "checks": [c.to_dict() for c in self.checks],
+        }
 
 
 def resolve_nodes(settings, only: list[str] | None = None) -> list[str]:
@@ -73,8 +85,12 @@ def _host(node: str, settings, key_text: str | None):
     if settings.transport == "local":
         return LocalHost(node)
     s = settings.ssh
-    return SshHost(node, SshSettings(s.user, s.port, s.known_hosts, s.key_file, key_text, s.use_agent,
-                                     s.connect_timeout_seconds))
+    return SshHost(
+        node,
+        SshSettings(
+            s.user, s.port, s.known_hosts, s.key_file, key_text, s.use_agent, s.connect_timeout_seconds
+        ),
+    )
 
 
 def last_clean_xid_check(raw_dir: Path, node: str) -> float | None:
@@ -97,9 +113,15 @@ def last_clean_xid_check(raw_dir: Path, node: str) -> float | None:
 
 
 def _append_history(raw_dir: Path, report: NodeReport) -> None:
-    line = {"started_at": report.started_at, "verdict": report.verdict.value, "summary": report.summary,
-            "checks": [{"check": c.check, "verdict": c.verdict.value, "summary": c.summary, "raw": c.raw}
-                       for c in report.checks]}
+    line = {
+        "started_at": report.started_at,
+        "verdict": report.verdict.value,
+        "summary": report.summary,
+        "checks": [
+            {"check": c.check, "verdict": c.verdict.value, "summary": c.summary, "raw": c.raw}
+            for c in report.checks
+        ],
+    }
     append_jsonl(Path(raw_dir) / report.node / HISTORY, line)
 
 
@@ -110,7 +132,9 @@ def _attempt(name: str, run: Callable[[Context], CheckResult], ctx: Context) -> 
     except Unreachable as e:
         outcome = result(name, Verdict.TOOL_ERROR, Evidence(str(e)))
     except Exception as e:  # one check's surprise must not end the whole fleet's run
-        outcome = result(name, Verdict.TOOL_ERROR, Evidence(f"the check itself failed ({type(e).__name__}: {e})"))
+        outcome = result(
+            name, Verdict.TOOL_ERROR, Evidence(f"the check itself failed ({type(e).__name__}: {e})")
+        )
     outcome.seconds = time.monotonic() - started
     outcome.raw = ctx.kept[-1] if len(ctx.kept) > kept else None
     return outcome
@@ -118,8 +142,11 @@ def _attempt(name: str, run: Callable[[Context], CheckResult], ctx: Context) -> 
 
 def _below_gate(name: str, outcome: CheckResult) -> bool:
     """Bandwidth under the gate (an nccl check), not any other failure with a threshold."""
-    return (name.startswith("nccl") and outcome.verdict is Verdict.FAIL_HARDWARE
-            and any(e.gate is not None for e in outcome.evidence))
+    return (
+        name.startswith("nccl")
+        and outcome.verdict is Verdict.FAIL_HARDWARE
+        and any(e.gate is not None for e in outcome.evidence)
+    )
 
 
 def _run_check(name: str, run: Callable[[Context], CheckResult], ctx: Context) -> CheckResult:
@@ -156,10 +183,11 @@ def _connect(node: str, settings, key_text: str | None):
         return _host(node, settings, key_text).__enter__()
 
 
-def check_node(node: str, settings, level: int, key_text: str | None = None,
-               checks: list[str] | None = None) -> NodeReport:
+def check_node(
+    node: str, settings, level: int, key_text: str | None = None, checks: list[str] | None = None
+) -> NodeReport:
     started = time.monotonic()
-    report = NodeReport(node, Verdict.PASS, started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    report = NodeReport(node, Verdict.PASS, started_at=datetime.now(UTC).isoformat(timespec="seconds"))
     since = last_clean_xid_check(settings.raw_dir, node)
     try:
         host = _connect(node, settings, key_text)
@@ -174,7 +202,9 @@ def check_node(node: str, settings, level: int, key_text: str | None = None,
                 if name == "nccl" and not settings.nccl.enabled:
                     continue
                 if time.monotonic() - started > settings.node_timeout_seconds:
-                    report.checks.append(result(name, Verdict.TOOL_ERROR, Evidence("not run: the node's time budget ran out")))
+                    report.checks.append(
+                        result(name, Verdict.TOOL_ERROR, Evidence("not run: the node's time budget ran out"))
+                    )
                     continue
                 outcome = _run_check(name, CHECKS[name].run, ctx)
                 report.checks.append(outcome)
@@ -195,12 +225,18 @@ def pair_test(node: str, known_good: str, settings, key_text: str | None = None)
     def run_pair(ctx: Context) -> CheckResult:
         output = ctx.command(name, argv, pairs.timeout_seconds)
         if output.timed_out:
-            return result(name, Verdict.TOOL_ERROR, Evidence(f"pair test timed out after {output.seconds:.0f}s"))
-        return classify_allreduce(output.stdout + output.stderr, output.exit_code, pairs.pass_gbps, pairs.warn_gbps, name)
+            return result(
+                name, Verdict.TOOL_ERROR, Evidence(f"pair test timed out after {output.seconds:.0f}s")
+            )
+        return classify_allreduce(
+            output.stdout + output.stderr, output.exit_code, pairs.pass_gbps, pairs.warn_gbps, name
+        )
 
     try:
         with _connect(node, settings, key_text) as host:
-            return _run_check(name, run_pair, Context(node, host, settings, settings.level, Path(settings.raw_dir)))
+            return _run_check(
+                name, run_pair, Context(node, host, settings, settings.level, Path(settings.raw_dir))
+            )
     except (Unreachable, HostKeyRejected) as e:
         return result(name, Verdict.TOOL_ERROR, Evidence(str(e)))
 
@@ -218,8 +254,13 @@ class HealthRun:
         return counted
 
 
-def run_health(settings, nodes: list[str], level: int | None = None, admit: bool = False,
-               progress: Callable[[NodeReport], None] | None = None) -> HealthRun:
+def run_health(
+    settings,
+    nodes: list[str],
+    level: int | None = None,
+    admit: bool = False,
+    progress: Callable[[NodeReport], None] | None = None,
+) -> HealthRun:
     """Check ``nodes`` in parallel; with pairs enabled (or ``admit``), pair-test the nodes that
     passed against the known-good node. ``admit`` runs the spare admission set: r3, single-node
     NCCL, and the pair test."""
@@ -230,8 +271,13 @@ def run_health(settings, nodes: list[str], level: int | None = None, admit: bool
 
     def one(node):
         report = check_node(node, settings, level, key_text)
-        if (admit or settings.pairs.enabled) and settings.pairs.known_good and node != settings.pairs.known_good \
-                and not report.verdict.failed and report.verdict is not Verdict.SUSPECT:
+        if (
+            (admit or settings.pairs.enabled)
+            and settings.pairs.known_good
+            and node != settings.pairs.known_good
+            and not report.verdict.failed
+            and report.verdict is not Verdict.SUSPECT
+        ):
             report.checks.append(pair_test(node, settings.pairs.known_good, settings, key_text))
             report.verdict = worst(c.verdict for c in report.checks)
         if progress:

@@ -12,9 +12,9 @@ from enum import StrEnum
 class Verdict(StrEnum):
     PASS = "PASS"
     WARN = "WARN"
-    TOOL_ERROR = "TOOL_ERROR"      # the check could not tell (timeout, crash, unknown exit code)
-    SUSPECT = "SUSPECT"            # a tool error that repeated on this node after a retry
-    FAIL_CONFIG = "FAIL_CONFIG"    # a setting to fix (persistence mode, a non-MPI build), not hardware
+    TOOL_ERROR = "TOOL_ERROR"  # the check could not tell (timeout, crash, unknown exit code)
+    SUSPECT = "SUSPECT"  # a tool error that repeated on this node after a retry
+    FAIL_CONFIG = "FAIL_CONFIG"  # a setting to fix (persistence mode, a non-MPI build), not hardware
     FAIL_HARDWARE = "FAIL_HARDWARE"
 
     @property
@@ -31,7 +31,14 @@ class Verdict(StrEnum):
         return 0 if self in (Verdict.PASS, Verdict.WARN) else 1
 
 
-_ORDER = [Verdict.PASS, Verdict.WARN, Verdict.TOOL_ERROR, Verdict.SUSPECT, Verdict.FAIL_CONFIG, Verdict.FAIL_HARDWARE]
+_ORDER = [
+    Verdict.PASS,
+    Verdict.WARN,
+    Verdict.TOOL_ERROR,
+    Verdict.SUSPECT,
+    Verdict.FAIL_CONFIG,
+    Verdict.FAIL_HARDWARE,
+]
 
 
 def worst(verdicts) -> Verdict:
@@ -56,7 +63,7 @@ class CheckResult:
     evidence: list[Evidence] = field(default_factory=list)
     exit_code: int | None = None
     seconds: float = 0.0
-    raw: str | None = None          # where the raw output was kept
+    raw: str | None = None  # where the raw output was kept
     attempts: int = 1
 
     @property

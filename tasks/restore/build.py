@@ -21,7 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -46,13 +50,17 @@ def init_distributed(tensor_parallel: int, pipeline_parallel: int) -> None:
         os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    torch.distributed.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",
-                                         timeout=PROCESS_GROUP_TIMEOUT)
+    torch.distributed.init_process_group(
+        backend="nccl" if torch.cuda.is_available() else "gloo", timeout=PROCESS_GROUP_TIMEOUT
+    )
     world = torch.distributed.get_world_size()
     if world % (tensor_parallel * pipeline_parallel):
-        raise UsageError(f"world size {world} is not a multiple of TP {tensor_parallel} x PP {pipeline_parallel}")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                             pipeline_model_parallel_size=pipeline_parallel)
+        raise UsageError(
+            f"world size {world} is not a multiple of TP {tensor_parallel} x PP {pipeline_parallel}"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
+    )
 
 
 def transformer_config(args, initialize: bool) -> TransformerConfig:
@@ -87,20 +95,27 @@ def transformer_config(args, initialize: bool) -> TransformerConfig:
         perform_initialization=initialize,
     )
     if args.num_experts:
-        kwargs.update(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
-                      moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size)
+        kwargs.update(
+            num_moe_experts=args.num_experts,
+            moe_router_topk=args.moe_router_topk,
+            moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size,
+        )
     try:
         return TransformerConfig(**kwargs)
     except (AssertionError, ValueError, TypeError) as e:
-        raise ModelArgsError(f"args: megatron-core's TransformerConfig refuses them ({e or type(e).__name__})") from None
+        raise ModelArgsError(
+            f"args: megatron-core's TransformerConfig refuses them ({e or type(e).__name__})"
+        ) from None
 
 
-def gpt_provider(args, pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None,
-                 pg_collection=None) -> GPTModel:
+def gpt_provider(
+    args, pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None, pg_collection=None
+) -> GPTModel:
     """Megatron-LM's ``gpt_builder`` for the local layer spec."""
     config = config or transformer_config(args, initialize=True)
-    spec = get_gpt_layer_local_spec(config.num_moe_experts, False, config.qk_layernorm,
-                                    normalization=config.normalization)
+    spec = get_gpt_layer_local_spec(
+        config.num_moe_experts, False, config.qk_layernorm, normalization=config.normalization
+    )
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -125,7 +140,9 @@ def import_provider(spec: str):
     try:
         provider = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError) as e:
-        raise UsageError(f"drill.model_provider {spec!r}: cannot be imported ({type(e).__name__}: {e})") from None
+        raise UsageError(
+            f"drill.model_provider {spec!r}: cannot be imported ({type(e).__name__}: {e})"
+        ) from None
     if not callable(provider):
         raise UsageError(f"drill.model_provider {spec!r}: not callable")
     return provider
@@ -133,7 +150,9 @@ def import_provider(spec: str):
 
 def _copy_fields(cls, args, **overrides):
     """Megatron-LM's way to fill a megatron-core config: every field the args also have."""
-    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init and hasattr(args, f.name)}
+    kwargs = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init and hasattr(args, f.name)
+    }
     kwargs.update(overrides)
     return kwargs
 
@@ -150,22 +169,30 @@ def ddp_config(args, num_parameters: int) -> DistributedDataParallelConfig:
             bucket_size = num_parameters // args.ddp_num_buckets
         else:
             bucket_size = getattr(args, "ddp_bucket_size", None) or max(
-                40_000_000, 1_000_000 * int(getattr(args, "data_parallel_size", 1) or 1))
-    kwargs = _copy_fields(DistributedDataParallelConfig, args,
-                          use_distributed_optimizer=bool(args.use_distributed_optimizer),
-                          grad_reduce_in_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)),
-                          overlap_grad_reduce=overlap, overlap_param_gather=False, bucket_size=bucket_size)
+                40_000_000, 1_000_000 * int(getattr(args, "data_parallel_size", 1) or 1)
+            )
+    kwargs = _copy_fields(
+        DistributedDataParallelConfig,
+        args,
+        use_distributed_optimizer=bool(args.use_distributed_optimizer),
+        grad_reduce_in_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)),
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=False,
+        bucket_size=bucket_size,
+    )
     return DistributedDataParallelConfig(**kwargs)
 
 
 def optimizer_config(args) -> OptimizerConfig:
-    return OptimizerConfig(**_copy_fields(OptimizerConfig, args, use_distributed_optimizer=bool(args.use_distributed_optimizer)))
+    return OptimizerConfig(
+        **_copy_fields(OptimizerConfig, args, use_distributed_optimizer=bool(args.use_distributed_optimizer))
+    )
 
 
 @dataclass
 class Built:
-    model: DistributedDataParallel     # the one model chunk of this rank, wrapped as Megatron-LM wraps it
-    optimizer: object                  # megatron's optimizer (fp32 main params for bf16/fp16)
+    model: DistributedDataParallel  # the one model chunk of this rank, wrapped as Megatron-LM wraps it
+    optimizer: object  # megatron's optimizer (fp32 main params for bf16/fp16)
     config: TransformerConfig
 
     @property

@@ -25,12 +25,15 @@ class _Chunks:
     def read(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
         if (key, offsets) not in self.cache:
             record = self.index.records[(key, offsets)]
-            self.cache[(key, offsets)] = torch.load(io.BytesIO(read_record(self.directory, record)),
-                                                    weights_only=True, map_location="cpu")
+            self.cache[(key, offsets)] = torch.load(
+                io.BytesIO(read_record(self.directory, record)), weights_only=True, map_location="cpu"
+            )
         return self.cache[(key, offsets)]
 
 
-def stored_region(chunks: _Chunks, key: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor | None:
+def stored_region(
+    chunks: _Chunks, key: str, offset: tuple[int, ...], shape: tuple[int, ...]
+) -> torch.Tensor | None:
     """The stored values of ``key`` in the box ``[offset, offset + shape)``; None if the checkpoint
     does not hold all of it."""
     item = chunks.index.tensors.get(key)

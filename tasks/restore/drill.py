@@ -62,8 +62,8 @@ class DrillReport:
     budget_seconds: float = 0.0
     host: str = field(default_factory=socket.gethostname)
     id: str = ""
-    layout: dict = field(default_factory=dict)      # the drill's TP, PP, DP
-    log: str | None = None                           # the load's own output, kept in the history
+    layout: dict = field(default_factory=dict)  # the drill's TP, PP, DP
+    log: str | None = None  # the load's own output, kept in the history
 
     @property
     def window_seconds(self) -> float:
@@ -77,9 +77,12 @@ class DrillReport:
     def line(self) -> str:
         verdict = "PASS" if self.ok else "FAIL"
         timings = ", ".join(f"{p.name} {p.seconds:.2f}s ({p.gbps:.2f} GB/s)" for p in self.phases)
-        return (f"{verdict} drill from {self.source}, iteration {self.iteration}: window "
-                f"{self.window_seconds:.2f}s of {self.budget_seconds:g}s budget"
-                + (f" [{timings}]" if timings else "") + ("" if self.ok else f": {self.reason}"))
+        return (
+            f"{verdict} drill from {self.source}, iteration {self.iteration}: window "
+            f"{self.window_seconds:.2f}s of {self.budget_seconds:g}s budget"
+            + (f" [{timings}]" if timings else "")
+            + ("" if self.ok else f": {self.reason}")
+        )
 
 
 class _Drill:
@@ -93,9 +96,13 @@ class _Drill:
         self.profile, self.source, self.progress = profile, source, progress
         self.save_dir = profile.job.save_dir
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        self.report = DrillReport(profile.job.name, source, now_iso(),
-                                  budget_seconds=getattr(profile.drill.budget_seconds, source),
-                                  id=f"{source}-{stamp}-{os.getpid()}")
+        self.report = DrillReport(
+            profile.job.name,
+            source,
+            now_iso(),
+            budget_seconds=getattr(profile.drill.budget_seconds, source),
+            id=f"{source}-{stamp}-{os.getpid()}",
+        )
         self.scratch = Path(profile.drill.scratch_dir) / f"drill-{self.report.id}"
 
     def run(self) -> DrillReport:
@@ -168,8 +175,10 @@ class _Drill:
         destination.mkdir()
 
         def download():
-            store.get_files([(entry_key(job, iteration, f.path), destination / f.path) for f in manifest.files],
-                            self.progress)
+            store.get_files(
+                [(entry_key(job, iteration, f.path), destination / f.path) for f in manifest.files],
+                self.progress,
+            )
             return sum(f.size for f in manifest.files)
 
         self._timed("download", download)
@@ -180,8 +189,11 @@ class _Drill:
 
     def _verify(self, manifest: Manifest) -> None:
         directory = self._restored_dir(manifest)
-        options = VerifyOptions(job=self.profile.job.name, write_manifest=False,
-                                megatron_core_version=self.profile.job.megatron_core_version)
+        options = VerifyOptions(
+            job=self.profile.job.name,
+            write_manifest=False,
+            megatron_core_version=self.profile.job.megatron_core_version,
+        )
         results = {}
 
         def verify():
@@ -192,14 +204,21 @@ class _Drill:
         result = results["v"]
         if result.state is not State.VALID:
             failing = next((c for c in result.checks if not c.ok), None)
-            where = self.report.location if failing is None or not failing.file else f"{self.report.location}/{failing.file}"
+            where = (
+                self.report.location
+                if failing is None or not failing.file
+                else f"{self.report.location}/{failing.file}"
+            )
             raise CkptopsError(f"{where}: restored copy failed verification: {result.reason}")
 
     def _load(self, manifest: Manifest) -> None:
         directory = self._restored_dir(manifest)
         layout = drill_layout(self.profile.drill, manifest.layout)
-        self.report.layout = {"tensor_parallel": layout.tensor_parallel, "pipeline_parallel": layout.pipeline_parallel,
-                              "data_parallel": layout.data_parallel}
+        self.report.layout = {
+            "tensor_parallel": layout.tensor_parallel,
+            "pipeline_parallel": layout.pipeline_parallel,
+            "data_parallel": layout.data_parallel,
+        }
         log, kept_report = drill_files(self.save_dir, self.report.id)
         self.report.log = str(log)
         loaded = run_loader(self.profile, directory, layout, self.scratch / "load-report.json", log)
@@ -216,24 +235,46 @@ class _Drill:
         # Megatron-LM steps its scheduler by the samples of each batch; some loops step it once
         # per iteration. Either count must match the checkpoint's progress exactly.
         unit = "samples" if steps == consumed else "iterations" if steps == manifest.iteration else None
-        model = loaded.model + (f"; inferred from the tensor shapes: {'; '.join(loaded.inferred)}" if loaded.inferred else "")
+        model = loaded.model + (
+            f"; inferred from the tensor shapes: {'; '.join(loaded.inferred)}" if loaded.inferred else ""
+        )
         optimizer = ("loaded" if loaded.optimizer_loaded else "not loaded (the job saved none)") + (
-            f" ({loaded.optimizer_format})" if loaded.optimizer_format else "")
+            f" ({loaded.optimizer_format})" if loaded.optimizer_format else ""
+        )
         checks = [
-            ("model", True, f"{model}; on TP {loaded.layout.get('tensor_parallel')} x PP "
-                            f"{loaded.layout.get('pipeline_parallel')} x DP {loaded.layout.get('data_parallel')} "
-                            f"({loaded.world_size} ranks); optimizer {optimizer}"
-                            + "".join(f"; {n}" for n in loaded.notes)),
-            ("iteration", loaded.iteration == manifest.iteration,
-             f"loaded {loaded.iteration}, manifest {manifest.iteration}"),
-            ("consumed samples", loaded.consumed_train_samples == consumed,
-             f"loaded {loaded.consumed_train_samples}, manifest {consumed}"),
-            ("scheduler", not loaded.optimizer_loaded or unit is not None,
-             f"scheduler at step {steps} ({unit or 'neither the samples nor the iterations'} of the checkpoint), "
-             f"lr {loaded.lr}" if loaded.optimizer_loaded else "not loaded with the optimizer"),
-            ("tensors", loaded.compared > 0 and not loaded.mismatches,
-             f"{loaded.compared} compared with the stored bytes on {len(loaded.ranks)} ranks, "
-             f"differing: {', '.join(loaded.mismatches) or 'none'}"),
+            (
+                "model",
+                True,
+                f"{model}; on TP {loaded.layout.get('tensor_parallel')} x PP "
+                f"{loaded.layout.get('pipeline_parallel')} x DP {loaded.layout.get('data_parallel')} "
+                f"({loaded.world_size} ranks); optimizer {optimizer}"
+                + "".join(f"; {n}" for n in loaded.notes),
+            ),
+            (
+                "iteration",
+                loaded.iteration == manifest.iteration,
+                f"loaded {loaded.iteration}, manifest {manifest.iteration}",
+            ),
+            (
+                "consumed samples",
+                loaded.consumed_train_samples == consumed,
+                f"loaded {loaded.consumed_train_samples}, manifest {consumed}",
+            ),
+            (
+                "scheduler",
+                not loaded.optimizer_loaded or unit is not None,
+                f"scheduler at step {steps} "
+                f"({unit or 'neither the samples nor the iterations'} of the checkpoint), "
+                f"lr {loaded.lr}"
+                if loaded.optimizer_loaded
+                else "not loaded with the optimizer",
+            ),
+            (
+                "tensors",
+                loaded.compared > 0 and not loaded.mismatches,
+                f"{loaded.compared} compared with the stored bytes on {len(loaded.ranks)} ranks, "
+                f"differing: {', '.join(loaded.mismatches) or 'none'}",
+            ),
         ]
         return [{"name": n, "ok": bool(ok), "detail": d} for n, ok, d in checks]
 
@@ -243,8 +284,10 @@ class _Drill:
             self.report.ok, self.report.reason = False, f"{failed[0]['name']}: {failed[0]['detail']}"
         elif self.report.window_seconds > self.report.budget_seconds:
             self.report.ok = False
-            self.report.reason = (f"restore window {self.report.window_seconds:.2f}s is over the "
-                                  f"{self.report.budget_seconds:g}s budget")
+            self.report.reason = (
+                f"restore window {self.report.window_seconds:.2f}s is over the "
+                f"{self.report.budget_seconds:g}s budget"
+            )
         else:
             self.report.ok, self.report.reason = True, "restored, verified and loaded within budget"
 

@@ -13,24 +13,50 @@ def drill_task(profile, source: str) -> DrillReport:
 
 
 def phase_rows(report: DrillReport) -> list[dict]:
-    rows = [{"phase": p.name, "seconds": round(p.seconds, 3), "GB": round(p.bytes / 1e9, 4),
-             "GB/s": round(p.gbps, 3)} for p in report.phases]
-    rows.append({"phase": "restore window", "seconds": round(report.window_seconds, 3),
-                 "GB": "", "GB/s": f"budget {report.budget_seconds:g} s"})
-    rows += [{"phase": f"check: {c['name']}", "seconds": "", "GB": "", "GB/s": ("ok: " if c["ok"] else "FAILED: ") + c["detail"]}
-             for c in report.checks]
+    rows = [
+        {
+            "phase": p.name,
+            "seconds": round(p.seconds, 3),
+            "GB": round(p.bytes / 1e9, 4),
+            "GB/s": round(p.gbps, 3),
+        }
+        for p in report.phases
+    ]
+    rows.append(
+        {
+            "phase": "restore window",
+            "seconds": round(report.window_seconds, 3),
+            "GB": "",
+            "GB/s": f"budget {report.budget_seconds:g} s",
+        }
+    )
+    rows += [
+        {
+            "phase": f"check: {c['name']}",
+            "seconds": "",
+            "GB": "",
+            "GB/s": ("ok: " if c["ok"] else "FAILED: ") + c["detail"],
+        }
+        for c in report.checks
+    ]
     return rows
 
 
 @task(name="publish-drill-report")
 def publish_drill_report(profile, report: DrillReport) -> None:
     job = profile.job.name
-    create_table_artifact(table=phase_rows(report), key=f"drill-{report.source}-{job}",
-                          description=report.line())
+    create_table_artifact(
+        table=phase_rows(report), key=f"drill-{report.source}-{job}", description=report.line()
+    )
     drills = read_drills(profile.job.save_dir)
     size = profile.drill.estimate_for_bytes
     predicted = estimate(drills, size) if size else {}
-    create_table_artifact(table=trend_rows(drills), key=f"drill-history-{job}", description="every recorded drill")
+    create_table_artifact(
+        table=trend_rows(drills), key=f"drill-history-{job}", description="every recorded drill"
+    )
     budgets = profile.drill.budget_seconds.model_dump()
-    create_markdown_artifact(markdown=trend_markdown(job, drills, predicted, size, budgets), key=f"drill-trend-{job}",
-                             description="restore window per drill and source")
+    create_markdown_artifact(
+        markdown=trend_markdown(job, drills, predicted, size, budgets),
+        key=f"drill-trend-{job}",
+        description="restore window per drill and source",
+    )

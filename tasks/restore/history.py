@@ -59,10 +59,15 @@ class Estimate:
         return self.measured_bytes >= REPRESENTATIVE_BYTES
 
     def line(self, size_bytes: int, budget_seconds: float) -> str:
-        head = f"predicted {self.source} restore window for {size_bytes / 1e12:.1f} TB: {self.seconds / 60:.1f} min"
+        head = (
+            f"predicted {self.source} restore window for {size_bytes / 1e12:.1f} TB: "
+            f"{self.seconds / 60:.1f} min"
+        )
         if not self.representative:
-            return (f"{head}; measured on only {self.measured_bytes / 1e6:.1f} MB, where fixed costs dominate: "
-                    "not representative")
+            return (
+                f"{head}; measured on only {self.measured_bytes / 1e6:.1f} MB, where fixed costs dominate: "
+                "not representative"
+            )
         verdict = "within" if self.seconds <= budget_seconds else "OVER"
         return f"{head}, {verdict} the {budget_seconds / 60:.0f} min budget"
 
@@ -87,10 +92,19 @@ def trend_rows(drills: list[dict]) -> list[dict]:
     rows = []
     for d in drills:
         fetch = phase(d, "copy") or phase(d, "download") or {}
-        row = {"when (UTC)": d["started_at"].replace("T", " ")[5:16], "source": d["source"],
-               "iter": d.get("iteration"), "window s": round(d["window_seconds"], 2),
-               "budget s": d["budget_seconds"], "result": "PASS" if d["ok"] else "FAIL"}
-        for name, p in (("fetch", fetch), ("verify", phase(d, "verify") or {}), ("load", phase(d, "load") or {})):
+        row = {
+            "when (UTC)": d["started_at"].replace("T", " ")[5:16],
+            "source": d["source"],
+            "iter": d.get("iteration"),
+            "window s": round(d["window_seconds"], 2),
+            "budget s": d["budget_seconds"],
+            "result": "PASS" if d["ok"] else "FAIL",
+        }
+        for name, p in (
+            ("fetch", fetch),
+            ("verify", phase(d, "verify") or {}),
+            ("load", phase(d, "load") or {}),
+        ):
             row[f"{name} GB/s"] = round(p["bytes"] / p["seconds"] / 1e9, 3) if p.get("seconds") else None
         row["reason"] = "" if d["ok"] else d.get("reason", "")
         rows.append(row)
@@ -110,12 +124,26 @@ def trend_png(drills: list[dict]) -> bytes:
         points = [(i, d) for i, d in enumerate(drills) if d["source"] == source]
         if not points:
             continue
-        ax.plot([i for i, _ in points], [d["window_seconds"] for _, d in points], "-o", color=colour, label=f"{source} window")
+        ax.plot(
+            [i for i, _ in points],
+            [d["window_seconds"] for _, d in points],
+            "-o",
+            color=colour,
+            label=f"{source} window",
+        )
         failed = [(i, d["window_seconds"]) for i, d in points if not d["ok"]]
         if failed:
             ax.scatter(*zip(*failed), marker="x", s=80, color="red", zorder=3)
-        ax.axhline(points[-1][1]["budget_seconds"], color=colour, linestyle="--", linewidth=1, label=f"{source} budget")
-    ax.set_xticks(range(len(drills)), [d["started_at"][5:16].replace("T", "\n") for d in drills], fontsize="x-small")
+        ax.axhline(
+            points[-1][1]["budget_seconds"],
+            color=colour,
+            linestyle="--",
+            linewidth=1,
+            label=f"{source} budget",
+        )
+    ax.set_xticks(
+        range(len(drills)), [d["started_at"][5:16].replace("T", "\n") for d in drills], fontsize="x-small"
+    )
     ax.set_xlabel("drill start (UTC; x = failed)")
     ax.set_ylabel("restore window (s)")
     ax.set_title("restore drills: copy + verify + load")
@@ -127,10 +155,20 @@ def trend_png(drills: list[dict]) -> bytes:
     return buffer.getvalue()
 
 
-def trend_markdown(job: str, drills: list[dict], predicted: dict[str, Estimate], size_bytes: int | None,
-                   budgets: dict[str, float]) -> str:
+def trend_markdown(
+    job: str,
+    drills: list[dict],
+    predicted: dict[str, Estimate],
+    size_bytes: int | None,
+    budgets: dict[str, float],
+) -> str:
     image = base64.b64encode(trend_png(drills)).decode()
-    lines = [f"# restore drills: {job}", "", f"![restore window per drill](data:image/png;base64,{image})", ""]
+    lines = [
+        f"# restore drills: {job}",
+        "",
+        f"![restore window per drill](data:image/png;base64,{image})",
+        "",
+    ]
     if predicted and size_bytes:
         lines.append("From the newest complete drills:")
         lines += [f"- {e.line(size_bytes, budgets[e.source])}" for e in predicted.values()]

@@ -40,16 +40,28 @@ def drill_layout(drill, checkpoint_layout: dict) -> DrillLayout:
     if drill.launcher == "slurm":
         world = drill.slurm.nodes * drill.slurm.ntasks_per_node
         if world % (tp * pp):
-            raise UsageError(f"drill.slurm: {drill.slurm.nodes} nodes x {drill.slurm.ntasks_per_node} tasks = {world} "
-                             f"ranks, not a multiple of TP {tp} x PP {pp}")
+            raise UsageError(
+                f"drill.slurm: {drill.slurm.nodes} nodes x {drill.slurm.ntasks_per_node} tasks = {world} "
+                f"ranks, not a multiple of TP {tp} x PP {pp}"
+            )
     else:
         world = tp * pp * drill.layout.data_parallel
     return DrillLayout(tp, pp, world)
 
 
 def loader_args(drill, checkpoint: Path, report: Path, layout: DrillLayout) -> list[str]:
-    args = ["--checkpoint", str(checkpoint), "--report", str(report), "--tensor-sample", str(drill.tensor_sample),
-            "--tensor-parallel", str(layout.tensor_parallel), "--pipeline-parallel", str(layout.pipeline_parallel)]
+    args = [
+        "--checkpoint",
+        str(checkpoint),
+        "--report",
+        str(report),
+        "--tensor-sample",
+        str(drill.tensor_sample),
+        "--tensor-parallel",
+        str(layout.tensor_parallel),
+        "--pipeline-parallel",
+        str(layout.pipeline_parallel),
+    ]
     if drill.model_provider:
         args += ["--model-provider", drill.model_provider]
     return args
@@ -58,16 +70,26 @@ def loader_args(drill, checkpoint: Path, report: Path, layout: DrillLayout) -> l
 def loader_env() -> dict[str, str]:
     # One thread per rank on CPU (ranks share the cores); huge pages for torch's large CPU
     # tensors: first-touch page faults dominate a CPU load on this project's VMs.
-    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore",
-            "TORCH_CPP_LOG_LEVEL": "ERROR", "THP_MEM_ALLOC_ENABLE": "1"}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONWARNINGS": "ignore",
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
+        "THP_MEM_ALLOC_ENABLE": "1",
+    }
 
 
 def render_sbatch(slurm, layout: DrillLayout, arguments: list[str], output: Path, job_name: str) -> str:
     """The batch script a Slurm drill submits (every value shell-quoted; nothing is eval'd)."""
     python = slurm.python or sys.executable
     command = shlex.join([python, "-m", "tasks.restore.loader", *arguments])
-    directives = [f"--job-name={job_name}", f"--nodes={slurm.nodes}", f"--ntasks-per-node={slurm.ntasks_per_node}",
-                  f"--time={slurm.time_limit}", f"--output={output}"]
+    directives = [
+        f"--job-name={job_name}",
+        f"--nodes={slurm.nodes}",
+        f"--ntasks-per-node={slurm.ntasks_per_node}",
+        f"--time={slurm.time_limit}",
+        f"--output={output}",
+    ]
     directives += [f"--partition={slurm.partition}"] * bool(slurm.partition)
     directives += [f"--gpus-per-node={slurm.gpus_per_node}"] * bool(slurm.gpus_per_node)
     directives += [f"--account={slurm.account}"] * bool(slurm.account)
@@ -122,8 +144,16 @@ def run_loader(profile, checkpoint: Path, layout: DrillLayout, report: Path, log
         if drill.launcher == "slurm":
             _run_slurm(profile, layout, arguments, report, log)
         else:
-            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc_per_node={layout.world_size}", "-m", "tasks.restore.loader", *arguments]
+            argv = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={layout.world_size}",
+                "-m",
+                "tasks.restore.loader",
+                *arguments,
+            ]
             process.run(argv, log, drill.load_timeout_seconds, loader_env(), "the drill's load")
     except process.Failed as e:
         own = first_error(report)
@@ -140,8 +170,12 @@ def _run_slurm(profile, layout: DrillLayout, arguments: list[str], report: Path,
     output = log.with_suffix(".job.log")
     script.write_text(render_sbatch(slurm, layout, arguments, output, f"ckptops-drill-{profile.job.name}"))
     try:
-        process.run(["sbatch", "--parsable", "--wait", str(script)], log, profile.drill.load_timeout_seconds,
-                    what="the drill's Slurm job")
+        process.run(
+            ["sbatch", "--parsable", "--wait", str(script)],
+            log,
+            profile.drill.load_timeout_seconds,
+            what="the drill's Slurm job",
+        )
     except FileNotFoundError:
         raise UsageError("sbatch: not found on this host (drill.launcher is slurm)") from None
     except process.TimedOut as e:

@@ -67,9 +67,17 @@ def rng_state_object(args) -> ShardedObject:
         "cuda_rng_state": torch.cuda.get_rng_state(),
         "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
-    pp, tp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
-    return ShardedObject("rng_state", [state], (args.pipeline_model_parallel_size, args.tensor_model_parallel_size),
-                         (pp, tp), replica_id=parallel_state.get_data_parallel_rank())
+    pp, tp = (
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+    )
+    return ShardedObject(
+        "rng_state",
+        [state],
+        (args.pipeline_model_parallel_size, args.tensor_model_parallel_size),
+        (pp, tp),
+        replica_id=parallel_state.get_data_parallel_rank(),
+    )
 
 
 def _set_rng(rng) -> None:
@@ -90,7 +98,10 @@ def optimizer_format(args, metadata: dict) -> str | None:
     if not args.use_distributed_optimizer:
         return None
     return metadata.get("distrib_optim_sharding_type") or (
-        "fully_sharded_model_space" if getattr(args, "ckpt_fully_parallel_save", False) else "dp_zero_gather_scatter")
+        "fully_sharded_model_space"
+        if getattr(args, "ckpt_fully_parallel_save", False)
+        else "dp_zero_gather_scatter"
+    )
 
 
 @dataclass
@@ -101,8 +112,14 @@ class Loaded:
     scheduler_state: dict | None
 
 
-def load_state(directory: Path, built: builder.Built, args, load_optim: bool, load_rng: bool,
-               scheduler: OptimizerParamScheduler | None = None) -> Loaded:
+def load_state(
+    directory: Path,
+    built: builder.Built,
+    args,
+    load_optim: bool,
+    load_rng: bool,
+    scheduler: OptimizerParamScheduler | None = None,
+) -> Loaded:
     """Load model, optimizer, scheduler and RNG state from ``directory`` into what ``built`` holds,
     as Megatron-LM's ``load_checkpoint`` does for a ``torch_dist`` checkpoint."""
     metadata = content_metadata(directory)
@@ -132,8 +149,12 @@ def load_state(directory: Path, built: builder.Built, args, load_optim: bool, lo
             scheduler.load_state_dict(state["opt_param_scheduler"])
     if load_rng:
         _set_rng(state["rng_state"])
-    return Loaded(int(state["iteration"]), int(state["args"].consumed_train_samples),
-                  float(state.get("num_floating_point_operations_so_far", 0.0)), state.get("opt_param_scheduler"))
+    return Loaded(
+        int(state["iteration"]),
+        int(state["args"].consumed_train_samples),
+        float(state.get("num_floating_point_operations_so_far", 0.0)),
+        state.get("opt_param_scheduler"),
+    )
 
 
 def _allocate_optimizer_state(optimizer, distributed: bool) -> None:
@@ -147,7 +168,8 @@ def _allocate_optimizer_state(optimizer, distributed: bool) -> None:
     for inner in _inner(optimizer):
         torch_optimizer = inner.optimizer
         adam = isinstance(torch_optimizer, torch.optim.Adam | torch.optim.AdamW) and not any(
-            group.get("amsgrad") for group in torch_optimizer.param_groups)
+            group.get("amsgrad") for group in torch_optimizer.param_groups
+        )
         if not adam:
             if distributed:
                 inner._init_optimizer_states_with_dummy_values()
@@ -182,14 +204,22 @@ def _restore_adam_steps(optimizer) -> None:
                     state["step"] = torch.tensor(float(step), dtype=torch.float32)
 
 
-def scheduler_from_state(optimizer, state: dict, init_lr: float = 0.0, wsd_decay_steps=None,
-                         wsd_decay_style=None) -> OptimizerParamScheduler:
+def scheduler_from_state(
+    optimizer, state: dict, init_lr: float = 0.0, wsd_decay_steps=None, wsd_decay_style=None
+) -> OptimizerParamScheduler:
     """The checkpoint's own LR schedule (values from its state; the checkpoint's win on load)."""
     return OptimizerParamScheduler(
-        optimizer, init_lr=init_lr, max_lr=state["max_lr"], min_lr=state["min_lr"],
-        lr_warmup_steps=state["lr_warmup_steps"], lr_decay_steps=state["lr_decay_steps"],
-        lr_decay_style=state["lr_decay_style"], start_wd=state["start_wd"], end_wd=state["end_wd"],
-        wd_incr_steps=state["wd_incr_steps"], wd_incr_style=state["wd_incr_style"],
+        optimizer,
+        init_lr=init_lr,
+        max_lr=state["max_lr"],
+        min_lr=state["min_lr"],
+        lr_warmup_steps=state["lr_warmup_steps"],
+        lr_decay_steps=state["lr_decay_steps"],
+        lr_decay_style=state["lr_decay_style"],
+        start_wd=state["start_wd"],
+        end_wd=state["end_wd"],
+        wd_incr_steps=state["wd_incr_steps"],
+        wd_incr_style=state["wd_incr_style"],
         use_checkpoint_opt_param_scheduler=True,
         wsd_decay_steps=state.get("wsd_decay_steps", wsd_decay_steps),
         lr_wsd_decay_style=state.get("lr_wsd_decay_style", wsd_decay_style),
@@ -216,7 +246,11 @@ def _picked(built: builder.Built, load_optim: bool, metadata: dict, k: int) -> l
     optimizer state (the optimizer's are derived from the model's before megatron's factories
     are applied)."""
     model_sd = built.module.sharded_state_dict(metadata=metadata)
-    optim_sd = built.optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata) if load_optim else {}
+    optim_sd = (
+        built.optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)
+        if load_optim
+        else {}
+    )
     apply_factories(model_sd)
     apply_factories(optim_sd)
     model, optim = _tensors(model_sd), _tensors(optim_sd)
@@ -228,12 +262,23 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True, type=Path, help="the iter_NNNNNNN directory to load")
     p.add_argument("--report", required=True, type=Path, help="where rank 0 writes the load report (JSON)")
-    p.add_argument("--tensor-sample", type=int, default=8, help="tensors each rank compares with the stored bytes")
-    p.add_argument("--tensor-parallel", type=int, default=None, help="TP of the drill [default: the checkpoint's]")
-    p.add_argument("--pipeline-parallel", type=int, default=None, help="PP of the drill [default: the checkpoint's]")
+    p.add_argument(
+        "--tensor-sample", type=int, default=8, help="tensors each rank compares with the stored bytes"
+    )
+    p.add_argument(
+        "--tensor-parallel", type=int, default=None, help="TP of the drill [default: the checkpoint's]"
+    )
+    p.add_argument(
+        "--pipeline-parallel", type=int, default=None, help="PP of the drill [default: the checkpoint's]"
+    )
     p.add_argument("--model-provider", default=None, help="package.module:function building the job's model")
-    p.add_argument("--repeat", type=int, default=1, help="load this many times into the same process (the "
-                   "later loads show what page faults and first-touch allocation cost the first)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="load this many times into the same process (the "
+        "later loads show what page faults and first-touch allocation cost the first)",
+    )
     return p.parse_args(argv)
 
 
@@ -257,38 +302,49 @@ class _Drill:
         self.report.checkpoint_layout = {
             "tensor_parallel": self.args.tensor_model_parallel_size,
             "pipeline_parallel": self.args.pipeline_model_parallel_size,
-            "data_parallel": getattr(self.args, "data_parallel_size", None)}
+            "data_parallel": getattr(self.args, "data_parallel_size", None),
+        }
         self.scheduler_state = common.get("opt_param_scheduler")
 
     def run(self) -> None:
         options, args = self.options, self.args
-        same_tp_pp = ((options.tensor_parallel or args.tensor_model_parallel_size),
-                      (options.pipeline_parallel or args.pipeline_model_parallel_size)) == \
-                     (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        same_tp_pp = (
+            (options.tensor_parallel or args.tensor_model_parallel_size),
+            (options.pipeline_parallel or args.pipeline_model_parallel_size),
+        ) == (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
         args.tensor_model_parallel_size = options.tensor_parallel or args.tensor_model_parallel_size
         args.pipeline_model_parallel_size = options.pipeline_parallel or args.pipeline_model_parallel_size
         builder.init_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
         world = torch.distributed.get_world_size()
         self.report.world_size = world
-        self.report.layout = {"tensor_parallel": args.tensor_model_parallel_size,
-                              "pipeline_parallel": args.pipeline_model_parallel_size,
-                              "data_parallel": parallel_state.get_data_parallel_world_size()}
+        self.report.layout = {
+            "tensor_parallel": args.tensor_model_parallel_size,
+            "pipeline_parallel": args.pipeline_model_parallel_size,
+            "data_parallel": parallel_state.get_data_parallel_world_size(),
+        }
         metadata = content_metadata(options.checkpoint)
         load_optim = not args.no_save_optim
         self.report.optimizer_format = optimizer_format(args, metadata)
         if load_optim and not same_tp_pp and self.report.optimizer_format not in (None, *RESHARDABLE_FORMATS):
             raise LayoutError(
                 f"optimizer state saved as {self.report.optimizer_format!r} cannot be loaded on TP "
-                f"{args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} (the checkpoint's "
+                f"{args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} "
+                "(the checkpoint's "
                 f"is TP {self.report.checkpoint_layout['tensor_parallel']} x PP "
-                f"{self.report.checkpoint_layout['pipeline_parallel']}); Megatron-LM refuses this too: drill on "
-                "the checkpoint's TP and PP, or save with --dist-ckpt-optim-fully-reshardable")
+                f"{self.report.checkpoint_layout['pipeline_parallel']}); "
+                "Megatron-LM refuses this too: drill on "
+                "the checkpoint's TP and PP, or save with --dist-ckpt-optim-fully-reshardable"
+            )
         load_rng = same_tp_pp and not args.no_save_rng
         if not same_tp_pp:
             self.report.notes.append("RNG state not loaded: the TP/PP layout changed (as Megatron-LM does)")
         builder.set_seeds(int(getattr(args, "seed", 1234)))
         built = builder.build(args, self.provider, initialize=False)
-        scheduler = scheduler_from_state(built.optimizer, self.scheduler_state) if load_optim and self.scheduler_state else None
+        scheduler = (
+            scheduler_from_state(built.optimizer, self.scheduler_state)
+            if load_optim and self.scheduler_state
+            else None
+        )
         timings = []
         for _ in range(max(1, options.repeat)):
             torch.distributed.barrier()
@@ -297,7 +353,10 @@ class _Drill:
             torch.distributed.barrier()
             timings.append(time.perf_counter() - started)
         self.report.load_seconds, self.report.repeat_load_seconds = timings[0], timings[1:]
-        self.report.iteration, self.report.consumed_train_samples = loaded.iteration, loaded.consumed_train_samples
+        self.report.iteration, self.report.consumed_train_samples = (
+            loaded.iteration,
+            loaded.consumed_train_samples,
+        )
         self.report.optimizer_loaded, self.report.rng_loaded = load_optim, load_rng
         if scheduler is not None:
             self.report.scheduler = scheduler.state_dict()
@@ -307,12 +366,17 @@ class _Drill:
         compared, mismatches = compare(options.checkpoint, self.index, picked)
         checks = [None] * world
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-        torch.distributed.all_gather_object(checks, RankCheck(torch.distributed.get_rank(), compared, mismatches, node))
+        torch.distributed.all_gather_object(
+            checks, RankCheck(torch.distributed.get_rank(), compared, mismatches, node)
+        )
         if torch.distributed.get_rank() == 0:
             self.report.ranks = checks
             write_report(options.report, self.report)
-            print(f"drill: loaded iteration {loaded.iteration} in {timings[0]:.2f}s on {world} ranks, "
-                  f"{self.report.compared} tensors compared, {len(self.report.mismatches)} differ", flush=True)
+            print(
+                f"drill: loaded iteration {loaded.iteration} in {timings[0]:.2f}s on {world} ranks, "
+                f"{self.report.compared} tensors compared, {len(self.report.mismatches)} differ",
+                flush=True,
+            )
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 

@@ -81,7 +81,7 @@ class ModelArgsError(CkptopsError):
 @dataclass
 class ResolvedArgs:
     args: argparse.Namespace
-    inferred: list[str] = field(default_factory=list)   # "arg: value (why)" for every guess
+    inferred: list[str] = field(default_factory=list)  # "arg: value (why)" for every guess
 
     def note(self, name: str, value, why: str) -> None:
         setattr(self.args, name, value)
@@ -128,9 +128,13 @@ class _Resolver:
         embeddings = _shape(t, WORD_EMBEDDINGS)
         qkv, proj = _shape(t, QKV), _shape(t, PROJ)
         if embeddings is None or qkv is None or proj is None:
-            missing = next(k for k, s in ((WORD_EMBEDDINGS, embeddings), (QKV, qkv), (PROJ, proj)) if s is None)
-            raise ModelArgsError(f"{missing}: not in the checkpoint; not a Megatron-Core GPT (name the job's "
-                                 "model builder in drill.model_provider)")
+            missing = next(
+                k for k, s in ((WORD_EMBEDDINGS, embeddings), (QKV, qkv), (PROJ, proj)) if s is None
+            )
+            raise ModelArgsError(
+                f"{missing}: not in the checkpoint; not a Megatron-Core GPT (name the job's "
+                "model builder in drill.model_provider)"
+            )
         self.settle("padded_vocab_size", embeddings[0], f"{WORD_EMBEDDINGS} {list(embeddings)}")
         self.settle("hidden_size", embeddings[1], f"{WORD_EMBEDDINGS} {list(embeddings)}")
         self.settle("num_layers", qkv[0], f"{QKV} {list(qkv)}")
@@ -146,7 +150,7 @@ class _Resolver:
         t = self.tensors
         q_norm = _shape(t, Q_NORM)
         self.settle("qk_layernorm", q_norm is not None, f"{Q_NORM} {'present' if q_norm else 'absent'}")
-        query_width = proj[2]                       # heads x kv_channels
+        query_width = proj[2]  # heads x kv_channels
         if q_norm is not None:
             self.settle("kv_channels", q_norm[1], f"{Q_NORM} {list(q_norm)}")
         kv = getattr(self.args, "kv_channels", None)
@@ -157,15 +161,19 @@ class _Resolver:
         if kv is None:
             self.require("num_attention_heads", "the tensor shapes cannot tell the number of heads")
         if query_width % kv:
-            raise ModelArgsError(f"args.kv_channels={kv}: does not divide the query width {query_width} of {PROJ}")
+            raise ModelArgsError(
+                f"args.kv_channels={kv}: does not divide the query width {query_width} of {PROJ}"
+            )
         self.settle("num_attention_heads", query_width // kv, f"{PROJ} {list(proj)} / kv_channels {kv}")
-        groups_width = qkv[1] - query_width         # 2 x groups x kv_channels
+        groups_width = qkv[1] - query_width  # 2 x groups x kv_channels
         if groups_width <= 0 or groups_width % (2 * kv):
             raise ModelArgsError(f"{QKV} {list(qkv)}: not heads + 2 x groups of kv_channels {kv}")
         groups = groups_width // (2 * kv)
         heads = query_width // kv
         gqa = groups != heads
-        self.settle("group_query_attention", gqa, f"{QKV} {list(qkv)}: {groups} key-value groups for {heads} heads")
+        self.settle(
+            "group_query_attention", gqa, f"{QKV} {list(qkv)}: {groups} key-value groups for {heads} heads"
+        )
         if gqa:
             self.settle("num_query_groups", groups, f"{QKV} {list(qkv)}")
 
@@ -179,7 +187,9 @@ class _Resolver:
             self.settle("num_experts", None, f"no {ROUTER}: a dense model")
         fc1, fc2 = _shape(t, FC1), _shape(t, FC2)
         if fc1 is None or fc2 is None:
-            raise ModelArgsError(f"{FC1 if fc1 is None else FC2}: not in the checkpoint; not a Megatron-Core GPT MLP")
+            raise ModelArgsError(
+                f"{FC1 if fc1 is None else FC2}: not in the checkpoint; not a Megatron-Core GPT MLP"
+            )
         ffn = fc2[-1]
         self.settle("ffn_hidden_size", ffn, f"{FC2} {list(fc2)}")
         gated = fc1[1] == 2 * ffn
@@ -194,22 +204,32 @@ class _Resolver:
         elif kind == "learned_absolute":
             self.settle("position_embedding_type", "rope", f"no {POSITION_EMBEDDINGS}")
         if getattr(self.args, "max_position_embeddings", None) is None:
-            self.out.note("max_position_embeddings", self.require("seq_length", "neither max_position_embeddings "
-                                                                  "nor the position embeddings give it"),
-                          "Megatron-LM's default: seq_length")
+            self.out.note(
+                "max_position_embeddings",
+                self.require(
+                    "seq_length", "neither max_position_embeddings nor the position embeddings give it"
+                ),
+                "Megatron-LM's default: seq_length",
+            )
 
     def _norms_and_biases(self) -> None:
         t = self.tensors
         layer_norm = INPUT_NORM_BIAS in t or FINAL_NORM_BIAS in t
         if FINAL_NORM in t or INPUT_NORM_BIAS in t:
-            self.settle("normalization", "LayerNorm" if layer_norm else "RMSNorm",
-                        f"norm biases {'present' if layer_norm else 'absent'}")
+            self.settle(
+                "normalization",
+                "LayerNorm" if layer_norm else "RMSNorm",
+                f"norm biases {'present' if layer_norm else 'absent'}",
+            )
         linear_bias, qkv_bias = PROJ_BIAS in t, QKV_BIAS in t
         self.settle("add_bias_linear", linear_bias, f"{PROJ_BIAS} {'present' if linear_bias else 'absent'}")
         if not linear_bias:  # with biases on every linear layer, add_qkv_bias changes nothing
             self.settle("add_qkv_bias", qkv_bias, f"{QKV_BIAS} {'present' if qkv_bias else 'absent'}")
-        self.settle("untie_embeddings_and_output_weights", OUTPUT in t,
-                    f"{OUTPUT} {'present' if OUTPUT in t else 'absent'}")
+        self.settle(
+            "untie_embeddings_and_output_weights",
+            OUTPUT in t,
+            f"{OUTPUT} {'present' if OUTPUT in t else 'absent'}",
+        )
 
     def _precision(self) -> None:
         dtype = _dtype(self.tensors, QKV)

@@ -20,7 +20,7 @@ class RankCheck:
     rank: int
     compared: list[str] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
-    node: str = ""      # the Slurm node (or host) the rank ran on
+    node: str = ""  # the Slurm node (or host) the rank ran on
 
 
 @dataclass
@@ -30,14 +30,14 @@ class LoadReport:
     scheduler: dict | None = None
     lr: float | None = None
     load_seconds: float = 0.0
-    repeat_load_seconds: list[float] = field(default_factory=list)   # further loads into the same process
+    repeat_load_seconds: list[float] = field(default_factory=list)  # further loads into the same process
     world_size: int = 0
-    layout: dict = field(default_factory=dict)              # the drill's TP, PP, DP
-    checkpoint_layout: dict = field(default_factory=dict)   # the job's, from its args
-    model: str = "gpt"                                      # or the job's model provider
-    inferred: list[str] = field(default_factory=list)       # args the tensor shapes settled
+    layout: dict = field(default_factory=dict)  # the drill's TP, PP, DP
+    checkpoint_layout: dict = field(default_factory=dict)  # the job's, from its args
+    model: str = "gpt"  # or the job's model provider
+    inferred: list[str] = field(default_factory=list)  # args the tensor shapes settled
     optimizer_loaded: bool = False
-    optimizer_format: str | None = None                     # the distributed optimizer's sharding type
+    optimizer_format: str | None = None  # the distributed optimizer's sharding type
     rng_loaded: bool = False
     notes: list[str] = field(default_factory=list)
     ranks: list[RankCheck] = field(default_factory=list)

@@ -18,20 +18,39 @@ def validate_task(checkpoint: Path, before: Path | None, after: Path, settings) 
 
 
 def check_rows(result: Validation) -> list[dict]:
-    return [{"check": c.name, "result": {True: "pass", False: "FAIL", None: "not checkable"}[c.ok],
-             "expected": c.expected, "observed": c.observed, "detail": c.detail} for c in result.checks]
+    return [
+        {
+            "check": c.name,
+            "result": {True: "pass", False: "FAIL", None: "not checkable"}[c.ok],
+            "expected": c.expected,
+            "observed": c.observed,
+            "detail": c.detail,
+        }
+        for c in result.checks
+    ]
 
 
 @task(name="publish-resume-validation")
 def publish_validation(job: str, result: Validation) -> None:
     create_table_artifact(table=check_rows(result), key=f"resume-checks-{job}", description=result.line())
     baseline = result.baseline or {}
-    create_markdown_artifact(key=f"resume-summary-{job}", description="post-resume validation", markdown=(
-        f"# post-resume validation: {job}\n\n**{result.line()}**\n\n"
-        f"- checkpoint: `{result.checkpoint}`\n"
-        f"- baseline: iterations {baseline.get('iterations')} of `{baseline.get('source')}` "
-        f"(stored {baseline.get('created_at')})\n"))
-    emit_event(event=VALIDATED if result.ok else REJECTED,
-               resource={"prefect.resource.id": f"ckptops.job.{job}"},
-               payload={"checkpoint": result.checkpoint, "iteration": result.iteration,
-                        "failed": [c.name for c in result.failed], "summary": result.line()})
+    create_markdown_artifact(
+        key=f"resume-summary-{job}",
+        description="post-resume validation",
+        markdown=(
+            f"# post-resume validation: {job}\n\n**{result.line()}**\n\n"
+            f"- checkpoint: `{result.checkpoint}`\n"
+            f"- baseline: iterations {baseline.get('iterations')} of `{baseline.get('source')}` "
+            f"(stored {baseline.get('created_at')})\n"
+        ),
+    )
+    emit_event(
+        event=VALIDATED if result.ok else REJECTED,
+        resource={"prefect.resource.id": f"ckptops.job.{job}"},
+        payload={
+            "checkpoint": result.checkpoint,
+            "iteration": result.iteration,
+            "failed": [c.name for c in result.failed],
+            "summary": result.line(),
+        },
+    )

@@ -35,9 +35,13 @@ FULL_IDS = 1024
 
 def batch_summary(first_position: int, sample_ids) -> dict:
     ids = np.asarray(sample_ids, dtype=np.int64)
-    summary = {"position": int(first_position), "count": int(ids.size),
-               "first": int(ids[0]) if ids.size else None, "last": int(ids[-1]) if ids.size else None,
-               "digest": xxhash.xxh3_64_hexdigest(ids.tobytes())}
+    summary = {
+        "position": int(first_position),
+        "count": int(ids.size),
+        "first": int(ids[0]) if ids.size else None,
+        "last": int(ids[-1]) if ids.size else None,
+        "digest": xxhash.xxh3_64_hexdigest(ids.tobytes()),
+    }
     if ids.size <= FULL_IDS:
         summary["ids"] = ids.tolist()
     return summary
@@ -77,24 +81,54 @@ class _PeakMemory:
 class StepRecorder:
     """Writes step records (call ``record`` once per step on one rank; ``None`` path: off)."""
 
-    def __init__(self, path: str | Path | None, run_id: str, attempt_id: str, flops_per_step: float | None = None):
+    def __init__(
+        self, path: str | Path | None, run_id: str, attempt_id: str, flops_per_step: float | None = None
+    ):
         self.path, self.run_id, self.attempt_id = path, run_id, attempt_id
         self.flops_per_step = flops_per_step
-        self.file = open(path, "a", buffering=1) if path else None  # line-buffered: a crash loses one line at most
+        # Open for the whole run (closed by close()); line-buffered: a crash loses one line at most.
+        self.file = open(path, "a", buffering=1) if path else None  # noqa: SIM115
         self.memory = _PeakMemory()
         self.memory.reset()
 
-    def record(self, *, iteration: int, consumed_samples: int, lr: float, batch: dict, loss: float,
-               grad_norm: float | None, skipped: int, nan: int, tokens: int, step_seconds: float) -> None:
+    def record(
+        self,
+        *,
+        iteration: int,
+        consumed_samples: int,
+        lr: float,
+        batch: dict,
+        loss: float,
+        grad_norm: float | None,
+        skipped: int,
+        nan: int,
+        tokens: int,
+        step_seconds: float,
+    ) -> None:
         if self.file is None:
             return
         line = {
-            "v": SCHEMA, "run": str(self.run_id), "attempt": str(self.attempt_id), "pid": os.getpid(), "time": time.time(),
-            "iteration": iteration, "consumed_samples": consumed_samples, "lr": lr, "batch": batch,
-            "loss": loss, "grad_norm": grad_norm, "skipped": skipped, "nan": nan, "tokens": tokens,
-            "step_seconds": step_seconds, "tokens_per_second": tokens / step_seconds if step_seconds > 0 else None,
-            "tflops": self.flops_per_step / step_seconds / 1e12 if self.flops_per_step and step_seconds > 0 else None,
-            "peak_memory_bytes": self.memory.read(), "memory_kind": self.memory.kind,
+            "v": SCHEMA,
+            "run": str(self.run_id),
+            "attempt": str(self.attempt_id),
+            "pid": os.getpid(),
+            "time": time.time(),
+            "iteration": iteration,
+            "consumed_samples": consumed_samples,
+            "lr": lr,
+            "batch": batch,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "skipped": skipped,
+            "nan": nan,
+            "tokens": tokens,
+            "step_seconds": step_seconds,
+            "tokens_per_second": tokens / step_seconds if step_seconds > 0 else None,
+            "tflops": self.flops_per_step / step_seconds / 1e12
+            if self.flops_per_step and step_seconds > 0
+            else None,
+            "peak_memory_bytes": self.memory.read(),
+            "memory_kind": self.memory.kind,
         }
         self.file.write(json.dumps(line) + "\n")
         self.memory.reset()
@@ -104,8 +138,21 @@ class StepRecorder:
             self.file.close()
 
 
-_COLUMNS = ("iteration", "consumed", "lr", "loss", "grad_norm", "skipped", "nan", "step_seconds", "throughput",
-            "peak_memory", "batch_position", "batch_count", "time")
+_COLUMNS = (
+    "iteration",
+    "consumed",
+    "lr",
+    "loss",
+    "grad_norm",
+    "skipped",
+    "nan",
+    "step_seconds",
+    "throughput",
+    "peak_memory",
+    "batch_position",
+    "batch_count",
+    "time",
+)
 
 
 @dataclass
@@ -114,12 +161,12 @@ class Steps:
     Missing numbers are NaN; ``batch_digest`` holds strings (None where absent)."""
 
     source: str
-    kind: str                                   # "records" or "megatron-log"
+    kind: str  # "records" or "megatron-log"
     columns: dict[str, np.ndarray] = field(default_factory=dict)
     batch_digest: np.ndarray = field(default_factory=lambda: np.array([], dtype=object))
     attempt: np.ndarray = field(default_factory=lambda: np.array([], dtype=object))  # empty for logs
     memory_kind: str | None = None
-    throughput_unit: str = "tokens/s"           # or TFLOP/s/GPU from Megatron-LM logs
+    throughput_unit: str = "tokens/s"  # or TFLOP/s/GPU from Megatron-LM logs
 
     def __getattr__(self, name):
         columns = self.__dict__.get("columns", {})
@@ -144,16 +191,34 @@ def _as_columns(values: dict[str, list]) -> dict[str, np.ndarray]:
 def _record_schema():
     import pyarrow as pa
 
-    return pa.schema([
-        ("iteration", pa.int64()), ("consumed_samples", pa.float64()), ("lr", pa.float64()), ("loss", pa.float64()),
-        ("grad_norm", pa.float64()), ("skipped", pa.float64()), ("nan", pa.float64()), ("step_seconds", pa.float64()),
-        ("tokens_per_second", pa.float64()), ("peak_memory_bytes", pa.float64()), ("memory_kind", pa.string()),
-        ("batch", pa.struct([("position", pa.float64()), ("count", pa.float64()), ("digest", pa.string())])),
-        ("attempt", pa.string()), ("time", pa.float64()),
-    ])
+    return pa.schema(
+        [
+            ("iteration", pa.int64()),
+            ("consumed_samples", pa.float64()),
+            ("lr", pa.float64()),
+            ("loss", pa.float64()),
+            ("grad_norm", pa.float64()),
+            ("skipped", pa.float64()),
+            ("nan", pa.float64()),
+            ("step_seconds", pa.float64()),
+            ("tokens_per_second", pa.float64()),
+            ("peak_memory_bytes", pa.float64()),
+            ("memory_kind", pa.string()),
+            (
+                "batch",
+                pa.struct([("position", pa.float64()), ("count", pa.float64()), ("digest", pa.string())]),
+            ),
+            ("attempt", pa.string()),
+            ("time", pa.float64()),
+        ]
+    )
 
 
-_FIELDS = {"consumed": "consumed_samples", "throughput": "tokens_per_second", "peak_memory": "peak_memory_bytes"}
+_FIELDS = {
+    "consumed": "consumed_samples",
+    "throughput": "tokens_per_second",
+    "peak_memory": "peak_memory_bytes",
+}
 
 
 def _table_to_steps(path: Path, table) -> Steps:
@@ -242,8 +307,14 @@ def parse_megatron_log(path: Path, text: str) -> Steps:
         later = [i for i, it in enumerate(values["iteration"]) if it >= reported]
         if later:
             values["peak_memory"][later[0]] = value
-    return Steps(str(path), "megatron-log", _as_columns(values), np.array([None] * len(values["iteration"]), dtype=object),
-                 memory_kind="cuda_max_allocated", throughput_unit="TFLOP/s/GPU")
+    return Steps(
+        str(path),
+        "megatron-log",
+        _as_columns(values),
+        np.array([None] * len(values["iteration"]), dtype=object),
+        memory_kind="cuda_max_allocated",
+        throughput_unit="TFLOP/s/GPU",
+    )
 
 
 def load_steps(path: Path) -> Steps:

@@ -34,7 +34,7 @@ BASELINE = "resume-baseline.json"
 @dataclass
 class ResumeCheck:
     name: str
-    ok: bool | None            # None: could not be checked from these records
+    ok: bool | None  # None: could not be checked from these records
     expected: str
     observed: str
     detail: str = ""
@@ -58,15 +58,23 @@ class Validation:
     def line(self) -> str:
         if self.ok:
             unchecked = [c.name for c in self.checks if c.ok is None]
-            return ("VALIDATED resume from iteration {}: every check passed".format(self.iteration)
-                    + (f" (not checkable here: {', '.join(unchecked)})" if unchecked else ""))
+            return f"VALIDATED resume from iteration {self.iteration}: every check passed" + (
+                f" (not checkable here: {', '.join(unchecked)})" if unchecked else ""
+            )
         first = self.failed[0]
-        return (f"REJECTED resume from iteration {self.iteration}: {first.name}: expected {first.expected}, "
-                f"observed {first.observed}" + (f" ({first.detail})" if first.detail else ""))
+        return (
+            f"REJECTED resume from iteration {self.iteration}: {first.name}: expected {first.expected}, "
+            f"observed {first.observed}" + (f" ({first.detail})" if first.detail else "")
+        )
 
     def to_dict(self) -> dict:
-        return {"checkpoint": self.checkpoint, "iteration": self.iteration, "ok": self.ok,
-                "checks": [asdict(c) for c in self.checks], "baseline": self.baseline}
+        return {
+            "checkpoint": self.checkpoint,
+            "iteration": self.iteration,
+            "ok": self.ok,
+            "checks": [asdict(c) for c in self.checks],
+            "baseline": self.baseline,
+        }
 
 
 @dataclass
@@ -93,11 +101,20 @@ def checkpoint_facts(directory: Path) -> CheckpointFacts:
     args = common.get("args")
     manifest = read_manifest(directory)
     if manifest is not None and not manifest.valid:
-        raise CkptopsError(f"{directory.name}: its manifest says {manifest.status} ({manifest.reason}); not a resume point")
-    return CheckpointFacts(directory, int(common["iteration"]), int(args.consumed_train_samples),
-                           int(args.global_batch_size), dict(common["opt_param_scheduler"]),
-                           float(getattr(args, "lr_warmup_init", 0.0) or 0.0), manifest is not None,
-                           _wsd_decay_steps(args), getattr(args, "lr_wsd_decay_style", None))
+        raise CkptopsError(
+            f"{directory.name}: its manifest says {manifest.status} ({manifest.reason}); not a resume point"
+        )
+    return CheckpointFacts(
+        directory,
+        int(common["iteration"]),
+        int(args.consumed_train_samples),
+        int(args.global_batch_size),
+        dict(common["opt_param_scheduler"]),
+        float(getattr(args, "lr_warmup_init", 0.0) or 0.0),
+        manifest is not None,
+        _wsd_decay_steps(args),
+        getattr(args, "lr_wsd_decay_style", None),
+    )
 
 
 def _wsd_decay_steps(args) -> int | None:
@@ -118,15 +135,24 @@ def _schedule(facts: CheckpointFacts):
     state = facts.scheduler
     try:
         scheduler = OptimizerParamScheduler(
-            SimpleNamespace(param_groups=[{}]), init_lr=facts.warmup_init_lr, max_lr=state["max_lr"],
-            min_lr=state["min_lr"], lr_warmup_steps=state["lr_warmup_steps"], lr_decay_steps=state["lr_decay_steps"],
-            lr_decay_style=state["lr_decay_style"], start_wd=state["start_wd"], end_wd=state["end_wd"],
-            wd_incr_steps=state["wd_incr_steps"], wd_incr_style=state["wd_incr_style"],
+            SimpleNamespace(param_groups=[{}]),
+            init_lr=facts.warmup_init_lr,
+            max_lr=state["max_lr"],
+            min_lr=state["min_lr"],
+            lr_warmup_steps=state["lr_warmup_steps"],
+            lr_decay_steps=state["lr_decay_steps"],
+            lr_decay_style=state["lr_decay_style"],
+            start_wd=state["start_wd"],
+            end_wd=state["end_wd"],
+            wd_incr_steps=state["wd_incr_steps"],
+            wd_incr_style=state["wd_incr_style"],
             wsd_decay_steps=state.get("wsd_decay_steps", facts.wsd_decay_steps),
             lr_wsd_decay_style=state.get("lr_wsd_decay_style", facts.wsd_decay_style),
         )
     except (KeyError, AssertionError, TypeError) as e:
-        raise CkptopsError(f"{facts.directory.name}: its scheduler state cannot be replayed ({type(e).__name__}: {e})") from None
+        raise CkptopsError(
+            f"{facts.directory.name}: its scheduler state cannot be replayed ({type(e).__name__}: {e})"
+        ) from None
 
     def lr_after(consumed: int) -> float:
         scheduler.num_steps = consumed
@@ -152,15 +178,20 @@ def _differ(mine: np.ndarray, theirs: np.ndarray, rel: float) -> np.ndarray:
 
 def make_baseline(before: Steps, facts: CheckpointFacts, settings) -> dict:
     """The steady state before the failure: the last ``window_steps`` steps after warm-up."""
-    rows = np.arange(len(before))[settings.warmup_steps:][-settings.window_steps:]
+    rows = np.arange(len(before))[settings.warmup_steps :][-settings.window_steps :]
     return {
-        "created_at": now_iso(), "source": before.source, "checkpoint_iteration": facts.iteration,
-        "iterations": [int(before.iteration[rows[0]]), int(before.iteration[rows[-1]])] if rows.size else None,
+        "created_at": now_iso(),
+        "source": before.source,
+        "checkpoint_iteration": facts.iteration,
+        "iterations": [int(before.iteration[rows[0]]), int(before.iteration[rows[-1]])]
+        if rows.size
+        else None,
         "throughput_median": _median(before.throughput[rows]),
         "throughput_unit": before.throughput_unit,
         "peak_memory_median": _median(before.peak_memory[rows]),
         "memory_kind": before.memory_kind,
-        "skipped": int(np.nansum(before.skipped[rows])), "nan": int(np.nansum(before.nan[rows])),
+        "skipped": int(np.nansum(before.skipped[rows])),
+        "nan": int(np.nansum(before.nan[rows])),
     }
 
 
@@ -218,12 +249,20 @@ _PROMOTED = "promoted checkpoint"
 
 
 class _Validator:
-    def __init__(self, facts: CheckpointFacts, before: Steps | None, after: Steps, settings, baseline: dict | None):
-        self.facts, self.before, self.after, self.settings, self.baseline = facts, before, after, settings, baseline
+    def __init__(
+        self, facts: CheckpointFacts, before: Steps | None, after: Steps, settings, baseline: dict | None
+    ):
+        self.facts, self.before, self.after, self.settings, self.baseline = (
+            facts,
+            before,
+            after,
+            settings,
+            baseline,
+        )
         self.result = Validation(str(facts.directory), facts.iteration, baseline=baseline)
         # Rows of the resumed run (its last attempt), in order, from after the checkpoint on.
         self.start = _last_attempt(after) if len(after) else 0
-        self.rows = self.start + np.nonzero(after.iteration[self.start:] > facts.iteration)[0]
+        self.rows = self.start + np.nonzero(after.iteration[self.start :] > facts.iteration)[0]
         found, before_rows = _match(before, after.iteration[self.rows])
         self.recomputed, self.recomputed_before = self.rows[found], before_rows[found]
         self.beyond = self.rows[~found]
@@ -232,7 +271,9 @@ class _Validator:
         self.lr_tolerance = 1e-5 if logs else 1e-12
 
     def add(self, name, ok, expected, observed, detail=""):
-        self.result.checks.append(ResumeCheck(name, None if ok is None else bool(ok), str(expected), str(observed), detail))
+        self.result.checks.append(
+            ResumeCheck(name, None if ok is None else bool(ok), str(expected), str(observed), detail)
+        )
 
     def run(self) -> Validation:
         self._promoted()
@@ -256,14 +297,19 @@ class _Validator:
             return
         started = float(a.time[self.start]) if len(a) else float("nan")
         window = self.settings.pointer_window_seconds
-        values = pointer_during(f.directory.parent, started - window, started) if math.isfinite(started) else None
+        values = (
+            pointer_during(f.directory.parent, started - window, started) if math.isfinite(started) else None
+        )
         if values is None:
             self._promoted_without_log()
             return
         named = sorted(v for v in values if v is not None)
-        expected = (f"iteration {named[0]} (latest verified when the run resumed)" if len(named) == 1 else
-                    f"one of iterations {', '.join(map(str, named)) or 'none'} (the pointer in the "
-                    f"{window:g} s before the run resumed)")
+        expected = (
+            f"iteration {named[0]} (latest verified when the run resumed)"
+            if len(named) == 1
+            else f"one of iterations {', '.join(map(str, named)) or 'none'} (the pointer in the "
+            f"{window:g} s before the run resumed)"
+        )
         self.add(_PROMOTED, f.iteration in named, expected, f"iteration {f.iteration}")
 
     def _promoted_without_log(self) -> None:
@@ -277,19 +323,37 @@ class _Validator:
             return
         if self.before is None or not len(self.before):
             if pointer > f.iteration:
-                self.add(_PROMOTED, None, "", "", f"the pointer has moved on (now {pointer}) and neither a "
-                         "promotion log nor the records before the failure say what it was: not checkable")
+                self.add(
+                    _PROMOTED,
+                    None,
+                    "",
+                    "",
+                    f"the pointer has moved on (now {pointer}) and neither a "
+                    "promotion log nor the records before the failure say what it was: not checkable",
+                )
             else:
-                self.add(_PROMOTED, pointer == f.iteration, f"iteration {pointer} (latest verified)", f"iteration {f.iteration}")
+                self.add(
+                    _PROMOTED,
+                    pointer == f.iteration,
+                    f"iteration {pointer} (latest verified)",
+                    f"iteration {f.iteration}",
+                )
             return
         failed_at = int(self.before.iteration.max())
         limit = min(pointer, failed_at)
         # The catalog's "valid" is a manifest that says so for the save now on disk.
-        verified = [i.iteration for i in catalog(f.directory.parent, VerifyOptions(job=f.directory.parent.name))
-                    if i.state == State.VALID.value]
+        verified = [
+            i.iteration
+            for i in catalog(f.directory.parent, VerifyOptions(job=f.directory.parent.name))
+            if i.state == State.VALID.value
+        ]
         expected = max((it for it in verified if it <= limit), default=None)
-        self.add(_PROMOTED, expected == f.iteration,
-                 f"iteration {expected} (latest verified up to the failure at {failed_at})", f"iteration {f.iteration}")
+        self.add(
+            _PROMOTED,
+            expected == f.iteration,
+            f"iteration {expected} (latest verified up to the failure at {failed_at})",
+            f"iteration {f.iteration}",
+        )
 
     def _resume_point(self) -> None:
         f, a = self.facts, self.after
@@ -298,13 +362,22 @@ class _Validator:
             return
         first = int(a.iteration[self.start])
         if first != f.iteration + 1:
-            self.add("resume point", False, f"first iteration {f.iteration + 1}", f"first iteration {first}",
-                     "resumed from another checkpoint than this one")
+            self.add(
+                "resume point",
+                False,
+                f"first iteration {f.iteration + 1}",
+                f"first iteration {first}",
+                "resumed from another checkpoint than this one",
+            )
             return
         size = a.batch_count[self.start] if not np.isnan(a.batch_count[self.start]) else f.global_batch_size
         resumed_at = None if np.isnan(a.consumed[self.start]) else int(a.consumed[self.start] - size)
-        self.add("resume point", resumed_at == f.consumed, f"iteration {f.iteration + 1} after {f.consumed} samples",
-                 f"iteration {first} after {resumed_at} samples")
+        self.add(
+            "resume point",
+            resumed_at == f.consumed,
+            f"iteration {f.iteration + 1} after {f.consumed} samples",
+            f"iteration {first} after {resumed_at} samples",
+        )
 
     def _learning_rate(self) -> None:
         a, b = self.after, self.before
@@ -330,17 +403,33 @@ class _Validator:
                     bad.append((int(a.iteration[i]), expected, a.lr[i], "the checkpoint's schedule"))
         if bad:
             it, expected, observed, source = min(bad)
-            self.add("learning rate", False, f"{expected:.9g} at iteration {it} ({source})", f"{observed}",
-                     f"{mismatched} of {self.rows.size} iterations differ")
+            self.add(
+                "learning rate",
+                False,
+                f"{expected:.9g} at iteration {it} ({source})",
+                f"{observed}",
+                f"{mismatched} of {self.rows.size} iterations differ",
+            )
         else:
-            self.add("learning rate", True, f"{self.recomputed.size} recomputed as before, "
-                     f"{self.beyond.size} on the checkpoint's schedule", "all equal")
+            self.add(
+                "learning rate",
+                True,
+                f"{self.recomputed.size} recomputed as before, "
+                f"{self.beyond.size} on the checkpoint's schedule",
+                "all equal",
+            )
 
     def _data_order(self) -> None:
         a, b, f = self.after, self.before, self.facts
         positions = a.batch_position[self.rows]
         if not self.rows.size or np.isnan(positions).all():
-            self.add("data order", None, "", "", "no batch positions or IDs in these records (Megatron-LM logs do not have them)")
+            self.add(
+                "data order",
+                None,
+                "",
+                "",
+                "no batch positions or IDs in these records (Megatron-LM logs do not have them)",
+            )
             return
         counts = np.where(np.isnan(a.batch_count[self.rows]), f.global_batch_size, a.batch_count[self.rows])
         expected = f.consumed + np.concatenate(([0.0], np.cumsum(counts)[:-1]))
@@ -348,7 +437,13 @@ class _Validator:
         wrong_position = np.nonzero(positions != expected)[0]
         if wrong_position.size:
             k = wrong_position[0]
-            bad.append((int(a.iteration[self.rows[k]]), f"position {int(expected[k])}", f"position {positions[k]:.0f}"))
+            bad.append(
+                (
+                    int(a.iteration[self.rows[k]]),
+                    f"position {int(expected[k])}",
+                    f"position {positions[k]:.0f}",
+                )
+            )
         wrong_batch, compared = 0, 0
         if self.recomputed.size:
             theirs = b.batch_digest[self.recomputed_before]
@@ -358,20 +453,40 @@ class _Validator:
             wrong_batch = int(differ.sum())
             if wrong_batch:
                 k = np.nonzero(differ)[0][0]
-                bad.append((int(a.iteration[self.recomputed[k]]), f"the batch of the run before (digest {theirs[k]})",
-                            f"digest {mine[k]}"))
+                bad.append(
+                    (
+                        int(a.iteration[self.recomputed[k]]),
+                        f"the batch of the run before (digest {theirs[k]})",
+                        f"digest {mine[k]}",
+                    )
+                )
         if bad:
             it, expected_text, observed = min(bad)
-            self.add("data order", False, f"{expected_text} at iteration {it}", observed,
-                     f"{wrong_position.size} positions and {wrong_batch} recomputed batches differ")
+            self.add(
+                "data order",
+                False,
+                f"{expected_text} at iteration {it}",
+                observed,
+                f"{wrong_position.size} positions and {wrong_batch} recomputed batches differ",
+            )
         elif not compared:
             # Positions follow on, but no batch could be compared: a changed seed or shuffle
             # would look the same. Not a pass.
-            self.add("data order", None, "", "", f"positions contiguous from sample {f.consumed}, but no recomputed "
-                     "batch to compare (a resume at the checkpoint, or records without batch IDs)")
+            self.add(
+                "data order",
+                None,
+                "",
+                "",
+                f"positions contiguous from sample {f.consumed}, but no recomputed "
+                "batch to compare (a resume at the checkpoint, or records without batch IDs)",
+            )
         else:
-            self.add("data order", True, f"{compared} recomputed batches identical, positions contiguous "
-                     f"from sample {f.consumed}", "as expected")
+            self.add(
+                "data order",
+                True,
+                f"{compared} recomputed batches identical, positions contiguous from sample {f.consumed}",
+                "as expected",
+            )
 
     def _loss(self) -> None:
         if not self.recomputed.size:
@@ -385,17 +500,34 @@ class _Validator:
             count += int(differ.sum())
             if differ.any():
                 k = np.nonzero(differ)[0][0]
-                bad.append((int(a.iteration[self.recomputed[k]]), name.replace("_", " "), float(theirs[k]), float(mine[k])))
+                bad.append(
+                    (
+                        int(a.iteration[self.recomputed[k]]),
+                        name.replace("_", " "),
+                        float(theirs[k]),
+                        float(mine[k]),
+                    )
+                )
         if bad:
             it, name, expected, observed = min(bad)
-            self.add("loss and grad norm", False, f"{name} {expected!r} at iteration {it}", repr(observed),
-                     f"{count} values outside a relative tolerance of {tol:g}")
+            self.add(
+                "loss and grad norm",
+                False,
+                f"{name} {expected!r} at iteration {it}",
+                repr(observed),
+                f"{count} values outside a relative tolerance of {tol:g}",
+            )
         else:
             exact = "bit-exact" if tol == 0 else f"within {tol:g}"
-            self.add("loss and grad norm", True, f"{self.recomputed.size} recomputed iterations {exact}", "as expected")
+            self.add(
+                "loss and grad norm",
+                True,
+                f"{self.recomputed.size} recomputed iterations {exact}",
+                "as expected",
+            )
 
     def _window(self, values: np.ndarray) -> float | None:
-        rows = self.rows[self.settings.warmup_steps:]
+        rows = self.rows[self.settings.warmup_steps :]
         if rows.size < self.settings.min_steps:
             return None
         return _median(values[rows])
@@ -413,23 +545,44 @@ class _Validator:
         return base, now
 
     def _memory(self) -> None:
-        pair = self._steady_state("peak memory", "peak_memory_median", self.after.peak_memory, "memory_kind",
-                                  self.after.memory_kind, "baseline and resumed run measure memory differently")
+        pair = self._steady_state(
+            "peak memory",
+            "peak_memory_median",
+            self.after.peak_memory,
+            "memory_kind",
+            self.after.memory_kind,
+            "baseline and resumed run measure memory differently",
+        )
         if pair is None:
             return
         (base, now), band = pair, self.settings.memory_band
         ok = abs(now - base) <= band * base
-        self.add("peak memory", ok, f"{base / 2**20:.1f} MiB +-{band:.0%}", f"{now / 2**20:.1f} MiB ({now / base - 1:+.1%})")
+        self.add(
+            "peak memory",
+            ok,
+            f"{base / 2**20:.1f} MiB +-{band:.0%}",
+            f"{now / 2**20:.1f} MiB ({now / base - 1:+.1%})",
+        )
 
     def _throughput(self) -> None:
         unit = self.after.throughput_unit
-        pair = self._steady_state("throughput", "throughput_median", self.after.throughput, "throughput_unit", unit,
-                                  f"baseline in {(self.baseline or {}).get('throughput_unit')}, the resumed run in {unit}")
+        pair = self._steady_state(
+            "throughput",
+            "throughput_median",
+            self.after.throughput,
+            "throughput_unit",
+            unit,
+            f"baseline in {(self.baseline or {}).get('throughput_unit')}, the resumed run in {unit}",
+        )
         if pair is None:
             return
         (base, now), drop = pair, self.settings.throughput_drop
-        self.add("throughput", now >= (1 - drop) * base, f">= {(1 - drop) * base:.4g} {unit} ({1 - drop:.0%} of {base:.4g})",
-                 f"{now:.4g} {unit} ({now / base - 1:+.1%})")
+        self.add(
+            "throughput",
+            now >= (1 - drop) * base,
+            f">= {(1 - drop) * base:.4g} {unit} ({1 - drop:.0%} of {base:.4g})",
+            f"{now:.4g} {unit} ({now / base - 1:+.1%})",
+        )
 
     def _skipped(self) -> None:
         a, b = self.after, self.before
@@ -440,9 +593,13 @@ class _Validator:
         hits = self.rows[flagged[self.rows]]
         if hits.size:
             i = hits[0]
-            self.add("skipped and NaN iterations", False, "none",
-                     f"iteration {int(a.iteration[i])}: {int(a.skipped[i])} skipped, {int(a.nan[i])} NaN",
-                     f"{hits.size} steps affected")
+            self.add(
+                "skipped and NaN iterations",
+                False,
+                "none",
+                f"iteration {int(a.iteration[i])}: {int(a.skipped[i])} skipped, {int(a.nan[i])} NaN",
+                f"{hits.size} steps affected",
+            )
         else:
             self.add("skipped and NaN iterations", True, "none", "none")
 

@@ -6,6 +6,7 @@ parallel parts). Every call is bounded: botocore's connect and read timeouts and
 of attempts, so an unreachable store fails with one clear line instead of hanging a drill.
 """
 
+import contextlib
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +51,9 @@ def _write_local(path: Path, data: bytes) -> None:
 class ArchiveStore:
     """Keys are '/'-separated and relative to the archive's root (``job/iter_0000100/x``)."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, chunk_bytes: int, concurrency: int):
+    def __init__(
+        self, fs: fsspec.AbstractFileSystem, root: str, url: str, chunk_bytes: int, concurrency: int
+    ):
         self.fs, self.root, self.url = fs, root.rstrip("/"), url.rstrip("/")
         self.is_local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
         self.chunk_bytes, self.concurrency = chunk_bytes, concurrency
@@ -100,7 +103,9 @@ class ArchiveStore:
             raise
         except Exception as e:  # botocore, aiohttp and OS errors all mean the same here
             detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ArchiveUnavailable(f"{self.where(key)}: {what} failed ({type(e).__name__}: {detail})") from None
+            raise ArchiveUnavailable(
+                f"{self.where(key)}: {what} failed ({type(e).__name__}: {detail})"
+            ) from None
 
     def exists(self, key: str) -> bool:
         return self._call("exists", key, self.fs.exists, self._path(key))
@@ -132,31 +137,46 @@ class ArchiveStore:
             self._call("write", key, self.fs.pipe_file, path, data)
 
     def remove(self, key: str, recursive: bool = False) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self._call("delete", key, self.fs.rm, self._path(key), recursive=recursive)
-        except FileNotFoundError:
-            pass
 
     def put_files(self, pairs: list[tuple[Path, str]], progress: Callable[[int], None] | None = None) -> None:
         """Upload files in parallel; s3fs uses multipart uploads above the chunk size."""
+
         def put(pair):
             local, key = pair
-            self._call("upload", key, self.fs.put_file, str(local), self._path(key),
-                       callback=_Relay(progress), chunksize=self.chunk_bytes)
+            self._call(
+                "upload",
+                key,
+                self.fs.put_file,
+                str(local),
+                self._path(key),
+                callback=_Relay(progress),
+                chunksize=self.chunk_bytes,
+            )
 
         self._parallel(put, pairs)
         if self.is_local and pairs:  # on disk, uploaded must mean on the disk before the commit
-            self._call("upload", pairs[0][1], make_durable, [Path(self._path(key)) for _, key in pairs], Path(self.root))
+            self._call(
+                "upload",
+                pairs[0][1],
+                make_durable,
+                [Path(self._path(key)) for _, key in pairs],
+                Path(self.root),
+            )
 
     def get_files(self, pairs: list[tuple[str, Path]], progress: Callable[[int], None] | None = None) -> None:
         def get(pair):
             key, local = pair
-            self._call("download", key, self.fs.get_file, self._path(key), str(local), callback=_Relay(progress))
+            self._call(
+                "download", key, self.fs.get_file, self._path(key), str(local), callback=_Relay(progress)
+            )
 
         self._parallel(get, pairs)
 
     def hash_object(self, key: str, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
         """Read an object back and hash it the way manifests do (size, XXH3-128)."""
+
         def read_back():
             hasher, size = xxhash.xxh3_128(), 0
             with self.fs.open(self._path(key), "rb", block_size=READ_BLOCK) as f:
@@ -169,8 +189,11 @@ class ArchiveStore:
 
         return self._call("read-back", key, read_back)
 
-    def hash_objects(self, keys: list[str], progress: Callable[[int], None] | None = None) -> dict[str, tuple[int, str] | None]:
+    def hash_objects(
+        self, keys: list[str], progress: Callable[[int], None] | None = None
+    ) -> dict[str, tuple[int, str] | None]:
         """Read back many objects in parallel; None for an object that is not there."""
+
         def one(key):
             try:
                 return key, self.hash_object(key, progress)
@@ -180,5 +203,7 @@ class ArchiveStore:
         return dict(self._parallel(one, keys))
 
     def _parallel(self, fn, items):
-        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(items) or 1, os.cpu_count() * 4))) as pool:
+        with ThreadPoolExecutor(
+            max_workers=max(1, min(self.concurrency, len(items) or 1, os.cpu_count() * 4))
+        ) as pool:
             return list(pool.map(fn, items))

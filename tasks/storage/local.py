@@ -24,7 +24,7 @@ def _write_temp(path: Path, data: bytes) -> Path:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)  # a full disk must not leave half a file behind

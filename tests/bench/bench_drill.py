@@ -40,7 +40,8 @@ def bench_profile() -> Path:
         f"job: {{name: bench, save_dir: {LARGE}, layout: {{data_parallel: 2}}}}\n"
         "verify: {lock_timeout_seconds: 60}\n"
         "archive: {url: archive, keep: 2}\n"
-        "drill: {scratch_dir: scratch, budget_seconds: {shared: 3600, archive: 3600}, load_timeout_seconds: 1800,"
+        "drill: {scratch_dir: scratch, budget_seconds: {shared: 3600, archive: 3600},"
+        " load_timeout_seconds: 1800,"
         " estimate_for_bytes: 7000000000000, layout: {data_parallel: 2}}\n"
     )
     return path
@@ -65,7 +66,9 @@ def main() -> int:
         subprocess.run(f"cat {' '.join(files)} > /dev/null", shell=True, check=True)  # warm the cache
         copy_s = median_seconds(plain_copy, REPEATS)
         shutil.rmtree(scratch, ignore_errors=True)
-        read_s = median_seconds(lambda: subprocess.run(f"cat {' '.join(files)} > /dev/null", shell=True, check=True), REPEATS)
+        read_s = median_seconds(
+            lambda: subprocess.run(f"cat {' '.join(files)} > /dev/null", shell=True, check=True), REPEATS
+        )
 
     with console.status("loading twice into the same processes (where the load's time goes)..."):
         repeated = load_twice(profile, directory)
@@ -73,34 +76,56 @@ def main() -> int:
     for source in ("shared", "archive"):
         drills = []
         for n in range(REPEATS):
-            with console.status(f"restore drill {n + 1} of {REPEATS} from {source} (copy, verify, load on 2 ranks)..."):
+            with console.status(
+                f"restore drill {n + 1} of {REPEATS} from {source} (copy, verify, load on 2 ranks)..."
+            ):
                 drills.append(run_drill(profile, source))
             if not drills[-1].ok:
                 raise SystemExit(f"bench drill failed: {drills[-1].line()}")
         # The drill with the median restore window, whole: its phases add up to its window.
         reports[source] = sorted(drills, key=lambda r: r.window_seconds)[len(drills) // 2]
 
-    table = Table(title=f"make bench: restore drill of a {size / 1e9:.2f} GB checkpoint, page cache warm "
-                        f"(the median of {REPEATS} drills per source)")
+    table = Table(
+        title=f"make bench: restore drill of a {size / 1e9:.2f} GB checkpoint, page cache warm "
+        f"(the median of {REPEATS} drills per source)"
+    )
     for column in ("step", "GB", "seconds", "GB/s"):
         table.add_column(column, justify="left" if column == "step" else "right")
     table.add_row("plain copy (cp -r)", f"{size / 1e9:.3f}", f"{copy_s:.3f}", f"{size / copy_s / 1e9:.2f}")
-    table.add_row("plain read (cat > /dev/null)", f"{size / 1e9:.3f}", f"{read_s:.3f}", f"{size / read_s / 1e9:.2f}")
+    table.add_row(
+        "plain read (cat > /dev/null)", f"{size / 1e9:.3f}", f"{read_s:.3f}", f"{size / read_s / 1e9:.2f}"
+    )
     for source, report in reports.items():
         for phase in report.phases:
-            table.add_row(f"drill from {source}: {phase.name}", f"{phase.bytes / 1e9:.3f}", f"{phase.seconds:.3f}", f"{phase.gbps:.2f}")
+            table.add_row(
+                f"drill from {source}: {phase.name}",
+                f"{phase.bytes / 1e9:.3f}",
+                f"{phase.seconds:.3f}",
+                f"{phase.gbps:.2f}",
+            )
         table.add_row(f"drill from {source}: restore window", "", f"{report.window_seconds:.3f}", "")
     first, again = repeated.load_seconds, repeated.repeat_load_seconds[0]
-    table.add_row("load, first into fresh processes", f"{size / 1e9:.3f}", f"{first:.3f}", f"{size / first / 1e9:.2f}")
-    table.add_row("load, again into the same processes", f"{size / 1e9:.3f}", f"{again:.3f}", f"{size / again / 1e9:.2f}")
+    table.add_row(
+        "load, first into fresh processes", f"{size / 1e9:.3f}", f"{first:.3f}", f"{size / first / 1e9:.2f}"
+    )
+    table.add_row(
+        "load, again into the same processes",
+        f"{size / 1e9:.3f}",
+        f"{again:.3f}",
+        f"{size / again / 1e9:.2f}",
+    )
     console.print(table)
     reference = copy_s + read_s
     for source, report in reports.items():
         ratio = report.window_seconds / reference
-        console.print(f"{source}: (copy + verify + load) / (plain copy + plain read) = {ratio:.2f} "
-                      f"(target <= 2): {'met' if ratio <= 2 else 'NOT met'}")
-    console.print(f"first-touch allocation and page faults: {first - again:.2f} s of the first load's {first:.2f} s "
-                  f"({(first - again) / first:.0%})")
+        console.print(
+            f"{source}: (copy + verify + load) / (plain copy + plain read) = {ratio:.2f} "
+            f"(target <= 2): {'met' if ratio <= 2 else 'NOT met'}"
+        )
+    console.print(
+        f"first-touch allocation and page faults: {first - again:.2f} s of the first load's {first:.2f} s "
+        f"({(first - again) / first:.0%})"
+    )
     return 0
 
 
@@ -109,8 +134,16 @@ def load_twice(profile, directory: Path):
     layout = drill_layout(profile.drill, {"tensor_parallel": 1, "pipeline_parallel": 1})
     report = BENCH / "load-twice.json"
     arguments = loader_args(profile.drill, directory, report, layout) + ["--repeat", "2"]
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={layout.world_size}",
-            "-m", "tasks.restore.loader", *arguments]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={layout.world_size}",
+        "-m",
+        "tasks.restore.loader",
+        *arguments,
+    ]
     process.run(argv, BENCH / "load-twice.log", 1800, loader_env(), "the twice-loading bench")
     return read_report(report)
 

@@ -33,8 +33,17 @@ def main() -> int:
             (folder / f"{key}.sleep").write_text(str(SLOW_SECONDS))
         known_hosts = cluster.known_hosts(root / "known_hosts")
         path = root / "health.yaml"
-        path.write_text(profile_yaml(cluster, NODES, known_hosts, root / "raw", concurrency=64,
-                                     diag_timeout_seconds={1: 60}, nccl={"timeout_seconds": 60}))
+        path.write_text(
+            profile_yaml(
+                cluster,
+                NODES,
+                known_hosts,
+                root / "raw",
+                concurrency=64,
+                diag_timeout_seconds={1: 60},
+                nccl={"timeout_seconds": 60},
+            )
+        )
         settings = load_profile(path).health
         rows = []
         for label, nodes in (("1 node", NODES[:1]), ("64 nodes", NODES)):
@@ -46,7 +55,10 @@ def main() -> int:
             rows.append((label, len(nodes), seconds, passed))
     finally:
         cluster.stop()
-    table = Table(title=f"make bench: node health over SSH (7 checks a node; diag and NCCL take {SLOW_SECONDS:g} s each)")
+    table = Table(
+        title="make bench: node health over SSH "
+        f"(7 checks a node; diag and NCCL take {SLOW_SECONDS:g} s each)"
+    )
     for column in ("run", "nodes", "wall s", "PASS"):
         table.add_column(column, justify="left" if column == "run" else "right")
     for label, count, seconds, passed in rows:

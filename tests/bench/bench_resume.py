@@ -5,7 +5,8 @@ The records are generated in the recorder's format for a long run resumed from t
 checkpoint (iteration 4, 8 samples a batch): 900,000 records before the failure and 100,000 after
 it (1,000,000 in all), every resumed iteration recomputed and compared. Batches are recorded as a
 production run's would be, by digest (a 500B run's global batch is over the 1,024 IDs written in
-full). Target: validating 1,000,000 step records in under 5 s. The recorder's cost is measured per call, beside the local
+full). Target: validating 1,000,000 step records in under 5 s. The recorder's cost is measured per
+call, beside the local
 job's step time.
 """
 
@@ -20,10 +21,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from infra.local_job.launch import run_local_job
 from tasks.profile import load_profile
 from tasks.resume.records import StepRecorder, batch_summary, load_steps
 from tasks.resume.validate import validate_resume
-from infra.local_job.launch import run_local_job
 from tests.bench.bench_verify import BENCH, checkpoint
 
 BEFORE, AFTER = 900_000, 100_000
@@ -36,11 +37,27 @@ def write_records(path: Path, first: int, last: int, batch: int = 8) -> None:
         for it in range(first, last + 1):
             summary = batch_summary((it - 1) * batch, range((it - 1) * batch, it * batch))
             summary.pop("ids")
-            line = {"v": 1, "run": "bench", "attempt": "a", "pid": 1, "time": 1.0 * it, "iteration": it,
-                    "consumed_samples": it * batch, "lr": 1e-3 * (1 - it / (4 * BEFORE)),
-                    "batch": summary, "loss": float(losses[it]), "grad_norm": 1.0,
-                    "skipped": 0, "nan": 0, "tokens": 256, "step_seconds": 0.03, "tokens_per_second": 8533.3,
-                    "tflops": None, "peak_memory_bytes": 790_000_000, "memory_kind": "cpu_peak_rss"}
+            line = {
+                "v": 1,
+                "run": "bench",
+                "attempt": "a",
+                "pid": 1,
+                "time": 1.0 * it,
+                "iteration": it,
+                "consumed_samples": it * batch,
+                "lr": 1e-3 * (1 - it / (4 * BEFORE)),
+                "batch": summary,
+                "loss": float(losses[it]),
+                "grad_norm": 1.0,
+                "skipped": 0,
+                "nan": 0,
+                "tokens": 256,
+                "step_seconds": 0.03,
+                "tokens_per_second": 8533.3,
+                "tflops": None,
+                "peak_memory_bytes": 790_000_000,
+                "memory_kind": "cpu_peak_rss",
+            }
             f.write(json.dumps(line) + "\n")
 
 
@@ -49,8 +66,18 @@ def recorder_cost(directory: Path, calls: int = 20_000) -> float:
     ids = list(range(8))
     started = time.perf_counter()
     for it in range(calls):
-        recorder.record(iteration=it, consumed_samples=it * 8, lr=1e-3, batch=batch_summary(it * 8, ids), loss=2.5,
-                        grad_norm=1.0, skipped=0, nan=0, tokens=256, step_seconds=0.03)
+        recorder.record(
+            iteration=it,
+            consumed_samples=it * 8,
+            lr=1e-3,
+            batch=batch_summary(it * 8, ids),
+            loss=2.5,
+            grad_norm=1.0,
+            skipped=0,
+            nan=0,
+            tokens=256,
+            step_seconds=0.03,
+        )
     recorder.close()
     return (time.perf_counter() - started) / calls
 
@@ -60,8 +87,12 @@ def local_step_seconds() -> float:
     records = BENCH / "steps.jsonl"
     if not records.exists():
         with console.status("a short local training run for its step time..."):
-            run_local_job(BENCH / "steps", train_iters=20, save_interval=1000, extra=["--step-records", str(records)])
-    return statistics.median(json.loads(line)["step_seconds"] for line in records.read_text().splitlines()[3:])
+            run_local_job(
+                BENCH / "steps", train_iters=20, save_interval=1000, extra=["--step-records", str(records)]
+            )
+    return statistics.median(
+        json.loads(line)["step_seconds"] for line in records.read_text().splitlines()[3:]
+    )
 
 
 def main() -> int:
@@ -83,15 +114,22 @@ def main() -> int:
     table = Table(title="make bench: post-resume validation")
     for column in ("what", "value"):
         table.add_column(column)
-    table.add_row("records validated", f"{len(before) + len(after):,} ({len(before):,} before, {len(after):,} after)")
+    table.add_row(
+        "records validated", f"{len(before) + len(after):,} ({len(before):,} before, {len(after):,} after)"
+    )
     table.add_row("load (parse both files)", f"{loaded:.2f} s")
     table.add_row("load + all checks", f"{total:.2f} s")
     table.add_row("verdict", result.line()[:80])
-    table.add_row("recorder, per step", f"{per_call * 1e6:.0f} us = {per_call / step:.2%} of a {step * 1000:.0f} ms local step")
+    table.add_row(
+        "recorder, per step",
+        f"{per_call * 1e6:.0f} us = {per_call / step:.2%} of a {step * 1000:.0f} ms local step",
+    )
     console.print(table)
     per_million = total / (len(before) + len(after)) * 1_000_000  # the same as total: a million in all
-    console.print(f"{per_million:.2f} s per million records (target < 5 s): {'met' if per_million < 5 else 'NOT met'}; "
-                  f"recorder {per_call / step:.2%} of a step (target < 1%)")
+    console.print(
+        f"{per_million:.2f} s per million records (target < 5 s): {'met' if per_million < 5 else 'NOT met'}; "
+        f"recorder {per_call / step:.2%} of a step (target < 1%)"
+    )
     return 0 if result.ok else 1
 
 

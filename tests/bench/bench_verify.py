@@ -30,9 +30,21 @@ REPEATS = 5
 # Saved with the distributed optimizer, as production jobs save (the drill bench loads it on two
 # ranks, each with half of the Adam state).
 LARGE = "large-distopt"
-LARGE_MODEL = ["--hidden-size", "1536", "--num-layers", "4", "--num-attention-heads", "12",
-               "--vocab-size", "32768", "--micro-batch-size", "1", "--global-batch-size", "2",
-               "--use-distributed-optimizer"]
+LARGE_MODEL = [
+    "--hidden-size",
+    "1536",
+    "--num-layers",
+    "4",
+    "--num-attention-heads",
+    "12",
+    "--vocab-size",
+    "32768",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "2",
+    "--use-distributed-optimizer",
+]
 console = Console(highlight=False)
 
 
@@ -41,7 +53,9 @@ def checkpoint(name: str, iterations: int, extra: list[str]) -> Path:
     directory = save / iter_dir_name(iterations)
     if not (directory / "metadata.json").exists():
         with console.status(f"training the {name} bench checkpoint (local job, CPU)..."):
-            run_local_job(save, train_iters=iterations, save_interval=iterations, timeout_seconds=1800, extra=extra)
+            run_local_job(
+                save, train_iters=iterations, save_interval=iterations, timeout_seconds=1800, extra=extra
+            )
     return directory
 
 
@@ -75,21 +89,41 @@ def main() -> int:
     rows = []
 
     def row(name, seconds, nbytes=size):
-        rows.append({"step": name, "bytes": nbytes, "seconds": seconds,
-                     "gbps": nbytes / seconds / 1e9 if nbytes else None})
+        rows.append(
+            {
+                "step": name,
+                "bytes": nbytes,
+                "seconds": seconds,
+                "gbps": nbytes / seconds / 1e9 if nbytes else None,
+            }
+        )
 
     with console.status("measuring the references and verification..."):
-        row("cat > /dev/null (plain read)", median_seconds(lambda: subprocess.run(
-            f"cat {' '.join(files)} > /dev/null", shell=True, check=True, timeout=600)))
-        row(f"b3sum --num-threads {cores}", median_seconds(shell(["b3sum", "--num-threads", str(cores), *files])))
+        row(
+            "cat > /dev/null (plain read)",
+            median_seconds(
+                lambda: subprocess.run(
+                    f"cat {' '.join(files)} > /dev/null", shell=True, check=True, timeout=600
+                )
+            ),
+        )
+        row(
+            f"b3sum --num-threads {cores}",
+            median_seconds(shell(["b3sum", "--num-threads", str(cores), *files])),
+        )
         row("sha256sum", median_seconds(shell(["sha256sum", *files]), repeats=1))
         first = median_seconds(lambda: _verified(large, options))
         row("ckptops verify, first time (CRC + XXH3 + structure)", first)
         _verified(large, VerifyOptions(job="bench"))  # writes the manifest once
         row("ckptops verify, against the manifest", median_seconds(lambda: _verified(large, options)))
         (large / "manifest.json").unlink()
-        row("ckptops verify CLI, end to end (process start included)",
-            median_seconds(shell([str(Path(sys.executable).with_name("ckptops")), "verify", "--read-only", str(large)]), repeats=3))
+        row(
+            "ckptops verify CLI, end to end (process start included)",
+            median_seconds(
+                shell([str(Path(sys.executable).with_name("ckptops")), "verify", "--read-only", str(large)]),
+                repeats=3,
+            ),
+        )
 
     with console.status("measuring promotion..."):
         promotion = {}
@@ -104,23 +138,40 @@ def main() -> int:
                     point_to(save_dir, target)
 
             promotion[name] = median_seconds(promote_step, repeats=20)
-            rows.append({"step": f"promotion, {name} checkpoint (lock, decide, atomic pointer)",
-                         "bytes": nbytes, "seconds": promotion[name], "gbps": None})
+            rows.append(
+                {
+                    "step": f"promotion, {name} checkpoint (lock, decide, atomic pointer)",
+                    "bytes": nbytes,
+                    "seconds": promotion[name],
+                    "gbps": None,
+                }
+            )
 
-    table = Table(title=f"make bench: {size / 1e9:.2f} GB checkpoint ({len(files)} files), page cache warm, "
-                        f"{cores} cores, median of {REPEATS}")
+    table = Table(
+        title=f"make bench: {size / 1e9:.2f} GB checkpoint ({len(files)} files), page cache warm, "
+        f"{cores} cores, median of {REPEATS}"
+    )
     for column in ("step", "GB", "seconds", "GB/s", "x plain read"):
         table.add_column(column, justify="left" if column == "step" else "right")
     plain = rows[0]["seconds"]
     for r in rows:
-        table.add_row(r["step"], f"{r['bytes'] / 1e9:.3f}", f"{r['seconds']:.3f}",
-                      "" if r["gbps"] is None else f"{r['gbps']:.2f}",
-                      "" if r["gbps"] is None else f"{r['seconds'] / plain:.2f}")
+        table.add_row(
+            r["step"],
+            f"{r['bytes'] / 1e9:.3f}",
+            f"{r['seconds']:.3f}",
+            "" if r["gbps"] is None else f"{r['gbps']:.2f}",
+            "" if r["gbps"] is None else f"{r['seconds'] / plain:.2f}",
+        )
     console.print(table)
     ratio = first / plain
-    console.print(f"full verification / plain read = {ratio:.2f} (target <= 1.5): {'met' if ratio <= 1.5 else 'NOT met'}")
-    console.print(f"promotion: small {promotion['small'] * 1e3:.2f} ms, large {promotion['large'] * 1e3:.2f} ms "
-                  f"(target: independent of size)")
+    console.print(
+        f"full verification / plain read = {ratio:.2f} (target <= 1.5): "
+        f"{'met' if ratio <= 1.5 else 'NOT met'}"
+    )
+    console.print(
+        f"promotion: small {promotion['small'] * 1e3:.2f} ms, large {promotion['large'] * 1e3:.2f} ms "
+        f"(target: independent of size)"
+    )
     (BENCH / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     return 0
 

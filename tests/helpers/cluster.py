@@ -46,7 +46,7 @@ class FakeCluster:
         (root / "home").mkdir(exist_ok=True)
         for tool in TOOLS:
             path = root / "bin" / tool
-            path.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S {STANDIN} {tool} \"$@\"\n")
+            path.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S {STANDIN} {tool} "$@"\n')
             path.chmod(0o755)
         for key_name, sample in HEALTHY.items():
             self.record("default", key_name, (DATA / sample).read_text())
@@ -56,7 +56,7 @@ class FakeCluster:
         (root / "authorized_keys").write_text(" ".join(client_pub) + "\n")
         os.makedirs("/run/sshd", exist_ok=True)
         # sshd listens on at most 16 sockets (MAX_LISTEN_SOCKS): one server per 16 nodes.
-        groups = [self.addresses[i:i + 16] for i in range(0, len(self.addresses), 16)]
+        groups = [self.addresses[i : i + 16] for i in range(0, len(self.addresses), 16)]
         self.processes = [self._start_sshd(n, group) for n, group in enumerate(groups)]
         deadline = time.monotonic() + timeout
         for n, group in enumerate(groups):
@@ -71,9 +71,9 @@ class FakeCluster:
         listen = "\n".join(f"ListenAddress {a}:{self.port}" for a in addresses)
         config = root / f"sshd_config-{n}"
         config.write_text(f"""{listen}
-HostKey {root / 'host_key'}
-PidFile {root / f'sshd-{n}.pid'}
-AuthorizedKeysFile {root / 'authorized_keys'}
+HostKey {root / "host_key"}
+PidFile {root / f"sshd-{n}.pid"}
+AuthorizedKeysFile {root / "authorized_keys"}
 PubkeyAuthentication yes
 PasswordAuthentication no
 KbdInteractiveAuthentication no
@@ -82,12 +82,16 @@ StrictModes no
 UsePAM no
 MaxStartups 512
 MaxSessions 64
-SetEnv PATH={root / 'bin'}:/usr/bin:/bin STANDIN_ROOT={root} HOME={root / 'home'}
+SetEnv PATH={root / "bin"}:/usr/bin:/bin STANDIN_ROOT={root} HOME={root / "home"}
 LogLevel ERROR
 """)
         with open(root / f"sshd-{n}.log", "wb") as log:
-            return subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdout=subprocess.DEVNULL, stderr=log,
-                                    start_new_session=True)
+            return subprocess.Popen(
+                [SSHD, "-D", "-e", "-f", str(config)],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                start_new_session=True,
+            )
 
     def _accepting(self, address: str) -> bool:
         try:
@@ -107,11 +111,20 @@ LogLevel ERROR
     def record_sample(self, node: str, key: str, sample: str, rc: int = 0) -> None:
         self.record(node, key, (DATA / sample).read_text(), rc)
 
-    def known_hosts(self, path: Path, wrong_key_for: tuple[str, ...] = (), missing: tuple[str, ...] = ()) -> Path:
+    def known_hosts(
+        self, path: Path, wrong_key_for: tuple[str, ...] = (), missing: tuple[str, ...] = ()
+    ) -> Path:
         """known_hosts for the nodes; some with another key (a changed host), some absent."""
         other_path = self.root / "other_host_key"
-        other = (other_path.with_suffix(".pub").read_text().split()[:2] if other_path.exists()
-                 else _keygen(other_path)) if wrong_key_for else None
+        other = (
+            (
+                other_path.with_suffix(".pub").read_text().split()[:2]
+                if other_path.exists()
+                else _keygen(other_path)
+            )
+            if wrong_key_for
+            else None
+        )
         lines = []
         for address in self.addresses:
             if address in missing:
@@ -144,11 +157,22 @@ def profile_yaml(cluster: FakeCluster, nodes: list[str], known_hosts: Path, raw_
     import getpass
 
     settings = {
-        "nodes": nodes, "transport": "ssh",
-        "ssh": {"user": getpass.getuser(), "port": cluster.port, "known_hosts": str(known_hosts),
-                "key_file": str(cluster.client_key), "use_agent": False, "connect_timeout_seconds": 5},
-        "gpus_per_node": 8, "level": 1, "concurrency": 16, "command_timeout_seconds": 10,
-        "diag_timeout_seconds": {1: 3, 3: 10}, "raw_dir": str(raw_dir),
+        "nodes": nodes,
+        "transport": "ssh",
+        "ssh": {
+            "user": getpass.getuser(),
+            "port": cluster.port,
+            "known_hosts": str(known_hosts),
+            "key_file": str(cluster.client_key),
+            "use_agent": False,
+            "connect_timeout_seconds": 5,
+        },
+        "gpus_per_node": 8,
+        "level": 1,
+        "concurrency": 16,
+        "command_timeout_seconds": 10,
+        "diag_timeout_seconds": {1: 3, 3: 10},
+        "raw_dir": str(raw_dir),
         "nccl": {"pass_gbps": 431, "warn_gbps": 410, "timeout_seconds": 10},
         "drain": {"enabled": True, "max_per_run": 2, "max_per_hour": 4, "page_when_same_check_fails": 3},
     }

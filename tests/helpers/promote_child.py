@@ -1,10 +1,12 @@
 """Child process for the crash and concurrency tests of promotion.
 
     promote_child.py crash SAVE_DIR ITERATION STEP WHEN      kill -9 itself before/after STEP of write_pointer
-    promote_child.py promote SAVE_DIR STEP WHEN N            the whole promotion; kill -9 at the Nth call of STEP
+    promote_child.py promote SAVE_DIR STEP WHEN N
+        the whole promotion; kill -9 at the Nth call of STEP
     promote_child.py fail SAVE_DIR ITERATION STEP            raise inside STEP
     promote_child.py torn SAVE_DIR ITERATION                 kill -9 itself halfway through the write
-    promote_child.py hold SAVE_DIR NAME LOCK_TIMEOUT LOG     promote(); pause under the lock until stdin says go
+    promote_child.py hold SAVE_DIR NAME LOCK_TIMEOUT LOG
+        promote(); pause under the lock until stdin says go
 
 It runs the real code; only the named step is wrapped.
 """
@@ -54,8 +56,11 @@ def main(argv):
             if len(calls) == nth:
                 die()
 
-        wrap(step, before=count_then_die if when == "before" else None,
-             after=count_then_die if when == "after" else None)
+        wrap(
+            step,
+            before=count_then_die if when == "before" else None,
+            after=count_then_die if when == "after" else None,
+        )
         promote(save_dir, VerifyOptions(job="test"), 10)
     elif mode == "fail":
         iteration, step = int(argv[2]), argv[3]

@@ -1,10 +1,11 @@
 """A GPU-tool stand-in for nodes without GPUs: replays a recorded output and exit code.
 
 Installed as small launchers under the tools' names (dcgmi, nvidia-smi, all_reduce_perf,
-journalctl, mpirun) in a directory on the test sshd's PATH; the launcher passes the tool's name. Which node it is comes from $SSH_CONNECTION (the address the
-client connected to); the recording comes from $STANDIN_ROOT/scenarios/<address>/<key>.out (else
-.../default/<key>.out), with <key>.rc for the exit code and <key>.sleep for how long the real
-tool takes (a hang is a long sleep). Every call is logged with its argv and connection.
+journalctl, mpirun) in a directory on the test sshd's PATH; the launcher passes the tool's name.
+Which node it is comes from $SSH_CONNECTION (the address the client connected to); the recording
+comes from $STANDIN_ROOT/scenarios/<address>/<key>.out (else .../default/<key>.out), with
+<key>.rc for the exit code and <key>.sleep for how long the real tool takes (a hang is a long
+sleep). Every call is logged with its argv and connection.
 """
 
 import json
@@ -16,7 +17,9 @@ from pathlib import Path
 
 def key(tool: str, args: list[str]) -> str:
     if tool == "dcgmi":
-        return {"discovery": "discovery", "diag": "diag", "nvlink": "nvlink"}.get(args[0] if args else "", "dcgmi")
+        return {"discovery": "discovery", "diag": "diag", "nvlink": "nvlink"}.get(
+            args[0] if args else "", "dcgmi"
+        )
     if tool == "nvidia-smi":
         return "row-remap" if any("remapped" in a for a in args) else "recovery"
     return {"journalctl": "journal", "all_reduce_perf": "nccl", "mpirun": "pair"}.get(tool, tool)
@@ -29,7 +32,9 @@ def main() -> int:
     tool, args = sys.argv[1], sys.argv[2:]
     name = key(tool, args)
     with open(root / "calls.log", "a") as log:
-        log.write(json.dumps({"address": address, "client_port": connection[1], "tool": tool, "argv": args}) + "\n")
+        log.write(
+            json.dumps({"address": address, "client_port": connection[1], "tool": tool, "argv": args}) + "\n"
+        )
     for folder in (root / "scenarios" / address, root / "scenarios" / "default"):
         out = folder / f"{name}.out"
         if out.exists():

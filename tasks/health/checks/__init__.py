@@ -12,11 +12,11 @@ from tasks.health.verdict import CheckResult, Evidence, Verdict, result
 @dataclass
 class Context:
     node: str
-    host: object                 # LocalHost or SshHost
-    settings: object             # the profile's health section
+    host: object  # LocalHost or SshHost
+    settings: object  # the profile's health section
     level: int
     raw_dir: Path
-    since: float | None = None   # the node's last clean XID check (where the kernel log is read from)
+    since: float | None = None  # the node's last clean XID check (where the kernel log is read from)
     kept: list[str] = field(default_factory=list)
 
     def command(self, check: str, argv: list[str], timeout: float | None = None) -> Output:
@@ -34,17 +34,23 @@ class Context:
         path = self.raw_dir / self.node / f"{stamp}-{check}-{len(self.kept)}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         exit_text = "timed out" if output.timed_out else str(output.exit_code)
-        path.write_text(f"$ {' '.join(output.argv)}\n# exit: {exit_text}, {output.seconds:.2f}s\n"
-                        f"# stdout\n{output.stdout}\n# stderr\n{output.stderr}\n")
+        path.write_text(
+            f"$ {' '.join(output.argv)}\n# exit: {exit_text}, {output.seconds:.2f}s\n"
+            f"# stdout\n{output.stdout}\n# stderr\n{output.stderr}\n"
+        )
         return str(path)
 
 
 def not_run(check: str, output: Output) -> CheckResult | None:
     """The common ways a command fails before there is anything to judge."""
     if output.timed_out:
-        return result(check, Verdict.TOOL_ERROR, Evidence(f"{output.argv[0]} timed out after {output.seconds:.0f}s"))
+        return result(
+            check, Verdict.TOOL_ERROR, Evidence(f"{output.argv[0]} timed out after {output.seconds:.0f}s")
+        )
     if output.exit_code == 127:
-        return result(check, Verdict.TOOL_ERROR, Evidence(f"{output.argv[0]}: command not found"), exit_code=127)
+        return result(
+            check, Verdict.TOOL_ERROR, Evidence(f"{output.argv[0]}: command not found"), exit_code=127
+        )
     return None
 
 
@@ -52,11 +58,14 @@ def failed_to_run(check: str, output: Output) -> CheckResult | None:
     """None if the command ran and exited 0; else the TOOL_ERROR the check returns."""
     failed = not_run(check, output)
     if failed is None and output.exit_code != 0:
-        failed = result(check, Verdict.TOOL_ERROR, Evidence(f"{output.argv[0]} exited {output.exit_code}"),
-                        exit_code=output.exit_code)
+        failed = result(
+            check,
+            Verdict.TOOL_ERROR,
+            Evidence(f"{output.argv[0]} exited {output.exit_code}"),
+            exit_code=output.exit_code,
+        )
     return failed
 
 
 def csv_rows(text: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.split(",")] for line in text.splitlines() if line.strip()]
-

@@ -17,7 +17,10 @@ from tasks.health.dcgm import CHECK, classify_diag, judge_document
 from tasks.health.verdict import CheckResult, Evidence, Verdict, result
 
 NAME = CHECK
-BINDINGS = [Path("/usr/share/datacenter-gpu-manager-4/bindings/python3"), Path("/usr/local/dcgm/bindings/python3")]
+BINDINGS = [
+    Path("/usr/share/datacenter-gpu-manager-4/bindings/python3"),
+    Path("/usr/local/dcgm/bindings/python3"),
+]
 # DCGM 4.x dcgmDiagResult_t: what each entity and test result means.
 _RESULT = {0: "Pass", 1: "Skip", 2: "Warn", 3: "Fail", 4: "NotRun"}
 
@@ -28,8 +31,11 @@ def _bindings():
         if path.is_dir() and str(path) not in sys.path:
             sys.path.append(str(path))
     try:
-        return (importlib.import_module("pydcgm"), importlib.import_module("DcgmDiag"),
-                importlib.import_module("dcgm_structs"))
+        return (
+            importlib.import_module("pydcgm"),
+            importlib.import_module("DcgmDiag"),
+            importlib.import_module("dcgm_structs"),
+        )
     except ImportError:
         return None
 
@@ -45,20 +51,38 @@ def _response_document(response) -> dict:
             if entry.testId != t:
                 continue
             problems = [
-                {"error_id": e.code, "error_severity": e.severity, "error_category": e.category, "warning": e.msg}
+                {
+                    "error_id": e.code,
+                    "error_severity": e.severity,
+                    "error_category": e.category,
+                    "warning": e.msg,
+                }
                 for e in (response.errors[i] for i in range(response.numErrors))
-                if e.testId == t and e.entity.entityId == entry.entity.entityId and e.entity.entityGroupId == 1
+                if e.testId == t
+                and e.entity.entityId == entry.entity.entityId
+                and e.entity.entityGroupId == 1
             ]
-            results.append({"entity_group": "GPU", "entity_id": entry.entity.entityId,
-                             "status": _RESULT.get(entry.result, "Fail"), "warnings": problems})
+            results.append(
+                {
+                    "entity_group": "GPU",
+                    "entity_id": entry.entity.entityId,
+                    "status": _RESULT.get(entry.result, "Fail"),
+                    "warnings": problems,
+                }
+            )
         entityless = [
             {"error_id": e.code, "error_severity": e.severity, "warning": e.msg}
             for e in (response.errors[i] for i in range(response.numErrors))
             if e.testId == t and e.entity.entityGroupId != 1
         ]
         name = test.name.decode() if isinstance(test.name, bytes) else str(test.name)
-        tests.append({"name": name, "results": results,
-                      "test_summary": {"status": _RESULT.get(test.result, "Fail"), "warnings": entityless}})
+        tests.append(
+            {
+                "name": name,
+                "results": results,
+                "test_summary": {"status": _RESULT.get(test.result, "Fail"), "warnings": entityless},
+            }
+        )
     return {"DCGM Diagnostic": {"test_categories": [{"category": "all", "tests": tests}]}}
 
 
@@ -67,7 +91,9 @@ def _with_bindings(modules, ctx: Context, timeout: float) -> CheckResult:
     try:
         handle = pydcgm.DcgmHandle(opMode=dcgm_structs.DCGM_OPERATION_MODE_AUTO)
         gpus = handle.GetSystem().discovery.GetAllSupportedGpuIds()
-        response = dcgm_diag.DcgmDiag(gpuIds=gpus, testNamesStr=str(ctx.level), timeout=int(timeout)).Execute(handle.handle)
+        response = dcgm_diag.DcgmDiag(gpuIds=gpus, testNamesStr=str(ctx.level), timeout=int(timeout)).Execute(
+            handle.handle
+        )
     except Exception as e:  # the bindings raise their own DCGMError family, and ctypes errors
         return result(NAME, Verdict.TOOL_ERROR, Evidence(f"pydcgm diag failed ({type(e).__name__}: {e})"))
     document = _response_document(response)

@@ -13,4 +13,6 @@ def run(ctx: Context) -> CheckResult:
     failed = not_run(NAME, output)
     if failed:
         return failed
-    return classify_allreduce(output.stdout + output.stderr, output.exit_code, nccl.pass_gbps, nccl.warn_gbps, NAME)
+    return classify_allreduce(
+        output.stdout + output.stderr, output.exit_code, nccl.pass_gbps, nccl.warn_gbps, NAME
+    )

@@ -14,7 +14,10 @@ def run(ctx: Context) -> CheckResult:
         return failed
     down = nvlink_down(output.stdout)
     if down:
-        return result(NAME, Verdict.FAIL_HARDWARE,
-                      *[Evidence(f"GPU {gpu}: NVLink {links} down", gpu=gpu) for gpu, links in sorted(down.items())],
-                      exit_code=0)
+        return result(
+            NAME,
+            Verdict.FAIL_HARDWARE,
+            *[Evidence(f"GPU {gpu}: NVLink {links} down", gpu=gpu) for gpu, links in sorted(down.items())],
+            exit_code=0,
+        )
     return result(NAME, Verdict.PASS, Evidence("no NVLink down"), exit_code=0)

@@ -9,8 +9,14 @@ _YES = {"1", "yes", "true"}
 
 
 def run(ctx: Context) -> CheckResult:
-    output = ctx.command(NAME, ["nvidia-smi", "--query-remapped-rows=gpu_bus_id,remapped_rows.failure,"
-                                              "remapped_rows.pending", "--format=csv,noheader"])
+    output = ctx.command(
+        NAME,
+        [
+            "nvidia-smi",
+            "--query-remapped-rows=gpu_bus_id,remapped_rows.failure,remapped_rows.pending",
+            "--format=csv,noheader",
+        ],
+    )
     failed = failed_to_run(NAME, output)
     if failed:
         return failed

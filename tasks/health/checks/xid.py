@@ -19,7 +19,9 @@ _XID = re.compile(r"NVRM: Xid \(PCI:([0-9A-Fa-f:.]+)\): (\d+)")
 
 def run(ctx: Context) -> CheckResult:
     since = ctx.since if ctx.since is not None else time.time() - 24 * 3600
-    output = ctx.command(NAME, ["journalctl", "-k", "--no-pager", "-o", "short-iso", f"--since=@{int(since)}"])
+    output = ctx.command(
+        NAME, ["journalctl", "-k", "--no-pager", "-o", "short-iso", f"--since=@{int(since)}"]
+    )
     failed = failed_to_run(NAME, output)
     if failed:
         return failed
@@ -31,10 +33,20 @@ def run(ctx: Context) -> CheckResult:
             continue
         xid, bus = int(match[2]), match[1]
         if xid in critical:
-            findings.append((Verdict.FAIL_HARDWARE, Evidence(f"critical XID {xid} on GPU {bus}: {line.strip()[:160]}", error_id=xid)))
+            findings.append(
+                (
+                    Verdict.FAIL_HARDWARE,
+                    Evidence(f"critical XID {xid} on GPU {bus}: {line.strip()[:160]}", error_id=xid),
+                )
+            )
         elif xid not in APPLICATION_XIDS:
             findings.append((Verdict.WARN, Evidence(f"XID {xid} on GPU {bus}", error_id=xid)))
     if not findings:
-        return result(NAME, Verdict.PASS, Evidence("no critical XID in the kernel log since the last check"), exit_code=0)
+        return result(
+            NAME,
+            Verdict.PASS,
+            Evidence("no critical XID in the kernel log since the last check"),
+            exit_code=0,
+        )
     findings.sort(key=lambda f: -f[0].rank)
     return result(NAME, worst(v for v, _ in findings), *[e for _, e in findings], exit_code=0)
