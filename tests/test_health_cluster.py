@@ -155,10 +155,11 @@ def test_one_connection_per_node_and_parameters_never_reach_a_shell(cluster, tmp
             ]
         },
     )
-    before = len(cluster.calls())
+    before, connected = len(cluster.calls()), cluster.connections(HEALTHY[1])
     run_health(profile.health, [HEALTHY[1]])
     calls = [c for c in cluster.calls()[before:] if c["address"] == HEALTHY[1]]
     assert len(calls) == 7 and len({c["client_port"] for c in calls}) == 1  # every check, one connection
+    assert cluster.connections(HEALTHY[1]) - connected == 1  # and no other connection opened, used or not
     nccl = [c["argv"] for c in calls if c["tool"] == "all_reduce_perf"][-1]
     assert nccl[-2:] == [f"$(touch {marker})", f"; touch {marker}"]  # arrived as literal arguments
     assert not marker.exists()
@@ -296,3 +297,43 @@ def test_key_from_a_prefect_secret_block_and_the_node_health_flow(cluster, tmp_p
     assert rows[0]["error id"] == 83 and rows[0]["severity"] == "ISOLATE" and rows[0]["raw"]
     actions = Artifact.get("node-health-actions").data
     assert f"drained: {FAILING_GPU}" in actions and len(scontrol.read_text().splitlines()) == 2
+
+
+def test_each_node_is_connected_once_and_a_failed_retry_stays_that_nodes(tmp_path, monkeypatch):
+    """Hosts that count their connections (a module-internal stand-in for the transport): a node
+    refused twice is SUSPECT, and the fleet's other nodes are checked on one connection each."""
+    from tasks.cluster.transport import Output, Unreachable
+    from tasks.health import run as health_run
+
+    opened = []
+
+    class Host:
+        def __init__(self, node, *_):
+            self.node = node
+
+        def open(self):
+            opened.append(self.node)
+            if self.node == "refusing":
+                raise Unreachable(f"{self.node}: unreachable (Connection refused)")
+            return self
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def run(self, argv, timeout):
+            return Output(argv, 0, "8 GPUs found.\n", "", 0.01)
+
+    monkeypatch.setattr(health_run, "_host", Host)
+    path = tmp_path / "health.yaml"
+    path.write_text(
+        f"job: {{name: t, save_dir: '{tmp_path}'}}\n"
+        f"health: {{nodes: [a, refusing, b], transport: local, raw_dir: '{tmp_path / 'raw'}', "
+        "checks: [gpu-count]}\n"
+    )
+    run = run_health(load_profile(path).health, ["a", "refusing", "b"])
+    verdicts = {r.node: r.verdict for r in run.reports}
+    assert verdicts == {"a": Verdict.PASS, "refusing": Verdict.SUSPECT, "b": Verdict.PASS}
+    assert sorted(opened) == ["a", "b", "refusing", "refusing"]

@@ -58,6 +58,9 @@ class LocalHost:
     def __init__(self, node: str = "localhost"):
         self.node = node
 
+    def open(self) -> "LocalHost":
+        return self
+
     def __enter__(self):
         return self
 
@@ -108,6 +111,10 @@ class SshHost:
         self.client: paramiko.SSHClient | None = None
 
     def __enter__(self):
+        return self if self.client is not None else self.open()
+
+    def open(self) -> "SshHost":
+        """Connect (once: entering an open host's context reuses its connection)."""
         s = self.settings
         client = paramiko.SSHClient()
         try:

@@ -176,11 +176,12 @@ def _run_check(name: str, run: Callable[[Context], CheckResult], ctx: Context) -
 
 
 def _connect(node: str, settings, key_text: str | None):
-    """Open the node's connection, retrying an unreachable node once."""
+    """The node's one connection, open (an unreachable node is tried once more); its context
+    closes it and never connects again."""
     try:
-        return _host(node, settings, key_text).__enter__()
+        return _host(node, settings, key_text).open()
     except Unreachable:
-        return _host(node, settings, key_text).__enter__()
+        return _host(node, settings, key_text).open()
 
 
 def check_node(

@@ -83,7 +83,7 @@ UsePAM no
 MaxStartups 512
 MaxSessions 64
 SetEnv PATH={root / "bin"}:/usr/bin:/bin STANDIN_ROOT={root} HOME={root / "home"}
-LogLevel ERROR
+LogLevel VERBOSE
 """)
         with open(root / f"sshd-{n}.log", "wb") as log:
             return subprocess.Popen(
@@ -133,6 +133,11 @@ LogLevel ERROR
             lines.append(f"[{address}]:{self.port} {' '.join(key)}")
         path.write_text("\n".join(lines) + "\n")
         return path
+
+    def connections(self, address: str) -> int:
+        """TCP connections the sshd accepted on ``address`` (sshd logs each at VERBOSE)."""
+        needle = f" on {address} port {self.port} "
+        return sum(log.read_text(errors="replace").count(needle) for log in self.root.glob("sshd-*.log"))
 
     def calls(self) -> list[dict]:
         import json
