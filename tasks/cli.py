@@ -519,14 +519,22 @@ def health_classify(
     level: Annotated[
         int | None, typer.Option("--level", help="dcgm: the level it ran at (checks the test set)")
     ] = None,
-    pass_gbps: Annotated[float, typer.Option("--pass-gbps", help="nccl: busbw gate")] = 431.0,
-    warn_gbps: Annotated[float, typer.Option("--warn-gbps", help="nccl: warn threshold")] = 410.0,
+    profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ):
-    """Classify one saved dcgmi diag or all_reduce_perf output; the verdict word comes first."""
+    """Classify one saved dcgmi diag or all_reduce_perf output; the verdict word comes first.
+
+    nccl: the busbw gates are the profile's (health.nccl for one node, health.pairs for several,
+    told apart by the host names in the output's rank table; a profile without a health section
+    has the schema's defaults)."""
     with _expected_errors():
         from tasks.health.dcgm import classify_diag
-        from tasks.health.nccl import classify_allreduce
+        from tasks.health.nccl import Gates, classify_allreduce
+        from tasks.profile import Nccl, Pairs
+
+        prof = load_profile(profile)
+        nccl, pairs = (prof.health.nccl, prof.health.pairs) if prof.health else (Nccl(), Pairs())
+        gates = Gates.from_settings(nccl, pairs)
 
         if tool not in ("dcgm", "nccl"):
             raise UsageError(f"{tool!r}: classify dcgm or nccl")
@@ -537,7 +545,7 @@ def health_classify(
         verdict = (
             classify_diag(text, exit_code, level)
             if tool == "dcgm"
-            else classify_allreduce(text, exit_code, pass_gbps, warn_gbps)
+            else classify_allreduce(text, exit_code, gates)
         )
     if as_json:
         out.print_json(json.dumps(verdict.to_dict()))

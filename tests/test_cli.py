@@ -119,3 +119,28 @@ def test_status_ignores_what_is_not_a_checkpoint(save_dir):
     (save_dir / "iter_0000200").write_text("a file")
     rows = json.loads(ckptops("status", save_dir, "--json").stdout)
     assert [r["iteration"] for r in rows] == [4, 8, 12, 16, 20, 24]
+
+
+def test_classify_nccl_judges_several_nodes_by_the_profiles_multi_node_gate(tmp_path):
+    """A healthy 2-node, 16-GPU all-reduce (GCP A3 Mega, 338.82 GB/s) is no NVLink failure: the
+    rank table's host names say two nodes, so the profile's several-nodes gate applies."""
+    profile = tmp_path / "fabric.yaml"
+    profile.write_text(
+        f"job: {{name: t, save_dir: '{tmp_path}'}}\n"
+        f"health: {{nodes: [a], transport: local, raw_dir: '{tmp_path}', "
+        "nccl: {pass_gbps: 431, warn_gbps: 410}, pairs: {pass_gbps: 330, warn_gbps: 300}}\n"
+    )
+    sample = ROOT / "tests/data/health/nccl_allreduce_2node_16xH100_gcp_a3mega.txt"
+    result = ckptops("health", "classify", "nccl", sample, "--profile", profile)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("PASS peak out-of-place busbw 338.82 GB/s at >= 1 GiB")
+    assert "2 nodes (ztan-mig-235z, ztan-mig-gq73): the several-nodes gate health.pairs" in result.stdout
+    one_node = ckptops(
+        "health",
+        "classify",
+        "nccl",
+        ROOT / "tests/data/health/synthetic_nccl_c0_na.txt",
+        "--profile",
+        profile,
+    )
+    assert "1 node (" in one_node.stdout and "the one-node gate health.nccl" in one_node.stdout

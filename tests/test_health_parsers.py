@@ -8,12 +8,18 @@ from pathlib import Path
 import pytest
 
 from tasks.health.dcgm import classify_diag, gpu_count, nvlink_down
-from tasks.health.nccl import classify_allreduce, parse_allreduce
+from tasks.health.nccl import Gate, Gates, classify_allreduce, parse_allreduce
 from tasks.health.verdict import Verdict
 from tests.conftest import ROOT
 
 DATA = Path(__file__).parent / "data" / "health"
 CKPTOPS = ROOT / ".venv" / "bin" / "ckptops"
+
+
+def gates(pass_gbps: float, warn_gbps: float) -> Gates:
+    """The same gate for one node and several: these tests are about the numbers."""
+    gate = Gate("the test's gate", pass_gbps, warn_gbps)
+    return Gates(gate, gate)
 
 
 def read(name: str) -> str:
@@ -61,19 +67,19 @@ def test_discovery_and_nvlink_outputs():
 def test_nccl_two_nodes_ib_passes_on_peak_not_average():
     run = parse_allreduce(read("nccl_allreduce_2node_16xH100_ib400_issue309.txt"))
     assert run.average_busbw == 139.56 and len(run.rank_ids) == 16
-    verdict = classify_allreduce(read("nccl_allreduce_2node_16xH100_ib400_issue309.txt"), 0, 360, 330)
+    verdict = classify_allreduce(read("nccl_allreduce_2node_16xH100_ib400_issue309.txt"), 0, gates(360, 330))
     assert verdict.verdict is Verdict.PASS and verdict.evidence[0].value == 469.21
 
 
 def test_nccl_gates_are_per_fabric():
     text = read("nccl_allreduce_2node_16xH100_gcp_a3mega.txt")
-    assert classify_allreduce(text, 0, 330, 300).verdict is Verdict.PASS  # that fabric's gate
-    failed = classify_allreduce(text, 0, 360, 350)  # a 400G IB gate
+    assert classify_allreduce(text, 0, gates(330, 300)).verdict is Verdict.PASS  # that fabric's gate
+    failed = classify_allreduce(text, 0, gates(360, 350))  # a 400G IB gate
     assert failed.verdict is Verdict.FAIL_HARDWARE and failed.evidence[0].value == 338.82
 
 
 def test_nccl_old_format_passes():
-    verdict = classify_allreduce(read("nccl_allreduce_2node_dgxh100_g8_oldformat.txt"), 0, 360, 330)
+    verdict = classify_allreduce(read("nccl_allreduce_2node_dgxh100_g8_oldformat.txt"), 0, gates(360, 330))
     assert verdict.verdict is Verdict.PASS and verdict.evidence[0].value == 472.35
 
 
@@ -85,7 +91,7 @@ def test_nccl_old_format_passes():
     ],
 )
 def test_nccl_failures_to_run_are_tool_errors(name):
-    verdict = classify_allreduce(read(name), 3, 360, 330)
+    verdict = classify_allreduce(read(name), 3, gates(360, 330))
     assert verdict.verdict is Verdict.TOOL_ERROR and verdict.summary.startswith("the test could not run")
 
 
@@ -159,7 +165,7 @@ def test_dcgm_nothing_printed_with_exit_0_is_a_tool_error():
     ],
 )
 def test_nccl_branches(name, expected, fragment):
-    verdict = classify_allreduce(read(name), 0, 431, 410)
+    verdict = classify_allreduce(read(name), 0, gates(431, 410))
     assert verdict.verdict is expected and fragment in verdict.summary
 
 
@@ -169,7 +175,7 @@ def test_a_finished_table_is_judged_even_when_nccl_warned():
         "NCCL version 2.26.2+cuda12.8",
         "node:1:2 [0] NCCL WARN NET/IB : port 1 degraded\nNCCL version 2.26.2+cuda12.8",
     )
-    verdict = classify_allreduce(warned, 0, 500, 480)  # synthetic: the real run plus one WARN line
+    verdict = classify_allreduce(warned, 0, gates(500, 480))  # synthetic: the real run plus one WARN line
     assert verdict.verdict is Verdict.FAIL_HARDWARE and "NCCL WARN NET/IB" in verdict.summary
 
 
@@ -177,12 +183,12 @@ def test_non_mpi_build_under_mpirun_with_several_processes():
     # Synthetic: the non-MPI file as 8 independent processes would print it, "Rank 0" each time.
     text = read("synthetic_nccl_nonmpi.txt")
     many = text.replace("#  Rank  0", "\n".join(["#  Rank  0"] * 8), 1)
-    assert classify_allreduce(many, 0, 431, 410).verdict is Verdict.FAIL_CONFIG
+    assert classify_allreduce(many, 0, gates(431, 410)).verdict is Verdict.FAIL_CONFIG
 
 
 def test_nccl_exit_7_means_wrong_values():
     assert (
-        classify_allreduce(read("nccl_allreduce_2node_dgxh100_g8_oldformat.txt"), 7, 360, 330).verdict
+        classify_allreduce(read("nccl_allreduce_2node_dgxh100_g8_oldformat.txt"), 7, gates(360, 330)).verdict
         is Verdict.FAIL_HARDWARE
     )
 
@@ -256,3 +262,32 @@ def test_dcgm_diag_through_pydcgm_where_the_bindings_import(monkeypatch, tmp_pat
     assert DcgmDiag.CALLS == [{"gpuIds": [0], "testNamesStr": "1", "timeout": 300}]
     raw = list((tmp_path / "localhost").iterdir())
     assert len(raw) == 1 and raw[0].read_text().startswith("$ pydcgm diag -r 1")  # the response is kept too
+
+
+@pytest.mark.parametrize(
+    "cell, expected",
+    [
+        ("inf", "busbw inf at size"),
+        ("nan", "busbw nan at size"),
+        ("abc", "a data row whose numbers do not parse"),
+    ],
+)
+def test_nccl_busbw_that_is_not_a_number_is_a_tool_error(cell, expected):
+    """A real table with one cell garbled (a tool bug, a torn output): never PASS or FAIL on it."""
+    lines = read("nccl_allreduce_2node_16xH100_ib400_issue309.txt").splitlines()
+    row = next(i for i, line in enumerate(lines) if line.strip().startswith("8589934592"))
+    tokens = lines[row].split()
+    tokens[7] = cell
+    lines[row] = "  ".join(tokens)
+    verdict = classify_allreduce("\n".join(lines), 0, gates(360, 330))
+    assert verdict.verdict is Verdict.TOOL_ERROR and expected in verdict.summary
+
+
+def test_nccl_wrong_count_that_is_not_a_number_is_a_tool_error():
+    lines = read("nccl_allreduce_2node_16xH100_ib400_issue309.txt").splitlines()
+    row = next(i for i, line in enumerate(lines) if line.strip().startswith("8589934592"))
+    tokens = lines[row].split()
+    tokens[8] = "nan"
+    lines[row] = "  ".join(tokens)
+    verdict = classify_allreduce("\n".join(lines), 0, gates(360, 330))
+    assert verdict.verdict is Verdict.TOOL_ERROR and "do not parse" in verdict.summary

@@ -24,7 +24,7 @@ from tasks.cluster.transport import (
 )
 from tasks.errors import Unreadable
 from tasks.health.checks import Context, dcgm_diag, gpu_count, nccl, nvlink, recovery, row_remap, xid
-from tasks.health.nccl import classify_allreduce
+from tasks.health.nccl import Gates, classify_allreduce
 from tasks.health.verdict import CheckResult, Evidence, Verdict, result, worst
 from tasks.storage.local import append_jsonl, read_jsonl
 
@@ -229,9 +229,8 @@ def pair_test(node: str, known_good: str, settings, key_text: str | None = None)
             return result(
                 name, Verdict.TOOL_ERROR, Evidence(f"pair test timed out after {output.seconds:.0f}s")
             )
-        return classify_allreduce(
-            output.stdout + output.stderr, output.exit_code, pairs.pass_gbps, pairs.warn_gbps, name
-        )
+        gates = Gates.from_settings(settings.nccl, pairs)
+        return classify_allreduce(output.stdout + output.stderr, output.exit_code, gates, name)
 
     try:
         with _connect(node, settings, key_text) as host:

@@ -1,7 +1,7 @@
 """nccl-tests on one node with all its GPUs (``all_reduce_perf``), gated on bus bandwidth."""
 
 from tasks.health.checks import Context, not_run
-from tasks.health.nccl import classify_allreduce
+from tasks.health.nccl import Gates, classify_allreduce
 from tasks.health.verdict import CheckResult
 
 NAME = "nccl"
@@ -13,6 +13,5 @@ def run(ctx: Context) -> CheckResult:
     failed = not_run(NAME, output)
     if failed:
         return failed
-    return classify_allreduce(
-        output.stdout + output.stderr, output.exit_code, nccl.pass_gbps, nccl.warn_gbps, NAME
-    )
+    gates = Gates.from_settings(nccl, ctx.settings.pairs)
+    return classify_allreduce(output.stdout + output.stderr, output.exit_code, gates, NAME)
