@@ -550,10 +550,10 @@ def health_classify(
     if as_json:
         out.print_json(json.dumps(verdict.to_dict()))
     else:
-        out.print(f"{verdict.verdict.value} {verdict.summary}", markup=False)
+        out.print(f"{verdict.outcome.value} {verdict.detail}", markup=False)
         for item in verdict.evidence[1:]:
             out.print(f"  {item.detail}", markup=False)
-    raise typer.Exit(verdict.verdict.exit_code)
+    raise typer.Exit(verdict.outcome.exit_code)
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import pytest
 from tasks.errors import UsageError
 from tasks.health.actions import apply_drains, plan_drains, spare_readiness
 from tasks.health.run import resolve_nodes, run_health
-from tasks.health.verdict import Verdict
+from tasks.outcome import Verdict
 from tasks.profile import load_profile
 from tests.conftest import ROOT, free_port
 from tests.helpers.cluster import FakeCluster, profile_yaml

@@ -13,7 +13,8 @@ from tasks.checkpoint.promote import promote
 from tasks.cluster import slurm
 from tasks.health.actions import apply_drains, plan_drains
 from tasks.health.run import NodeReport
-from tasks.health.verdict import Evidence, Verdict, result
+from tasks.health.verdict import Evidence, result
+from tasks.outcome import Verdict
 from tasks.profile import load_profile
 from tasks.restore.drill import run_drill
 from tests.conftest import variant_profile

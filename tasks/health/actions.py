@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tasks.cluster import slurm
 from tasks.health.run import NodeReport
-from tasks.health.verdict import Verdict
+from tasks.outcome import Verdict
 from tasks.storage.local import append_jsonl, read_jsonl
 
 DRAIN_LOG = "drains.jsonl"
@@ -52,7 +52,7 @@ def plan_drains(reports: list[NodeReport], settings, now: float | None = None) -
     plan = DrainPlan()
     failing = [r for r in reports if r.verdict.failed]
     plan.rerun = [r.node for r in reports if r.verdict in (Verdict.SUSPECT, Verdict.TOOL_ERROR)]
-    by_check = Counter(r.worst_check.check for r in failing)
+    by_check = Counter(r.worst_check.name for r in failing)
     crowded = [(check, n) for check, n in by_check.items() if n >= settings.drain.page_when_same_check_fails]
     if crowded:
         check, n = max(crowded, key=lambda c: c[1])
@@ -92,7 +92,7 @@ def spare_readiness(reports: list[NodeReport], spares: list[str], level: int) ->
     for report in reports:
         if report.node not in spares:
             continue
-        names = {c.check for c in report.checks}
+        names = {c.name for c in report.checks}
         complete = (
             level >= 3 and {"dcgm-diag", "nccl"} <= names and any(n.startswith("nccl-pair-") for n in names)
         )

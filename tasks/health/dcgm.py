@@ -18,7 +18,8 @@ Rules, from DCGM 3.3.9 and 4.6.0 and the operators who run them (see ../shared/n
 import json
 import re
 
-from tasks.health.verdict import CheckResult, Evidence, Verdict, result, worst
+from tasks.health.verdict import Evidence, HealthCheck, result
+from tasks.outcome import Verdict, worst
 
 SEVERITY = {1: "MONITOR", 2: "ISOLATE", 3: "UNKNOWN", 4: "TRIAGE", 5: "CONFIG", 6: "RESET"}
 SEVERITY_VERDICT = {1: Verdict.WARN, 5: Verdict.FAIL_CONFIG}  # every other severity: hardware
@@ -119,7 +120,7 @@ def _tests_from_json(doc: dict) -> list[tuple[str, list[dict], dict]]:
     return tests
 
 
-def _judge_tests(tests: list[tuple[str, list[dict], dict]], level: int | None) -> CheckResult:
+def _judge_tests(tests: list[tuple[str, list[dict], dict]], level: int | None) -> HealthCheck:
     findings: list[tuple[Verdict, Evidence]] = []
 
     def add(verdict: Verdict, item: Evidence):
@@ -189,7 +190,7 @@ _GPU_LINE = re.compile(r"^GPU\s*(\d+)\s*:\s*(\w+)", re.IGNORECASE)
 _META = {"dcgm version", "driver version detected", "gpu device ids detected", "number of gpus"}
 
 
-def classify_diag(text: str, exit_code: int | None, level: int | None = None) -> CheckResult:
+def classify_diag(text: str, exit_code: int | None, level: int | None = None) -> HealthCheck:
     """Verdict for one ``dcgmi diag`` output (JSON with -j, or the text table)."""
     if exit_code is not None and exit_code not in RAN:
         meaning = TOOL_EXIT.get(exit_code, "not an exit code dcgmi gives with a result")
@@ -218,7 +219,7 @@ def classify_diag(text: str, exit_code: int | None, level: int | None = None) ->
     return judged
 
 
-def judge_document(doc: dict, level: int | None) -> CheckResult:
+def judge_document(doc: dict, level: int | None) -> HealthCheck:
     """Verdict for a parsed diag document (3.x or 4.x JSON, or what the bindings returned)."""
     return _judge_tests(_tests_from_json(doc), level)
 

@@ -33,7 +33,7 @@ def node_rows(run: HealthRun) -> list[dict]:
             {
                 "node": r.node,
                 "verdict": r.verdict.value,
-                "check": worst.check if worst else "",
+                "check": worst.name if worst else "",
                 "evidence": r.summary,
                 "gpu": getattr(evidence, "gpu", None),
                 "error id": getattr(evidence, "error_id", None),

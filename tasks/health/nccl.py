@@ -18,7 +18,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from tasks.health.verdict import CheckResult, Evidence, Verdict, result
+from tasks.health.verdict import Evidence, HealthCheck, result
+from tasks.outcome import Verdict
 
 GIB = 1 << 30
 _ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+\w+\s+\w+\s+-?\d+\s+")
@@ -147,12 +148,12 @@ def _gate_for(run: AllReduceRun, gates: Gates) -> tuple[Gate, str]:
     return gates.one_node, "no rank table to count nodes by"
 
 
-def classify_allreduce(text: str, exit_code: int | None, gates: Gates, check: str = "nccl") -> CheckResult:
+def classify_allreduce(text: str, exit_code: int | None, gates: Gates, check: str = "nccl") -> HealthCheck:
     """Verdict for one all_reduce_perf run: the largest out-of-place busbw at >= 1 GiB against the
     gate for the number of nodes its rank table names."""
     run = parse_allreduce(text)
 
-    def verdict(kind: Verdict, detail: str, **evidence) -> CheckResult:
+    def verdict(kind: Verdict, detail: str, **evidence) -> HealthCheck:
         return result(check, kind, Evidence(detail, test=check, **evidence), exit_code=exit_code)
 
     wrong = [r for r in run.rows if (r.wrong_out or 0) > 0 or (r.wrong_in or 0) > 0]

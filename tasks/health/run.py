@@ -25,7 +25,8 @@ from tasks.cluster.transport import (
 from tasks.errors import Unreadable
 from tasks.health.checks import Context, dcgm_diag, gpu_count, nccl, nvlink, recovery, row_remap, xid
 from tasks.health.nccl import Gates, classify_allreduce
-from tasks.health.verdict import CheckResult, Evidence, Verdict, result, worst
+from tasks.health.verdict import Evidence, HealthCheck, result
+from tasks.outcome import Verdict, worst
 from tasks.storage.local import append_jsonl, read_jsonl
 
 CHECKS = {m.NAME: m for m in (gpu_count, recovery, row_remap, xid, nvlink, dcgm_diag, nccl)}
@@ -36,19 +37,19 @@ HISTORY = "history.jsonl"
 class NodeReport:
     node: str
     verdict: Verdict
-    checks: list[CheckResult] = field(default_factory=list)
+    checks: list[HealthCheck] = field(default_factory=list)
     started_at: str = ""
     seconds: float = 0.0
 
     @property
-    def worst_check(self) -> CheckResult | None:
-        failing = [c for c in self.checks if c.verdict is not Verdict.PASS]
-        return max(failing, key=lambda c: c.verdict.rank) if failing else None
+    def worst_check(self) -> HealthCheck | None:
+        failing = [c for c in self.checks if c.outcome is not Verdict.PASS]
+        return max(failing, key=lambda c: c.outcome.rank) if failing else None
 
     @property
     def summary(self) -> str:
         check = self.worst_check
-        return f"{check.check}: {check.summary}" if check else "all checks passed"
+        return f"{check.name}: {check.detail}" if check else "all checks passed"
 
     def to_dict(self) -> dict:
         return {
@@ -118,14 +119,14 @@ def _append_history(raw_dir: Path, report: NodeReport) -> None:
         "verdict": report.verdict.value,
         "summary": report.summary,
         "checks": [
-            {"check": c.check, "verdict": c.verdict.value, "summary": c.summary, "raw": c.raw}
+            {"check": c.name, "verdict": c.outcome.value, "summary": c.detail, "raw": c.raw}
             for c in report.checks
         ],
     }
     append_jsonl(Path(raw_dir) / report.node / HISTORY, line)
 
 
-def _attempt(name: str, run: Callable[[Context], CheckResult], ctx: Context) -> CheckResult:
+def _attempt(name: str, run: Callable[[Context], HealthCheck], ctx: Context) -> HealthCheck:
     started, kept = time.monotonic(), len(ctx.kept)
     try:
         outcome = run(ctx)
@@ -140,37 +141,38 @@ def _attempt(name: str, run: Callable[[Context], CheckResult], ctx: Context) -> 
     return outcome
 
 
-def _below_gate(name: str, outcome: CheckResult) -> bool:
+def _below_gate(name: str, outcome: HealthCheck) -> bool:
     """Bandwidth under the gate (an nccl check), not any other failure with a threshold."""
     return (
         name.startswith("nccl")
-        and outcome.verdict is Verdict.FAIL_HARDWARE
+        and outcome.outcome is Verdict.FAIL_HARDWARE
         and any(e.gate is not None for e in outcome.evidence)
     )
 
 
-def _run_check(name: str, run: Callable[[Context], CheckResult], ctx: Context) -> CheckResult:
+def _run_check(name: str, run: Callable[[Context], HealthCheck], ctx: Context) -> HealthCheck:
     """A tool error gets one more try; a second one makes the node SUSPECT for this check.
     Bandwidth below the gate also gets one more try (a busy fabric, a neighbour's job): the
     node fails only if the second run is slow too, and is SUSPECT if the retry cannot run."""
     first = _attempt(name, run, ctx)
     if _below_gate(name, first):
         second = _attempt(name, run, ctx)
-        if second.verdict is Verdict.TOOL_ERROR:  # one slow run is not enough to drain on
-            first.verdict, first.attempts = Verdict.SUSPECT, 2
-            first.evidence[0].detail += f" (the retry could not run: {second.summary})"
+        if second.outcome is Verdict.TOOL_ERROR:  # one slow run is not enough to drain on
+            first.outcome, first.attempts = Verdict.SUSPECT, 2
+            first.annotate(f" (the retry could not run: {second.detail})")
             return first
         second.attempts = 2
-        if second.verdict is Verdict.FAIL_HARDWARE:
-            second.evidence[0].detail += " (again after a retry)"
+        if second.outcome is Verdict.FAIL_HARDWARE:
+            second.annotate(" (again after a retry)")
         return second
-    if first.verdict is not Verdict.TOOL_ERROR:
+    if first.outcome is not Verdict.TOOL_ERROR:
         return first
     second = _attempt(name, run, ctx)
     second.attempts = 2
-    if second.verdict is Verdict.TOOL_ERROR:
-        second.verdict = Verdict.SUSPECT
-        for item in second.evidence:
+    if second.outcome is Verdict.TOOL_ERROR:
+        second.outcome = Verdict.SUSPECT
+        second.annotate(" (again after a retry)")
+        for item in second.evidence[1:]:
             item.detail = f"{item.detail} (again after a retry)"
     return second
 
@@ -211,19 +213,19 @@ def check_node(
                 report.checks.append(outcome)
                 if gpu_count.no_gpus(outcome):
                     break  # nothing else can run on a node without GPUs or GPU tools
-    report.verdict = worst(c.verdict for c in report.checks)
+    report.verdict = worst(c.outcome for c in report.checks)
     report.seconds = time.monotonic() - started
     _append_history(settings.raw_dir, report)
     return report
 
 
-def pair_test(node: str, known_good: str, settings, key_text: str | None = None) -> CheckResult:
+def pair_test(node: str, known_good: str, settings, key_text: str | None = None) -> HealthCheck:
     """A two-node all_reduce (Ring) of ``node`` with a known-good node, launched from ``node``."""
     pairs = settings.pairs
     argv = [part.format(a=node, b=known_good) for part in pairs.command]
     name = f"nccl-pair-{known_good}"
 
-    def run_pair(ctx: Context) -> CheckResult:
+    def run_pair(ctx: Context) -> HealthCheck:
         output = ctx.command(name, argv, pairs.timeout_seconds)
         if output.timed_out:
             return result(
@@ -279,7 +281,7 @@ def run_health(
             and report.verdict is not Verdict.SUSPECT
         ):
             report.checks.append(pair_test(node, settings.pairs.known_good, settings, key_text))
-            report.verdict = worst(c.verdict for c in report.checks)
+            report.verdict = worst(c.outcome for c in report.checks)
         if progress:
             progress(report)
         return report

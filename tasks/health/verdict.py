@@ -6,43 +6,8 @@ the gate) so an operator can act without opening the raw output, which is kept a
 """
 
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 
-
-class Verdict(StrEnum):
-    PASS = "PASS"
-    WARN = "WARN"
-    TOOL_ERROR = "TOOL_ERROR"  # the check could not tell (timeout, crash, unknown exit code)
-    SUSPECT = "SUSPECT"  # a tool error that repeated on this node after a retry
-    FAIL_CONFIG = "FAIL_CONFIG"  # a setting to fix (persistence mode, a non-MPI build), not hardware
-    FAIL_HARDWARE = "FAIL_HARDWARE"
-
-    @property
-    def rank(self) -> int:
-        return _ORDER.index(self)
-
-    @property
-    def failed(self) -> bool:
-        return self in (Verdict.FAIL_CONFIG, Verdict.FAIL_HARDWARE)
-
-    @property
-    def exit_code(self) -> int:
-        """0 when the node may run jobs (PASS, WARN), 1 when it may not or we could not tell."""
-        return 0 if self in (Verdict.PASS, Verdict.WARN) else 1
-
-
-_ORDER = [
-    Verdict.PASS,
-    Verdict.WARN,
-    Verdict.TOOL_ERROR,
-    Verdict.SUSPECT,
-    Verdict.FAIL_CONFIG,
-    Verdict.FAIL_HARDWARE,
-]
-
-
-def worst(verdicts) -> Verdict:
-    return max(verdicts, key=lambda v: v.rank, default=Verdict.PASS)
+from tasks.outcome import Check, Verdict
 
 
 @dataclass
@@ -57,24 +22,29 @@ class Evidence:
 
 
 @dataclass
-class CheckResult:
-    check: str
-    verdict: Verdict
+class HealthCheck(Check):
+    """A node-health check: the shared ``Check`` (outcome: a ``Verdict``; detail: the first
+    evidence line) with all its evidence and how it ran."""
+
     evidence: list[Evidence] = field(default_factory=list)
     exit_code: int | None = None
     seconds: float = 0.0
     raw: str | None = None  # where the raw output was kept
     attempts: int = 1
 
-    @property
-    def summary(self) -> str:
-        return self.evidence[0].detail if self.evidence else ""
+    def annotate(self, text: str) -> None:
+        """Add to what the check says (its detail and its first evidence line)."""
+        self.detail += text
+        if self.evidence:
+            self.evidence[0].detail += text
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        data["verdict"] = self.verdict.value
+        data["outcome"] = self.outcome.value
         return data
 
 
-def result(check: str, verdict: Verdict, *evidence: Evidence, exit_code: int | None = None) -> CheckResult:
-    return CheckResult(check, verdict, list(evidence), exit_code)
+def result(check: str, verdict: Verdict, *evidence: Evidence, exit_code: int | None = None) -> HealthCheck:
+    return HealthCheck(
+        check, verdict, evidence[0].detail if evidence else "", evidence=list(evidence), exit_code=exit_code
+    )

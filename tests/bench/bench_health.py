@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tasks.health.run import run_health
-from tasks.health.verdict import Verdict
+from tasks.outcome import Verdict
 from tasks.profile import load_profile
 from tests.conftest import free_port
 from tests.helpers.cluster import FakeCluster, profile_yaml

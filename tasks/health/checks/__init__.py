@@ -1,4 +1,4 @@
-"""One file per check. Each exposes ``NAME`` and ``run(ctx) -> CheckResult``; ``Context`` runs
+"""One file per check. Each exposes ``NAME`` and ``run(ctx) -> HealthCheck``; ``Context`` runs
 the commands (on the node's one connection), keeps every raw output, and bounds every command."""
 
 import time
@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.cluster.transport import Output
-from tasks.health.verdict import CheckResult, Evidence, Verdict, result
+from tasks.health.verdict import Evidence, HealthCheck, result
+from tasks.outcome import Verdict
 
 
 @dataclass
@@ -41,7 +42,7 @@ class Context:
         return str(path)
 
 
-def not_run(check: str, output: Output) -> CheckResult | None:
+def not_run(check: str, output: Output) -> HealthCheck | None:
     """The common ways a command fails before there is anything to judge."""
     if output.timed_out:
         return result(
@@ -54,7 +55,7 @@ def not_run(check: str, output: Output) -> CheckResult | None:
     return None
 
 
-def failed_to_run(check: str, output: Output) -> CheckResult | None:
+def failed_to_run(check: str, output: Output) -> HealthCheck | None:
     """None if the command ran and exited 0; else the TOOL_ERROR the check returns."""
     failed = not_run(check, output)
     if failed is None and output.exit_code != 0:

@@ -14,7 +14,8 @@ from pathlib import Path
 from tasks.cluster.transport import LocalHost
 from tasks.health.checks import Context, not_run
 from tasks.health.dcgm import CHECK, classify_diag, judge_document
-from tasks.health.verdict import CheckResult, Evidence, Verdict, result
+from tasks.health.verdict import Evidence, HealthCheck, result
+from tasks.outcome import Verdict
 
 NAME = CHECK
 BINDINGS = [
@@ -86,7 +87,7 @@ def _response_document(response) -> dict:
     return {"DCGM Diagnostic": {"test_categories": [{"category": "all", "tests": tests}]}}
 
 
-def _with_bindings(modules, ctx: Context, timeout: float) -> CheckResult:
+def _with_bindings(modules, ctx: Context, timeout: float) -> HealthCheck:
     pydcgm, dcgm_diag, dcgm_structs = modules
     try:
         handle = pydcgm.DcgmHandle(opMode=dcgm_structs.DCGM_OPERATION_MODE_AUTO)
@@ -101,7 +102,7 @@ def _with_bindings(modules, ctx: Context, timeout: float) -> CheckResult:
     return judge_document(document, ctx.level)
 
 
-def run(ctx: Context) -> CheckResult:
+def run(ctx: Context) -> HealthCheck:
     timeout = ctx.settings.diag_timeout_seconds[ctx.level]
     modules = _bindings() if isinstance(ctx.host, LocalHost) else None
     if modules is not None:

@@ -3,12 +3,13 @@ tooling, ends the node's checks here: nothing else can run."""
 
 from tasks.health.checks import Context, not_run
 from tasks.health.dcgm import gpu_count
-from tasks.health.verdict import CheckResult, Evidence, Verdict, result
+from tasks.health.verdict import Evidence, HealthCheck, result
+from tasks.outcome import Verdict
 
 NAME = "gpu-count"
 
 
-def run(ctx: Context) -> CheckResult:
+def run(ctx: Context) -> HealthCheck:
     output = ctx.command(NAME, ["dcgmi", "discovery", "-l"])
     if output.exit_code == 127:
         return result(
@@ -51,5 +52,5 @@ def run(ctx: Context) -> CheckResult:
     )
 
 
-def no_gpus(check: CheckResult) -> bool:
-    return check.check == NAME and check.verdict is Verdict.FAIL_CONFIG
+def no_gpus(check: HealthCheck) -> bool:
+    return check.name == NAME and check.outcome is Verdict.FAIL_CONFIG

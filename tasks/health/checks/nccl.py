@@ -2,12 +2,12 @@
 
 from tasks.health.checks import Context, not_run
 from tasks.health.nccl import Gates, classify_allreduce
-from tasks.health.verdict import CheckResult
+from tasks.health.verdict import HealthCheck
 
 NAME = "nccl"
 
 
-def run(ctx: Context) -> CheckResult:
+def run(ctx: Context) -> HealthCheck:
     nccl = ctx.settings.nccl
     output = ctx.command(NAME, list(nccl.command), nccl.timeout_seconds)
     failed = not_run(NAME, output)

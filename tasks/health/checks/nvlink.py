@@ -2,12 +2,13 @@
 
 from tasks.health.checks import Context, failed_to_run
 from tasks.health.dcgm import nvlink_down
-from tasks.health.verdict import CheckResult, Evidence, Verdict, result
+from tasks.health.verdict import Evidence, HealthCheck, result
+from tasks.outcome import Verdict
 
 NAME = "nvlink"
 
 
-def run(ctx: Context) -> CheckResult:
+def run(ctx: Context) -> HealthCheck:
     output = ctx.command(NAME, ["dcgmi", "nvlink", "-s"])
     failed = failed_to_run(NAME, output)
     if failed:

@@ -2,13 +2,14 @@
 health watch misses it, and a GPU that needs a reset or a reboot must not take jobs."""
 
 from tasks.health.checks import Context, csv_rows, failed_to_run
-from tasks.health.verdict import CheckResult, Evidence, Verdict, result
+from tasks.health.verdict import Evidence, HealthCheck, result
+from tasks.outcome import Verdict
 
 NAME = "recovery-action"
 _ACTIONS = ("reset", "reboot", "drain")  # GPU Reset, Node Reboot, Drain P2P, Drain and Reset
 
 
-def run(ctx: Context) -> CheckResult:
+def run(ctx: Context) -> HealthCheck:
     output = ctx.command(
         NAME, ["nvidia-smi", "--query-gpu=index,gpu_recovery_action", "--format=csv,noheader"]
     )

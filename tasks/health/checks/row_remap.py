@@ -2,13 +2,14 @@
 can no longer hide its bad rows (drain); a remap pending needs a GPU reset."""
 
 from tasks.health.checks import Context, csv_rows, failed_to_run
-from tasks.health.verdict import CheckResult, Evidence, Verdict, result, worst
+from tasks.health.verdict import Evidence, HealthCheck, result
+from tasks.outcome import Verdict, worst
 
 NAME = "row-remap"
 _YES = {"1", "yes", "true"}
 
 
-def run(ctx: Context) -> CheckResult:
+def run(ctx: Context) -> HealthCheck:
     output = ctx.command(
         NAME,
         [

@@ -10,14 +10,15 @@ import re
 import time
 
 from tasks.health.checks import Context, failed_to_run
-from tasks.health.verdict import CheckResult, Evidence, Verdict, result, worst
+from tasks.health.verdict import Evidence, HealthCheck, result
+from tasks.outcome import Verdict, worst
 
 NAME = "xid"
 APPLICATION_XIDS = {13, 31, 43, 45}
 _XID = re.compile(r"NVRM: Xid \(PCI:([0-9A-Fa-f:.]+)\): (\d+)")
 
 
-def run(ctx: Context) -> CheckResult:
+def run(ctx: Context) -> HealthCheck:
     since = ctx.since if ctx.since is not None else time.time() - 24 * 3600
     output = ctx.command(
         NAME, ["journalctl", "-k", "--no-pager", "-o", "short-iso", f"--since=@{int(since)}"]
