@@ -76,9 +76,9 @@ def main(profile_name: str | None = None) -> int:
     from flows.restore_drill import restore_drill
     from flows.verify_and_promote import verify_and_promote
     from infra.local_job.launch import start_local_job, wait_local_job
+    from tasks import render
     from tasks.checkpoint.catalog import catalog
     from tasks.checkpoint.state import VerifyOptions
-    from tasks.cli import status_table
 
     save_dir = profile.job.save_dir
     if save_dir.exists():  # a fresh job each time; the drill history is kept, to show a trend
@@ -141,7 +141,7 @@ def main(profile_name: str | None = None) -> int:
         console.print(f"node-health: {health.name}: {health.message}", markup=False)
 
     console.print()
-    console.print(status_table(save_dir, catalog(save_dir, options)))
+    render.status(console, save_dir, catalog(save_dir, options))
     ui = _ui_url(api_url)
     console.print(f"\nPrefect UI: {ui}  (flow runs: {ui}/runs, artifacts: {ui}/artifacts)")
     console.print(f"training log: {log}")

@@ -15,9 +15,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-from rich.table import Table
 
-from tasks.errors import CkptopsError, UsageError, unreadable
+from tasks import render
+from tasks.errors import CkptopsError, Malformed, UsageError, unreadable
 from tasks.profile import Profile, load_profile
 
 app = typer.Typer(
@@ -194,41 +194,23 @@ def status(
     """Every checkpoint with its state, size, verification time and promotion."""
     with _expected_errors():
         from tasks.checkpoint.catalog import catalog
+        from tasks.checkpoint.pointer import read_pointer
 
         prof = load_profile(profile)
         directory = _save_dir(prof, save_dir)
-        infos = catalog(directory, _options(prof, directory))
+        # A garbled pointer must not hide the checkpoints: list them, and say what is wrong.
+        try:
+            pointer, problem = read_pointer(directory), None
+        except Malformed as e:
+            pointer, problem = None, str(e)
+        infos = catalog(directory, _options(prof, directory), pointer=pointer)
     if as_json:
         out.print_json(json.dumps([i.to_dict() for i in infos]))
-        return
-    out.print(status_table(directory, infos))
-
-
-def status_table(save_dir: Path, infos) -> Table:
-    """The status table; the pins and reason columns appear only when something needs them."""
-    show_pins = any(i.pins for i in infos)
-    show_reason = any(i.state != "valid" for i in infos)
-    table = Table(title=f"checkpoints in {save_dir}", title_justify="left")
-    columns = ["iteration", "state", "size", "consumed", "verified (UTC)", "promoted"]
-    columns += ["pins"] * show_pins
-    for column in columns:
-        table.add_column(column, no_wrap=True)
-    if show_reason:
-        table.add_column("reason", overflow="fold")
-    colour = {"valid": "green", "invalid": "red", "in-progress": "yellow"}
-    for i in infos:
-        row = [
-            str(i.iteration),
-            f"[{colour.get(i.state, 'white')}]{i.state}[/]",
-            f"{i.size_bytes / 1e6:.1f} MB",
-            "" if i.consumed_train_samples is None else str(i.consumed_train_samples),
-            (i.verified_at or "").replace("T", " ")[:19],
-            "yes" if i.promoted else "",
-        ]
-        row += [", ".join(i.pins)] * show_pins
-        row += ["" if i.state == "valid" else i.reason] * show_reason
-        table.add_row(*row)
-    return table
+    else:
+        render.status(out, directory, infos, problem)
+    if problem:
+        err.print(f"ckptops: {problem}", markup=False)
+        raise typer.Exit(Malformed.exit_code)
 
 
 @app.command()
@@ -355,7 +337,7 @@ def drill(
     else:
         out.print(report.line(), markup=False)
         for check in report.checks:
-            out.print(f"  {'ok ' if check['ok'] else 'BAD'} {check['name']}: {check['detail']}", markup=False)
+            out.print(f"  {check.outcome:<9} {check.name}: {check.detail}", markup=False)
     raise typer.Exit(0 if report.ok else 1)
 
 
@@ -393,13 +375,7 @@ def drills(
     if not rows:
         out.print("no drills recorded yet", markup=False)
         return
-    columns = [c for c in rows[0] if c != "reason" or any(r["reason"] for r in rows)]
-    table = Table(title=f"restore drills of {prof.job.name}", title_justify="left")
-    for column in columns:
-        table.add_column(column, no_wrap=column != "reason", overflow="fold")
-    for row in rows:
-        table.add_row(*["" if row.get(c) is None else str(row.get(c)) for c in columns])
-    out.print(table)
+    render.drills(out, prof.job.name, rows)
     for e in predicted.values():
         out.print(e.line(size, getattr(prof.drill.budget_seconds, e.source)), markup=False)
 
@@ -435,11 +411,8 @@ def validate_resume_command(
     else:
         out.print(result.line(), markup=False)
         for check in result.checks:
-            mark = {True: "ok ", False: "BAD", None: " - "}[check.ok]
-            text = (
-                check.detail if check.ok is None else f"expected {check.expected}; observed {check.observed}"
-            )
-            out.print(f"  {mark} {check.name}: {text}", markup=False)
+            text = f"expected {check.expected}; observed {check.observed}" if check.expected else check.detail
+            out.print(f"  {check.outcome:<9} {check.name}: {text}", markup=False)
     raise typer.Exit(0 if result.ok else 1)
 
 

@@ -25,6 +25,13 @@ class Unreadable(UsageError):
     """
 
 
+class Malformed(CkptopsError):
+    """A file ckptops reads is there but not what it should be (a pointer, a hold, a manifest, a
+    stored baseline): one line naming the file and what is wrong with it, exit 2."""
+
+    exit_code = 2
+
+
 class LockTimeout(CkptopsError):
     """Another run holds the job's lock for longer than we were willing to wait."""
 

@@ -83,7 +83,7 @@ def test_drill_from_archive_restores_verifies_and_loads(archived_profile, save_d
     report = run_drill(archived_profile, "archive")
     assert report.ok, report.reason
     assert [p.name for p in report.phases] == ["download", "verify", "load"]
-    assert {c["name"] for c in report.checks if c["ok"]} >= {
+    assert {c.name for c in report.checks if c.ok} >= {
         "iteration",
         "consumed samples",
         "scheduler",

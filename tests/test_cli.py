@@ -144,3 +144,45 @@ def test_classify_nccl_judges_several_nodes_by_the_profiles_multi_node_gate(tmp_
         profile,
     )
     assert "1 node (" in one_node.stdout and "the one-node gate health.nccl" in one_node.stdout
+
+
+def test_tables_in_a_pipe_keep_every_value_whole(tmp_path):
+    """``ckptops drills | cat``: columns are not cut to the terminal's width, so grep finds rows."""
+    save = tmp_path / "ckpt"
+    history = save / ".ckptops-history" / "drills.jsonl"
+    history.parent.mkdir(parents=True)
+    drill = {
+        "source": "shared",
+        "started_at": "2026-11-30T03:00:01.000000+00:00",
+        "iteration": 12000,
+        "ok": False,
+        "reason": "load: " + "x" * 150 + " the end",
+        "budget_seconds": 600,
+        "window_seconds": 612.5,
+        "phases": [{"name": "copy", "seconds": 300.0, "bytes": 7 * 10**12}],
+    }
+    history.write_text(
+        json.dumps(drill) + "\n" + json.dumps({**drill, "source": "archive", "ok": True}) + "\n"
+    )
+    profile = tmp_path / "p.yaml"
+    profile.write_text(
+        f"job: {{name: pipe-test, save_dir: '{save}'}}\ndrill: {{scratch_dir: '{tmp_path}'}}\n"
+    )
+    result = ckptops("drills", "--profile", profile)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "# restore drills of pipe-test"
+    header = lines[1].split()
+    assert header[:4] == ["when", "(UTC)", "source", "iter"]
+    shared = [line for line in lines if " shared " in line]
+    assert len(shared) == 1 and shared[0].rstrip().endswith(" the end") and "x" * 150 in shared[0]
+
+
+def test_status_lists_the_checkpoints_when_the_pointer_is_garbled(save_dir):
+    (save_dir / "latest_verified_iteration.txt").write_text("twelve\n")
+    result = ckptops("status", save_dir)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith(
+        f"ckptops: {save_dir}/latest_verified_iteration.txt: garbled pointer"
+    )
+    assert [line.split()[0] for line in result.stdout.splitlines()[2:]] == ["4", "8", "12", "16", "20", "24"]

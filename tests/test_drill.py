@@ -23,7 +23,7 @@ CKPTOPS = ROOT / ".venv" / "bin" / "ckptops"
 
 
 def checks(report) -> dict[str, dict]:
-    return {c["name"]: c for c in report.checks}
+    return {c.name: c for c in report.checks}
 
 
 def promoted_profile(variety, name, tmp_path, options, **kwargs):
@@ -52,9 +52,9 @@ def test_drills_from_both_sources_load_jobs_of_every_shape(variety, name, tmp_pa
         assert report.ok, f"{source}: {report.reason}"
         found = checks(report)
         layout, optimizer = MATRIX[name]
-        assert layout in found["model"]["detail"] and optimizer in found["model"]["detail"]
-        assert found["iteration"]["detail"] == "loaded 4, manifest 4"
-        assert found["scheduler"]["ok"] and "(samples of the checkpoint)" in found["scheduler"]["detail"]
+        assert layout in found["model"].detail and optimizer in found["model"].detail
+        assert found["iteration"].detail == "loaded 4, manifest 4"
+        assert found["scheduler"].ok and "(samples of the checkpoint)" in found["scheduler"].detail
         ranks = (
             report.layout["tensor_parallel"]
             * report.layout["pipeline_parallel"]
@@ -66,7 +66,7 @@ def test_drills_from_both_sources_load_jobs_of_every_shape(variety, name, tmp_pa
             r["compared"] and not r["mismatches"] for r in load["ranks"]
         )
         assert all(any(key.startswith("optimizer.") for key in r["compared"]) for r in load["ranks"])
-        assert f"on {ranks} ranks, differing: none" in found["tensors"]["detail"]
+        assert f"on {ranks} ranks, differing: none" in found["tensors"].detail
         assert Path(report.log).read_text().count("drill: loaded iteration 4") == 1
     assert list(profile.drill.scratch_dir.iterdir()) == []
 
@@ -78,7 +78,7 @@ def test_args_missing_from_the_checkpoint_are_taken_from_the_tensor_shapes(varie
     assert (
         "inferred from the tensor shapes: num_layers=3 (missing from the args; from "
         "decoder.layers.self_attention.linear_qkv.weight [3, 288, 96])"
-    ) in checks(report)["model"]["detail"]
+    ) in checks(report)["model"].detail
 
 
 def test_a_tp2_job_loads_as_tp1_x_dp2_from_both_sources(variety, tmp_path, options):
@@ -89,12 +89,12 @@ def test_a_tp2_job_loads_as_tp1_x_dp2_from_both_sources(variety, tmp_path, optio
     for source in ("shared", "archive"):
         report = run_drill(profile, source)
         assert report.ok, report.reason
-        detail = checks(report)["model"]["detail"]
+        detail = checks(report)["model"].detail
         assert (
             "on TP 1 x PP 1 x DP 2 (2 ranks)" in detail
             and "RNG state not loaded: the TP/PP layout changed" in detail
         )
-        assert "16 compared with the stored bytes on 2 ranks" in checks(report)["tensors"]["detail"]
+        assert "16 compared with the stored bytes on 2 ranks" in checks(report)["tensors"].detail
 
 
 def test_a_pp2_job_loads_as_pp1(variety, tmp_path, options):
@@ -103,7 +103,7 @@ def test_a_pp2_job_loads_as_pp1(variety, tmp_path, options):
     )
     report = run_drill(profile, "shared")
     assert report.ok, report.reason
-    assert "on TP 1 x PP 1 x DP 1 (1 ranks)" in checks(report)["model"]["detail"]
+    assert "on TP 1 x PP 1 x DP 1 (1 ranks)" in checks(report)["model"].detail
 
 
 def test_a_bucketwise_distributed_optimizer_is_not_resharded_across_tp(variety, tmp_path, options):
@@ -140,7 +140,7 @@ def test_a_jobs_own_model_provider_builds_the_model(variety, tmp_path, options):
     )
     report = run_drill(profile, "shared")
     assert report.ok, report.reason
-    assert checks(report)["model"]["detail"].startswith("tests.helpers.model_provider:gpt_from_args; on TP 2")
+    assert checks(report)["model"].detail.startswith("tests.helpers.model_provider:gpt_from_args; on TP 2")
 
 
 def test_the_loads_own_first_error_is_the_reason_and_its_log_is_kept(variety, tmp_path, options):
@@ -185,8 +185,8 @@ def test_shared_drill_of_the_default_job_is_recorded(save_dir, tmp_path, options
     assert [p.name for p in report.phases] == ["copy", "verify", "load"]
     assert all(p.seconds > 0 and p.bytes > 1_000_000 for p in report.phases)
     found = checks(report)
-    assert found["iteration"]["detail"] == "loaded 24, manifest 24"
-    assert found["consumed samples"]["detail"] == "loaded 192, manifest 192"
+    assert found["iteration"].detail == "loaded 24, manifest 24"
+    assert found["consumed samples"].detail == "loaded 192, manifest 192"
     assert set(found) == {"model", "iteration", "consumed samples", "scheduler", "tensors"}
     assert list(profile.drill.scratch_dir.iterdir()) == []
     recorded = read_drills(save_dir)

@@ -14,6 +14,7 @@ Object stores have no rename, so an archive entry is committed by its manifest, 
 Archive layout: ``<archive url>/<job>/iter_NNNNNNN/{files..., manifest.json}``.
 """
 
+import copy
 import json
 import os
 import socket
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.lock import job_lock
-from tasks.checkpoint.manifest import Manifest, now_iso, read_manifest, record_archive_status
+from tasks.checkpoint.manifest import CorruptManifest, Manifest, now_iso, read_manifest, record_archive_status
 from tasks.checkpoint.pins import pinned
 from tasks.checkpoint.pointer import read_pointer
 from tasks.errors import CkptopsError, UsageError
@@ -76,13 +77,17 @@ class NoEntry(CkptopsError):
 def archived_manifest(store: ArchiveStore, job: str, iteration: int) -> Manifest:
     key = entry_key(job, iteration, layout.MANIFEST)
     try:
-        return Manifest.from_dict(json.loads(store.read(key)))
+        data = json.loads(store.read(key))
     except FileNotFoundError:
         raise NoEntry(f"{store.where(key)}: no committed archive entry") from None
     except AccessDenied as e:
         raise UnreadableManifest(f"{e} (unreadable archived manifest)") from None
-    except (ValueError, TypeError, KeyError) as e:
+    except ValueError as e:
         raise UnreadableManifest(f"{store.where(key)}: unreadable archived manifest ({e})") from None
+    try:
+        return Manifest.from_dict(data, store.where(key))
+    except CorruptManifest as e:
+        raise UnreadableManifest(f"{e} (unreadable archived manifest)") from None
 
 
 def newest_committed(store: ArchiveStore, job: str) -> int | None:
@@ -128,7 +133,7 @@ def _commit(store: ArchiveStore, job: str, manifest: Manifest, source: Path) -> 
         "source": str(source),
         "host": socket.gethostname(),
     }
-    archived = Manifest.from_dict(json.loads(manifest.to_json()))
+    archived = copy.deepcopy(manifest)
     archived.archive = status
     store.write(entry_key(job, manifest.iteration, layout.MANIFEST), archived.to_json().encode())
     store.write(f"{job}/{POINTER_OBJECT}", f"{manifest.iteration}\n".encode())

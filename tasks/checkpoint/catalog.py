@@ -9,21 +9,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tasks.checkpoint import layout
-from tasks.checkpoint.manifest import read_manifest
+from tasks.checkpoint.manifest import CorruptManifest, read_manifest
 from tasks.checkpoint.pins import pins as read_pins
 from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.state import State, VerifyOptions, completeness
-from tasks.errors import CkptopsError, Unreadable, UsageError, unreadable
+from tasks.errors import UsageError, unreadable
 from tasks.storage.local import list_files
 
-UNVERIFIED = "unverified"
+_FROM_DISK = object()
 
 
 @dataclass
 class CheckpointInfo:
     iteration: int
     directory: str
-    state: str
+    state: State
     reason: str
     size_bytes: int
     verified_at: str | None = None
@@ -46,24 +46,22 @@ def describe(directory: Path, options: VerifyOptions) -> CheckpointInfo:
     info = CheckpointInfo(
         iteration,
         directory.name,
-        UNVERIFIED,
+        State.UNVERIFIED,
         "complete, not verified yet",
         sum(st.st_size for st in files.values()),
     )
     progress = completeness(directory, options)
     if progress.state is State.IN_PROGRESS:
-        info.state, info.reason = progress.state.value, progress.reason
+        info.state, info.reason = progress.state, progress.reason
         return info
     try:
         manifest = read_manifest(directory)
-    except Unreadable:
-        raise
-    except CkptopsError as e:
-        info.state, info.reason = State.INVALID.value, str(e)
+    except CorruptManifest as e:
+        info.state, info.reason = State.INVALID, str(e)
         return info
     if manifest is not None and manifest.iteration != iteration:
         info.state, info.reason = (
-            State.INVALID.value,
+            State.INVALID,
             f"{layout.MANIFEST}: describes iteration {manifest.iteration}",
         )
     elif manifest is not None and not manifest.same_save(files):
@@ -76,12 +74,14 @@ def describe(directory: Path, options: VerifyOptions) -> CheckpointInfo:
         info.verified_at, info.checked_at = manifest.verified_at, manifest.checked_at
         info.consumed_train_samples = manifest.consumed_train_samples
     elif progress.state is State.INVALID:
-        info.state, info.reason = progress.state.value, progress.reason
+        info.state, info.reason = progress.state, progress.reason
     return info
 
 
-def catalog(save_dir: Path, options: VerifyOptions) -> list[CheckpointInfo]:
-    """Every checkpoint in ``save_dir``, oldest first."""
+def catalog(save_dir: Path, options: VerifyOptions, pointer=_FROM_DISK) -> list[CheckpointInfo]:
+    """Every checkpoint in ``save_dir``, oldest first. ``pointer``: the promoted iteration when
+    the caller has read it already (``status`` lists the checkpoints even when the pointer file
+    is garbled); by default it is read here, and a garbled one is an error."""
     save_dir = Path(save_dir)
     if not save_dir.is_dir():
         raise UsageError(f"{save_dir}: no such save directory")
@@ -89,7 +89,8 @@ def catalog(save_dir: Path, options: VerifyOptions) -> list[CheckpointInfo]:
         iterations = layout.list_iterations(save_dir)
     except OSError as e:
         raise unreadable(save_dir, e) from None
-    pointer = read_pointer(save_dir)
+    if pointer is _FROM_DISK:
+        pointer = read_pointer(save_dir)
     pinned = read_pins(save_dir)
     infos = []
     for iteration in iterations:

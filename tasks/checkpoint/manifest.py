@@ -13,17 +13,27 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pydantic
+
 from tasks import __version__
 from tasks.checkpoint.layout import CORE_FILES, MANIFEST
-from tasks.errors import CkptopsError, unreadable
-from tasks.storage.local import atomic_write
+from tasks.checkpoint.state import State
+from tasks.errors import CkptopsError, Malformed, unreadable
+from tasks.outcome import Check
+from tasks.storage.local import atomic_write, read_json_state
 
-SCHEMA_VERSION = 1
+# 2: checks carry an outcome word (pass, fail) instead of ok: true/false. Version 1 still reads.
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
 HASH_ALGORITHM = "xxh3-128"
 
 
 def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds")
+
+
+class CorruptManifest(Malformed):
+    """A manifest that is there but cannot be trusted (does not parse, wrong shape or types)."""
 
 
 @dataclass
@@ -34,25 +44,17 @@ class FileEntry:
 
 
 @dataclass
-class CheckResult:
-    name: str
-    ok: bool
-    detail: str
-    file: str | None = None
-
-
-@dataclass
 class Manifest:
     job: str
     iteration: int
-    status: str
+    status: State
     reason: str
     consumed_train_samples: int | None
     writer: dict
     layout: dict
     files: list[FileEntry]
     totals: dict
-    checks: list[CheckResult]
+    checks: list[Check]
     verified_at: str | None
     checked_at: str
     save_identity: dict = field(default_factory=dict)
@@ -63,7 +65,7 @@ class Manifest:
 
     @property
     def valid(self) -> bool:
-        return self.status == "valid"
+        return self.status is State.VALID
 
     def same_save(self, files: dict[str, os.stat_result]) -> bool:
         """Whether the checkpoint is still the save this manifest describes.
@@ -81,11 +83,33 @@ class Manifest:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Manifest":
+    def from_dict(cls, data, where: str) -> "Manifest":
+        """A manifest as written (any readable schema), its every field checked for type; a
+        ``CorruptManifest`` naming ``where`` and the first field at fault otherwise."""
+        if not isinstance(data, dict):
+            raise CorruptManifest(f"{where}: not a manifest (a JSON {type(data).__name__}, not an object)")
+        if data.get("schema_version") not in READABLE_SCHEMAS:
+            raise CorruptManifest(f"{where}: unknown manifest schema {data.get('schema_version')!r}")
         data = dict(data)
-        data["files"] = [FileEntry(**f) for f in data["files"]]
-        data["checks"] = [CheckResult(**c) for c in data["checks"]]
-        return cls(**data)
+        if isinstance(data.get("checks"), list):
+            data["checks"] = [Check.from_dict(c) if isinstance(c, dict) else c for c in data["checks"]]
+        data["schema_version"] = SCHEMA_VERSION
+        try:
+            return _MANIFEST.validate_python(data)
+        except (pydantic.ValidationError, TypeError) as e:
+            raise CorruptManifest(f"{where}: malformed manifest ({_first_error(e)})") from None
+
+
+_MANIFEST = pydantic.TypeAdapter(Manifest)
+
+
+def _first_error(error: Exception) -> str:
+    if isinstance(error, pydantic.ValidationError):
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "(top level)"
+        more = f", and {error.error_count() - 1} more" if error.error_count() > 1 else ""
+        return f"{field}: {first['msg']}{more}"
+    return str(error)
 
 
 def save_identity(files: dict[str, os.stat_result]) -> dict:
@@ -94,25 +118,14 @@ def save_identity(files: dict[str, os.stat_result]) -> dict:
 
 
 def read_manifest(directory: Path) -> Manifest | None:
-    """The checkpoint's manifest, or None if it has never been verified."""
+    """The checkpoint's manifest, or None if it has never been verified (``CorruptManifest`` if
+    it cannot be trusted, ``Unreadable`` if the environment refuses to read it)."""
     path = Path(directory) / MANIFEST
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise unreadable(path, e) from None
-    except ValueError as e:
-        raise CkptopsError(f"{path}: unreadable manifest ({e})") from None
-    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
-        raise CkptopsError(
-            f"{path}: unknown manifest schema "
-            f"{data.get('schema_version') if isinstance(data, dict) else None!r}"
-        )
-    try:
-        return Manifest.from_dict(data)
-    except (TypeError, KeyError) as e:
-        raise CkptopsError(f"{path}: malformed manifest ({e})") from None
+        data = read_json_state(path, "the manifest")
+    except Malformed as e:
+        raise CorruptManifest(str(e)) from None
+    return None if data is None else Manifest.from_dict(data, str(path))
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:

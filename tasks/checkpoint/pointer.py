@@ -11,6 +11,7 @@ again by the next scheduled run; only checkpoints verified after the rollback ma
 """
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -18,25 +19,36 @@ from pathlib import Path
 
 from tasks.checkpoint.layout import HISTORY, POINTER
 from tasks.checkpoint.manifest import now_iso
-from tasks.errors import CkptopsError, unreadable
-from tasks.storage.local import append_jsonl, atomic_write, read_jsonl, remove_file, remove_stale_temps
+from tasks.errors import Malformed
+from tasks.storage.local import (
+    append_jsonl,
+    atomic_write,
+    read_json_state,
+    read_jsonl,
+    read_state,
+    remove_file,
+    remove_stale_temps,
+)
 
 HOLD = "latest_verified_iteration.hold"
 PROMOTIONS = "promotions.jsonl"
 
 
+# What write_pointer writes (and Megatron's tracker holds): ASCII digits and a newline. Python's
+# int() would also take "+12", "1_2" or non-ASCII digits, none of which any writer of ours wrote.
+_POINTER_TEXT = re.compile(rb"\s*([0-9]+)\s*")
+
+
 def read_pointer(save_dir: Path) -> int | None:
     path = Path(save_dir) / POINTER
-    try:
-        text = path.read_bytes().decode("utf-8", "replace")
-    except FileNotFoundError:
+    data = read_state(path)
+    if data is None:
         return None
-    except OSError as e:
-        raise unreadable(path, e) from None
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise CkptopsError(f"{path}: garbled pointer {text[:40]!r} (expected an iteration number)") from None
+    found = _POINTER_TEXT.fullmatch(data)
+    if found is None:
+        text = data[:40].decode("utf-8", "replace")
+        raise Malformed(f"{path}: garbled pointer {text!r} (expected an iteration number)")
+    return int(found[1])
 
 
 def write_pointer(save_dir: Path, iteration: int) -> None:
@@ -119,17 +131,20 @@ class Hold:
 
 def read_hold(save_dir: Path) -> Hold | None:
     path = Path(save_dir) / HOLD
-    try:
-        data = json.loads(path.read_text())
-        return Hold(int(data["iteration"]), datetime.fromisoformat(data["since"]))
-    except FileNotFoundError:
+    data = read_json_state(path, "the rollback hold")
+    if data is None:
         return None
-    except OSError as e:
-        raise unreadable(path, e) from None
+    try:
+        iteration, since = data["iteration"], datetime.fromisoformat(data["since"])
+        if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
+            raise ValueError(f"iteration {iteration!r} is not an iteration number")
+        if since.tzinfo is None:
+            raise ValueError(f"since {data['since']!r} has no timezone")
     except (ValueError, KeyError, TypeError) as e:
-        raise CkptopsError(
+        raise Malformed(
             f"{path}: garbled rollback hold ({e}); remove it to resume automatic promotion"
         ) from None
+    return Hold(iteration, since)
 
 
 def write_hold(save_dir: Path, iteration: int) -> None:

@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 
 from tasks.checkpoint import layout
-from tasks.checkpoint.catalog import UNVERIFIED, CheckpointInfo, catalog, describe
+from tasks.checkpoint.catalog import CheckpointInfo, catalog, describe
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.pointer import (
@@ -70,7 +70,7 @@ def _needs_verifying(info: CheckpointInfo, pointer: int | None) -> bool:
         return True  # re-saved since its manifest was written: whatever it said is void
     # The promoted checkpoint itself too: if its manifest is gone it must be checked again.
     current_or_newer = pointer is None or info.iteration >= pointer
-    return current_or_newer and info.state in (UNVERIFIED, State.IN_PROGRESS.value)
+    return current_or_newer and info.state in (State.UNVERIFIED, State.IN_PROGRESS)
 
 
 def pending(save_dir: Path, options: VerifyOptions) -> list[int]:
@@ -127,7 +127,7 @@ def choose_target(
     """The iteration the pointer should name (None: no valid checkpoint left), and why."""
     pointer = read_pointer(save_dir)
     infos = {i.iteration: i for i in catalog(save_dir, options)}
-    valid = {i: info for i, info in infos.items() if info.state == State.VALID.value and not info.stale}
+    valid = {i: info for i, info in infos.items() if info.state is State.VALID and not info.stale}
     if requested is not None:
         info = infos.get(requested)
         if info is None:
@@ -199,7 +199,7 @@ def apply_promotion(
         changed = True
     if requested is not None:
         rolled_back = any(
-            i.iteration > requested and i.state == State.VALID.value for i in catalog(save_dir, options)
+            i.iteration > requested and i.state is State.VALID for i in catalog(save_dir, options)
         )
         if rolled_back:
             write_hold(save_dir, requested)

@@ -25,10 +25,7 @@ class RetentionPlan:
     pointer: int | None
     delete: list[int] = field(default_factory=list)
     kept: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def failed(self) -> list[int]:
-        return [i for i, why in self.kept.items() if why.startswith(State.INVALID.value)]
+    failed: list[int] = field(default_factory=list)  # invalid checkpoints, kept for inspection
 
 
 def plan_retention(infos: list[CheckpointInfo], pointer: int | None, keep_verified: int) -> RetentionPlan:
@@ -36,11 +33,14 @@ def plan_retention(infos: list[CheckpointInfo], pointer: int | None, keep_verifi
     if keep_verified < 2:
         raise ValueError("keep_verified must be at least 2")
     plan = RetentionPlan(keep_verified, pointer)
-    valid = sorted((i.iteration for i in infos if i.state == State.VALID.value), reverse=True)
+    valid = sorted((i.iteration for i in infos if i.state is State.VALID), reverse=True)
     newest_valid = set(valid[:keep_verified])
     for info in infos:
         it = info.iteration
-        if info.state != State.VALID.value:
+        if info.state is State.INVALID:
+            plan.kept[it] = f"{info.state}: {info.reason}"
+            plan.failed.append(it)
+        elif info.state is not State.VALID:
             plan.kept[it] = f"{info.state}: {info.reason}"
         elif pointer is None:
             plan.kept[it] = "nothing promoted yet"

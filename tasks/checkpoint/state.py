@@ -23,6 +23,7 @@ class State(StrEnum):
     VALID = "valid"
     INVALID = "invalid"
     IN_PROGRESS = "in-progress"
+    UNVERIFIED = "unverified"  # the catalog's: a finished save nobody has verified yet
 
 
 @dataclass(frozen=True)

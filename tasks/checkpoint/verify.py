@@ -26,7 +26,7 @@ from tasks.checkpoint import layout
 from tasks.checkpoint.dcp import CheckFailed, DcpIndex, build_index, load_common_state, load_dcp_metadata
 from tasks.checkpoint.manifest import (
     HASH_ALGORITHM,
-    CheckResult,
+    CorruptManifest,
     FileEntry,
     Manifest,
     now_iso,
@@ -36,7 +36,8 @@ from tasks.checkpoint.manifest import (
 )
 from tasks.checkpoint.scan import FileScan, scan_files
 from tasks.checkpoint.state import State, VerifyOptions, completeness
-from tasks.errors import CkptopsError, Unreadable, UsageError, unreadable
+from tasks.errors import UsageError, unreadable
+from tasks.outcome import Check, failed, passed
 from tasks.storage.local import list_files
 
 
@@ -46,7 +47,7 @@ class Verification:
     iteration: int
     state: State
     reason: str
-    checks: list[CheckResult] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
     manifest: Manifest | None = None
     bytes_read: int = 0
     seconds: float = 0.0
@@ -67,13 +68,13 @@ class _Checks:
     """Collects check results; the first failure is the checkpoint's one-line reason."""
 
     def __init__(self):
-        self.results: list[CheckResult] = []
+        self.results: list[Check] = []
 
     def passed(self, name: str, detail: str) -> None:
-        self.results.append(CheckResult(name, True, detail))
+        self.results.append(passed(name, detail))
 
     def failed(self, name: str, file: str | None, detail: str) -> None:
-        self.results.append(CheckResult(name, False, detail, file))
+        self.results.append(failed(name, detail, file=file))
 
     def record(self, failure: CheckFailed) -> None:
         self.failed(failure.check, failure.file, failure.detail)
@@ -84,7 +85,7 @@ class _Checks:
             self.passed(name, detail)
 
     @property
-    def failures(self) -> list[CheckResult]:
+    def failures(self) -> list[Check]:
         return [r for r in self.results if not r.ok]
 
     def reason(self) -> str:
@@ -196,9 +197,7 @@ class _Verifier:
     def _load_reference(self) -> None:
         try:
             manifest = read_manifest(self.directory)
-        except Unreadable:
-            raise
-        except CkptopsError as e:
+        except CorruptManifest as e:
             # Kept as evidence: a manifest we cannot read is never replaced by a new one, or a
             # corruption it would have caught could be accepted as the new reference.
             self.manifest_unreadable = True
@@ -414,7 +413,7 @@ class _Verifier:
         return Manifest(
             job=self.options.job,
             iteration=self.iteration,
-            status=State.VALID.value if valid else State.INVALID.value,
+            status=State.VALID if valid else State.INVALID,
             reason="all checks passed" if valid else self.checks.reason(),
             consumed_train_samples=getattr(args, "consumed_train_samples", None),
             writer=self._writer(content),
@@ -518,7 +517,7 @@ def verify_checkpoint(
     return Verification(
         directory,
         iteration,
-        State(manifest.status),
+        manifest.status,
         manifest.reason,
         manifest.checks,
         manifest,

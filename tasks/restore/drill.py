@@ -29,6 +29,7 @@ from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.state import State, VerifyOptions
 from tasks.checkpoint.verify import verify_checkpoint
 from tasks.errors import CkptopsError, UsageError
+from tasks.outcome import Check, Outcome
 from tasks.restore.history import append_drill, drill_files
 from tasks.restore.launch import drill_layout, run_loader
 from tasks.restore.report import LoadReport
@@ -58,7 +59,7 @@ class DrillReport:
     iteration: int | None = None
     location: str | None = None
     phases: list[Phase] = field(default_factory=list)
-    checks: list[dict] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
     budget_seconds: float = 0.0
     host: str = field(default_factory=socket.gethostname)
     id: str = ""
@@ -71,6 +72,7 @@ class DrillReport:
 
     def to_dict(self) -> dict:
         data = asdict(self)
+        data["checks"] = [c.to_dict() for c in self.checks]
         data["window_seconds"] = self.window_seconds
         return data
 
@@ -229,59 +231,71 @@ class _Drill:
         self.report.checks += self._checks(manifest, loaded)
 
     @staticmethod
-    def _checks(manifest: Manifest, loaded: LoadReport) -> list[dict]:
+    def _checks(manifest: Manifest, loaded: LoadReport) -> list[Check]:
+        def check(name: str, ok: bool, expected, observed, detail: str = "") -> Check:
+            return Check(name, Outcome.PASS if ok else Outcome.FAIL, detail, str(expected), str(observed))
+
         consumed = manifest.consumed_train_samples
         steps = (loaded.scheduler or {}).get("num_steps")
         # Megatron-LM steps its scheduler by the samples of each batch; some loops step it once
         # per iteration. Either count must match the checkpoint's progress exactly.
         unit = "samples" if steps == consumed else "iterations" if steps == manifest.iteration else None
-        model = loaded.model + (
+        inferred = (
             f"; inferred from the tensor shapes: {'; '.join(loaded.inferred)}" if loaded.inferred else ""
         )
         optimizer = ("loaded" if loaded.optimizer_loaded else "not loaded (the job saved none)") + (
             f" ({loaded.optimizer_format})" if loaded.optimizer_format else ""
         )
-        checks = [
-            (
-                "model",
-                True,
-                f"{model}; on TP {loaded.layout.get('tensor_parallel')} x PP "
-                f"{loaded.layout.get('pipeline_parallel')} x DP {loaded.layout.get('data_parallel')} "
-                f"({loaded.world_size} ranks); optimizer {optimizer}"
-                + "".join(f"; {n}" for n in loaded.notes),
-            ),
-            (
+        layout = loaded.layout
+        model = (
+            f"{loaded.model}{inferred}; on TP {layout.get('tensor_parallel')} x PP "
+            f"{layout.get('pipeline_parallel')} x DP {layout.get('data_parallel')} "
+            f"({loaded.world_size} ranks); optimizer {optimizer}"
+            + "".join(f"; {note}" for note in loaded.notes)
+        )
+        scheduler = (
+            check(
+                "scheduler",
+                unit is not None,
+                f"{consumed} samples or {manifest.iteration} iterations",
+                f"step {steps}",
+                f"scheduler at step {steps} "
+                f"({unit or 'neither the samples nor the iterations'} of the checkpoint), lr {loaded.lr}",
+            )
+            if loaded.optimizer_loaded
+            else Check("scheduler", Outcome.UNCHECKED, "not loaded with the optimizer")
+        )
+        return [
+            Check("model", Outcome.WARN if loaded.inferred else Outcome.PASS, model),
+            check(
                 "iteration",
                 loaded.iteration == manifest.iteration,
+                manifest.iteration,
+                loaded.iteration,
                 f"loaded {loaded.iteration}, manifest {manifest.iteration}",
             ),
-            (
+            check(
                 "consumed samples",
                 loaded.consumed_train_samples == consumed,
+                consumed,
+                loaded.consumed_train_samples,
                 f"loaded {loaded.consumed_train_samples}, manifest {consumed}",
             ),
-            (
-                "scheduler",
-                not loaded.optimizer_loaded or unit is not None,
-                f"scheduler at step {steps} "
-                f"({unit or 'neither the samples nor the iterations'} of the checkpoint), "
-                f"lr {loaded.lr}"
-                if loaded.optimizer_loaded
-                else "not loaded with the optimizer",
-            ),
-            (
+            scheduler,
+            check(
                 "tensors",
                 loaded.compared > 0 and not loaded.mismatches,
+                "bit-equal to the stored bytes",
+                ", ".join(loaded.mismatches) or "bit-equal",
                 f"{loaded.compared} compared with the stored bytes on {len(loaded.ranks)} ranks, "
                 f"differing: {', '.join(loaded.mismatches) or 'none'}",
             ),
         ]
-        return [{"name": n, "ok": bool(ok), "detail": d} for n, ok, d in checks]
 
     def _judge(self) -> None:
-        failed = [c for c in self.report.checks if not c["ok"]]
+        failed = [c for c in self.report.checks if c.failed]
         if failed:
-            self.report.ok, self.report.reason = False, f"{failed[0]['name']}: {failed[0]['detail']}"
+            self.report.ok, self.report.reason = False, f"{failed[0].name}: {failed[0].detail}"
         elif self.report.window_seconds > self.report.budget_seconds:
             self.report.ok = False
             self.report.reason = (

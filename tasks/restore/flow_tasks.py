@@ -32,10 +32,10 @@ def phase_rows(report: DrillReport) -> list[dict]:
     )
     rows += [
         {
-            "phase": f"check: {c['name']}",
+            "phase": f"check: {c.name}",
             "seconds": "",
             "GB": "",
-            "GB/s": ("ok: " if c["ok"] else "FAILED: ") + c["detail"],
+            "GB/s": f"{c.outcome}: {c.detail}",
         }
         for c in report.checks
     ]

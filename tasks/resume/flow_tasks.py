@@ -21,7 +21,7 @@ def check_rows(result: Validation) -> list[dict]:
     return [
         {
             "check": c.name,
-            "result": {True: "pass", False: "FAIL", None: "not checkable"}[c.ok],
+            "result": c.outcome.value,
             "expected": c.expected,
             "observed": c.observed,
             "detail": c.detail,

@@ -12,7 +12,7 @@ has it when the old records are gone.
 import json
 import math
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,6 +25,7 @@ from tasks.checkpoint.manifest import now_iso, read_manifest
 from tasks.checkpoint.pointer import pointer_during, read_pointer
 from tasks.checkpoint.state import State, VerifyOptions
 from tasks.errors import CkptopsError, UsageError
+from tasks.outcome import Check, Outcome
 from tasks.resume.records import Steps
 from tasks.storage.local import atomic_write
 
@@ -32,32 +33,23 @@ BASELINE = "resume-baseline.json"
 
 
 @dataclass
-class ResumeCheck:
-    name: str
-    ok: bool | None  # None: could not be checked from these records
-    expected: str
-    observed: str
-    detail: str = ""
-
-
-@dataclass
 class Validation:
     checkpoint: str
     iteration: int
-    checks: list[ResumeCheck] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
     baseline: dict | None = None
 
     @property
     def ok(self) -> bool:
-        return all(c.ok is not False for c in self.checks)
+        return not any(c.failed for c in self.checks)
 
     @property
-    def failed(self) -> list[ResumeCheck]:
-        return [c for c in self.checks if c.ok is False]
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if c.failed]
 
     def line(self) -> str:
         if self.ok:
-            unchecked = [c.name for c in self.checks if c.ok is None]
+            unchecked = [c.name for c in self.checks if c.outcome is Outcome.UNCHECKED]
             return f"VALIDATED resume from iteration {self.iteration}: every check passed" + (
                 f" (not checkable here: {', '.join(unchecked)})" if unchecked else ""
             )
@@ -72,7 +64,7 @@ class Validation:
             "checkpoint": self.checkpoint,
             "iteration": self.iteration,
             "ok": self.ok,
-            "checks": [asdict(c) for c in self.checks],
+            "checks": [c.to_dict() for c in self.checks],
             "baseline": self.baseline,
         }
 
@@ -272,7 +264,13 @@ class _Validator:
 
     def add(self, name, ok, expected, observed, detail=""):
         self.result.checks.append(
-            ResumeCheck(name, None if ok is None else bool(ok), str(expected), str(observed), detail)
+            Check(
+                name,
+                Outcome.UNCHECKED if ok is None else Outcome.PASS if ok else Outcome.FAIL,
+                detail,
+                str(expected),
+                str(observed),
+            )
         )
 
     def run(self) -> Validation:
@@ -345,7 +343,7 @@ class _Validator:
         verified = [
             i.iteration
             for i in catalog(f.directory.parent, VerifyOptions(job=f.directory.parent.name))
-            if i.state == State.VALID.value
+            if i.state is State.VALID
         ]
         expected = max((it for it in verified if it <= limit), default=None)
         self.add(
@@ -617,5 +615,5 @@ def validate_resume(checkpoint: Path, before: Steps | None, after: Steps, settin
         baseline = stored_baseline(facts)
     result = _Validator(facts, before, after, settings, baseline).run()
     if note:
-        result.checks.append(ResumeCheck("baseline", None, "", "", note))
+        result.checks.append(Check("baseline", Outcome.UNCHECKED, note))
     return result

@@ -11,7 +11,7 @@ import secrets
 import shutil
 from pathlib import Path
 
-from tasks.errors import unreadable
+from tasks.errors import Malformed, unreadable
 
 TEMP_MARK = ".tmp-"
 TRASH_PREFIX = ".ckptops-trash-"
@@ -65,6 +65,29 @@ def atomic_write(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def read_state(path: Path) -> bytes | None:
+    """A small state file's bytes (a pointer, a hold, a manifest); None if it is not there. The
+    environment refusing to read it is ``Unreadable``, never taken for "not there"."""
+    path = Path(path)
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise unreadable(path, e) from None
+
+
+def read_json_state(path: Path, what: str):
+    """A small JSON state file, parsed; None if it is not there; ``Malformed`` if it does not parse."""
+    data = read_state(path)
+    if data is None:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise Malformed(f"{path}: {what} does not parse ({e})") from None
 
 
 def append_jsonl(path: Path, entry: dict) -> None:
