@@ -501,7 +501,7 @@ def health_classify(
     told apart by the host names in the output's rank table; a profile without a health section
     has the schema's defaults)."""
     with _expected_errors():
-        from tasks.health.dcgm import classify_diag
+        from tasks.health.dcgm import UnexpectedDocument, classify_diag
         from tasks.health.nccl import Gates, classify_allreduce
         from tasks.profile import Nccl, Pairs
 
@@ -515,11 +515,14 @@ def health_classify(
             text = file.read_text(errors="replace")
         except OSError as e:
             raise UsageError(f"{file}: {e.strerror}") from None
-        verdict = (
-            classify_diag(text, exit_code, level)
-            if tool == "dcgm"
-            else classify_allreduce(text, exit_code, gates)
-        )
+        try:
+            verdict = (
+                classify_diag(text, exit_code, level, strict=True)
+                if tool == "dcgm"
+                else classify_allreduce(text, exit_code, gates)
+            )
+        except UnexpectedDocument as e:
+            raise UsageError(f"{file}: not a DCGM diag document: {e}") from None
     if as_json:
         out.print_json(json.dumps(verdict.to_dict()))
     else:

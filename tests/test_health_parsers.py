@@ -50,12 +50,16 @@ def test_dcgm_text_passes(name, level):
     assert verdict.outcome is Verdict.PASS, [e.detail for e in verdict.evidence]
 
 
-def test_dcgm4_r3_fragment_wrapped_into_a_document_passes():
+def test_dcgm4_r3_fragment_wrapped_into_a_document_passes_its_one_test():
     fragment = read("dcgm4_diag_r3_fragment_issue215.jsonfrag").rstrip().rstrip(",")
     document = (
         '{"DCGM Diagnostic": {"test_categories": [{"category": "Hardware", "tests": [' + fragment + "]}]}}"
     )
-    assert classify_diag(document, 0).outcome is Verdict.PASS
+    # One test of r3's seven: it passed, but without the level nothing says the set is whole.
+    verdict = classify_diag(document, 0)
+    assert verdict.outcome is Verdict.WARN and verdict.detail.startswith(
+        "1 tests passed on every GPU, but no --level"
+    )
 
 
 def test_discovery_and_nvlink_outputs():
@@ -124,7 +128,13 @@ def test_nccl_failures_to_run_are_tool_errors(name):
             Verdict.TOOL_ERROR,
             "pcie failed with no GPU to blame",
         ),
-        ("synthetic_dcgm4_diag_r2_notrun.json", 0, 2, Verdict.TOOL_ERROR, "pcie: listed but did not run"),
+        (
+            "synthetic_dcgm4_diag_r2_notrun.json",
+            0,
+            2,
+            Verdict.TOOL_ERROR,
+            "pcie: no status (listed but did not run)",
+        ),
         ("synthetic_dcgm4_diag_r1_monitor.json", 226, 1, Verdict.WARN, "error 100 (MONITOR)"),
         ("synthetic_dcgm4_diag_truncated.json", 0, 2, Verdict.TOOL_ERROR, "not a whole JSON document"),
         (
@@ -287,3 +297,66 @@ def test_nccl_wrong_count_that_is_not_a_number_is_a_tool_error():
     lines[row] = "  ".join(tokens)
     verdict = classify_allreduce("\n".join(lines), 0, gates(360, 330))
     assert verdict.outcome is Verdict.TOOL_ERROR and "do not parse" in verdict.detail
+
+
+def _pass_document() -> dict:
+    return json.loads(read("synthetic_dcgm4_diag_r1_pass.json"))
+
+
+@pytest.mark.parametrize("status", ["NotRun", "Error", "Running", "", None])
+def test_dcgm_results_that_never_ran_are_tool_errors_never_pass(status):
+    document = _pass_document()
+    entry = document["DCGM Diagnostic"]["test_categories"][0]["tests"][0]["results"][2]
+    if status is None:
+        del entry["status"]
+    else:
+        entry["status"] = status
+    verdict = classify_diag(json.dumps(document), 0, 1)
+    assert verdict.outcome is Verdict.TOOL_ERROR
+    quoted = "missing" if status is None else repr(status)
+    assert f"software on GPU 2: status {quoted} is not a result" in verdict.detail
+
+
+def test_dcgm_text_rows_that_are_not_results_are_not_tests_and_no_level_is_no_pass():
+    text = read("dcgm4_diag_r3_text_pass_docs.txt") + "\n| stray | text |\n| Memory | NotRun |\n"
+    verdict = classify_diag(text, 0, 3)
+    assert verdict.outcome is Verdict.TOOL_ERROR and "memory: status 'NotRun'" in verdict.detail
+    unsure = classify_diag(read("dcgm4_diag_r3_text_pass_docs.txt"), 0, None)
+    assert unsure.outcome is Verdict.WARN and "no --level" in unsure.detail
+
+
+@pytest.mark.parametrize(
+    "mangle, where",
+    [
+        (lambda d: d["DCGM Diagnostic"].update(test_categories=[1]), "test_categories[0]"),
+        (
+            lambda d: d["DCGM Diagnostic"]["test_categories"][0]["tests"][0].update(results={"a": 1}),
+            "test_categories[0].tests[0].results",
+        ),
+        (
+            lambda d: d["DCGM Diagnostic"]["test_categories"][0]["tests"][0]["results"][0].update(
+                entity_id=[0]
+            ),
+            "test_categories[0].tests[0].results[0].entity_id",
+        ),
+        (
+            lambda d: d["DCGM Diagnostic"]["test_categories"][0]["tests"][0].update(name={"deep": [[[{}]]]}),
+            "test_categories[0].tests[0].name",
+        ),
+    ],
+)
+def test_dcgm_json_of_unexpected_shapes_is_one_line_naming_the_field(mangle, where, tmp_path):
+    document = _pass_document()
+    mangle(document)
+    verdict = classify_diag(json.dumps(document), 0, 1)
+    assert verdict.outcome is Verdict.TOOL_ERROR and where in verdict.detail
+    path = tmp_path / "diag.json"
+    path.write_text(json.dumps(document))
+    done = subprocess.run(
+        [str(CKPTOPS), "health", "classify", "dcgm", str(path), "--level", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stderr.startswith(f"ckptops: {path}: ") and where in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1

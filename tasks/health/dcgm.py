@@ -66,6 +66,12 @@ _V3_DEPLOYMENT = {
     "inforom",
 }
 CHECK = "dcgm-diag"
+# Every test name dcgmi prints (4.x plugin names, and 3.x display names once normalised).
+_KNOWN_TESTS = set().union(
+    *LEVEL_TESTS.values(),
+    _V3_NAMES.values(),
+    {"software", "sm_stress", "context_create", "nvbandwidth", "eud", "cpu_eud"},
+)
 
 
 def _norm(name: str) -> str:
@@ -75,12 +81,61 @@ def _norm(name: str) -> str:
     return _V3_NAMES.get(key, key)
 
 
-def _gpu(entry: dict) -> int | None:
+class UnexpectedDocument(ValueError):
+    """A diag document whose shape is not DCGM's: names the field at fault."""
+
+
+_JSON_NAMES = {
+    dict: "an object",
+    list: "a list",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "true or false",
+    type(None): "null",
+}
+
+
+def _json_name(value) -> str:
+    return _JSON_NAMES.get(type(value), type(value).__name__)
+
+
+def _field(container: dict, key: str, kind: type, where: str, default=None):
+    """``container[key]`` if it is a ``kind`` (or absent: ``default``); else UnexpectedDocument."""
+    value = container.get(key, default)
+    if value is not None and not isinstance(value, kind):
+        place = f"{where}.{key}" if where else key
+        raise UnexpectedDocument(f"{place}: {_json_name(value)} where DCGM writes {_JSON_NAMES[kind]}")
+    return value
+
+
+def _objects(values: list, where: str) -> list[dict]:
+    for i, value in enumerate(values):
+        if not isinstance(value, dict):
+            raise UnexpectedDocument(f"{where}[{i}]: {_json_name(value)} where DCGM writes an object")
+    return values
+
+
+def _gpu(entry: dict, where: str) -> int | None:
     value = entry.get("entity_id", entry.get("gpu_id"))
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise UnexpectedDocument(f"{where}.entity_id: {_json_name(value)} where DCGM writes a GPU id")
     try:
         return int(value)
-    except (TypeError, ValueError):
+    except ValueError:
         return None
+
+
+# DCGM's result words. Only Pass passes; Skip is never a pass; anything else (NotRun, Error,
+# Running, nothing at all) means the test did not reach a result.
+_STATUSES = {"pass", "fail", "skip", "warn"}
+
+
+def _status(value) -> str | None:
+    word = str(value).split(" - ")[0].strip().lower() if isinstance(value, str) else ""
+    return word if word in _STATUSES else None
 
 
 def _problems(entry: dict) -> list[dict]:
@@ -99,24 +154,38 @@ def _error_evidence(test: str, gpu: int | None, problem: dict) -> tuple[Verdict,
     text = str(problem.get("warning") or problem.get("error") or problem.get("msg") or "").strip()
     where = f"GPU {gpu}" if gpu is not None else "no GPU (entity-less)"
     name = SEVERITY.get(severity, "no severity")
+    error_id = problem.get("error_id") if isinstance(problem.get("error_id"), int) else None
     return verdict, Evidence(
         f"{test} on {where}: error {problem.get('error_id')} ({name}): {text[:200]}",
         test=test,
         gpu=gpu,
-        error_id=problem.get("error_id"),
+        error_id=error_id,
         severity=name,
     )
 
 
-def _tests_from_json(doc: dict) -> list[tuple[str, list[dict], dict]]:
+def _tests_from_json(doc) -> list[tuple[str, list[dict], dict]]:
+    """(test, per-GPU results, summary) from a 3.x or 4.x document, every field checked for shape:
+    NVIDIA publishes no schema, and a truncated or foreign document must not pass for a result."""
+    if not isinstance(doc, dict):
+        raise UnexpectedDocument(f"a JSON {type(doc).__name__}, not a DCGM diag document")
     body = doc.get("DCGM Diagnostic") or doc.get("DCGM GPU Diagnostic")
     if not isinstance(body, dict):
-        raise ValueError("no 'DCGM Diagnostic' or 'DCGM GPU Diagnostic' document")
+        raise UnexpectedDocument("no 'DCGM Diagnostic' or 'DCGM GPU Diagnostic' document")
     tests = []
-    for category in body.get("test_categories") or []:
-        for test in category.get("tests") or []:
-            summary = test.get("test_summary") if isinstance(test.get("test_summary"), dict) else {}
-            tests.append((_norm(str(test.get("name", "?"))), list(test.get("results") or []), summary))
+    categories = _field(body, "test_categories", list, "", default=[])
+    for c, category in enumerate(_objects(categories, "test_categories")):
+        where = f"test_categories[{c}]"
+        for t, test in enumerate(
+            _objects(_field(category, "tests", list, where, default=[]), f"{where}.tests")
+        ):
+            here = f"{where}.tests[{t}]"
+            name = _field(test, "name", str, here, default="?")
+            results = _objects(_field(test, "results", list, here, default=[]), f"{here}.results")
+            for r, entry in enumerate(results):
+                _gpu(entry, f"{here}.results[{r}]")
+            summary = _field(test, "test_summary", dict, here, default={})
+            tests.append((_norm(name), results, summary))
     return tests
 
 
@@ -127,14 +196,25 @@ def _judge_tests(tests: list[tuple[str, list[dict], dict]], level: int | None) -
         findings.append((verdict, item))
 
     for name, results, summary in tests:
-        statuses = [str(r.get("status", "")).lower() for r in results]
-        if not results and not summary.get("status"):
-            add(Verdict.TOOL_ERROR, Evidence(f"{name}: listed but did not run", test=name))
+        if not results and _status(summary.get("status")) is None:
+            shown = f"status {summary['status']!r} is not a result" if summary.get("status") else "no status"
+            add(Verdict.TOOL_ERROR, Evidence(f"{name}: {shown} (listed but did not run)", test=name))
             continue
         gpu_failed = False
-        for entry, status in zip(results, statuses):
-            gpu = _gpu(entry)
-            if status.startswith("fail"):
+        for entry in results:
+            gpu = _gpu(entry, name)
+            status = _status(entry.get("status"))
+            if status is None:
+                quoted = repr(entry["status"]) if "status" in entry else "missing"
+                add(
+                    Verdict.TOOL_ERROR,
+                    Evidence(
+                        f"{name} on GPU {gpu}: status {quoted} is not a result (the test did not reach one)",
+                        test=name,
+                        gpu=gpu,
+                    ),
+                )
+            elif status == "fail":
                 gpu_failed = True
                 problems = _problems(entry)
                 for problem in problems:
@@ -144,20 +224,18 @@ def _judge_tests(tests: list[tuple[str, list[dict], dict]], level: int | None) -
                         Verdict.FAIL_HARDWARE,
                         Evidence(f"{name} failed on GPU {gpu} without error details", test=name, gpu=gpu),
                     )
-            elif status.startswith("skip"):
+            elif status == "skip":
                 add(
                     Verdict.TOOL_ERROR,
                     Evidence(f"{name} skipped on GPU {gpu}: a skip is never a pass", test=name, gpu=gpu),
                 )
-            elif status.startswith("warn"):
+            elif status == "warn":
                 add(Verdict.WARN, Evidence(f"{name} warned on GPU {gpu}", test=name, gpu=gpu))
-        summary_status = str(summary.get("status", "")).lower()
-        if summary_status.startswith("fail") and not gpu_failed:
+        if _status(summary.get("status")) == "fail" and not gpu_failed:
             problems = _problems(summary)
             texts = " ".join(str(p.get("warning") or p.get("error") or "") for p in problems)
-            texts += " ".join(
-                str(i) for i in summary.get("info") or [] if isinstance(summary.get("info"), list)
-            )
+            info = summary.get("info")
+            texts += " ".join(str(i) for i in info) if isinstance(info, list) else ""
             if "internal error" in texts.lower() or not problems:
                 add(
                     Verdict.TOOL_ERROR,
@@ -176,10 +254,14 @@ def _judge_tests(tests: list[tuple[str, list[dict], dict]], level: int | None) -
     if not tests:
         add(Verdict.TOOL_ERROR, Evidence("no test results in the output"))
     verdict = worst(v for v, _ in findings)
-    if verdict is Verdict.PASS:
+    passed = f"{len({name for name, _, _ in tests})} tests passed on every GPU"
+    if verdict is Verdict.PASS and level is None:
+        # Without the level there is no telling whether every test it runs is in the output.
         return result(
-            CHECK, verdict, Evidence(f"{len({name for name, _, _ in tests})} tests passed on every GPU")
+            CHECK, Verdict.WARN, Evidence(f"{passed}, but no --level: not known to be the whole set")
         )
+    if verdict is Verdict.PASS:
+        return result(CHECK, verdict, Evidence(passed))
     # The worst findings first: the first line is what an operator reads.
     findings.sort(key=lambda f: -f[0].rank)
     return result(CHECK, verdict, *[e for v, e in findings if v is not Verdict.PASS])
@@ -190,8 +272,12 @@ _GPU_LINE = re.compile(r"^GPU\s*(\d+)\s*:\s*(\w+)", re.IGNORECASE)
 _META = {"dcgm version", "driver version detected", "gpu device ids detected", "number of gpus"}
 
 
-def classify_diag(text: str, exit_code: int | None, level: int | None = None) -> HealthCheck:
-    """Verdict for one ``dcgmi diag`` output (JSON with -j, or the text table)."""
+def classify_diag(
+    text: str, exit_code: int | None, level: int | None = None, strict: bool = False
+) -> HealthCheck:
+    """Verdict for one ``dcgmi diag`` output (JSON with -j, or the text table). A JSON document of a
+    shape DCGM does not write is a TOOL_ERROR naming the field, or with ``strict`` (a file a user
+    hands over, not a node's answer) an ``UnexpectedDocument``."""
     if exit_code is not None and exit_code not in RAN:
         meaning = TOOL_EXIT.get(exit_code, "not an exit code dcgmi gives with a result")
         return result(
@@ -205,13 +291,21 @@ def classify_diag(text: str, exit_code: int | None, level: int | None = None) ->
         return result(CHECK, Verdict.TOOL_ERROR, Evidence("dcgmi diag printed nothing"), exit_code=exit_code)
     if stripped.startswith("{"):
         try:
-            judged = judge_document(json.loads(stripped), level)
+            document = json.loads(stripped)
         except ValueError as e:
             return result(
                 CHECK,
                 Verdict.TOOL_ERROR,
                 Evidence(f"not a whole JSON document ({e}): truncated output?"),
                 exit_code=exit_code,
+            )
+        try:
+            judged = judge_document(document, level)
+        except UnexpectedDocument as e:
+            if strict:
+                raise
+            return result(
+                CHECK, Verdict.TOOL_ERROR, Evidence(f"not a DCGM diag document: {e}"), exit_code=exit_code
             )
     else:
         judged = _judge_tests(_tests_from_text(stripped), level)
@@ -250,6 +344,8 @@ def _tests_from_text(text: str) -> list[tuple[str, list[dict], dict]]:
             current[2]["warnings"] = [{"warning": w} for w in warnings]
         warnings = []
         status = value.split(" - ")[0].strip()
+        if _status(value) is None and _norm(name) not in _KNOWN_TESTS:
+            continue  # a table line that is neither a known test nor a result: not a test
         current = (_norm(name), [], {"status": status})
         if value.endswith("- All") or lowered in _V3_DEPLOYMENT:
             current[1].append({"entity_id": None, "status": status})
