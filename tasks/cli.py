@@ -137,7 +137,7 @@ def promote(
     iteration: Annotated[
         int | None,
         typer.Option(
-            "--iteration", "-i", help="promote this iteration (verified valid) instead of the newest"
+            "--iteration", "-i", min=0, help="promote this iteration (verified valid) instead of the newest"
         ),
     ] = None,
     profile: ProfileOpt = None,
@@ -208,8 +208,10 @@ def status(
         out.print_json(json.dumps([i.to_dict() for i in infos]))
     else:
         render.status(out, directory, infos, problem)
-    if problem:
-        err.print(f"ckptops: {problem}", markup=False)
+    problems = [problem] * bool(problem) + [i.manifest_error for i in infos if i.manifest_error]
+    for line in problems:
+        err.print(f"ckptops: {line}", markup=False)
+    if problems:
         raise typer.Exit(Malformed.exit_code)
 
 
@@ -247,7 +249,7 @@ def retain(
 
 @app.command()
 def pin(
-    iteration: Annotated[int, typer.Argument()],
+    iteration: Annotated[int, typer.Argument(min=0)],
     reason: Annotated[str, typer.Option("--reason", help="why it must be kept")],
     save_dir: Annotated[Path | None, typer.Option("--save-dir")] = None,
     holder: Annotated[str, typer.Option("--holder")] = "operator",
@@ -255,9 +257,13 @@ def pin(
 ):
     """Keep a checkpoint whatever retention says."""
     with _expected_errors():
+        from tasks.checkpoint.layout import iter_dir_name
         from tasks.checkpoint.pins import pin as do_pin
 
-        path = do_pin(_save_dir(load_profile(profile), save_dir), iteration, holder, reason)
+        directory = _save_dir(load_profile(profile), save_dir)
+        if directory.is_dir() and not (directory / iter_dir_name(iteration)).is_dir():
+            raise UsageError(f"{directory / iter_dir_name(iteration)}: no such checkpoint to pin")
+        path = do_pin(directory, iteration, holder, reason)
     out.print(f"pinned {iteration} ({path.name})", markup=False)
 
 

@@ -186,3 +186,42 @@ def test_status_lists_the_checkpoints_when_the_pointer_is_garbled(save_dir):
         f"ckptops: {save_dir}/latest_verified_iteration.txt: garbled pointer"
     )
     assert [line.split()[0] for line in result.stdout.splitlines()[2:]] == ["4", "8", "12", "16", "20", "24"]
+
+
+def test_promote_and_pin_of_a_missing_or_negative_iteration_are_usage_errors(save_dir):
+    for args in (
+        ["promote", save_dir, "--iteration", "99"],
+        ["promote", save_dir, "--iteration", "-4"],
+        ["pin", "99", "--reason", "x", "--save-dir", save_dir],
+        ["pin", "-1", "--reason", "x", "--save-dir", save_dir],
+    ):
+        result = ckptops(*args)
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        assert "Traceback" not in result.stderr
+    assert not (save_dir / ".ckptops-pins").exists() or not list((save_dir / ".ckptops-pins").iterdir())
+
+
+def test_a_hold_without_a_timezone_is_one_line_naming_it(save_dir):
+    hold = save_dir / "latest_verified_iteration.hold"
+    hold.write_text(json.dumps({"iteration": 8, "since": "2026-11-30T01:00:00"}))
+    result = ckptops("promote", save_dir)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"ckptops: {hold}: garbled rollback hold (since '2026-11-30T01:00:00' has no timezone); "
+        "remove it to resume automatic promotion"
+    )
+    assert not (save_dir / "latest_verified_iteration.txt").exists()
+
+
+def test_status_names_a_manifest_whose_fields_have_the_wrong_types(save_dir):
+    assert ckptops("promote", save_dir).returncode == 0
+    path = iter_dir(save_dir, 8) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["files"] = "all of them"
+    path.write_text(json.dumps(manifest))
+    result = ckptops("status", save_dir)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert (
+        result.stderr.strip() == f"ckptops: {path}: malformed manifest (files: Input should be a valid list)"
+    )
+    assert any(line.split()[:2] == ["8", "invalid"] for line in result.stdout.splitlines()[2:])

@@ -15,7 +15,7 @@ from tasks.checkpoint.pointer import pointer_during, read_hold, read_pointer, wr
 from tasks.checkpoint.promote import promote
 from tasks.checkpoint.state import State
 from tasks.checkpoint.verify import verify_checkpoint
-from tasks.errors import CkptopsError
+from tasks.errors import CkptopsError, UsageError
 from tests.conftest import ROOT, flip_byte, iter_dir
 from tests.test_verify import tensor_data_offset
 
@@ -105,8 +105,10 @@ def test_failure_at_each_step_keeps_old_pointer_and_no_temp(tmp_path, step):
     assert sorted(p.name for p in tmp_path.iterdir()) == [POINTER]
 
 
-def test_garbled_pointer_is_reported_not_trusted(tmp_path):
-    (tmp_path / POINTER).write_text("12\x00\x00")
+@pytest.mark.parametrize("text", ["12\x00\x00", "+12\n", "1_2\n", "\uff11\uff12\n", "12 13\n", "-12\n", ""])
+def test_garbled_pointer_is_reported_not_trusted(tmp_path, text):
+    """Only what a writer of it writes, ASCII digits, is an iteration (int() takes more)."""
+    (tmp_path / POINTER).write_text(text)
     with pytest.raises(CkptopsError, match=f"{POINTER}: garbled pointer"):
         read_pointer(tmp_path)
 
@@ -253,5 +255,5 @@ def test_explicit_iteration_must_be_valid(save_dir, options):
     with pytest.raises(CkptopsError, match="iter_0000012: not promotable, it is invalid"):
         promote(save_dir, options, 10, requested=12)
     assert read_pointer(save_dir) == 8
-    with pytest.raises(CkptopsError, match="iter_0000099: no such checkpoint"):
+    with pytest.raises(UsageError, match="--iteration 99: no such checkpoint"):
         promote(save_dir, options, 10, requested=99)

@@ -32,6 +32,7 @@ class CheckpointInfo:
     promoted: bool = False
     pins: list[str] = field(default_factory=list)
     stale: bool = False  # re-saved after verification: the manifest describes an older save
+    manifest_error: str | None = None  # its manifest cannot be trusted (a human must look)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -57,7 +58,7 @@ def describe(directory: Path, options: VerifyOptions) -> CheckpointInfo:
     try:
         manifest = read_manifest(directory)
     except CorruptManifest as e:
-        info.state, info.reason = State.INVALID, str(e)
+        info.state, info.reason, info.manifest_error = State.INVALID, str(e), str(e)
         return info
     if manifest is not None and manifest.iteration != iteration:
         info.state, info.reason = (

@@ -36,7 +36,7 @@ from tasks.checkpoint.pointer import (
 )
 from tasks.checkpoint.state import Completeness, State, VerifyOptions
 from tasks.checkpoint.verify import Verification, verify_checkpoint
-from tasks.errors import CkptopsError
+from tasks.errors import CkptopsError, UsageError
 from tasks.storage.local import list_files
 
 
@@ -131,7 +131,7 @@ def choose_target(
     if requested is not None:
         info = infos.get(requested)
         if info is None:
-            raise CkptopsError(f"{layout.iter_dir_name(requested)}: no such checkpoint in {save_dir}")
+            raise UsageError(f"--iteration {requested}: no such checkpoint in {save_dir}")
         if requested not in valid:
             raise CkptopsError(
                 f"{layout.iter_dir_name(requested)}: not promotable, it is {info.state} ({info.reason})"
