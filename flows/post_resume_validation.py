@@ -11,9 +11,6 @@ from pathlib import Path
 from prefect import flow
 from prefect.states import Completed, Failed
 
-from tasks.checkpoint.layout import iter_dir_name
-from tasks.checkpoint.pointer import read_pointer
-from tasks.errors import CkptopsError
 from tasks.profile import load_profile
 from tasks.resume.flow_tasks import publish_validation, validate_task
 
@@ -24,11 +21,8 @@ def post_resume_validation(
 ):
     """``checkpoint`` defaults to the promoted one; ``before`` to the stored baseline."""
     prof = load_profile(profile)
-    if checkpoint is None:
-        iteration = read_pointer(prof.job.save_dir)
-        if iteration is None:
-            raise CkptopsError(f"{prof.job.save_dir}: nothing promoted, name the checkpoint")
-        checkpoint = str(prof.job.save_dir / iter_dir_name(iteration))
-    result = validate_task(Path(checkpoint), Path(before) if before else None, Path(after), prof.resume)
+    result = validate_task(
+        prof, Path(after), Path(before) if before else None, Path(checkpoint) if checkpoint else None
+    )
     publish_validation(prof.job.name, result)
     return Completed(message=result.line()) if result.ok else Failed(message=result.line())

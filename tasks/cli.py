@@ -388,9 +388,6 @@ def drills(
 
 @app.command("validate-resume")
 def validate_resume_command(
-    checkpoint: Annotated[
-        Path, typer.Option("--checkpoint", help="the checkpoint the run resumed from (iter_NNNNNNN)")
-    ],
     after: Annotated[
         Path, typer.Option("--after", help="step records or Megatron-LM log of the resumed run")
     ],
@@ -400,18 +397,21 @@ def validate_resume_command(
             "--before", help="records or log of the run before the failure [default: the stored baseline]"
         ),
     ] = None,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            "--checkpoint",
+            help="the checkpoint the run resumed from (iter_NNNNNNN) [default: the promoted one]",
+        ),
+    ] = None,
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ):
     """Check a resumed run against the run before the failure: exit 0 validated, 1 rejected."""
     with _expected_errors():
-        from tasks.resume.records import load_steps
-        from tasks.resume.validate import validate_resume
+        from tasks.resume.validate import validate
 
-        prof = load_profile(profile)
-        result = validate_resume(
-            checkpoint, load_steps(before) if before else None, load_steps(after), prof.resume
-        )
+        result = validate(load_profile(profile), after, before, checkpoint)
     if as_json:
         out.print_json(json.dumps(result.to_dict()))
     else:

@@ -236,18 +236,17 @@ def test_megatron_lm_log_lines_are_parsed():
     assert steps.kind == "megatron-log" and steps.iteration.tolist() == [2, 3]
     assert steps.consumed.tolist() == [256, 384] and steps.lr.tolist() == [4e-07, 6e-07]
     assert steps.loss.tolist() == [2.02153, 2.003316] and steps.grad_norm.tolist() == [6.895, 6.603]
-    assert steps.step_seconds.tolist() == pytest.approx([5.6301, 5.4106]) and steps.throughput.tolist() == [
-        231.9,
-        241.4,
-    ]
+    assert steps.step_seconds.tolist() == pytest.approx([5.6301, 5.4106])
+    # samples/s from the global batch size and the elapsed time, not the TFLOP/s column
+    assert steps.throughput_unit == "samples/s" and steps.throughput.tolist() == pytest.approx(
+        [128 / 5.6301, 128 / 5.4106]
+    )
     assert steps.peak_memory[0] == int(54250.98583984375 * 1024 * 1024) and steps.batch_count.tolist() == [
         128,
         128,
     ]
     older = load_steps(MEGATRON / "megatron_llm_issue11.log")
-    assert older.iteration.tolist() == [122, 123, 124, 125] and all(
-        older.throughput != older.throughput
-    )  # NaN: absent
+    assert older.iteration.tolist() == [122, 123, 124, 125]
     assert older.consumed[-1] == 128000 and older.lr[0] == 9.15e-06
 
 
@@ -289,3 +288,131 @@ def test_post_resume_validation_flow_emits_its_event(failed_run, prefect_api):
             if not found:
                 time.sleep(0.5)
     assert found, "training.resume.validated was not recorded for ckptops.job.resume-test"
+
+
+def _as_megatron_log(records: Path, target: Path, tflops: bool = True) -> Path:
+    """Megatron-LM's training-log format (tests/data/megatron) written from our records; without
+    ``tflops``, as Megatron-LM prints it when not run with --log-throughput."""
+    lines = []
+    for line in records.read_text().splitlines():
+        r = json.loads(line)
+        throughput = f"throughput per GPU (TFLOP/s/GPU): {r['tflops']:.1f} | " if tflops else ""
+        lines.append(
+            f" [2026-11-29 03:00:00] iteration {r['iteration']:8d}/      30 | consumed samples: "
+            f"{r['consumed_samples']:12d} | "
+            f"elapsed time per iteration (ms): {r['step_seconds'] * 1000:.1f} | "
+            f"{throughput}learning rate: {r['lr']:E} | global batch size: {r['batch']['count']:5d} | "
+            f"lm loss: {r['loss']:E} | loss scale: 1.0 | grad norm: {r['grad_norm']:.3f} | "
+            "number of skipped iterations:   0 | number of nan iterations:   0 |"
+        )
+    target.write_text("\n".join(lines) + "\n")
+    return target
+
+
+def test_standard_megatron_lm_logs_are_compared_in_tokens_per_second(failed_run, tmp_path):
+    """Without --log-throughput a Megatron-LM log has no TFLOP/s; elapsed time and global batch
+    size give samples/s, and the checkpoint's sequence length tokens/s: comparable with records."""
+    root, save = failed_run
+    records = root / "good.jsonl" if (root / "good.jsonl").exists() else resume(failed_run, "good")
+    before = _as_megatron_log(root / "before.jsonl", tmp_path / "before.log", tflops=False)
+    after = _as_megatron_log(records, tmp_path / "after.log", tflops=False)
+    result = validate_resume(save / "iter_0000012", load_steps(before), load_steps(after), SETTINGS)
+    check = next(c for c in result.checks if c.name == "throughput")
+    assert check.outcome == "pass" and "tokens/s" in check.expected, check
+    # A log against a records baseline (both in tokens/s now) is just as comparable.
+    mixed = validate_resume(
+        save / "iter_0000012", load_steps(root / "before.jsonl"), load_steps(after), SETTINGS
+    )
+    assert next(c for c in mixed.checks if c.name == "throughput").outcome == "pass"
+    older = load_steps(MEGATRON / "megatron_llm_issue11.log")
+    assert older.throughput_unit == "samples/s" and older.throughput[0] == pytest.approx(1024 / 86.5452)
+
+
+def test_a_loss_that_diverged_to_infinity_is_caught(failed_run, tmp_path):
+    root, save = failed_run
+    records = root / "good.jsonl" if (root / "good.jsonl").exists() else resume(failed_run, "good")
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    lines[-3]["loss"] = float("inf")  # beyond the recomputed steps; the job's NaN flag missed it
+    diverged = tmp_path / "diverged.jsonl"
+    diverged.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = validate(failed_run, diverged)
+    assert failed_checks(result) == ["skipped and NaN iterations"]
+    assert f"iteration {lines[-3]['iteration']}: 0 skipped, 0 NaN, loss inf" in result.failed[0].observed
+    logged = _as_megatron_log(diverged, tmp_path / "diverged.log")
+    assert "lm loss: INF" in logged.read_text()
+    from_log = validate_resume(
+        save / "iter_0000012", load_steps(root / "before.jsonl"), load_steps(logged), SETTINGS
+    )
+    assert "skipped and NaN iterations" in failed_checks(from_log)
+
+
+@pytest.fixture(scope="module")
+def per_iteration_run(tmp_path_factory):
+    """A loop that steps its LR scheduler once per iteration, killed between saves like the other."""
+    root = tmp_path_factory.mktemp("per-iteration")
+    save = root / "checkpoints"
+    extra = ["--scheduler-per-iteration", "--lr-warmup-samples", "64", "--lr-decay-samples", "400"]
+    with pytest.raises(CkptopsError, match="exited"):
+        run_local_job(
+            save,
+            train_iters=24,
+            save_interval=4,
+            timeout_seconds=600,
+            extra=["--step-records", str(root / "before.jsonl"), "--die-at", "1:15", *extra],
+        )
+    promote(save, VerifyOptions(job="resume-test"), 30)
+    run_local_job(
+        root / "resumed",
+        train_iters=30,
+        save_interval=1000,
+        timeout_seconds=600,
+        log=root / "resumed.log",
+        extra=["--load", str(save), "--step-records", str(root / "after.jsonl"), *extra],
+    )
+    return root, save
+
+
+def test_a_scheduler_stepped_per_iteration_is_replayed_in_iterations(per_iteration_run):
+    root, save = per_iteration_run
+    result = validate_resume(
+        save / "iter_0000012", load_steps(root / "before.jsonl"), load_steps(root / "after.jsonl"), SETTINGS
+    )
+    assert result.ok, result.line()
+    check = next(c for c in result.checks if c.name == "learning rate")
+    assert (
+        check.expected
+        == "2 recomputed as before, 16 on the checkpoint's schedule (the scheduler counts iterations)"
+    )
+
+
+def test_a_checkpoint_never_verified_is_verified_on_the_spot(per_iteration_run, tmp_path):
+    from tasks.resume.validate import validate as validate_run
+
+    root, save = per_iteration_run
+    copy = shutil.copytree(save, tmp_path / "checkpoints")
+    (copy / "iter_0000012" / "manifest.json").unlink()  # the run resumed before verification did
+    profile = tmp_path / "p.yaml"
+    profile.write_text(
+        f"job: {{name: resume-test, save_dir: '{copy}', layout: {{data_parallel: 2}}}}\n"
+        "resume: {throughput_drop: 0.9}\n"
+    )
+    result = validate_run(
+        load_profile(profile), root / "after.jsonl", root / "before.jsonl", copy / "iter_0000012"
+    )
+    check = next(c for c in result.checks if c.name == "promoted checkpoint")
+    assert (
+        result.ok and check.outcome == "warn" and "was verified after the resume (it passed)" in check.detail
+    )
+    assert (copy / "iter_0000012" / "manifest.json").exists()
+    broken = shutil.copytree(save, tmp_path / "broken")
+    (broken / "iter_0000012" / "manifest.json").unlink()
+    (broken / "iter_0000012" / "__1_0.distcp").unlink()
+    profile.write_text(f"job: {{name: resume-test, save_dir: '{broken}', layout: {{data_parallel: 2}}}}\n")
+    rejected = validate_run(
+        load_profile(profile), root / "after.jsonl", root / "before.jsonl", broken / "iter_0000012"
+    )
+    assert not rejected.ok and rejected.failed[0].name == "promoted checkpoint"
+    assert (
+        "its manifest says invalid: __1_0.distcp: referenced by .metadata but missing"
+        in rejected.failed[0].observed
+    )

@@ -75,6 +75,11 @@ def parse_args(argv=None):
     p.add_argument("--slow-step-ms", type=float, default=0.0, help="fault: every step takes this much longer")
     p.add_argument("--ballast-mb", type=int, default=0, help="fault: hold this much more memory")
     p.add_argument(
+        "--scheduler-per-iteration",
+        action="store_true",
+        help="step the LR scheduler once per iteration (several frameworks do), not by the batch samples",
+    )
+    p.add_argument(
         "--drop-saved-arg",
         action="append",
         default=[],
@@ -187,17 +192,19 @@ def setup(args):
     args.num_microbatches = args.global_batch_size // per_step
     set_seeds(args.seed)
     built = build(args)
+    # Megatron-LM counts the schedule in samples; a loop stepping it per iteration counts iterations.
+    per = args.global_batch_size if args.scheduler_per_iteration else 1
     scheduler = OptimizerParamScheduler(
         built.optimizer,
         init_lr=0.0,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_samples,
-        lr_decay_steps=args.lr_decay_samples,
+        lr_warmup_steps=args.lr_warmup_samples // per,
+        lr_decay_steps=args.lr_decay_samples // per,
         lr_decay_style="cosine",
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=args.lr_decay_samples,
+        wd_incr_steps=args.lr_decay_samples // per,
         wd_incr_style="constant",
     )
     return built, scheduler
@@ -430,7 +437,7 @@ def train(args):
             micro_batch_size=args.micro_batch_size,
         )
         updated, grad_norm, _ = optimizer.step()
-        scheduler.step(increment=args.global_batch_size)
+        scheduler.step(increment=1 if args.scheduler_per_iteration else args.global_batch_size)
         loss = reported_loss(args, losses)
         if args.slow_step_ms:
             time.sleep(args.slow_step_ms / 1000)
@@ -445,7 +452,7 @@ def train(args):
             loss=loss,
             grad_norm=None if grad_norm is None else float(grad_norm),
             skipped=0 if updated else 1,
-            nan=int(math.isnan(loss)),
+            nan=int(not math.isfinite(loss)),
             tokens=args.global_batch_size * args.seq_length,
             step_seconds=step_seconds,
         )

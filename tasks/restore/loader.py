@@ -41,7 +41,6 @@ from megatron.core.dist_checkpointing.mapping import (  # noqa: E402
     ShardedTensor,
     apply_factories,
 )
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
 from tasks.checkpoint import layout as ckpt_layout  # noqa: E402
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata  # noqa: E402
@@ -50,6 +49,7 @@ from tasks.restore import build as builder  # noqa: E402
 from tasks.restore.compare import compare, sample  # noqa: E402
 from tasks.restore.model_args import ModelArgsError, resolve  # noqa: E402
 from tasks.restore.report import LoadReport, RankCheck, write_error, write_report  # noqa: E402
+from tasks.restore.schedule import scheduler_from_state  # noqa: E402
 
 RESHARDABLE_FORMATS = {"fully_reshardable", "fully_sharded_model_space"}
 
@@ -118,7 +118,7 @@ def load_state(
     args,
     load_optim: bool,
     load_rng: bool,
-    scheduler: OptimizerParamScheduler | None = None,
+    scheduler=None,
 ) -> Loaded:
     """Load model, optimizer, scheduler and RNG state from ``directory`` into what ``built`` holds,
     as Megatron-LM's ``load_checkpoint`` does for a ``torch_dist`` checkpoint."""
@@ -202,28 +202,6 @@ def _restore_adam_steps(optimizer) -> None:
                 state = torch_optimizer.state.get(param)
                 if state is not None:
                     state["step"] = torch.tensor(float(step), dtype=torch.float32)
-
-
-def scheduler_from_state(
-    optimizer, state: dict, init_lr: float = 0.0, wsd_decay_steps=None, wsd_decay_style=None
-) -> OptimizerParamScheduler:
-    """The checkpoint's own LR schedule (values from its state; the checkpoint's win on load)."""
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=init_lr,
-        max_lr=state["max_lr"],
-        min_lr=state["min_lr"],
-        lr_warmup_steps=state["lr_warmup_steps"],
-        lr_decay_steps=state["lr_decay_steps"],
-        lr_decay_style=state["lr_decay_style"],
-        start_wd=state["start_wd"],
-        end_wd=state["end_wd"],
-        wd_incr_steps=state["wd_incr_steps"],
-        wd_incr_style=state["wd_incr_style"],
-        use_checkpoint_opt_param_scheduler=True,
-        wsd_decay_steps=state.get("wsd_decay_steps", wsd_decay_steps),
-        lr_wsd_decay_style=state.get("lr_wsd_decay_style", wsd_decay_style),
-    )
 
 
 def _tensors(state) -> list[ShardedTensor]:

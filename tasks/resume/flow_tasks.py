@@ -6,15 +6,14 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
 
-from tasks.resume.records import load_steps
-from tasks.resume.validate import Validation, validate_resume
+from tasks.resume.validate import Validation, validate
 
 VALIDATED, REJECTED = "training.resume.validated", "training.resume.rejected"
 
 
 @task(name="validate-resume")
-def validate_task(checkpoint: Path, before: Path | None, after: Path, settings) -> Validation:
-    return validate_resume(checkpoint, load_steps(before) if before else None, load_steps(after), settings)
+def validate_task(profile, after: Path, before: Path | None, checkpoint: Path | None) -> Validation:
+    return validate(profile, after, before, checkpoint)
 
 
 def check_rows(result: Validation) -> list[dict]:

@@ -18,6 +18,7 @@ log lines hold (no batch IDs there).
 """
 
 import json
+import math
 import os
 import re
 import time
@@ -152,6 +153,7 @@ _COLUMNS = (
     "batch_position",
     "batch_count",
     "time",
+    "nonfinite",  # 1 where the loss or the grad norm was there but not a finite number
 )
 
 
@@ -166,7 +168,7 @@ class Steps:
     batch_digest: np.ndarray = field(default_factory=lambda: np.array([], dtype=object))
     attempt: np.ndarray = field(default_factory=lambda: np.array([], dtype=object))  # empty for logs
     memory_kind: str | None = None
-    throughput_unit: str = "tokens/s"  # or TFLOP/s/GPU from Megatron-LM logs
+    throughput_unit: str = "tokens/s"  # or samples/s from Megatron-LM logs
 
     def __getattr__(self, name):
         columns = self.__dict__.get("columns", {})
@@ -229,6 +231,8 @@ def _table_to_steps(path: Path, table) -> Steps:
 
     columns = {}
     for name in _COLUMNS:
+        if name == "nonfinite":
+            continue
         if name.startswith("batch_"):
             values = column("batch").field(name.removeprefix("batch_")) if table.num_rows else column("x")
         else:
@@ -240,41 +244,70 @@ def _table_to_steps(path: Path, table) -> Steps:
     columns["iteration"] = columns["iteration"].astype(np.int64)
     for name in ("skipped", "nan"):
         columns[name] = np.nan_to_num(columns[name])
+    # A value that is there (not null) and not finite: Infinity or NaN as the recorder wrote it.
+    present = [column(name).is_valid().to_numpy(zero_copy_only=False) for name in ("loss", "grad_norm")]
+    columns["nonfinite"] = (
+        (present[0] & ~np.isfinite(columns["loss"])) | (present[1] & ~np.isfinite(columns["grad_norm"]))
+    ).astype(np.float64)
     digests = np.array(column("batch").field("digest").to_pylist() if table.num_rows else [], dtype=object)
     attempts = np.array(table.column("attempt").to_pylist() if table.num_rows else [], dtype=object)
     kinds = [k for k in table.column("memory_kind").to_pylist() if k] if table.num_rows else []
     return Steps(str(path), "records", columns, digests, attempts, memory_kind=kinds[-1] if kinds else None)
 
 
-def _load_records(path: Path, data: bytes) -> Steps:
-    """Columns straight from the JSON lines with Arrow's reader (C++, several times faster
-    than parsing line by line in Python: a million records in about two seconds here)."""
+def _whole_lines(path: Path, size: int) -> int:
+    """Where the last whole line ends: a torn last line (the writer died mid-line) is left out."""
+    with open(path, "rb") as f:
+        end = size
+        while end > 0:
+            start = max(0, end - (1 << 16))
+            f.seek(start)
+            at = f.read(end - start).rfind(b"\n")
+            if at >= 0:
+                return start + at + 1
+            end = start
+    return 0
+
+
+def _load_records(path: Path) -> Steps:
+    """Columns straight from the JSON lines with Arrow's reader (C++, several times faster than
+    parsing line by line in Python: a million records in about three seconds here), from a memory
+    map of the file: the records are never held in memory a second time."""
     import pyarrow as pa
     import pyarrow.json as pj
 
     options = pj.ParseOptions(explicit_schema=_record_schema(), unexpected_field_behavior="ignore")
-    try:
-        return _table_to_steps(path, pj.read_json(pa.BufferReader(data), parse_options=options))
-    except pa.ArrowInvalid:
-        lines = data.splitlines()
-        whole = b"\n".join(lines[:-1]) + b"\n"
-        try:  # a torn last line (the writer died mid-line) is forgiven, nothing else
-            return _table_to_steps(path, pj.read_json(pa.BufferReader(whole), parse_options=options))
-        except pa.ArrowInvalid as e:
-            raise UsageError(f"{path}: not step records ({str(e).splitlines()[0]})") from None
+    with pa.memory_map(str(path)) as source:
+        buffer = source.read_buffer()
+        try:
+            return _table_to_steps(path, pj.read_json(pa.BufferReader(buffer), parse_options=options))
+        except pa.ArrowInvalid:
+            whole = buffer.slice(0, _whole_lines(path, buffer.size))
+            try:  # a torn last line is forgiven, nothing else
+                return _table_to_steps(path, pj.read_json(pa.BufferReader(whole), parse_options=options))
+            except pa.ArrowInvalid as e:
+                raise UsageError(f"{path}: not step records ({str(e).splitlines()[0]})") from None
 
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|(.*)")
-_FIELD = re.compile(r"\s*([^|:]+?):\s*([-+0-9.eE]+)\s*")
+# Numbers as Megatron-LM prints them, NaN and infinities included (%E prints NAN and INF).
+_FIELD = re.compile(
+    r"\s*([^|:]+?):\s*([-+]?(?:[0-9.]+(?:[eE][-+]?[0-9]+)?|nan|inf(?:inity)?))\s*", re.IGNORECASE
+)
 _MEMORY = re.compile(r"\(after (\d+) iterations\) memory \(MB\) \|.*?max allocated: ([0-9.]+)")
 
 
-def parse_megatron_log(path: Path, text: str) -> Steps:
+def parse_megatron_log(path: Path, lines) -> Steps:
     """Megatron-LM's training-log lines (``iteration N/ M | consumed samples: ... |``) and its
-    memory report lines (``[Rank r] (after N iterations) memory (MB) | ... max allocated: X``)."""
+    memory report lines (``[Rank r] (after N iterations) memory (MB) | ... max allocated: X``).
+    ``lines`` may be a file: it is read a line at a time.
+
+    Throughput is samples/s, from every line's ``elapsed time per iteration (ms)`` and ``global
+    batch size`` (validation turns it into tokens/s with the checkpoint's sequence length):
+    Megatron-LM prints TFLOP/s only with ``--log-throughput``, from its own FLOP formula."""
     values: dict[str, list] = {name: [] for name in _COLUMNS}
     memory: dict[int, int] = {}
-    for line in text.splitlines():
+    for line in lines:
         found = _MEMORY.search(line)
         if found:
             memory[int(found[1])] = int(float(found[2]) * 1024 * 1024)
@@ -288,19 +321,24 @@ def parse_megatron_log(path: Path, text: str) -> Steps:
             if match:
                 fields[match[1].strip().lower()] = float(match[2])
         elapsed = fields.get("elapsed time per iteration (ms)")
+        batch = fields.get("global batch size")
+        loss, grad_norm = fields.get("lm loss"), fields.get("grad norm")
         values["iteration"].append(int(found[1]))
         values["consumed"].append(fields.get("consumed samples"))
         values["lr"].append(fields.get("learning rate"))
-        values["loss"].append(fields.get("lm loss"))
-        values["grad_norm"].append(fields.get("grad norm"))
+        values["loss"].append(loss)
+        values["grad_norm"].append(grad_norm)
         values["skipped"].append(fields.get("number of skipped iterations", 0))
         values["nan"].append(fields.get("number of nan iterations", 0))
         values["step_seconds"].append(elapsed / 1000 if elapsed is not None else None)
-        values["throughput"].append(fields.get("throughput per gpu (tflop/s/gpu)"))
+        values["throughput"].append(batch / (elapsed / 1000) if batch and elapsed else None)
         values["peak_memory"].append(None)
         values["batch_position"].append(None)
-        values["batch_count"].append(fields.get("global batch size"))
+        values["batch_count"].append(batch)
         values["time"].append(None)  # Megatron-LM's iteration lines carry no time of their own
+        values["nonfinite"].append(
+            float(any(v is not None and not math.isfinite(v) for v in (loss, grad_norm)))
+        )
     # Megatron reports memory once, after the first iterations: it holds for the first logged
     # iteration at or after the report.
     for reported, value in memory.items():
@@ -313,21 +351,26 @@ def parse_megatron_log(path: Path, text: str) -> Steps:
         _as_columns(values),
         np.array([None] * len(values["iteration"]), dtype=object),
         memory_kind="cuda_max_allocated",
-        throughput_unit="TFLOP/s/GPU",
+        throughput_unit="samples/s",
     )
 
 
+def _first_line(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return next((line for line in f if line.strip()), b"")
+
+
 def load_steps(path: Path) -> Steps:
-    """Step records or a Megatron-LM log, told apart by their first meaningful line."""
+    """Step records or a Megatron-LM log, told apart by their first meaningful line; either is
+    read without holding the file in memory whole."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        if _first_line(path).lstrip().startswith(b"{"):
+            return _load_records(path)
+        with open(path, errors="replace") as lines:
+            steps = parse_megatron_log(path, lines)
     except OSError as e:
-        raise UsageError(f"{path}: {e.strerror}") from None
-    first = next((line for line in data.splitlines() if line.strip()), b"")
-    if first.lstrip().startswith(b"{"):
-        return _load_records(path, data)
-    steps = parse_megatron_log(path, data.decode(errors="replace"))
+        raise UsageError(f"{path}: {e.strerror or e}") from None
     if not len(steps):
         raise UsageError(f"{path}: neither step records nor Megatron-LM log lines")
     return steps

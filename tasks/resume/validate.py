@@ -11,7 +11,6 @@ has it when the old records are gone.
 
 import json
 import math
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -81,6 +80,18 @@ class CheckpointFacts:
     # Megatron-LM passes these to the scheduler from its args; its state_dict does not keep them.
     wsd_decay_steps: int | None = None
     wsd_decay_style: str | None = None
+    seq_length: int | None = None  # turns samples/s into tokens/s
+    not_valid: str | None = None  # what its manifest says, when it says it is not valid
+    verified_now: bool = False  # it had no manifest when the run resumed: verified by this validation
+
+    @property
+    def scheduler_unit(self) -> str | None:
+        """What the scheduler counts: Megatron-LM steps it by each batch's samples, some loops once
+        per iteration. Told by its step count at the checkpoint; None if that is neither."""
+        steps = self.scheduler.get("num_steps")
+        if steps == self.consumed:
+            return "samples"
+        return "iterations" if steps == self.iteration else None
 
 
 def checkpoint_facts(directory: Path) -> CheckpointFacts:
@@ -92,10 +103,6 @@ def checkpoint_facts(directory: Path) -> CheckpointFacts:
     common = load_common_state(directory, build_index(load_dcp_metadata(directory / layout.DCP_METADATA)))
     args = common.get("args")
     manifest = read_manifest(directory)
-    if manifest is not None and not manifest.valid:
-        raise CkptopsError(
-            f"{directory.name}: its manifest says {manifest.status} ({manifest.reason}); not a resume point"
-        )
     return CheckpointFacts(
         directory,
         int(common["iteration"]),
@@ -103,9 +110,13 @@ def checkpoint_facts(directory: Path) -> CheckpointFacts:
         int(args.global_batch_size),
         dict(common["opt_param_scheduler"]),
         float(getattr(args, "lr_warmup_init", 0.0) or 0.0),
-        manifest is not None,
+        manifest is not None and manifest.valid,
         _wsd_decay_steps(args),
         getattr(args, "lr_wsd_decay_style", None),
+        getattr(args, "seq_length", None),
+        None
+        if manifest is None or manifest.valid
+        else f"its manifest says {manifest.status}: {manifest.reason}",
     )
 
 
@@ -119,38 +130,28 @@ def _wsd_decay_steps(args) -> int | None:
 
 
 def _schedule(facts: CheckpointFacts):
-    """The checkpoint's own LR schedule, as megatron-core computes it (its class, not a copy)."""
-    with warnings.catch_warnings():  # megatron warns about every optional extra it lacks
-        warnings.simplefilter("ignore")
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    """The learning rate after a given count of the scheduler's unit, by the checkpoint's own
+    schedule (megatron-core's class, not a copy)."""
+    from tasks.restore.schedule import scheduler_from_state
 
-    state = facts.scheduler
     try:
-        scheduler = OptimizerParamScheduler(
+        scheduler = scheduler_from_state(
             SimpleNamespace(param_groups=[{}]),
-            init_lr=facts.warmup_init_lr,
-            max_lr=state["max_lr"],
-            min_lr=state["min_lr"],
-            lr_warmup_steps=state["lr_warmup_steps"],
-            lr_decay_steps=state["lr_decay_steps"],
-            lr_decay_style=state["lr_decay_style"],
-            start_wd=state["start_wd"],
-            end_wd=state["end_wd"],
-            wd_incr_steps=state["wd_incr_steps"],
-            wd_incr_style=state["wd_incr_style"],
-            wsd_decay_steps=state.get("wsd_decay_steps", facts.wsd_decay_steps),
-            lr_wsd_decay_style=state.get("lr_wsd_decay_style", facts.wsd_decay_style),
+            facts.scheduler,
+            facts.warmup_init_lr,
+            facts.wsd_decay_steps,
+            facts.wsd_decay_style,
         )
     except (KeyError, AssertionError, TypeError) as e:
         raise CkptopsError(
             f"{facts.directory.name}: its scheduler state cannot be replayed ({type(e).__name__}: {e})"
         ) from None
 
-    def lr_after(consumed: int) -> float:
-        scheduler.num_steps = consumed
+    def lr_at(count: int) -> float:
+        scheduler.num_steps = count
         return scheduler.get_lr({})
 
-    return lr_after
+    return lr_at
 
 
 def _finite(values: np.ndarray) -> np.ndarray:
@@ -168,9 +169,23 @@ def _differ(mine: np.ndarray, theirs: np.ndarray, rel: float) -> np.ndarray:
     return ~close & ~np.isnan(theirs)
 
 
+def throughput_of(steps: Steps, facts: CheckpointFacts) -> tuple[np.ndarray, str]:
+    """Throughput in tokens/s wherever it can be: Megatron-LM logs give samples/s, and the
+    checkpoint's sequence length turns them into tokens/s, comparable with step records."""
+    if steps.throughput_unit == "samples/s" and facts.seq_length:
+        return steps.throughput * facts.seq_length, "tokens/s"
+    return steps.throughput, steps.throughput_unit
+
+
+def _flagged(steps: Steps) -> np.ndarray:
+    """Iterations that were skipped, counted NaN, or whose loss or grad norm was not finite."""
+    return (np.nan_to_num(steps.skipped) > 0) | (np.nan_to_num(steps.nan) > 0) | (steps.nonfinite > 0)
+
+
 def make_baseline(before: Steps, facts: CheckpointFacts, settings) -> dict:
     """The steady state before the failure: the last ``window_steps`` steps after warm-up."""
     rows = np.arange(len(before))[settings.warmup_steps :][-settings.window_steps :]
+    throughput, unit = throughput_of(before, facts)
     return {
         "created_at": now_iso(),
         "source": before.source,
@@ -178,8 +193,8 @@ def make_baseline(before: Steps, facts: CheckpointFacts, settings) -> dict:
         "iterations": [int(before.iteration[rows[0]]), int(before.iteration[rows[-1]])]
         if rows.size
         else None,
-        "throughput_median": _median(before.throughput[rows]),
-        "throughput_unit": before.throughput_unit,
+        "throughput_median": _median(throughput[rows]),
+        "throughput_unit": unit,
         "peak_memory_median": _median(before.peak_memory[rows]),
         "memory_kind": before.memory_kind,
         "skipped": int(np.nansum(before.skipped[rows])),
@@ -290,8 +305,25 @@ class _Validator:
         ``resume.pointer_window_seconds``, covers the load and the clocks of two hosts. Not the
         pointer now: the resumed run's own saves move it on, and a later validation must pass."""
         f, a = self.facts, self.after
+        if f.not_valid:
+            self.add(_PROMOTED, False, "a verified checkpoint", f"{f.directory.name}: {f.not_valid}")
+            return
         if not f.verified:
             self.add(_PROMOTED, False, "a verified checkpoint", f"{f.directory.name} was never verified")
+            return
+        if f.verified_now:
+            # Nothing had verified it when the run resumed, so the pointer cannot have named it.
+            self.result.checks.append(
+                Check(
+                    _PROMOTED,
+                    Outcome.WARN,
+                    f"{f.directory.name} was verified after the "
+                    "resume (it passed): the run resumed from a checkpoint nobody had "
+                    "verified yet",
+                    "a verified checkpoint",
+                    "verified after the resume",
+                )
+            )
             return
         started = float(a.time[self.start]) if len(a) else float("nan")
         window = self.settings.pointer_window_seconds
@@ -390,15 +422,33 @@ class _Validator:
             mismatched = int(differ.sum())
         else:
             mismatched = 0
-        lr_after = _schedule(self.facts) if self.beyond.size else None
+        unit = self.facts.scheduler_unit
+        if self.beyond.size and unit is None:
+            steps = self.facts.scheduler.get("num_steps")
+            self.add(
+                "learning rate",
+                None,
+                "",
+                "",
+                f"the scheduler's step count at the checkpoint ({steps}) is "
+                f"neither its samples ({self.facts.consumed}) nor its iterations ({self.facts.iteration}): "
+                "what it counts is unknown, so its schedule cannot be replayed",
+            )
+            return
+        lr_at = _schedule(self.facts) if self.beyond.size else None
+        # Beyond the recomputed steps, the learning rate after each iteration is the schedule's
+        # at the count of its unit: samples consumed, or iterations done.
+        counts = a.consumed if unit == "samples" else a.iteration.astype(np.float64)
         for i in self.beyond:
-            if np.isnan(a.consumed[i]):
+            if np.isnan(counts[i]):
                 continue
-            expected = lr_after(int(a.consumed[i]))
+            expected = lr_at(int(counts[i]))
             if not (a.lr[i] == expected or math.isclose(a.lr[i], expected, rel_tol=self.lr_tolerance)):
                 mismatched += 1
                 if not bad:
-                    bad.append((int(a.iteration[i]), expected, a.lr[i], "the checkpoint's schedule"))
+                    bad.append(
+                        (int(a.iteration[i]), expected, a.lr[i], f"the checkpoint's schedule, in {unit}")
+                    )
         if bad:
             it, expected, observed, source = min(bad)
             self.add(
@@ -413,7 +463,8 @@ class _Validator:
                 "learning rate",
                 True,
                 f"{self.recomputed.size} recomputed as before, "
-                f"{self.beyond.size} on the checkpoint's schedule",
+                f"{self.beyond.size} on the checkpoint's schedule"
+                + (f" (the scheduler counts {unit})" if self.beyond.size else ""),
                 "all equal",
             )
 
@@ -563,11 +614,11 @@ class _Validator:
         )
 
     def _throughput(self) -> None:
-        unit = self.after.throughput_unit
+        throughput, unit = throughput_of(self.after, self.facts)
         pair = self._steady_state(
             "throughput",
             "throughput_median",
-            self.after.throughput,
+            throughput,
             "throughput_unit",
             unit,
             f"baseline in {(self.baseline or {}).get('throughput_unit')}, the resumed run in {unit}",
@@ -584,27 +635,31 @@ class _Validator:
 
     def _skipped(self) -> None:
         a, b = self.after, self.before
-        flagged = (np.nan_to_num(a.skipped) > 0) | (np.nan_to_num(a.nan) > 0)
+        flagged = _flagged(a)
         if self.recomputed.size:  # the run before skipped these too: not new
-            before_flagged = (np.nan_to_num(b.skipped) > 0) | (np.nan_to_num(b.nan) > 0)
-            flagged[self.recomputed[before_flagged[self.recomputed_before]]] = False
+            flagged[self.recomputed[_flagged(b)[self.recomputed_before]]] = False
         hits = self.rows[flagged[self.rows]]
         if hits.size:
             i = hits[0]
+            values = f", loss {a.loss[i]}, grad norm {a.grad_norm[i]}" if a.nonfinite[i] else ""
             self.add(
                 "skipped and NaN iterations",
                 False,
                 "none",
-                f"iteration {int(a.iteration[i])}: {int(a.skipped[i])} skipped, {int(a.nan[i])} NaN",
+                f"iteration {int(a.iteration[i])}: {int(a.skipped[i])} skipped, {int(a.nan[i])} NaN{values}",
                 f"{hits.size} steps affected",
             )
         else:
             self.add("skipped and NaN iterations", True, "none", "none")
 
 
-def validate_resume(checkpoint: Path, before: Steps | None, after: Steps, settings) -> Validation:
-    """Validate ``after`` (the resumed run) against ``before`` (the run before the failure)."""
+def validate_resume(
+    checkpoint: Path, before: Steps | None, after: Steps, settings, verified_now: bool = False
+) -> Validation:
+    """Validate ``after`` (the resumed run) against ``before`` (the run before the failure).
+    ``verified_now``: the checkpoint was verified by this validation, not before the resume."""
     facts = checkpoint_facts(checkpoint)
+    facts.verified_now = verified_now
     note = None
     if before is not None:
         baseline = make_baseline(before, facts, settings)
@@ -617,3 +672,40 @@ def validate_resume(checkpoint: Path, before: Steps | None, after: Steps, settin
     if note:
         result.checks.append(Check("baseline", Outcome.UNCHECKED, note))
     return result
+
+
+def verify_if_never_verified(directory: Path, profile) -> bool:
+    """Verify a checkpoint that has no manifest, as promote would (under the job lock, writing its
+    manifest); True if it did. A resume may have started from a save ckptops had not reached yet."""
+    from tasks.checkpoint.lock import job_lock
+    from tasks.checkpoint.verify import verify_checkpoint
+
+    if read_manifest(directory) is not None:
+        return False
+    with job_lock(directory.parent, profile.verify.lock_timeout_seconds):
+        if read_manifest(directory) is not None:  # verified by a promotion while we waited
+            return False
+        verify_checkpoint(directory, VerifyOptions.from_profile(profile, directory.parent))
+    return read_manifest(directory) is not None
+
+
+def validate(profile, after: Path, before: Path | None = None, checkpoint: Path | None = None) -> Validation:
+    """Post-resume validation as the CLI and the flow run it: the checkpoint (default: the promoted
+    one) verified now if nothing ever verified it, the records or Megatron-LM logs read, every check
+    run, the baseline stored with the job."""
+    from tasks.resume.records import load_steps
+
+    if checkpoint is None:
+        iteration = read_pointer(profile.job.save_dir)
+        if iteration is None:
+            raise UsageError(
+                f"{profile.job.save_dir}: nothing promoted; name the checkpoint the run resumed from"
+            )
+        checkpoint = profile.job.save_dir / layout.iter_dir_name(iteration)
+    checkpoint = Path(checkpoint)
+    if layout.parse_iter_dir(checkpoint.name) is None or not checkpoint.is_dir():
+        raise UsageError(f"{checkpoint}: not a checkpoint directory (expected iter_NNNNNNN)")
+    verified_now = verify_if_never_verified(checkpoint, profile)
+    return validate_resume(
+        checkpoint, load_steps(before) if before else None, load_steps(after), profile.resume, verified_now
+    )
