@@ -209,7 +209,7 @@ def test_drill_over_budget_fails_and_is_recorded(save_dir, tmp_path, options):
 def test_drill_with_nothing_promoted_fails_clearly(save_dir, tmp_path):
     profile = load_profile(write_job_profile(tmp_path, save_dir))
     report = run_drill(profile, "shared")
-    assert not report.ok and report.reason == f"{save_dir}: nothing promoted, nothing to restore"
+    assert not report.ok and report.reason == f"{save_dir}: nothing promoted"
     assert list(profile.drill.scratch_dir.iterdir()) == []
 
 
@@ -303,3 +303,15 @@ def test_production_drill_allocation_script(tmp_path):
     assert words[5:] == arguments  # each argument one word, never re-parsed by the shell
     checked = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
     assert checked.returncode == 0, checked.stderr
+
+
+def test_a_promoted_checkpoint_resaved_since_is_not_drilled(save_dir, tmp_path, options):
+    """Megatron re-saving into the promoted directory: its manifest describes another save."""
+    promote(save_dir, options, 30)
+    metadata = save_dir / "iter_0000024" / "metadata.json"
+    metadata.write_text(metadata.read_text() + " ")  # a new save identity (size and time)
+    profile = load_profile(write_job_profile(tmp_path, save_dir))
+    report = run_drill(profile, "shared")
+    assert not report.ok
+    assert report.reason == "iter_0000024: promoted but its manifest does not say valid for this save"
+    assert [p.name for p in report.phases] == []

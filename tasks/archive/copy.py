@@ -26,12 +26,11 @@ from pathlib import Path
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.lock import job_lock
-from tasks.checkpoint.manifest import CorruptManifest, Manifest, now_iso, read_manifest, record_archive_status
+from tasks.checkpoint.manifest import CorruptManifest, Manifest, now_iso, record_archive_status
 from tasks.checkpoint.pins import pinned
-from tasks.checkpoint.pointer import read_pointer
+from tasks.checkpoint.pointer import promoted
 from tasks.errors import CkptopsError, UsageError
 from tasks.storage.archive import AccessDenied, ArchiveStore, ArchiveUnavailable
-from tasks.storage.local import list_files
 
 POINTER_OBJECT = "latest_committed_iteration.txt"
 
@@ -192,15 +191,8 @@ def archive_checkpoint(
     job = profile.job.name
     store = ArchiveStore.from_settings(profile.archive)
     with job_lock(save_dir, profile.verify.lock_timeout_seconds, name=layout.ARCHIVE_LOCK):
-        iteration = read_pointer(save_dir)
-        if iteration is None:
-            raise CkptopsError(f"{save_dir}: nothing promoted yet, nothing to archive")
-        directory = save_dir / layout.iter_dir_name(iteration)
-        manifest = read_manifest(directory)
-        if manifest is None or not manifest.valid or not manifest.same_save(list_files(directory)):
-            raise CkptopsError(
-                f"{directory.name}: promoted but its manifest does not say valid for this save"
-            )
+        found = promoted(save_dir)
+        iteration, directory, manifest = found.iteration, found.directory, found.manifest
         committed = committed_iterations(store, job)
         commit_times, unreadable = _by_commit_time(store, job, committed)
         if iteration in unreadable:

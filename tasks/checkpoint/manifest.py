@@ -20,7 +20,7 @@ from tasks.checkpoint.layout import CORE_FILES, MANIFEST
 from tasks.checkpoint.state import State
 from tasks.errors import CkptopsError, Malformed, unreadable
 from tasks.outcome import Check
-from tasks.storage.local import atomic_write, read_json_state
+from tasks.storage.local import atomic_write, list_files, read_json_state
 
 # 2: checks carry an outcome word (pass, fail) instead of ok: true/false. Version 1 still reads.
 SCHEMA_VERSION = 2
@@ -126,6 +126,22 @@ def read_manifest(directory: Path) -> Manifest | None:
     except Malformed as e:
         raise CorruptManifest(str(e)) from None
     return None if data is None else Manifest.from_dict(data, str(path))
+
+
+def valid_for_this_save(directory: Path, iteration: int) -> Manifest | None:
+    """The checkpoint's manifest if it says valid for the very save now on disk (the right
+    iteration, not a symlinked directory, the same save), else None."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if (
+        manifest is None
+        or not manifest.valid
+        or manifest.iteration != iteration
+        or directory.is_symlink()
+        or not manifest.same_save(list_files(directory))
+    ):
+        return None
+    return manifest
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:

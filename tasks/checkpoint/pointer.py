@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from tasks.checkpoint.layout import HISTORY, POINTER
-from tasks.checkpoint.manifest import now_iso
-from tasks.errors import Malformed
+from tasks.checkpoint.layout import HISTORY, POINTER, iter_dir_name
+from tasks.checkpoint.manifest import Manifest, now_iso, valid_for_this_save
+from tasks.errors import CkptopsError, Malformed
 from tasks.storage.local import (
     append_jsonl,
     atomic_write,
@@ -49,6 +49,26 @@ def read_pointer(save_dir: Path) -> int | None:
         text = data[:40].decode("utf-8", "replace")
         raise Malformed(f"{path}: garbled pointer {text!r} (expected an iteration number)")
     return int(found[1])
+
+
+@dataclass(frozen=True)
+class Promoted:
+    iteration: int
+    directory: Path
+    manifest: Manifest
+
+
+def promoted(save_dir: Path) -> Promoted:
+    """The checkpoint the pointer names, re-checked as promotion checks it: its manifest says
+    valid for the save now on disk. What every reader of the promoted checkpoint starts from."""
+    iteration = read_pointer(save_dir)
+    if iteration is None:
+        raise CkptopsError(f"{save_dir}: nothing promoted")
+    directory = Path(save_dir) / iter_dir_name(iteration)
+    manifest = valid_for_this_save(directory, iteration)
+    if manifest is None:
+        raise CkptopsError(f"{directory.name}: promoted but its manifest does not say valid for this save")
+    return Promoted(iteration, directory, manifest)
 
 
 def write_pointer(save_dir: Path, iteration: int) -> None:

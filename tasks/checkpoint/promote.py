@@ -22,7 +22,7 @@ from pathlib import Path
 from tasks.checkpoint import layout
 from tasks.checkpoint.catalog import CheckpointInfo, catalog, describe
 from tasks.checkpoint.lock import job_lock
-from tasks.checkpoint.manifest import read_manifest
+from tasks.checkpoint.manifest import valid_for_this_save
 from tasks.checkpoint.pointer import (
     Hold,
     clear_hold,
@@ -37,7 +37,6 @@ from tasks.checkpoint.pointer import (
 from tasks.checkpoint.state import Completeness, State, VerifyOptions
 from tasks.checkpoint.verify import Verification, verify_checkpoint
 from tasks.errors import CkptopsError, UsageError
-from tasks.storage.local import list_files
 
 
 @dataclass
@@ -167,14 +166,7 @@ def choose_target(
 def point_to(save_dir: Path, iteration: int) -> None:
     """Write the pointer after re-reading the manifest: the last line of defence."""
     directory = Path(save_dir) / layout.iter_dir_name(iteration)
-    manifest = read_manifest(directory)
-    if (
-        manifest is None
-        or not manifest.valid
-        or manifest.iteration != iteration
-        or directory.is_symlink()
-        or not manifest.same_save(list_files(directory))
-    ):
+    if valid_for_this_save(directory, iteration) is None:
         raise CkptopsError(
             f"{directory.name}: refusing to promote, its manifest does not say valid for this save"
         )

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from tasks.archive.copy import archived_manifest, entry_key, newest_committed
 from tasks.checkpoint import layout
-from tasks.checkpoint.manifest import Manifest, now_iso, read_manifest
+from tasks.checkpoint.manifest import Manifest, now_iso, valid_for_this_save
 from tasks.checkpoint.pins import pinned
-from tasks.checkpoint.pointer import read_pointer
+from tasks.checkpoint.pointer import promoted
 from tasks.checkpoint.state import State, VerifyOptions
 from tasks.checkpoint.verify import verify_checkpoint
 from tasks.errors import CkptopsError, UsageError
@@ -139,17 +139,17 @@ class _Drill:
         return self._download(target)
 
     def _copy_shared(self, target: Path) -> Manifest:
-        iteration = read_pointer(self.save_dir)
-        if iteration is None:
-            raise CkptopsError(f"{self.save_dir}: nothing promoted, nothing to restore")
-        source = self.save_dir / layout.iter_dir_name(iteration)
+        found = promoted(self.save_dir)
+        iteration, source = found.iteration, found.directory
         destination = target / layout.iter_dir_name(iteration)
         self.report.iteration, self.report.location = iteration, str(source)
         # The lease keeps retention from deleting the checkpoint while it is being copied.
         with pinned(self.save_dir, iteration, f"drill-{os.getpid()}", "restore drill reading"):
-            manifest = read_manifest(source)
-            if manifest is None or not manifest.valid:
-                raise CkptopsError(f"{source.name}: promoted but its manifest does not say valid")
+            manifest = valid_for_this_save(source, iteration)  # again, under the lease
+            if manifest is None:
+                raise CkptopsError(
+                    f"{source.name}: promoted, but its manifest no longer says valid for this save"
+                )
             destination.mkdir()
 
             def copy():
