@@ -208,6 +208,11 @@ def status(
         out.print_json(json.dumps([i.to_dict() for i in infos]))
     else:
         render.status(out, directory, infos, problem)
+    if prof.drill and not as_json:
+        from tasks.restore.scratch import stale_scratch
+
+        for path, why in stale_scratch(prof.drill.scratch_dir):
+            out.print(f"stale drill scratch: {path} ({why}); the next drill removes it", markup=False)
     problems = [problem] * bool(problem) + [i.manifest_error for i in infos if i.manifest_error]
     for line in problems:
         err.print(f"ckptops: {line}", markup=False)

@@ -45,7 +45,7 @@ def table(
 
 def status(console: Console, save_dir: Path, infos, pointer_problem: str | None = None) -> None:
     """The checkpoints of a save directory; pins and reasons only when something needs them."""
-    show_pins = any(i.pins for i in infos)
+    show_pins = any(i.pins or i.expired_pins for i in infos)
     show_reason = any(i.state is not State.VALID for i in infos)
     columns = ["iteration", "state", "size", "consumed", "verified (UTC)", "promoted"]
     columns += ["pins"] * show_pins + ["reason"] * show_reason
@@ -59,7 +59,7 @@ def status(console: Console, save_dir: Path, infos, pointer_problem: str | None 
             (i.verified_at or "").replace("T", " ")[:19],
             "yes" if i.promoted else ("?" if pointer_problem else ""),
         ]
-        row += [", ".join(i.pins)] * show_pins
+        row += [", ".join(i.pins + [f"{pin}, expired" for pin in i.expired_pins])] * show_pins
         row += ["" if i.state is State.VALID else i.reason] * show_reason
         rows.append(row)
         styles.append([None, _COLOURS.get(i.state)] + [None] * (len(row) - 2))

@@ -19,6 +19,7 @@ from tasks.archive.copy import (
     newest_committed,
 )
 from tasks.checkpoint.manifest import read_manifest
+from tasks.checkpoint.pins import expired_leases
 from tasks.checkpoint.promote import promote
 from tasks.profile import load_profile
 from tasks.restore.drill import run_drill
@@ -68,6 +69,9 @@ def test_killed_upload_is_not_committed_and_the_next_run_completes_it(archived_p
         text=True,
     )
     assert child.returncode == -9, child.stderr
+    # Its lease stays behind but names a process that is gone: it protects nothing.
+    ((lease, why),) = expired_leases(save_dir)
+    assert lease.holder.startswith("archive-") and why.startswith("lease expired: process ")
     store = store_of(archived_profile)
     assert committed_iterations(store, "test-job") == []
     assert store.listdir("test-job/iter_0000024")  # objects are there, but no manifest: not an entry

@@ -63,3 +63,45 @@ def test_plan_is_a_pure_function_of_the_catalog(save_dir, options):
     plan = plan_retention(infos, 24, 3)
     assert plan.delete == [4, 8, 12]
     assert remaining(save_dir) == [4, 8, 12, 16, 20, 24]
+
+
+def _dead_process_identity() -> dict:
+    """The identity of a process that ran and exited (its pid is free, or another's now)."""
+    import subprocess
+    import sys
+
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json; from tasks.cluster.process import identity; print(json.dumps(identity()))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    import json
+
+    return json.loads(child.stdout)
+
+
+def test_a_lease_whose_reader_is_gone_protects_nothing(save_dir, options):
+    """A drill or an archive copy killed with SIGKILL never unpins: its lease names its process,
+    and once that is gone retention removes the lease and may delete the checkpoint."""
+    import json
+
+    promote(save_dir, options, 30)
+    pin(save_dir, 4, "operator", "keep it")
+    lease = pin(save_dir, 8, "drill-4242", "restore drill reading", lease=True)
+    record = json.loads(lease.read_text())
+    record["lease"] = _dead_process_identity()
+    lease.write_text(json.dumps(record))
+    infos = {i.iteration: i for i in catalog(save_dir, options)}
+    assert infos[8].pins == [] and infos[8].expired_pins[0].startswith("drill-4242 (lease expired: process ")
+    assert infos[4].pins == ["operator"]
+    plan, deleted = retain(save_dir, options, 3, 30)
+    assert plan.expired_leases[0].startswith("iter_0000008@drill-4242 (lease expired: process ")
+    assert deleted == [8, 12] and not lease.exists()
+    assert remaining(save_dir) == [4, 16, 20, 24]  # the operator's pin still holds 4
+    with pinned(save_dir, 16, "drill-live", "reading"):  # a live reader's lease protects
+        assert retain(save_dir, options, 2, 30)[0].kept[16].startswith("pinned by drill-live")

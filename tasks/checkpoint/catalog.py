@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.manifest import CorruptManifest, read_manifest
+from tasks.checkpoint.pins import expired_leases
 from tasks.checkpoint.pins import pins as read_pins
 from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.state import State, VerifyOptions, completeness
@@ -33,6 +34,9 @@ class CheckpointInfo:
     pins: list[str] = field(default_factory=list)
     stale: bool = False  # re-saved after verification: the manifest describes an older save
     manifest_error: str | None = None  # its manifest cannot be trusted (a human must look)
+    expired_pins: list[str] = field(
+        default_factory=list
+    )  # leases whose reader is gone (removed by retention)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,6 +97,9 @@ def catalog(save_dir: Path, options: VerifyOptions, pointer=_FROM_DISK) -> list[
     if pointer is _FROM_DISK:
         pointer = read_pointer(save_dir)
     pinned = read_pins(save_dir)
+    expired: dict[int, list[str]] = {}
+    for lease, why in expired_leases(save_dir):
+        expired.setdefault(lease.iteration, []).append(f"{lease.holder} ({why})")
     infos = []
     for iteration in iterations:
         try:
@@ -101,5 +108,6 @@ def catalog(save_dir: Path, options: VerifyOptions, pointer=_FROM_DISK) -> list[
             continue  # deleted by retention while we listed
         info.promoted = iteration == pointer
         info.pins = sorted(pinned.get(iteration, []))
+        info.expired_pins = expired.get(iteration, [])
         infos.append(info)
     return infos

@@ -14,6 +14,7 @@ from tasks.checkpoint import layout
 from tasks.checkpoint.catalog import CheckpointInfo, catalog
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.pins import pins as read_pins
+from tasks.checkpoint.pins import remove_expired_leases
 from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.state import State, VerifyOptions
 from tasks.storage.local import purge_trash, remove_tree
@@ -26,6 +27,7 @@ class RetentionPlan:
     delete: list[int] = field(default_factory=list)
     kept: dict[int, str] = field(default_factory=dict)
     failed: list[int] = field(default_factory=list)  # invalid checkpoints, kept for inspection
+    expired_leases: list[str] = field(default_factory=list)  # removed: their readers are gone
 
 
 def plan_retention(infos: list[CheckpointInfo], pointer: int | None, keep_verified: int) -> RetentionPlan:
@@ -66,6 +68,7 @@ def apply_retention(
     plan = plan_retention(catalog(save_dir, options), read_pointer(save_dir), keep_verified)
     if dry_run:
         return plan, []
+    plan.expired_leases = remove_expired_leases(save_dir)
     purge_trash(save_dir)
     deleted = []
     for iteration in list(plan.delete):

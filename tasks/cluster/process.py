@@ -9,6 +9,7 @@ process the command started is noted while it runs and killed, with its group, a
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -30,6 +31,29 @@ class Failed(CkptopsError):
     def __init__(self, message: str, code: int, log: Path):
         super().__init__(message)
         self.code, self.log = code, log
+
+
+def identity(pid: int | None = None) -> dict:
+    """Who holds something (a lease, a scratch directory): host, pid and the process's start
+    time, so that a pid the kernel gave to another process is not taken for the holder."""
+    process = psutil.Process(pid or os.getpid())
+    return {"host": socket.gethostname(), "pid": process.pid, "started": process.create_time()}
+
+
+def gone(holder: dict) -> str | None:
+    """Why ``holder`` (an ``identity``) no longer runs, if this host can tell: None while it runs,
+    and None for another host's process (only its age can retire it)."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return None
+    try:
+        started = psutil.Process(holder["pid"]).create_time()
+    except psutil.NoSuchProcess:
+        return f"process {holder['pid']} is gone"
+    except psutil.Error:
+        return None
+    if abs(started - float(holder.get("started") or 0)) > 1.0:
+        return f"process {holder['pid']} is gone (the pid now belongs to another process)"
+    return None
 
 
 def start(argv: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:

@@ -33,6 +33,7 @@ from tasks.outcome import Check, Outcome
 from tasks.restore.history import append_drill, drill_files
 from tasks.restore.launch import drill_layout, run_loader
 from tasks.restore.report import LoadReport
+from tasks.restore.scratch import clear_stale_scratch, make_scratch
 from tasks.storage.archive import ArchiveStore
 
 SOURCES = ("shared", "archive")
@@ -65,6 +66,7 @@ class DrillReport:
     id: str = ""
     layout: dict = field(default_factory=dict)  # the drill's TP, PP, DP
     log: str | None = None  # the load's own output, kept in the history
+    cleared: list[str] = field(default_factory=list)  # earlier drills' scratch, removed: their drill is gone
 
     @property
     def window_seconds(self) -> float:
@@ -108,6 +110,7 @@ class _Drill:
         self.scratch = Path(profile.drill.scratch_dir) / f"drill-{self.report.id}"
 
     def run(self) -> DrillReport:
+        self.report.cleared = clear_stale_scratch(self.profile.drill.scratch_dir)
         try:
             manifest = self._restore()
             self._verify(manifest)
@@ -132,8 +135,8 @@ class _Drill:
         self.report.phases.append(Phase(name, time.monotonic() - started, nbytes))
 
     def _restore(self) -> Manifest:
-        target = self.scratch / "restore"
-        target.mkdir(parents=True)
+        target = make_scratch(self.scratch) / "restore"
+        target.mkdir()
         if self.source == "shared":
             return self._copy_shared(target)
         return self._download(target)
