@@ -259,3 +259,17 @@ def test_archive_never_modifies_the_source(archived_profile, save_dir):
     }
     assert after == before
     assert not list((save_dir / ".ckptops-pins").iterdir())  # the drill's and the copy's leases are gone
+
+
+def test_a_committed_entry_whose_objects_vanished_is_copied_again(archived_profile, save_dir):
+    profile = archived_profile
+    assert archive_checkpoint(save_dir, profile, force=True).committed
+    store_of(profile).remove("test-job/iter_0000024/__1_0.distcp")  # a lifecycle rule, a hand
+    again = archive_checkpoint(save_dir, profile, force=True)
+    assert again.committed and again.uploaded_bytes > 0
+    assert (
+        "the committed copy had lost 1 of its objects (__1_0.distcp missing): uncommitted and copied again"
+        in (again.message)
+    )
+    assert run_drill(profile, "archive").ok
+    assert archive_checkpoint(save_dir, profile, force=True).message == "iteration 24 is already archived"

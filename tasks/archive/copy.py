@@ -203,8 +203,13 @@ def archive_checkpoint(
                 f"iteration {iteration} is archived but its archived manifest is unreadable; "
                 "kept for inspection, never overwritten",
             )
-        skip = _skip_reason(
-            store, job, manifest, committed, commit_times, profile.archive.period_hours, force
+        damaged = _uncommit_if_damaged(store, job, manifest, committed)
+        skip = (
+            None
+            if damaged
+            else _skip_reason(
+                store, job, manifest, committed, commit_times, profile.archive.period_hours, force
+            )
         )
         if skip:
             return ArchiveResult(iteration, store.where(entry_key(job, iteration)), False, skip)
@@ -238,13 +243,40 @@ def archive_checkpoint(
         with job_lock(save_dir, profile.verify.lock_timeout_seconds):
             record_archive_status(directory, status)
         deleted = apply_archive_retention(store, job, profile.archive.keep)
-        message = "committed" + (
-            f"; unreadable archived manifests kept for inspection: iterations "
-            f"{', '.join(map(str, unreadable))}"
-            if unreadable
-            else ""
+        message = (
+            "committed"
+            + (f"; {damaged}" if damaged else "")
+            + (
+                f"; unreadable archived manifests kept for inspection: iterations "
+                f"{', '.join(map(str, unreadable))}"
+                if unreadable
+                else ""
+            )
         )
         return ArchiveResult(iteration, status["url"], True, message, uploaded, reused, seconds, deleted)
+
+
+def _uncommit_if_damaged(
+    store: ArchiveStore, job: str, manifest: Manifest, committed: list[int]
+) -> str | None:
+    """A committed copy of this very save whose objects have vanished or shrunk (a lifecycle rule,
+    a hand's rm) is no copy: it is uncommitted (its manifest removed) and copied again. Checked by
+    one listing of sizes, not by reading: every run pays it."""
+    if manifest.iteration not in committed:
+        return None
+    archived = archived_manifest(store, job, manifest.iteration)
+    if archived.files != manifest.files:
+        return None
+    found = store.sizes(entry_key(job, manifest.iteration))
+    damaged = [f.path for f in archived.files if found.get(f.path) != f.size]
+    if not damaged:
+        return None
+    store.remove(entry_key(job, manifest.iteration, layout.MANIFEST))
+    committed.remove(manifest.iteration)
+    return (
+        f"the committed copy had lost {len(damaged)} of its objects ({damaged[0]} "
+        f"{'missing' if damaged[0] not in found else 'cut short'}): uncommitted and copied again"
+    )
 
 
 def _skip_reason(

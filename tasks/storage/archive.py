@@ -124,6 +124,18 @@ class ArchiveStore:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
+    def sizes(self, key: str) -> dict[str, int]:
+        """Names directly under ``key`` with their sizes, from one listing (nothing is read)."""
+        try:
+            entries = self._call("list", key, self.fs.ls, self._path(key), detail=True, refresh=True)
+        except FileNotFoundError:
+            return {}
+        return {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+            for e in entries
+            if e.get("type") != "directory"
+        }
+
     def read(self, key: str) -> bytes:
         return self._call("read", key, self.fs.cat_file, self._path(key))
 
