@@ -34,6 +34,9 @@ ProfileOpt = Annotated[
     typer.Option("--profile", "-p", help="profile name in profiles/ or a YAML path [default: local]"),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the result as JSON")]
+# Real DCGM and nccl-tests outputs are kilobytes; a file far larger is not one (and would cost
+# gigabytes to parse).
+MAX_TOOL_OUTPUT = 64 << 20
 
 
 def _fail(error: CkptopsError) -> None:
@@ -523,6 +526,12 @@ def health_classify(
         if tool not in ("dcgm", "nccl"):
             raise UsageError(f"{tool!r}: classify dcgm or nccl")
         try:
+            size = file.stat().st_size
+            if size > MAX_TOOL_OUTPUT:
+                raise UsageError(
+                    f"{file}: {size / 2**20:.0f} MiB is more than any dcgmi or all_reduce_perf output "
+                    f"(at most {MAX_TOOL_OUTPUT >> 20} MiB are read)"
+                )
             text = file.read_text(errors="replace")
         except OSError as e:
             raise UsageError(f"{file}: {e.strerror}") from None

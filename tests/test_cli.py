@@ -225,3 +225,13 @@ def test_status_names_a_manifest_whose_fields_have_the_wrong_types(save_dir):
         result.stderr.strip() == f"ckptops: {path}: malformed manifest (files: Input should be a valid list)"
     )
     assert any(line.split()[:2] == ["8", "invalid"] for line in result.stdout.splitlines()[2:])
+
+
+def test_classify_refuses_a_file_no_tool_output_is_as_large_as(tmp_path):
+    huge = tmp_path / "huge.txt"
+    with open(huge, "wb") as f:
+        f.truncate((64 << 20) + 1)  # sparse: no disk, but its size says what it is
+    result = ckptops("health", "classify", "nccl", huge)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"ckptops: {huge}: 64 MiB is more than any dcgmi or all_reduce_perf output (at most 64 MiB are read)"
+    )

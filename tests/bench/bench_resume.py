@@ -5,13 +5,15 @@ The records are generated in the recorder's format for a long run resumed from t
 checkpoint (iteration 4, 8 samples a batch): 900,000 records before the failure and 100,000 after
 it (1,000,000 in all), every resumed iteration recomputed and compared. Batches are recorded as a
 production run's would be, by digest (a 500B run's global batch is over the 1,024 IDs written in
-full). Target: validating 1,000,000 step records in under 5 s. The recorder's cost is measured per
-call, beside the local
-job's step time.
+full). Target: validating 1,000,000 step records in under 5 s. The peak memory of the whole
+``ckptops validate-resume`` on those files is measured as a process of its own. The recorder's
+cost is measured per call, beside the local job's step time.
 """
 
 import json
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -95,6 +97,33 @@ def local_step_seconds() -> float:
     )
 
 
+def cli_peak_memory(checkpoint: Path, before: Path, after: Path) -> tuple[int, int]:
+    """Peak RSS (bytes) of the CLI validating the records, as a process of its own (the first
+    child of this process: ru_maxrss of the children is theirs)."""
+    cli = Path(sys.executable).with_name("ckptops")
+    done = subprocess.run(
+        [
+            str(cli),
+            "validate-resume",
+            "--checkpoint",
+            str(checkpoint),
+            "--before",
+            str(before),
+            "--after",
+            str(after),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if done.returncode not in (0, 1):
+        raise SystemExit(f"validate-resume failed: {done.stderr.strip()}")
+    return resource.getrusage(
+        resource.RUSAGE_CHILDREN
+    ).ru_maxrss * 1024, before.stat().st_size + after.stat().st_size
+
+
 def main() -> int:
     ckpt = checkpoint("small", 4, [])
     with tempfile.TemporaryDirectory(prefix="ckptops-bench-resume-") as tmp:
@@ -110,6 +139,7 @@ def main() -> int:
         result = validate_resume(ckpt, before, after, settings)
         total = time.perf_counter() - started
         per_call = recorder_cost(tmp)
+        peak_rss, sizes = cli_peak_memory(ckpt, tmp / "before.jsonl", tmp / "after.jsonl")
     step = local_step_seconds()
     table = Table(title="make bench: post-resume validation")
     for column in ("what", "value"):
@@ -120,6 +150,11 @@ def main() -> int:
     table.add_row("load (parse both files)", f"{loaded:.2f} s")
     table.add_row("load + all checks", f"{total:.2f} s")
     table.add_row("verdict", result.line()[:80])
+    table.add_row(
+        "ckptops validate-resume, peak memory",
+        f"{peak_rss / 2**20:.0f} MiB for {sizes / 2**20:.0f} MiB of records "
+        "(the whole CLI, torch imports included)",
+    )
     table.add_row(
         "recorder, per step",
         f"{per_call * 1e6:.0f} us = {per_call / step:.2%} of a {step * 1000:.0f} ms local step",
