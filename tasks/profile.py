@@ -6,6 +6,7 @@ misspelt ``keep_verfied`` must not silently fall back to a default), and every e
 file and the key.
 """
 
+import importlib.resources
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -14,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from tasks.errors import UsageError
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+# The shipped profiles: package data, found the same way installed or in a checkout.
+PROFILES_DIR = Path(str(importlib.resources.files("profiles")))
 DEFAULT_PROFILE = "local"
 
 Slug = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]

@@ -38,9 +38,9 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyPara
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
+from ckptops_records import StepRecorder, batch_summary  # noqa: E402
 from tasks.restore.build import build, init_distributed, set_seeds  # noqa: E402
 from tasks.restore.loader import load_state, rng_state_object  # noqa: E402
-from tasks.resume.records import StepRecorder, batch_summary  # noqa: E402
 
 CHECKPOINT_VERSION = 3.0
 TRACKER = "latest_checkpointed_iteration.txt"

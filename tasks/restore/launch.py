@@ -5,6 +5,7 @@ Either way the loader writes a ``LoadReport``, and a rank that fails writes its 
 beside it; the load's whole output goes to a log the caller keeps.
 """
 
+import importlib.resources
 import os
 import re
 import shlex
@@ -18,7 +19,8 @@ from tasks.cluster import process
 from tasks.errors import CkptopsError, UsageError
 from tasks.restore.report import LoadReport, first_error, read_report
 
-SBATCH_TEMPLATE = Path(__file__).resolve().parents[2] / "infra" / "slurm" / "restore_drill.sbatch"
+# The drill allocation's batch script: package data, found the same way installed or in a checkout.
+SBATCH_TEMPLATE = importlib.resources.files("tasks.restore") / "restore_drill.sbatch"
 
 
 @dataclass(frozen=True)
