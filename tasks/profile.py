@@ -190,7 +190,7 @@ class SshAccess(_Section):
 class Nccl(_Section):
     enabled: bool = True
     command: list[str] = ["all_reduce_perf", "-b", "1G", "-e", "8G", "-f", "2", "-g", "8"]
-    pass_gbps: Positive = 431  # one node, 8 x H200 (health.md); replace with the fleet's median
+    pass_gbps: Positive = 431  # one node, 8 x H200: a starting gate; replace with the fleet's median
     warn_gbps: Positive = 410
     timeout_seconds: Positive = 900
 

@@ -383,8 +383,10 @@ def test_resave_after_verification_is_judged_afresh(save_dir, options):
     directory = iter_dir(save_dir, 8)
     first = verify_checkpoint(directory, options)
     assert first.state is State.VALID
-    time.sleep(0.01)  # a later save has a later mtime; this only separates the two timestamps
-    (directory / "metadata.json").write_bytes((directory / "metadata.json").read_bytes())
+    metadata = directory / "metadata.json"
+    before = metadata.stat().st_mtime_ns
+    metadata.write_bytes(metadata.read_bytes())  # Megatron re-saving: the same bytes, a new save
+    os.utime(metadata, ns=(before + 10**9, before + 10**9))  # a save's time is later than the one before
     settle(directory)
     again = verify_checkpoint(directory, options)
     assert again.state is State.VALID

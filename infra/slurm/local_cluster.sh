@@ -7,7 +7,7 @@
 #   infra/slurm/local_cluster.sh down [DIR]   stop slurmctld and every slurmd
 #
 # DIR defaults to data/slurm in the repository. Needs root (the daemons run as root here, as
-# the notes in shared/notes/slurm-local.md tried them).
+# a throwaway test cluster).
 set -euo pipefail
 
 action=${1:-up}

@@ -1,6 +1,6 @@
 """What to do about the verdicts: drain failing nodes in Slurm (safely), admit spares.
 
-Safety rules (health.md):
+Safety rules (as operators' health-check suites apply them: Azure HPC health checks, Meta GCM):
 - many nodes failing the same check at once is usually a software regression, not hardware:
   drain nothing, call a human (``page``);
 - at most ``max_per_run`` drains per run and ``max_per_hour`` per hour (a drain log per fleet);

@@ -1,6 +1,6 @@
 """DCGM outputs (``dcgmi diag``, ``discovery``, ``nvlink``) into verdicts.
 
-Rules, from DCGM 3.3.9 and 4.6.0 and the operators who run them (see ../shared/notes/health.md):
+Rules, from DCGM 3.3.9 and 4.6.0 and the operators who run them (Azure HPC health checks, Meta GCM):
 - DCGM's own status is only Pass/Fail/Skip, and a warning shows as Fail: decide on each error's
   ``error_id`` and ``error_severity`` (MONITOR 1 -> WARN, CONFIG 5 -> FAIL_CONFIG, ISOLATE 2,
   UNKNOWN 3, TRIAGE 4, RESET 6 -> FAIL_HARDWARE).
