@@ -23,7 +23,7 @@ from tasks.checkpoint.flow_tasks import (
 )
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.promote import verify_pending
-from tasks.checkpoint.state import State, VerifyOptions
+from tasks.checkpoint.state import VerifyOptions
 from tasks.profile import load_profile
 
 # Prefect's slot acquisition needs a moment even when the slot is free.
@@ -54,27 +54,10 @@ def verify_and_promote(
             verify=lambda it: verify_one(save_dir, it, options),
             wait=lambda it: wait_for_save(save_dir, it, options, wait, prof.verify.poll_seconds),
         )
-        previous, current, why = promote_step(save_dir, options, iteration)
+        report = promote_step(save_dir, options, iteration)
+        report.verifications = verifications
         plan, deleted = retention(save_dir, options, prof.retention.keep_verified)
-    publish_report(
-        prof.job.name,
-        check_rows(verifications),
-        summary_markdown(prof, previous, current, why, verifications, plan, deleted),
-    )
-    failed = [v.line() for v in verifications if v.state is State.INVALID]
-    if current is None and previous is not None:
-        failed.append(f"pointer removed: {why}")
-    if failed:
-        return Failed(message="; ".join(failed))
-    done = [str(v.iteration) for v in verifications if v.state is State.VALID]
-    waiting = [str(v.iteration) for v in verifications if v.state is State.IN_PROGRESS]
-    return Completed(
-        message="".join(
-            [
-                f"verified {', '.join(done)}; " if done else "",
-                f"latest verified: {current} ({why})",
-                f"; retention deleted {', '.join(map(str, deleted))}" if deleted else "",
-                f"; still in progress: {', '.join(waiting)}" if waiting else "",
-            ]
-        )
-    )
+    publish_report(prof.job.name, check_rows(verifications), summary_markdown(prof, report, plan, deleted))
+    if not report.ok:
+        return Failed(message="; ".join(report.problems()))
+    return Completed(message=report.summary(deleted))

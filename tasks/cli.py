@@ -34,6 +34,14 @@ ProfileOpt = Annotated[
     typer.Option("--profile", "-p", help="profile name in profiles/ or a YAML path [default: local]"),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the result as JSON")]
+# Promotion, status and retention work on any save directory (another job's is judged with the
+# profile's verify and retention settings, none of its job's: name, layout, integrity.json);
+# archive and drills carry one job's settings (bucket, budget, layout) and refuse another's.
+ANY_SAVE_DIR = (
+    "a save directory (default: the profile's); another job's is judged by the profile's verify and "
+    "retention settings, not its job settings"
+)
+OWN_SAVE_DIR = "the profile's own save directory (the default); any other is refused"
 # Real DCGM and nccl-tests outputs are kilobytes; a file far larger is not one (and would cost
 # gigabytes to parse).
 MAX_TOOL_OUTPUT = 64 << 20
@@ -134,9 +142,7 @@ def verify(
 
 @app.command()
 def promote(
-    save_dir: Annotated[
-        Path | None, typer.Argument(help="the job's save directory [default: the profile's]")
-    ] = None,
+    save_dir: Annotated[Path | None, typer.Argument(help=ANY_SAVE_DIR)] = None,
     iteration: Annotated[
         int | None,
         typer.Option(
@@ -183,14 +189,12 @@ def promote(
         out.print(f"latest verified: {arrow} ({report_.message})", markup=False)
     if report_.cleared:
         err.print(f"ckptops: {directory}: pointer removed, no valid checkpoint to resume from", markup=False)
-    raise typer.Exit(1 if report_.failed or report_.cleared else 0)
+    raise typer.Exit(0 if report_.ok else 1)
 
 
 @app.command()
 def status(
-    save_dir: Annotated[
-        Path | None, typer.Argument(help="the job's save directory [default: the profile's]")
-    ] = None,
+    save_dir: Annotated[Path | None, typer.Argument(help=ANY_SAVE_DIR)] = None,
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ):
@@ -225,9 +229,7 @@ def status(
 
 @app.command()
 def retain(
-    save_dir: Annotated[
-        Path | None, typer.Argument(help="the job's save directory [default: the profile's]")
-    ] = None,
+    save_dir: Annotated[Path | None, typer.Argument(help=ANY_SAVE_DIR)] = None,
     keep: Annotated[
         int | None, typer.Option("--keep", help="verified checkpoints to keep [default: the profile's]")
     ] = None,
@@ -302,9 +304,7 @@ def _profile_for(profile: str | None, save_dir: Path | None) -> Profile:
 
 @app.command()
 def archive(
-    save_dir: Annotated[
-        Path | None, typer.Argument(help="the job's save directory [default: the profile's]")
-    ] = None,
+    save_dir: Annotated[Path | None, typer.Argument(help=OWN_SAVE_DIR)] = None,
     force: Annotated[
         bool, typer.Option("--force", help="copy even if the newest archive copy is younger than the period")
     ] = False,
@@ -333,9 +333,7 @@ def archive(
 
 @app.command()
 def drill(
-    save_dir: Annotated[
-        Path | None, typer.Argument(help="the job's save directory [default: the profile's]")
-    ] = None,
+    save_dir: Annotated[Path | None, typer.Argument(help=OWN_SAVE_DIR)] = None,
     source: Annotated[str, typer.Option("--source", "-s", help="shared or archive")] = "shared",
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
@@ -357,41 +355,37 @@ def drill(
 
 @app.command()
 def drills(
-    save_dir: Annotated[
-        Path | None, typer.Argument(help="the job's save directory [default: the profile's]")
-    ] = None,
+    save_dir: Annotated[Path | None, typer.Argument(help=OWN_SAVE_DIR)] = None,
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="also write the trend as a PNG here")] = None,
 ):
     """Drill history: restore window per drill and source, and the estimate at production size."""
     with _expected_errors():
-        from tasks.restore.history import estimate, read_drills, trend_png, trend_rows
+        from tasks.restore.history import history, trend_png, trend_rows
 
         prof = _profile_for(profile, save_dir)
-        history = read_drills(prof.job.save_dir)
-        size = prof.drill.estimate_for_bytes if prof.drill else None
-        predicted = estimate(history, size) if size else {}
-        if plot is not None and history:
-            plot.write_bytes(trend_png(history))
+        found = history(prof)
+        if plot is not None and found.drills:
+            plot.write_bytes(trend_png(found.drills))
     if as_json:
         out.print_json(
             json.dumps(
                 {
-                    "drills": history,
-                    "estimate_for_bytes": size,
-                    "estimate_seconds": {s: e.seconds for s, e in predicted.items()},
+                    "drills": found.drills,
+                    "estimate_for_bytes": found.size_bytes,
+                    "estimate_seconds": {s: e.seconds for s, e in found.predicted.items()},
                 }
             )
         )
         return
-    rows = trend_rows(history)
+    rows = trend_rows(found.drills)
     if not rows:
         out.print("no drills recorded yet", markup=False)
         return
     render.drills(out, prof.job.name, rows)
-    for e in predicted.values():
-        out.print(e.line(size, getattr(prof.drill.budget_seconds, e.source)), markup=False)
+    for line in found.estimate_lines():
+        out.print(line, markup=False)
 
 
 @app.command("validate-resume")
@@ -450,50 +444,36 @@ def health_run(
 ):
     """Check nodes in parallel; print a verdict per node; drain (or plan drains) as the profile says."""
     with _expected_errors():
-        from tasks.health.actions import apply_drains, plan_drains, spare_readiness
-        from tasks.health.run import resolve_nodes, run_health
+        from tasks.health.sweep import sweep
 
         prof = load_profile(profile)
         if prof.health is None:
             raise UsageError(f"{prof.source}: no health section")
-        names = resolve_nodes(prof.health, nodes.split(",") if nodes else None)
-        run = run_health(
+        done = sweep(
             prof.health,
-            names,
+            nodes.split(",") if nodes else None,
             level,
             admit,
             progress=None if as_json else lambda r: err.print(f"  {r.node}: {r.verdict.value}", markup=False),
         )
-        plan = apply_drains(plan_drains(run.reports, prof.health), prof.health)
-        spares = spare_readiness(run.reports, names if admit else prof.health.spares, run.level)
     if as_json:
+        plan = done.plan
         out.print_json(
             json.dumps(
                 {
-                    "nodes": [r.to_dict() for r in run.reports],
+                    "nodes": [r.to_dict() for r in done.run.reports],
                     "drain": plan.drain,
                     "drained": plan.drained,
                     "held": plan.held,
                     "rerun": plan.rerun,
                     "page": plan.page,
-                    "spares": spares,
+                    "spares": done.spares,
                 }
             )
         )
     else:
-        for r in sorted(run.reports, key=lambda r: (-r.verdict.rank, r.node)):
-            out.print(f"{r.verdict.value} {r.node}: {r.summary}", markup=False)
-        if plan.page:
-            out.print(f"PAGE: {plan.page}", markup=False)
-        for node, reason in plan.drain:
-            out.print(
-                f"{'drained' if node in plan.drained else 'drain plan'}: {node}: {reason}", markup=False
-            )
-        for node, why in plan.held:
-            out.print(f"{why}: {node}", markup=False)
-        for node, state in spares.items():
-            out.print(f"spare {node}: {state}", markup=False)
-    raise typer.Exit(max((r.verdict.exit_code for r in run.reports), default=0))
+        render.health(out, done)
+    raise typer.Exit(done.exit_code)
 
 
 @health_app.command("classify")

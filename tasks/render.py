@@ -75,3 +75,20 @@ def drills(console: Console, job: str, rows: list[dict]) -> None:
         for row in rows
     ]
     table(console, f"restore drills of {job}", columns, cells, styles)
+
+
+def health(console: Console, done) -> None:
+    """A health sweep (``tasks.health.sweep.Sweep``): the worst nodes first, then what follows."""
+    plan = done.plan
+    for r in sorted(done.run.reports, key=lambda r: (-r.verdict.rank, r.node)):
+        console.print(f"{r.verdict.value} {r.node}: {r.summary}", markup=False)
+    if plan.page:
+        console.print(f"PAGE: {plan.page}", markup=False)
+    for node, reason in plan.drain:
+        console.print(
+            f"{'drained' if node in plan.drained else 'drain plan'}: {node}: {reason}", markup=False
+        )
+    for node, why in plan.held:
+        console.print(f"{why}: {node}", markup=False)
+    for node, state in done.spares.items():
+        console.print(f"spare {node}: {state}", markup=False)

@@ -56,6 +56,26 @@ def flip_byte(path: Path, offset: int) -> None:
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
 
 
+def exited_process_identity() -> dict:
+    """The identity (host, pid, start time) of a process that ran and has exited: what a holder
+    killed with SIGKILL leaves in its lease or scratch directory."""
+    import json
+    import sys
+
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json; from tasks.cluster.process import identity; print(json.dumps(identity()))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    return json.loads(child.stdout)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

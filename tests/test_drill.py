@@ -16,7 +16,7 @@ from tasks.profile import load_profile
 from tasks.restore.drill import run_drill
 from tasks.restore.history import estimate, read_drills
 from tasks.restore.launch import DrillLayout, render_sbatch
-from tests.conftest import ROOT, variant_profile, write_job_profile
+from tests.conftest import ROOT, exited_process_identity, variant_profile, write_job_profile
 
 pytestmark = pytest.mark.slow
 CKPTOPS = ROOT / ".venv" / "bin" / "ckptops"
@@ -319,7 +319,6 @@ def test_a_promoted_checkpoint_resaved_since_is_not_drilled(save_dir, tmp_path, 
 
 def test_a_killed_drills_scratch_is_reported_and_cleared_by_the_next(save_dir, tmp_path, options):
     import subprocess as sp
-    import sys
 
     promote(save_dir, options, 30)
     path = write_job_profile(tmp_path, save_dir)
@@ -328,18 +327,7 @@ def test_a_killed_drills_scratch_is_reported_and_cleared_by_the_next(save_dir, t
     (leftover / "restore").mkdir(parents=True)
     (leftover / "restore" / "__0_0.distcp").write_bytes(b"\0" * 4096)
     # The owner a SIGKILLed drill left: a process that has exited since.
-    exited = sp.run(
-        [
-            sys.executable,
-            "-c",
-            "import json; from tasks.cluster.process import identity; print(json.dumps(identity()))",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    (leftover / ".ckptops-owner.json").write_text(exited.stdout)
+    (leftover / ".ckptops-owner.json").write_text(json.dumps(exited_process_identity()))
     status = sp.run(
         [str(CKPTOPS), "status", "--profile", str(path)],
         capture_output=True,

@@ -302,7 +302,8 @@ def test_key_from_a_prefect_secret_block_and_the_node_health_flow(cluster, tmp_p
 def test_each_node_is_connected_once_and_a_failed_retry_stays_that_nodes(tmp_path, monkeypatch):
     """Hosts that count their connections (a module-internal stand-in for the transport): a node
     refused twice is SUSPECT, and the fleet's other nodes are checked on one connection each."""
-    from tasks.cluster.transport import Output, Unreachable
+    from tasks.cluster.process import Output
+    from tasks.cluster.transport import Unreachable
     from tasks.health import run as health_run
 
     opened = []

@@ -24,11 +24,9 @@ SETTINGS = load_profile().resume  # the embedded default's windows and tolerance
 MEGATRON = Path(__file__).parent / "data" / "megatron"
 
 
-@pytest.fixture(scope="module")
-def failed_run(tmp_path_factory):
+def killed_between_saves(root: Path, extra: tuple = ()) -> tuple[Path, Path]:
     """24 planned iterations, a checkpoint every 4; rank 1 is SIGKILLed before iteration 15, so
-    the run dies between the saves at 12 and 16. Then verify-and-promote picks iteration 12."""
-    root = tmp_path_factory.mktemp("failed-run")
+    the run dies between the saves at 12 and 16; then verify-and-promote runs."""
     save = root / "checkpoints"
     with pytest.raises(CkptopsError, match="exited"):
         run_local_job(
@@ -36,9 +34,17 @@ def failed_run(tmp_path_factory):
             train_iters=24,
             save_interval=4,
             timeout_seconds=600,
-            extra=["--step-records", str(root / "before.jsonl"), "--die-at", "1:15"],
+            extra=["--step-records", str(root / "before.jsonl"), "--die-at", "1:15", *extra],
         )
     promote(save, VerifyOptions(job="resume-test"), 30)
+    return root, save
+
+
+@pytest.fixture(scope="module")
+def failed_run(tmp_path_factory):
+    """24 planned iterations, a checkpoint every 4; rank 1 is SIGKILLed before iteration 15, so
+    the run dies between the saves at 12 and 16. Then verify-and-promote picks iteration 12."""
+    root, save = killed_between_saves(tmp_path_factory.mktemp("failed-run"))
     assert read_pointer(save) == 12
     before = load_steps(root / "before.jsonl")
     assert before.iteration[-1] == 14  # the run got two iterations past the checkpoint
@@ -349,18 +355,8 @@ def test_a_loss_that_diverged_to_infinity_is_caught(failed_run, tmp_path):
 @pytest.fixture(scope="module")
 def per_iteration_run(tmp_path_factory):
     """A loop that steps its LR scheduler once per iteration, killed between saves like the other."""
-    root = tmp_path_factory.mktemp("per-iteration")
-    save = root / "checkpoints"
-    extra = ["--scheduler-per-iteration", "--lr-warmup-samples", "64", "--lr-decay-samples", "400"]
-    with pytest.raises(CkptopsError, match="exited"):
-        run_local_job(
-            save,
-            train_iters=24,
-            save_interval=4,
-            timeout_seconds=600,
-            extra=["--step-records", str(root / "before.jsonl"), "--die-at", "1:15", *extra],
-        )
-    promote(save, VerifyOptions(job="resume-test"), 30)
+    extra = ("--scheduler-per-iteration", "--lr-warmup-samples", "64", "--lr-decay-samples", "400")
+    root, save = killed_between_saves(tmp_path_factory.mktemp("per-iteration"), extra)
     run_local_job(
         root / "resumed",
         train_iters=30,

@@ -7,7 +7,7 @@ from tasks.checkpoint.promote import promote
 from tasks.checkpoint.retention import plan_retention, retain
 from tasks.checkpoint.state import State
 from tasks.checkpoint.verify import verify_checkpoint
-from tests.conftest import flip_byte, iter_dir
+from tests.conftest import exited_process_identity, flip_byte, iter_dir
 from tests.test_verify import tensor_data_offset
 
 
@@ -65,26 +65,6 @@ def test_plan_is_a_pure_function_of_the_catalog(save_dir, options):
     assert remaining(save_dir) == [4, 8, 12, 16, 20, 24]
 
 
-def _dead_process_identity() -> dict:
-    """The identity of a process that ran and exited (its pid is free, or another's now)."""
-    import subprocess
-    import sys
-
-    child = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import json; from tasks.cluster.process import identity; print(json.dumps(identity()))",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    import json
-
-    return json.loads(child.stdout)
-
-
 def test_a_lease_whose_reader_is_gone_protects_nothing(save_dir, options):
     """A drill or an archive copy killed with SIGKILL never unpins: its lease names its process,
     and once that is gone retention removes the lease and may delete the checkpoint."""
@@ -94,7 +74,7 @@ def test_a_lease_whose_reader_is_gone_protects_nothing(save_dir, options):
     pin(save_dir, 4, "operator", "keep it")
     lease = pin(save_dir, 8, "drill-4242", "restore drill reading", lease=True)
     record = json.loads(lease.read_text())
-    record["lease"] = _dead_process_identity()
+    record["lease"] = exited_process_identity()
     lease.write_text(json.dumps(record))
     infos = {i.iteration: i for i in catalog(save_dir, options)}
     assert infos[8].pins == [] and infos[8].expired_pins[0].startswith("drill-4242 (lease expired: process ")

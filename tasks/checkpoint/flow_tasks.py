@@ -18,7 +18,7 @@ from prefect.artifacts import (
 )
 
 from tasks.checkpoint import layout
-from tasks.checkpoint.promote import apply_promotion
+from tasks.checkpoint.promote import PromotionReport, apply_promotion
 from tasks.checkpoint.retention import RetentionPlan, apply_retention
 from tasks.checkpoint.state import Completeness, State, VerifyOptions, wait_until_complete
 from tasks.checkpoint.verify import Verification, verify_checkpoint
@@ -84,9 +84,7 @@ def verify_one(save_dir: Path, iteration: int, options: VerifyOptions) -> Verifi
 
 
 @task(name="promote")
-def promote_step(
-    save_dir: Path, options: VerifyOptions, requested: int | None
-) -> tuple[int | None, int | None, str]:
+def promote_step(save_dir: Path, options: VerifyOptions, requested: int | None) -> PromotionReport:
     return apply_promotion(save_dir, options, requested)
 
 
@@ -110,19 +108,14 @@ def check_rows(verifications: list[Verification]) -> list[dict]:
 
 
 def summary_markdown(
-    profile: Profile,
-    previous: int | None,
-    current: int | None,
-    why: str,
-    verifications: list[Verification],
-    plan: RetentionPlan | None,
-    deleted: list[int],
+    profile: Profile, report: PromotionReport, plan: RetentionPlan | None, deleted: list[int]
 ) -> str:
+    verifications = report.verifications
     lines = [
         f"# verify-and-promote: {profile.job.name}",
         "",
         f"- save directory: `{profile.job.save_dir}`",
-        f"- latest verified: **{current}** (was {previous}; {why})",
+        f"- latest verified: **{report.current}** (was {report.previous}; {report.message})",
         "",
     ]
     checked = [v for v in verifications if v.state is not State.IN_PROGRESS]
@@ -158,6 +151,7 @@ def summary_markdown(
             f"- retention (keep {plan.keep_verified}): deleted {deleted or 'nothing'}; "
             f"failed kept for inspection: {plan.failed or 'none'}"
         )
+        lines += [f"- expired lease removed: {lease}" for lease in plan.expired_leases]
     return "\n".join(lines) + "\n"
 
 

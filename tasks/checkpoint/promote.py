@@ -63,6 +63,29 @@ class PromotionReport:
     def in_progress(self) -> list[Verification]:
         return [v for v in self.verifications if v.state is State.IN_PROGRESS]
 
+    @property
+    def ok(self) -> bool:
+        """Nothing verified failed, and a checkpoint is still there to resume from."""
+        return not self.failed and not self.cleared
+
+    def problems(self) -> list[str]:
+        """Why the run is not ok, one line each."""
+        lines = [v.line() for v in self.failed]
+        return lines + ([f"pointer removed: {self.message}"] if self.cleared else [])
+
+    def summary(self, deleted: list[int] = ()) -> str:
+        """One line for a run that is ok: what was verified, where the pointer is, what went."""
+        done = [str(v.iteration) for v in self.verifications if v.state is State.VALID]
+        waiting = [str(v.iteration) for v in self.in_progress]
+        return "".join(
+            [
+                f"verified {', '.join(done)}; " if done else "",
+                f"latest verified: {self.current} ({self.message})",
+                f"; retention deleted {', '.join(map(str, deleted))}" if deleted else "",
+                f"; still in progress: {', '.join(waiting)}" if waiting else "",
+            ]
+        )
+
 
 def _needs_verifying(info: CheckpointInfo, pointer: int | None) -> bool:
     if info.stale:
@@ -173,10 +196,9 @@ def point_to(save_dir: Path, iteration: int) -> None:
     write_pointer(save_dir, iteration)
 
 
-def apply_promotion(
-    save_dir: Path, options: VerifyOptions, requested: int | None = None
-) -> tuple[int | None, int | None, str]:
-    """Move the pointer (the caller holds the job lock); returns (previous, current, why)."""
+def apply_promotion(save_dir: Path, options: VerifyOptions, requested: int | None = None) -> PromotionReport:
+    """Move the pointer (the caller holds the job lock); the report says from where to where and
+    why (the caller adds the verifications it ran)."""
     save_dir = Path(save_dir)
     previous = read_pointer(save_dir)
     _reconcile_log(save_dir, previous)
@@ -201,7 +223,7 @@ def apply_promotion(
         clear_hold(save_dir)
     if changed:  # after the hold: the log is a record, and must never cost a rollback its hold
         why = _log(save_dir, target, previous, why)
-    return previous, target, why
+    return PromotionReport(previous, target, why)
 
 
 def _log(save_dir: Path, target: int | None, previous: int | None, why: str, gap: bool = False) -> str:
@@ -241,5 +263,6 @@ def promote(
     with job_lock(save_dir, lock_timeout_seconds):
         verify = lambda it: verify_checkpoint(save_dir / layout.iter_dir_name(it), options, progress)  # noqa: E731
         verifications = verify_pending(save_dir, options, requested, verify=verify, on_verified=on_verified)
-        previous, current, why = apply_promotion(save_dir, options, requested)
-        return PromotionReport(previous, current, why, verifications)
+        report = apply_promotion(save_dir, options, requested)
+        report.verifications = verifications
+        return report

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -31,6 +32,44 @@ class Failed(CkptopsError):
     def __init__(self, message: str, code: int, log: Path):
         super().__init__(message)
         self.code, self.log = code, log
+
+
+@dataclass
+class Output:
+    """What a command printed and how it ended; ``exit_code`` None: it ran past its timeout."""
+
+    argv: list[str]
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def timed_out(self) -> bool:
+        return self.exit_code is None
+
+
+def capture(argv: list[str], timeout: float, env: dict | None = None) -> Output:
+    """Run a short command to its end and keep what it printed: a time limit, past which it and
+    every process of its group are killed; a command that is not installed exits 127, as in a
+    shell. Every subprocess ckptops waits on goes through here or ``run``."""
+    started = time.monotonic()
+    try:
+        process = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True
+        )
+    except FileNotFoundError:
+        return Output(argv, 127, "", f"{argv[0]}: command not found", time.monotonic() - started)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+        code = process.returncode
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        code = None
+    text = lambda data: data.decode(errors="replace")  # noqa: E731
+    return Output(argv, code, text(stdout), text(stderr), time.monotonic() - started)
 
 
 def identity(pid: int | None = None) -> dict:

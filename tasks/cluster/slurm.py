@@ -4,38 +4,36 @@ Every call is an argv list with a timeout (never a shell string): a node name or
 only ever be one argument.
 """
 
-import subprocess
-
+from tasks.cluster.process import capture
 from tasks.cluster.transport import check_node_name
-from tasks.errors import CkptopsError
+from tasks.errors import CkptopsError, UsageError
 
 TIMEOUT_SECONDS = 30
 
 
-def _run(argv: list[str]) -> str:
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_SECONDS)
-    except FileNotFoundError:
-        raise CkptopsError(
-            f"{argv[0]}: not installed on this host (Slurm commands are needed here)"
-        ) from None
-    except subprocess.TimeoutExpired:
-        raise CkptopsError(f"{' '.join(argv[:2])}: no answer within {TIMEOUT_SECONDS}s") from None
-    if done.returncode != 0:
-        raise CkptopsError(f"{' '.join(argv[:2])}: exited {done.returncode}: {done.stderr.strip()[:200]}")
+def run(argv: list[str], timeout: float = TIMEOUT_SECONDS) -> str:
+    """A Slurm command's output; one line naming the command when it is missing (a usage error:
+    this host needs Slurm's commands), silent, or refusing."""
+    done = capture(argv, timeout)
+    if done.exit_code == 127:
+        raise UsageError(f"{argv[0]}: not installed on this host (Slurm commands are needed here)")
+    if done.timed_out:
+        raise CkptopsError(f"{' '.join(argv[:2])}: no answer within {timeout:.0f}s")
+    if done.exit_code != 0:
+        raise CkptopsError(f"{' '.join(argv[:2])}: exited {done.exit_code}: {done.stderr.strip()[:200]}")
     return done.stdout
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
     """``gpu[001-004]`` -> the node names, as Slurm itself expands them."""
-    return [check_node_name(n) for n in _run(["scontrol", "show", "hostnames", nodelist]).split()]
+    return [check_node_name(n) for n in run(["scontrol", "show", "hostnames", nodelist]).split()]
 
 
 def partition_nodes(partition: str) -> list[str]:
     return sorted(
-        {check_node_name(n) for n in _run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N"]).split()}
+        {check_node_name(n) for n in run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N"]).split()}
     )
 
 
 def drain(node: str, reason: str) -> None:
-    _run(["scontrol", "update", f"NodeName={check_node_name(node)}", "State=DRAIN", f"Reason={reason}"])
+    run(["scontrol", "update", f"NodeName={check_node_name(node)}", "State=DRAIN", f"Reason={reason}"])

@@ -13,13 +13,13 @@ SSH done the careful way:
 import io
 import re
 import shlex
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import paramiko
 
+from tasks.cluster.process import Output, capture
 from tasks.errors import CkptopsError, UsageError
 
 _NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
@@ -31,19 +31,6 @@ class Unreachable(CkptopsError):
 
 class HostKeyRejected(CkptopsError):
     """The node's host key is unknown or changed: refused, never accepted silently."""
-
-
-@dataclass
-class Output:
-    argv: list[str]
-    exit_code: int | None  # None: timed out
-    stdout: str
-    stderr: str
-    seconds: float
-
-    @property
-    def timed_out(self) -> bool:
-        return self.exit_code is None
 
 
 def check_node_name(node: str) -> str:
@@ -68,15 +55,7 @@ class LocalHost:
         return False
 
     def run(self, argv: list[str], timeout: float) -> Output:
-        started = time.monotonic()
-        try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, errors="replace")
-            return Output(argv, done.returncode, done.stdout, done.stderr, time.monotonic() - started)
-        except FileNotFoundError:
-            return Output(argv, 127, "", f"{argv[0]}: command not found", time.monotonic() - started)
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            return Output(argv, None, out, "", time.monotonic() - started)
+        return capture(argv, timeout)
 
 
 @dataclass

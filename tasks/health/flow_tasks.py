@@ -1,27 +1,43 @@
 """Thin Prefect wrappers for node health, and the per-node table the UI shows."""
 
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+
 from prefect import task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 
-from tasks.health.actions import DrainPlan, apply_drains, plan_drains
-from tasks.health.run import HealthRun, NodeReport, resolve_nodes, run_health
+from tasks.health.actions import DrainPlan
+from tasks.health.run import HealthRun, resolve_nodes
+from tasks.health.sweep import Sweep, sweep
 
-
-@task(name="resolve-nodes")
-def nodes_task(settings, only: list[str] | None) -> list[str]:
-    return resolve_nodes(settings, only)
-
-
-@task(name="check-nodes", task_run_name="check-{nodes[0]}-and-{count}-more")
-def check_batch(settings, nodes: list[str], count: int, level: int | None, admit: bool) -> list[NodeReport]:
-    """One task per batch of nodes (never one per node on a large fleet); the nodes of a batch
-    are checked in parallel inside it."""
-    return run_health(settings, nodes, level, admit).reports
+_PROGRESS_EVERY_SECONDS = 1.0
 
 
-@task(name="drains")
-def drain_task(settings, reports: list[NodeReport]) -> DrainPlan:
-    return apply_drains(plan_drains(reports, settings), settings)
+@task(name="health-sweep")
+def sweep_task(settings, only: list[str] | None, level: int | None, admit: bool) -> Sweep:
+    """The whole sweep in one task (never a task per node on a large fleet), with a progress
+    artifact: the sweep runs in a helper thread while this (the task's) thread, which owns the
+    Prefect context, updates the artifact as nodes finish."""
+    total = max(1, len(resolve_nodes(settings, only)))
+    artifact = create_progress_artifact(progress=0.0, description=f"checking {total} nodes")
+    done, lock = [0], threading.Lock()
+
+    def finished(report) -> None:
+        with lock:
+            done[0] += 1
+        print(f"{report.node}: {report.verdict.value} {report.summary}")
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(sweep, settings, only, level, admit, finished)
+        while not wait([future], timeout=_PROGRESS_EVERY_SECONDS).done:
+            update_progress_artifact(artifact, progress=100.0 * done[0] / total)
+    update_progress_artifact(artifact, progress=100.0)
+    return future.result()
 
 
 def node_rows(run: HealthRun) -> list[dict]:

@@ -4,7 +4,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from tasks.restore.drill import DrillReport, run_drill
-from tasks.restore.history import estimate, read_drills, trend_markdown, trend_rows
+from tasks.restore.history import history, trend_markdown, trend_rows
 
 
 @task(name="restore-drill", task_run_name="drill-{source}")
@@ -48,15 +48,12 @@ def publish_drill_report(profile, report: DrillReport) -> None:
     create_table_artifact(
         table=phase_rows(report), key=f"drill-{report.source}-{job}", description=report.line()
     )
-    drills = read_drills(profile.job.save_dir)
-    size = profile.drill.estimate_for_bytes
-    predicted = estimate(drills, size) if size else {}
+    found = history(profile)
     create_table_artifact(
-        table=trend_rows(drills), key=f"drill-history-{job}", description="every recorded drill"
+        table=trend_rows(found.drills), key=f"drill-history-{job}", description="every recorded drill"
     )
-    budgets = profile.drill.budget_seconds.model_dump()
     create_markdown_artifact(
-        markdown=trend_markdown(job, drills, predicted, size, budgets),
+        markdown=trend_markdown(job, found),
         key=f"drill-trend-{job}",
         description="restore window per drill and source",
     )

@@ -88,6 +88,26 @@ def estimate(drills: list[dict], size_bytes: int) -> dict[str, Estimate]:
     return predicted
 
 
+@dataclass
+class History:
+    """A job's drills and what they predict, as the CLI and the UI both show them."""
+
+    drills: list[dict]
+    size_bytes: int | None  # drill.estimate_for_bytes
+    predicted: dict[str, Estimate]
+    budgets: dict[str, float]
+
+    def estimate_lines(self) -> list[str]:
+        return [e.line(self.size_bytes, self.budgets[e.source]) for e in self.predicted.values()]
+
+
+def history(profile) -> History:
+    drills = read_drills(profile.job.save_dir)
+    size = profile.drill.estimate_for_bytes if profile.drill else None
+    budgets = profile.drill.budget_seconds.model_dump() if profile.drill else {}
+    return History(drills, size, estimate(drills, size) if size else {}, budgets)
+
+
 def trend_rows(drills: list[dict]) -> list[dict]:
     rows = []
     for d in drills:
@@ -155,21 +175,15 @@ def trend_png(drills: list[dict]) -> bytes:
     return buffer.getvalue()
 
 
-def trend_markdown(
-    job: str,
-    drills: list[dict],
-    predicted: dict[str, Estimate],
-    size_bytes: int | None,
-    budgets: dict[str, float],
-) -> str:
-    image = base64.b64encode(trend_png(drills)).decode()
+def trend_markdown(job: str, found: History) -> str:
+    image = base64.b64encode(trend_png(found.drills)).decode()
     lines = [
         f"# restore drills: {job}",
         "",
         f"![restore window per drill](data:image/png;base64,{image})",
         "",
     ]
-    if predicted and size_bytes:
+    if found.predicted:
         lines.append("From the newest complete drills:")
-        lines += [f"- {e.line(size_bytes, budgets[e.source])}" for e in predicted.values()]
+        lines += [f"- {line}" for line in found.estimate_lines()]
     return "\n".join(lines) + "\n"

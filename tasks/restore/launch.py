@@ -9,7 +9,6 @@ import importlib.resources
 import os
 import re
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +68,20 @@ def loader_args(drill, checkpoint: Path, report: Path, layout: DrillLayout) -> l
     return args
 
 
+def torchrun(layout: DrillLayout, arguments: list[str]) -> list[str]:
+    """The loader under torchrun on this host, one process per rank of the layout."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={layout.world_size}",
+        "-m",
+        "tasks.restore.loader",
+        *arguments,
+    ]
+
+
 def loader_env() -> dict[str, str]:
     # One thread per rank on CPU (ranks share the cores); huge pages for torch's large CPU
     # tensors: first-touch page faults dominate a CPU load on this project's VMs.
@@ -124,12 +137,10 @@ def cancel(log: Path) -> str:
     if job is None:
         return f"no Slurm job id in {log}: cancel it by hand"
     job_id, cluster = job
-    try:
-        done = subprocess.run(["scancel", *cluster, job_id], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"scancel {job_id} failed ({e}): cancel it by hand"
-    if done.returncode:
-        return f"scancel {job_id} failed ({done.stderr.strip() or done.returncode}): cancel it by hand"
+    done = process.capture(["scancel", *cluster, job_id], 30)
+    if done.exit_code != 0:
+        why = "no answer in 30s" if done.timed_out else done.stderr.strip() or done.exit_code
+        return f"scancel {job_id} failed ({why}): cancel it by hand"
     return f"Slurm job {job_id} cancelled"
 
 
@@ -146,17 +157,9 @@ def run_loader(profile, checkpoint: Path, layout: DrillLayout, report: Path, log
         if drill.launcher == "slurm":
             _run_slurm(profile, layout, arguments, report, log)
         else:
-            argv = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc_per_node={layout.world_size}",
-                "-m",
-                "tasks.restore.loader",
-                *arguments,
-            ]
-            process.run(argv, log, drill.load_timeout_seconds, loader_env(), "the drill's load")
+            process.run(
+                torchrun(layout, arguments), log, drill.load_timeout_seconds, loader_env(), "the drill's load"
+            )
     except process.Failed as e:
         own = first_error(report)
         if own is None:

@@ -23,10 +23,10 @@ from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metada
 from tasks.checkpoint.manifest import now_iso, read_manifest
 from tasks.checkpoint.pointer import pointer_during, read_pointer
 from tasks.checkpoint.state import State, VerifyOptions
-from tasks.errors import CkptopsError, UsageError
+from tasks.errors import CkptopsError, Malformed, UsageError
 from tasks.outcome import Check, Outcome
 from tasks.resume.records import Steps
-from tasks.storage.local import atomic_write
+from tasks.storage.local import atomic_write, read_json_state
 
 BASELINE = "resume-baseline.json"
 
@@ -220,12 +220,10 @@ def store_baseline(facts: CheckpointFacts, baseline: dict) -> str | None:
 
 
 def stored_baseline(facts: CheckpointFacts) -> dict | None:
-    try:
-        return json.loads(baseline_path(facts).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise CkptopsError(f"{baseline_path(facts)}: unreadable baseline ({e})") from None
+    baseline = read_json_state(baseline_path(facts), "the stored baseline")
+    if baseline is not None and not isinstance(baseline, dict):
+        raise Malformed(f"{baseline_path(facts)}: the stored baseline is not a JSON object")
+    return baseline
 
 
 def _match(before: Steps | None, iterations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -26,7 +26,7 @@ from tasks.checkpoint.state import VerifyOptions
 from tasks.cluster import process
 from tasks.profile import load_profile
 from tasks.restore.drill import run_drill
-from tasks.restore.launch import drill_layout, loader_args, loader_env
+from tasks.restore.launch import drill_layout, loader_args, loader_env, torchrun
 from tasks.restore.report import read_report
 from tests.bench.bench_verify import BENCH, LARGE, LARGE_MODEL, checkpoint, data_files, median_seconds
 
@@ -134,17 +134,9 @@ def load_twice(profile, directory: Path):
     layout = drill_layout(profile.drill, {"tensor_parallel": 1, "pipeline_parallel": 1})
     report = BENCH / "load-twice.json"
     arguments = loader_args(profile.drill, directory, report, layout) + ["--repeat", "2"]
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={layout.world_size}",
-        "-m",
-        "tasks.restore.loader",
-        *arguments,
-    ]
-    process.run(argv, BENCH / "load-twice.log", 1800, loader_env(), "the twice-loading bench")
+    process.run(
+        torchrun(layout, arguments), BENCH / "load-twice.log", 1800, loader_env(), "the twice-loading bench"
+    )
     return read_report(report)
 
 

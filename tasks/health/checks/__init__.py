@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.cluster.transport import Output
+from tasks.cluster.process import Output
 from tasks.health.verdict import Evidence, HealthCheck, result
 from tasks.outcome import Verdict
 

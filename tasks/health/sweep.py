@@ -1,0 +1,47 @@
+"""A health sweep: the one composition of node health that the CLI and the flow both run.
+
+Resolve the nodes, check them all (bounded in parallel, tasks.health.run), decide the drains
+and apply them as the profile allows (tasks.health.actions), and tell which spares are ready.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tasks.health.actions import DrainPlan, apply_drains, plan_drains, spare_readiness
+from tasks.health.run import HealthRun, NodeReport, resolve_nodes, run_health
+
+
+@dataclass
+class Sweep:
+    run: HealthRun
+    plan: DrainPlan
+    spares: dict[str, str]
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every node may run jobs; 1 otherwise, or when a human was paged."""
+        worst = max((r.verdict.exit_code for r in self.run.reports), default=0)
+        return 1 if self.plan.page else worst
+
+    def message(self) -> str:
+        counts = ", ".join(f"{v} {n}" for v, n in sorted(self.run.counts().items()))
+        if self.plan.page:
+            return f"PAGE: {self.plan.page}"
+        bad = [f"{r.node} {r.verdict.value}: {r.summary}" for r in self.run.reports if r.verdict.exit_code]
+        return f"{len(self.run.reports)} nodes: {counts}" + (f"; {'; '.join(bad)}" if bad else "")
+
+
+def sweep(
+    settings,
+    only: list[str] | None = None,
+    level: int | None = None,
+    admit: bool = False,
+    progress: Callable[[NodeReport], None] | None = None,
+) -> Sweep:
+    """Check the profile's nodes (or ``only``), drain what the verdicts and the caps allow, and
+    judge the spares; ``admit`` runs the spare admission set on the nodes given."""
+    names = resolve_nodes(settings, only)
+    run = run_health(settings, names, level, admit, progress)
+    plan = apply_drains(plan_drains(run.reports, settings), settings)
+    spares = spare_readiness(run.reports, names if admit else settings.spares, run.level)
+    return Sweep(run, plan, spares)
