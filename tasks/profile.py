@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tasks.errors import UsageError
+from tasks.health.xids import CRITICAL_XIDS
 
 # The shipped profiles: package data, found the same way installed or in a checkout.
 PROFILES_DIR = Path(str(importlib.resources.files("profiles")))
@@ -180,6 +181,11 @@ class SshAccess(_Section):
         description="host keys are checked against this file; unknown or changed keys are refused"
     )
     key_file: Path | None = None
+    config_file: Path | None = Field(
+        default=None,
+        description="an OpenSSH client config (Host, HostName, Port, User, IdentityFile) that maps "
+        "node names to addresses, as ~/.ssh/config does",
+    )
     secret_block: str | None = Field(
         default=None, description="a Prefect Secret block holding the private key"
     )
@@ -250,7 +256,10 @@ class Health(_Section):
     checks: list[
         Literal["gpu-count", "recovery-action", "row-remap", "xid", "nvlink", "dcgm-diag", "nccl"]
     ] = ["gpu-count", "recovery-action", "row-remap", "xid", "nvlink", "dcgm-diag", "nccl"]
-    critical_xids: list[int] = [48, 56, 57, 58, 62, 63, 64, 65, 68, 69, 73, 74, 79, 80, 81, 92, 119, 120]
+    critical_xids: list[int] = Field(
+        default_factory=lambda: sorted(CRITICAL_XIDS),
+        description="XIDs that fail a node (tasks/health/xids.py)",
+    )
     nccl: Nccl = Nccl()
     pairs: Pairs = Pairs()
     drain: Drain = Drain()
@@ -291,6 +300,47 @@ class Resume(_Section):
     )
 
 
+class Recovery(_Section):
+    """The recovery run: how the job is relaunched after a failure, and when a human decides."""
+
+    launcher: Literal["slurm", "local"] = "slurm"
+    script: Path = Field(
+        description="the job's own batch script: sbatch'ed on Slurm, run with bash locally; it must "
+        "pass --exit-on-missing-checkpoint to Megatron and no --non-persistent-ckpt-type"
+    )
+    pass_step: list[Literal["env", "arg"]] = Field(
+        default=["env", "arg"],
+        min_length=1,
+        description="how the chosen iteration reaches the job: CKPT_STEP in the environment, "
+        "--ckpt-step N after the script",
+    )
+    job_name: str | None = Field(
+        default=None, description="Slurm job name for --dependency=singleton (default: job.name)"
+    )
+    nodes: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="nodes the job runs on (default: what the failed job had)"
+    )
+    gpus: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="GPUs the job holds, for lost GPU-hours (default: the layout's world size)"
+    )
+    step_records: Path | None = Field(
+        default=None, description="the job's step records (or its Megatron log): progress and validation"
+    )
+    log_dir: Path | None = Field(
+        default=None, description="where relaunched jobs write their output (default: <save_dir>/../logs)"
+    )
+    max_per_hour: Annotated[int, Field(ge=1)] = 3
+    auto_approve: list[
+        Literal["hardware", "network", "numerics", "oom", "software", "hang", "preempted", "unknown"]
+    ] = Field(default_factory=list, description="classes relaunched without asking, while budget is left")
+    approval_timeout_seconds: Positive = 1800
+    progress_steps: Annotated[int, Field(ge=1)] = 5
+    progress_timeout_seconds: Positive = 1800
+    on_rejected: Literal["stop", "warn"] = Field(
+        default="stop", description="a rejected resume: stop the job (scancel) and page, or only warn"
+    )
+
+
 class Prefect(_Section):
     api_url: str = "http://127.0.0.1:4200/api"
     home: Path | None = None
@@ -315,6 +365,7 @@ class Profile(_Section):
     health: Health | None = None
     resume: Resume = Resume()
     local_job: LocalJob | None = None
+    recovery: Recovery | None = None
     source: Path | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
@@ -344,6 +395,10 @@ def _resolve_paths(data: dict, base: Path) -> dict:
         ("health", "raw_dir"),
         ("health", "ssh", "known_hosts"),
         ("health", "ssh", "key_file"),
+        ("health", "ssh", "config_file"),
+        ("recovery", "script"),
+        ("recovery", "step_records"),
+        ("recovery", "log_dir"),
     ):
         values = data
         for key in path[:-1]:

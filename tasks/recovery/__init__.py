@@ -1,0 +1,1 @@
+"""Recovery of a failed training job: triage, stop rules, checkpoint and nodes, relaunch, validation."""

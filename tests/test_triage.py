@@ -1,0 +1,1035 @@
+"""Log triage (tasks.recovery.triage) on real excerpts of public failure reports
+(tests/data/triage/<class>/, sources and the reasoning behind each expectation in SOURCES.md) and
+on focused synthetic cases for each rule, including the texts our local training job prints."""
+
+import calendar
+from pathlib import Path
+
+import pytest
+
+from tasks.errors import Unreadable, UsageError
+from tasks.recovery.triage import CLASSES, CRITICAL_XIDS, triage
+
+DATA = Path(__file__).parent / "data" / "triage"
+
+# Every fixture: (path under DATA, class, a substring of the first error or None, suspect nodes,
+# the file the first error is in for a multirank directory). The first-error substrings are the
+# initiating lines of SOURCES.md.
+FIXTURES = [
+    # hardware
+    (
+        "hardware/ecc_uncorrectable_cuctxcreate_slurm_node_mfc_pr1748.log",
+        "hardware",
+        "Accelerator Fatal Error: call to cuCtxCreate returned error 214",
+        [],
+    ),
+    (
+        "hardware/ecc_uncorrectable_nccl_watchdog_rank12_multinode_pytorch_issue113128.log",
+        "hardware",
+        "[PG 0 (default_pg) Rank 12] Process group watchdog thread terminated with exception: "
+        "CUDA error: uncorrectable ECC error encountered",
+        [],
+    ),
+    (
+        "hardware/ecc_uncorrectable_nccl_watchdog_rank1_2xh100_sdscripts_issue1434.log",
+        "hardware",
+        "RuntimeError: CUDA error: uncorrectable ECC error encountered",
+        [],
+    ),
+    (
+        "hardware/ecc_uncorrectable_node_dgk713_jadehpc_issue194.log",
+        "hardware",
+        "RuntimeError: CUDA error: uncorrectable ECC error encountered",
+        [],
+    ),
+    (
+        "hardware/ecc_uncorrectable_torchrun_sigterm_accelerate_issue1192.log",
+        "hardware",
+        "RuntimeError: CUDA error: uncorrectable ECC error encountered",
+        [],
+    ),
+    (
+        "hardware/fallen_off_bus_no_xid_dmesg_nvsentinel_issue155_kernel.log",
+        "hardware",
+        "[ 1843.308145] NVRM: The NVIDIA GPU 0000:b3:00.0",
+        [],
+    ),
+    (
+        "hardware/xid45_after_xid149_xid145_nvlink_openkm_issue1150_kernel.log",
+        "hardware",
+        "kernel: NVRM: Xid (PCI:0000:dc:00): 45, pid=1818990, name=python3, Ch 00000001 "
+        "caused by previous Xid 149",
+        [],
+    ),
+    (
+        "hardware/xid48_dbe_xid64_worker4_gpuoperator_issue1146_kernel.log",
+        "hardware",
+        "NVRM: Xid (PCI:0000:07:00): 48, pid='<unknown>', name=<unknown>, An uncorrectable double bit error",
+        ["worker4"],
+    ),
+    # network
+    (
+        "network/ib_error12_ncclremoteerror_oneline_alpaca_issue207.log",
+        "network",
+        "Last error: NET/IB : Got completion from peer 11.214.147.122<39138> with error 12",
+        [],
+    ),
+    (
+        "network/ib_error12_ncclsystemerror_phlrr4036_deepspeed_issue2931.log",
+        "network",
+        "PHLRR4036:24141:24296 [2] ib_plugin.c:978 NCCL WARN NET/IB : Got completion from peer "
+        "10.226.98.98<48598> with error 12",
+        ["PHLRR4036"],
+    ),
+    (
+        "network/ib_error4_vendor81_connection_closed_kolyoz_nccltests_issue252.log",
+        "network",
+        "kolyoz2:25146:25854 [0] ib_plugin.c:1105 NCCL WARN NET/IB : Got completion from peer "
+        "10.0.35.1<49189>",
+        ["kolyoz2"],
+    ),
+    (
+        "network/ib_error4_vendor81_h100_multihost_nccl_issue928.log",
+        "network",
+        "H100-2:19989:20082 [1] transport/net_ib.cc:1295 NCCL WARN NET/IB : Got completion from peer "
+        "fe80::966d:ae03:8b:df78%ib0<53249> with error 4",
+        ["H100-2", "H100-1", "H100-5"],
+    ),
+    (
+        "network/ib_port_error_async_event_vllm_tp_llmd_issue191.log",
+        "network",
+        "[2025-09-17 15:16:23] ms-pd-llm-d-modelservice-prefill-2:311:405 [0] transport/net_ib.cc:199 "
+        "NCCL WARN NET/IB : mlx5_32:1 Got async error event: port error",
+        ["ms-pd-llm-d-modelservice-prefill-2"],
+    ),
+    (
+        "network/ib_status12_status5_ncclremoteerror_rank4_deepspeed_issue6875.log",
+        "network",
+        "50428e4af543:34610:36821 [4] ib_plugin.c:1673 NCCL WARN NET/IB: Got completion from peer "
+        "10.0.1.23<47140> with status=12",
+        ["50428e4af543"],
+    ),
+    (
+        "network/ib_status12_then_status5_hostname_test_nccl_issue1814.log",
+        "network",
+        "hostname-test:984:1357 [4] ib_plugin.c:1615 NCCL WARN NET/IB : Got completion from peer "
+        "172.36.143.59<44206> with status=12",
+        ["hostname-test"],
+    ),
+    (
+        "network/ib_status12_vendor129_kpddp_worker_nccl_issue1405.log",
+        "network",
+        "kp-ddp-worker-0:3468:3905 [4] ib_plugin.c:1615 NCCL WARN NET/IB : Got completion from peer "
+        "10.216.210.236<54862> with status=12 opcode=0",
+        ["kp-ddp-worker-0"],
+    ),
+    # numerics
+    (
+        "numerics/numerics_deepspeed_overflow_loss_scale_collapse_alpaca_issue534.log",
+        "numerics",
+        "[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 64, reducing to 32",
+        [],
+    ),
+    (
+        "numerics/numerics_found_nan_local_grad_norm_pai_megatron_issue366.log",
+        "numerics",
+        "AssertionError: Rank 11: found NaN in local grad norm in backward pass",
+        [],
+    ),
+    (
+        "numerics/numerics_grad_norm_nan_dsv4_megatron_bridge_issue5306.log",
+        "numerics",
+        "loss scale: 1.0 | grad norm: nan |",
+        [],
+    ),
+    (
+        "numerics/numerics_grad_norm_nan_megatron_deepspeed_issue396.log",
+        "numerics",
+        " iteration     5426/  250000 | consumed samples:        43408 |",
+        [],
+    ),
+    (
+        "numerics/numerics_loss_nan_nanogpt_issue215.log",
+        "numerics",
+        "2023-03-22 09:32:52 iter 3010: loss nan, time 1019.95ms, mfu 14.12%",
+        [],
+    ),
+    (
+        "numerics/numerics_model_diverged_loss_nan_bert_dle_issue529.log",
+        "numerics",
+        "ERROR:tensorflow:Model diverged with loss = NaN.",
+        [],
+    ),
+    (
+        "numerics/numerics_rerun_nan_local_grad_norm_nemo_issue14348.log",
+        "numerics",
+        "RuntimeError: Rank 2, node dcfai-xe9680-01, device 2, iteration -1: Unexpected result nan",
+        ["dcfai-xe9680-01"],
+    ),
+    (
+        "numerics/numerics_rerun_nan_local_grad_norm_nemo_issue15108.log",
+        "numerics",
+        "RuntimeError: Rank 0, node f0f511ad6b95, device 0, iteration -1: Unexpected result nan",
+        ["f0f511ad6b95"],
+    ),
+    # oom
+    (
+        "oom/oom_fsdp_p4d_torchrun_speechgpt_issue49.log",
+        "oom",
+        "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 172.00 MiB.",
+        [],
+    ),
+    (
+        "oom/oom_nccl_calloc_allgather_nccl_issue962.log",
+        "oom",
+        "node:2134736:2285781 [0] include/alloc.h:178 NCCL WARN Cuda failure 'out of memory'",
+        ["node"],  # the host really is called "node"
+    ),
+    (
+        "oom/oom_nccl_calloc_multinode_mixed_nccl_issue1235.log",
+        "oom",
+        "ng30903:3063028:3066152 [3] include/alloc.h:178 NCCL WARN Cuda failure 'out of memory'",
+        ["ng30903"],
+    ),
+    (
+        "oom/oom_nccl_cuda_failure_load_optim_megatron_issue1509.log",
+        "oom",
+        "TENCENT64:47604:53083 [0] include/alloc.h:103 NCCL WARN Cuda failure 2 'out of memory'",
+        ["TENCENT64"],
+    ),
+    (
+        "oom/oom_nccl_enqueue_cuda_failure_opensora_issue386.log",
+        "oom",
+        "ins-7df6eojsifuykig9:3018451:3018451 [0] enqueue.cc:1085 NCCL WARN Cuda failure 'out of memory'",
+        ["ins-7df6eojsifuykig9"],
+    ),
+    (
+        "oom/oom_optimizer_step_colossalai_issue3509.log",
+        "oom",
+        "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.12 GiB (GPU 5;",
+        [],
+    ),
+    (
+        "oom/oom_runtimeerror_model_parallel_summit_deepspeed_issue115.log",
+        "oom",
+        "RuntimeError: CUDA out of memory. Tried to allocate 18.00 MiB (GPU 3;",
+        [],
+    ),
+    (
+        "oom/oom_tried_to_allocate_multirank_msswift_issue5943.log",
+        "oom",
+        "[rank15]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.63 GiB.",
+        [],
+    ),
+    # software
+    (
+        "software/software_dcp_missing_key_checkpoint_load_torchtitan_issue2622.log",
+        "software",
+        "[rank0]: RuntimeError: Missing key in checkpoint state_dict: layer.weight.",
+        [],
+    ),
+    (
+        "software/software_device_side_assert_index_select_megatron_deepspeed_issue207.log",
+        "software",
+        "thread: [121,0,0] Assertion `srcIndex < srcSelectDimSize` failed.",
+        [],
+    ),
+    (
+        "software/software_illegal_memory_access_megatron_rng_miles_issue308.log",
+        "software",
+        "torch.AcceleratorError: CUDA error: an illegal memory access was encountered",
+        [],
+    ),
+    (
+        "software/software_illegal_memory_access_nccl_watchdog_axolotl_issue1473.log",
+        "software",
+        "[rank7]:[E ProcessGroupNCCL.cpp:1182] [Rank 7] NCCL watchdog thread terminated with exception: "
+        "CUDA error: an illegal memory access was encountered",
+        [],
+    ),
+    (
+        "software/software_keyerror_load_checkpoint_megatron_issue126.log",
+        "software",
+        "KeyError: 'query_model'",
+        [],
+    ),
+    (
+        "software/software_same_device_deepspeed_zero3_huatuogpt_issue9.log",
+        "software",
+        "[rank0]: RuntimeError: Expected all tensors to be on the same device",
+        [],
+    ),
+    # hang
+    (
+        "hang/hang_allgather_subgroup_timeout_2node_pytorch_issue134006_slurm.out",
+        "hang",
+        "srun: error: workergpu008: task 1: Exited with exit code 1",
+        ["workergpu008"],
+    ),
+    (
+        "hang/hang_allreduce_timeout_8rank_v100_ofa_issue271.log",
+        "hang",
+        "[E ProcessGroupNCCL.cpp:737] [Rank 1] Watchdog caught collective operation timeout: "
+        "WorkNCCL(SeqNum=469508",
+        [],
+    ),
+    (
+        "hang/hang_allreduce_timeout_llama70b_32rank_litgpt_issue1819.log",
+        "hang",
+        "[rank31]:[E1114 18:35:13.955775341 ProcessGroupNCCL.cpp:607] [Rank 31] Watchdog caught collective",
+        [],
+    ),
+    (
+        "hang/hang_allreduce_timeout_moe_megatron_issue735.log",
+        "hang",
+        "[rank2]:[E ProcessGroupNCCL.cpp:754] [Rank 2] Watchdog caught collective operation timeout: "
+        "WorkNCCL(SeqNum=305",
+        [],
+    ),
+    (
+        "hang/hang_broadcast_timeout_litgpt_lightning_issue20434_slurm.out",
+        "hang",
+        "[rank3]:[E1119 13:21:12.512781555 ProcessGroupNCCL.cpp:616] [Rank 3] Watchdog caught collective "
+        "operation timeout: WorkNCCL(SeqNum=1, OpType=BROADCAST",
+        [],
+    ),
+    (
+        "hang/hang_heartbeat_monitor_watchdog_stuck_deim_issue105.log",
+        "hang",
+        "[rank1]:[E ProcessGroupNCCL.cpp:1316] [PG 0 Rank 1] Heartbeat monitor timed out!",
+        [],
+    ),
+    (
+        "hang/hang_ncclUniqueId_store_wait_timeout_nemo_issue14399.log",
+        "hang",
+        "[rank1]: torch.distributed.DistBackendError: [1] is setting up NCCL communicator",
+        [],
+    ),
+    (
+        "hang/hang_reduce_timeout_multinode_dinov2_milabench_pr269.log",
+        "hang",
+        "dinov2-giant-nodes.cn-d004 [stderr] [rank14]:[E909 09:55:29.307629539 ProcessGroupNCCL.cpp:607] "
+        "[Rank 14] Watchdog caught collective operation timeout:",
+        [],
+    ),
+    # preempted: never a suspect (a preempted node is not faulty)
+    (
+        "preempted/preempted_gcp_spot_termination_v100_worker_translations_issue964.log",
+        "preempted",
+        "GCP Metadata Service says termination is imminent",
+        [],
+    ),
+    (
+        "preempted/preempted_job_cancelled_no_reason_lightning_ddp_torchmetrics_issue2300.log",
+        "preempted",
+        "slurmstepd: error: *** JOB 168885 ON scn67-10g CANCELLED AT 2023-08-31T18:04:42 ***",
+        [],
+    ),
+    (
+        "preempted/preempted_job_requeue_sigusr2_submitit_issue1708_slurm.out",
+        "preempted",
+        "*** JOB 608 ON SERVER_NAME CANCELLED AT 2022-08-12T02:06:12 DUE TO JOB REQUEUE ***",
+        [],
+    ),
+    (
+        "preempted/preempted_skypilot_spot_cluster_preempted_bert_pr804.log",
+        "preempted",
+        "I 05-04 00:52:46 controller.py:100] The cluster is preempted.",
+        [],
+    ),
+    (
+        "preempted/preempted_slurm_due_to_preemption_submitit_issue1613.log",
+        "preempted",
+        "*** JOB 37361369 ON learnfair5146 CANCELLED AT 2021-03-15T18:00:46 DUE TO PREEMPTION ***",
+        [],
+    ),
+    (
+        "preempted/preempted_slurm_time_limit_lightning_issue20542.log",
+        "preempted",
+        "*** STEP 55595933.0 ON maestro-3017 CANCELLED AT 2025-01-10T15:27:25 DUE TO TIME LIMIT ***",
+        [],
+    ),
+    (
+        "preempted/preempted_time_limit_2node_srun_desitarget_issue628_slurm.out",
+        "preempted",
+        "*** STEP 32233190.0 ON nid01934 CANCELLED AT 2020-07-03T02:59:56 DUE TO TIME LIMIT ***",
+        [],
+    ),
+    (
+        "preempted/preempted_time_limit_host_redacted_zetta_issue671.log",
+        "preempted",
+        "*** JOB 494583 ON ... CANCELLED AT 2024-04-20T09:09:37 DUE TO TIME LIMIT ***",
+        [],
+    ),
+    # unknown: nothing to recognise, nothing guessed
+    ("unknown/unknown_deepspeed_initial_loss_scale_search_deepspeed_issue386.log", "unknown", None, []),
+    ("unknown/unknown_filesystem_quota_df_marbits_issue141.log", "unknown", None, []),
+    ("unknown/unknown_megatron_iterations_no_error_megatron_llm_issue11.log", "unknown", None, []),
+    ("unknown/unknown_sbatch_node_configuration_not_available_pman_issue200.log", "unknown", None, []),
+    ("unknown/unknown_tokenizer_length_warning_only_lisa_issue18.log", "unknown", None, []),
+    # multirank: one report split per rank/process/host; (.., the file holding the first error)
+    (
+        "multirank/hang_task_exit_workergpu008_pytorch_issue134006",
+        "hang",
+        "srun: error: workergpu008: task 1: Exited with exit code 1",
+        ["workergpu008"],
+        "slurm.out",
+    ),
+    (
+        "multirank/hardware_ecc_worker_sigterm_agent_accelerate_issue1192",
+        "hardware",
+        "RuntimeError: CUDA error: uncorrectable ECC error encountered",
+        [],
+        "worker.log",
+    ),
+    (
+        "multirank/network_ib_error4_kolyoz2_nccltests_issue252",
+        "network",
+        "kolyoz2:25146:25854 [0] ib_plugin.c:1105 NCCL WARN NET/IB : Got completion from peer "
+        "10.0.35.1<49189>",
+        ["kolyoz2"],
+        "kolyoz2.log",
+    ),
+    (
+        "multirank/oom_nccl_calloc_localrank3_ng30903_nccl_issue1235",
+        "oom",
+        "ng30903:3063028:3066152 [3] include/alloc.h:178 NCCL WARN Cuda failure 'out of memory'",
+        ["ng30903"],
+        "localrank3.log",
+    ),
+]
+
+
+def paths_of(relative: str) -> list[Path]:
+    path = DATA / relative
+    return sorted(path.iterdir()) if path.is_dir() else [path]
+
+
+def write(tmp_path: Path, name: str, *lines: str) -> Path:
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_the_table_covers_every_fixture_on_disk():
+    on_disk = {
+        str(p.relative_to(DATA))
+        for d in DATA.iterdir()
+        if d.is_dir()
+        for p in d.iterdir()
+        if d.name != "multirank" or p.is_dir()
+    }
+    assert on_disk == {row[0] for row in FIXTURES}
+    assert len({row[0] for row in FIXTURES}) == len(FIXTURES)
+    counts = {cls: sum(1 for row in FIXTURES if row[0].startswith(cls + "/")) for cls in CLASSES}
+    assert counts["unknown"] >= 5
+    assert sum(1 for row in FIXTURES if row[0].startswith("multirank/")) >= 3
+
+
+@pytest.mark.parametrize("row", FIXTURES, ids=[row[0].split("/")[-1][:70] for row in FIXTURES])
+def test_real_fixture(row):
+    relative, cls, first, suspects = row[:4]
+    paths = paths_of(relative)
+    result = triage(paths)
+    assert result.cls == cls
+    assert result.suspect_nodes == suspects
+    if first is None:
+        assert result.first_error is None
+        assert result.evidence == []
+        assert "nothing recognised" in result.reason
+        return
+    assert result.first_error is not None
+    assert first in result.first_error.text
+    # The line number points at that very line of that file.
+    lines = Path(result.first_error.file).read_text(errors="replace").splitlines()
+    assert lines[result.first_error.line - 1] == result.first_error.text
+    assert result.first_error in result.evidence
+    if len(row) == 5:
+        assert Path(result.first_error.file).name == row[4]
+    if cls != "hang":
+        assert result.first_error.kind == "root"
+        assert result.first_error.cls == cls
+
+
+def test_real_numerics_fixtures_name_the_iteration_of_the_anomaly():
+    found = {
+        name: triage([DATA / "numerics" / name])
+        for name in (
+            "numerics_grad_norm_nan_megatron_deepspeed_issue396.log",
+            "numerics_grad_norm_nan_dsv4_megatron_bridge_issue5306.log",
+            "numerics_loss_nan_nanogpt_issue215.log",
+            "numerics_rerun_nan_local_grad_norm_nemo_issue14348.log",
+        )
+    }
+    as_pairs = {name: (t.anomaly_iteration, t.iteration) for name, t in found.items()}
+    assert as_pairs == {
+        "numerics_grad_norm_nan_megatron_deepspeed_issue396.log": (5426, 5428),
+        # the record is wrapped over four lines: "grad norm: nan" belongs to "iteration 5/50"
+        "numerics_grad_norm_nan_dsv4_megatron_bridge_issue5306.log": (5, 5),
+        "numerics_loss_nan_nanogpt_issue215.log": (3010, 3060),
+        # Megatron printed "iteration -1" and no iteration line is in the excerpt
+        "numerics_rerun_nan_local_grad_norm_nemo_issue14348.log": (None, None),
+    }
+
+
+def test_a_plain_training_log_is_unknown_but_its_last_iteration_is_read():
+    result = triage([DATA / "unknown" / "unknown_megatron_iterations_no_error_megatron_llm_issue11.log"])
+    assert (result.cls, result.iteration, result.anomaly_iteration) == ("unknown", 204, None)
+
+
+# Ordering across files.
+
+
+def test_the_earliest_root_cause_by_timestamp_wins_even_in_the_second_file(tmp_path):
+    first = write(
+        tmp_path,
+        "rank0.log",
+        "[2024-08-17 17:40:30] iteration 10",
+        "[2024-08-17 17:40:40] RuntimeError: CUDA error: an illegal memory access was encountered",
+    )
+    second = write(
+        tmp_path,
+        "rank1.log",
+        "[2024-08-17 17:40:35] torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
+    )
+    result = triage([first, second])
+    assert result.cls == "oom"
+    assert (Path(result.first_error.file).name, result.first_error.line) == ("rank1.log", 1)
+    assert result.first_error.at == calendar.timegm((2024, 8, 17, 17, 40, 35, 0, 0, 0))
+    # Both root lines are evidence, in time order.
+    assert [e.cls for e in result.evidence] == ["oom", "software"]
+    # Given the other way round the answer is the same: time decides, not the order given.
+    assert triage([second, first]).cls == "oom"
+
+
+def test_lines_without_a_timestamp_inherit_the_one_above(tmp_path):
+    log = write(
+        tmp_path,
+        "train.log",
+        "[rank0]:[E0817 17:40:34.227 ProcessGroupNCCL.cpp:1] some info",
+        "Traceback (most recent call last):",
+        '  File "train.py", line 3, in <module>',
+        "KeyError: 'model'",
+    )
+    other = write(tmp_path, "other.log", "2024-08-17T17:40:20 ValueError: earlier, in another file")
+    result = triage([log, other])
+    # the traceback is placed at 17:40:34 (year 2024 from the other file), after the ValueError
+    assert result.first_error.text == "2024-08-17T17:40:20 ValueError: earlier, in another file"
+    keyerror = next(e for e in result.evidence if "KeyError" in e.text)
+    assert keyerror.at == calendar.timegm((2024, 8, 17, 17, 40, 34, 0, 0, 0)) + 0.227
+
+
+@pytest.mark.parametrize(
+    "line, stamp",
+    [
+        (
+            "[rank0]:[E817 17:40:34.227531918 ProcessGroupNCCL.cpp:1515] x",
+            (2024, 8, 17, 17, 40, 34.227531918),
+        ),
+        ("E0817 17:40:34.227 1234 x.py:1] x", (2024, 8, 17, 17, 40, 34.227)),
+        ("2024-08-17 17:40:34 x", (2024, 8, 17, 17, 40, 34)),
+        ("2024-08-17T17:40:34.5+0000 node7 kernel: x", (2024, 8, 17, 17, 40, 34.5)),
+        ("[2025-09-17 15:16:23] x", (2025, 9, 17, 15, 16, 23)),
+        ("Dec  2 11:38:47 worker4 kernel: [  219.470994] x", (2024, 12, 2, 11, 38, 47)),
+        ("[Fri Apr  5 21:29:39 2024] NVRM: x", (2024, 4, 5, 21, 29, 39)),
+        ("slurmstepd: error: *** JOB 1 ON n1 CANCELLED AT 2021-03-15T18:00:46 ***", (2021, 3, 15, 18, 0, 46)),
+    ],
+)
+def test_timestamp_formats(tmp_path, line, stamp):
+    dated = write(tmp_path, "dated.log", "2024-01-01 00:00:00 the year for stamps without one")
+    log = write(tmp_path, "x.log", f"{line} RuntimeError: boom")
+    result = triage([dated, log])
+    year, month, day, hour, minute, second = stamp
+    expected = calendar.timegm((year, month, day, hour, minute, int(second), 0, 0, 0)) + second % 1
+    assert result.evidence[0].at == pytest.approx(expected)
+
+
+def test_dmesg_uptime_is_not_wall_time(tmp_path):
+    log = write(
+        tmp_path, "dmesg.log", "[  219.470994] NVRM: Xid (PCI:0000:07:00): 79, GPU has fallen off the bus."
+    )
+    result = triage([log])
+    assert (result.cls, result.first_error.at) == ("hardware", None)
+
+
+# Classes and their rules.
+
+
+def test_cascades_alone_are_a_hang_with_no_suspect(tmp_path):
+    log = write(
+        tmp_path,
+        "rank0.log",
+        "[rank0]:[E820 11:47:24.069 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective operation "
+        "timeout: WorkNCCL(SeqNum=2, OpType=ALLREDUCE, Timeout(ms)=600000) ran for 600001 milliseconds",
+        "n3:1:2 [0] NCCL INFO [Service thread] Connection closed by localRank 0",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+    )
+    result = triage([log])
+    assert (result.cls, result.suspect_nodes) == ("hang", [])
+    assert [e.kind for e in result.evidence] == ["cascade"] * 3
+    assert "Watchdog caught" in result.first_error.text
+
+
+def test_a_task_that_exited_before_the_timeouts_is_the_hang_suspect(tmp_path):
+    log = write(
+        tmp_path,
+        "slurm.out",
+        "srun: error: gpu12: task 3: Exited with exit code 1",
+        "[rank0]:[E ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective operation timeout: x",
+    )
+    result = triage([log])
+    assert (result.cls, result.suspect_nodes) == ("hang", ["gpu12"])
+    assert result.first_error.line == 1
+    # after the timeouts it is a consequence like the others
+    late = write(tmp_path, "late.out", *reversed(log.read_text().splitlines()))
+    assert triage([late]).suspect_nodes == []
+
+
+@pytest.mark.parametrize(
+    "exception, cls",
+    [
+        ("CUDA error: uncorrectable ECC error encountered", "hardware"),
+        ("CUDA error: an illegal memory access was encountered", "software"),
+        (
+            "NCCL error: unhandled system error, NCCL version 2.14.3 Last error: NET/IB : Got completion "
+            "from peer 10.0.0.2<1> with error 12",
+            "network",
+        ),
+        ("ncclRemoteError: A call failed possibly due to a network error", "network"),
+        ("[Rank 2] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1) ran for 1800000", "hang"),
+    ],
+)
+def test_a_watchdog_exception_is_classified_by_what_it_carries(tmp_path, exception, cls):
+    log = write(
+        tmp_path,
+        "rank2.log",
+        f"[rank2]:[E1119 13:21:13.092 ProcessGroupNCCL.cpp:1595] [PG 0 Rank 2] Process group watchdog "
+        f"thread terminated with exception: {exception}",
+    )
+    result = triage([log])
+    assert result.cls == cls
+    assert result.first_error.kind == ("cascade" if cls == "hang" else "root")
+
+
+def test_hardware_wins_even_when_it_is_not_the_earliest(tmp_path):
+    train = write(
+        tmp_path,
+        "rank1.log",
+        "[2024-12-02 11:38:40] RuntimeError: CUDA error: an illegal memory access was encountered",
+    )
+    kernel = write(
+        tmp_path,
+        "kernel.log",
+        "Dec  2 11:38:47 worker4 kernel: [  219.470994] NVRM: Xid (PCI:0000:07:00): 79, pid=1, name=python, "
+        "GPU has fallen off the bus.",
+    )
+    result = triage([train, kernel])
+    assert (result.cls, result.suspect_nodes) == ("hardware", ["worker4"])
+    assert Path(result.first_error.file).name == "kernel.log"
+    assert {e.cls for e in result.evidence} == {"hardware", "software"}
+
+
+def test_rule_check_a_kernel_log_outranks_real_training_side_errors():
+    """Not one incident (no public report had both; see SOURCES.md, Gaps): a real illegal memory
+    access and a real worker's kernel log given together, as the rule must treat them."""
+    result = triage(
+        [
+            DATA / "software" / "software_illegal_memory_access_nccl_watchdog_axolotl_issue1473.log",
+            DATA / "hardware" / "xid48_dbe_xid64_worker4_gpuoperator_issue1146_kernel.log",
+        ]
+    )
+    assert (result.cls, result.suspect_nodes) == ("hardware", ["worker4"])
+    assert ": 48, pid=" in result.first_error.text
+
+
+@pytest.mark.parametrize(
+    "line, cls",
+    [
+        ("NVRM: Xid (PCI:0000:cb:00): 13, pid=1, name=python, Graphics SM Warp Exception", "software"),
+        ("NVRM: Xid (PCI:0000:01:00): 31, Ch 00000013, engmask 00000101, intr 10000000", "software"),
+        ("NVRM: Xid (PCI:0000:00:05): 43, pid=1045242, name=pt_main_thread, Ch 00000008", "software"),
+        ("NVRM: Xid (PCI:0000:dc:00): 45, pid=1818990, name=python3, Ch 00000001", "unknown"),
+        (
+            "NVRM: Xid (PCI:0000:dc:00): 45, pid=1, name=python3, Ch 00000001 caused by previous Xid 149",
+            "hardware",
+        ),
+        ("NVRM: Xid (PCI:0000:00:08): 94, pid='<unknown>', name=<unknown>, Contained: SM (0x1).", "hardware"),
+        (
+            "NVRM: Xid (PCI:0000:a1:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
+            "hardware",
+        ),
+    ],
+)
+def test_xids(tmp_path, line, cls):
+    assert triage([write(tmp_path, "kernel.log", line)]).cls == cls
+
+
+def test_critical_xids_can_be_given(tmp_path):
+    log = write(tmp_path, "kernel.log", "NVRM: Xid (PCI:0000:07:00): 48, pid=1, DBE")
+    assert 48 in CRITICAL_XIDS
+    assert triage([log]).cls == "hardware"
+    assert triage([log], critical_xids=[79]).cls == "unknown"
+    assert triage([log], critical_xids=[48]).cls == "hardware"
+
+
+def test_one_deepspeed_overflow_is_normal_five_in_a_row_are_numerics(tmp_path):
+    def overflow(scale: int) -> str:
+        return (
+            "[2023-06-07 22:16:00,018] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! "
+            f"Rank 0 Skipping step. Attempted loss scale: {scale}, reducing to {scale // 2}"
+        )
+
+    one = write(tmp_path, "one.log", overflow(1024))
+    assert triage([one]).cls == "unknown"
+    four = write(tmp_path, "four.log", *(overflow(2**k) for k in (8, 7, 6, 5)))
+    assert triage([four]).cls == "unknown"
+    five = write(tmp_path, "five.log", *(overflow(2**k) for k in (8, 7, 6, 5, 4)))
+    result = triage([five])
+    assert result.cls == "numerics"
+    assert result.first_error.line == 1
+    assert len(result.evidence) == 5
+    # The scale grew back between them (good steps in between): not five in a row.
+    broken = write(
+        tmp_path, "broken.log", *(overflow(2**k) for k in (8, 7, 6)), *(overflow(2**k) for k in (8, 7))
+    )
+    assert triage([broken]).cls == "unknown"
+
+
+@pytest.mark.parametrize(
+    "line, cls",
+    [
+        ("Epoch 3:  40%|####  | 400/1000 [10:00<15:00, v_num=1, train_loss=nan]", "numerics"),
+        ("{'loss': 0.0, 'grad_norm': nan, 'learning_rate': 2e-05, 'epoch': 0.1}", "numerics"),
+        (
+            "{'loss': 0.1146, 'grad_norm': 0.7724757844977304, 'learning_rate': 2.49e-07, 'epoch': 3.7}",
+            "unknown",
+        ),
+        (
+            "[rank0]: RuntimeError: Rank 0, node n7, device 0, iteration 1200: Unexpected result 12.5 "
+            "(message='Spiky loss')",
+            "numerics",
+        ),
+        (
+            "Rank 0, node n7, device 0, iteration 1200: Unexpected result 12.5 (message='Spiky loss')",
+            "numerics",
+        ),
+        (
+            " iteration      300/  1000 | lm loss: 2.1E+00 | grad norm: 0.5 "
+            "| number of skipped iterations:   1 | number of nan iterations:   1 |",
+            "numerics",
+        ),
+        ("h1:1:2 [0] enqueue.cc:1085 NCCL WARN Cuda failure 'unspecified launch failure'", "software"),
+        ("terminate called after throwing an instance of 'c10::DistBackendError'", "hang"),
+        ("  what():  NCCL error: unhandled cuda error, NCCL version 2.18.1", "software"),
+        ("  what():  NCCL error: remote process exited or there was a network error", "hang"),
+        ("[rank: 0] Handling auto-requeue signal: 10", "preempted"),
+        ("requeing job 4242...", "preempted"),
+        (
+            "submitit WARNING (2022-08-12 02:06:11,453) - Caught signal SIGUSR2 on n1: this job is "
+            "preempted.",
+            "preempted",
+        ),
+        ("WARNING: Logging before flag parsing goes to stderr.", "unknown"),
+        ("    except KeyError:", "unknown"),
+        ('    raise ValueError(f"bad {x}")', "unknown"),
+    ],
+)
+def test_single_lines(tmp_path, line, cls):
+    assert triage([write(tmp_path, "x.log", line)]).cls == cls
+
+
+def test_loss_scale_at_minimum_is_numerics(tmp_path):
+    log = write(
+        tmp_path, "x.log", "Exception: Current loss scale already at minimum - cannot decrease scale anymore."
+    )
+    assert triage([log]).cls == "numerics"
+
+
+def local_iteration(i: int, loss: float, grad: float = 1.23) -> str:
+    """The line the local training job prints (infra/local_job/train.py), behind srun's label."""
+    return f"0: iteration {i} consumed {i * 8} lr {1e-4:.3e} loss {loss:.6f} grad_norm {grad:.6f}"
+
+
+def test_a_loss_spike_is_numerics_at_its_iteration(tmp_path):
+    lines = [local_iteration(i, 2.0 + 0.01 * (i % 3)) for i in range(1, 26)]
+    smooth = write(tmp_path, "smooth.log", *lines, local_iteration(26, 5.9))  # < 3x the median: no spike
+    assert triage([smooth]).cls == "unknown"
+    spiky = write(tmp_path, "spiky.log", *lines, local_iteration(26, 9.5), local_iteration(27, 2.1))
+    result = triage([spiky])
+    assert (result.cls, result.anomaly_iteration, result.iteration) == ("numerics", 26, 27)
+    assert result.first_error.line == 26
+    # A spike needs 20 iterations before it to measure against.
+    early = write(tmp_path, "early.log", *lines[:10], local_iteration(11, 9.5))
+    assert triage([early]).cls == "unknown"
+
+
+def test_nan_in_the_local_jobs_iteration_line(tmp_path):
+    log = write(tmp_path, "x.log", local_iteration(1, 5.1), local_iteration(2, float("nan"), float("nan")))
+    result = triage([log])
+    assert (result.cls, result.anomaly_iteration, result.iteration) == ("numerics", 2, 2)
+
+
+def test_megatron_exit_code_16_and_17(tmp_path):
+    log = write(
+        tmp_path,
+        "x.log",
+        "[rank0]:[E ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective operation timeout",
+    )
+    r16 = triage([log], exit_code=16)
+    assert (r16.exit_code, r16.megatron, r16.cls) == (16, "exclude-node-and-rerun", "hang")
+    r17 = triage([log], exit_code=17)
+    assert (r17.exit_code, r17.megatron, r17.cls) == (17, "stop", "numerics")
+    assert "17" in r17.reason
+    none = triage([log], exit_code=1)
+    assert (none.exit_code, none.megatron) == (1, None)
+    # 17 with hardware evidence stays hardware
+    ecc = write(tmp_path, "ecc.log", "RuntimeError: CUDA error: uncorrectable ECC error encountered")
+    assert triage([ecc], exit_code=17).cls == "hardware"
+    assert triage([ecc], exit_code=17).megatron == "stop"
+
+
+def test_exit_codes_16_and_17_in_srun_lines_name_the_node(tmp_path):
+    log = write(
+        tmp_path,
+        "slurm.out",
+        "[rank0]:[E ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective operation timeout",
+        "srun: error: n2: task 1: Exited with exit code 16",
+    )
+    result = triage([log])
+    assert (result.exit_code, result.megatron, result.suspect_nodes) == (16, "exclude-node-and-rerun", ["n2"])
+    stop = write(tmp_path, "stop.out", "srun: error: n5: task 4: Exited with exit code 17")
+    result = triage([stop])
+    assert (result.cls, result.exit_code, result.megatron, result.suspect_nodes) == (
+        "numerics",
+        17,
+        "stop",
+        ["n5"],
+    )
+    assert result.first_error.text == "srun: error: n5: task 4: Exited with exit code 17"
+    # The caller's exit code wins over the log's.
+    assert triage([log], exit_code=17).megatron == "stop"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "[rank1]: RuntimeError: CUDA error: uncorrectable ECC error encountered",
+        "1: RuntimeError: CUDA error: uncorrectable ECC error encountered",
+        "[E ProcessGroupNCCL.cpp:916] [Rank 1] NCCL watchdog thread terminated with exception: CUDA error: "
+        "uncorrectable ECC error encountered",
+    ],
+)
+def test_the_layout_maps_rank_prefixes_to_nodes(tmp_path, line):
+    log = write(tmp_path, "train.log", line)
+    assert triage([log], layout={0: "n1", 1: "n2"}).suspect_nodes == ["n2"]
+    assert triage([log]).suspect_nodes == []  # no layout: no guess
+    assert triage([log], layout={0: "n1"}).suspect_nodes == []
+
+
+def test_suspects_come_only_from_root_lines_deduplicated_in_order(tmp_path):
+    log = write(
+        tmp_path,
+        "x.log",
+        "[rank3]:[E ProcessGroupNCCL.cpp:607] [Rank 3] Watchdog caught collective operation timeout",
+        "n9:1:2 [0] NCCL WARN NET/IB : Got completion from peer 10.0.0.9<1> with error 12, vendor err 129",
+        "n4:1:2 [0] NCCL WARN NET/IB : Got completion from peer 10.0.0.4<1> with error 12, vendor err 129",
+        "n9:1:2 [1] NCCL WARN NET/IB : Got completion from peer 10.0.0.4<2> with error 12, vendor err 129",
+    )
+    result = triage([log], layout={3: "n3"})
+    assert (result.cls, result.suspect_nodes) == ("network", ["n9", "n4"])
+
+
+def test_our_local_jobs_ecc_fault_with_the_layout(tmp_path):
+    """infra/local_job/train.py fail("ecc") raises this on rank 1; srun --label prefixes it."""
+    log = write(
+        tmp_path,
+        "train.log",
+        local_iteration(1, 4.2),
+        "1: RuntimeError: CUDA error: uncorrectable ECC error encountered",
+        "1: CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace "
+        "below might be incorrect.",
+        "0: [rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by "
+        "peer [127.0.0.1]:6026",
+    )
+    result = triage([log], layout={0: "n1", 1: "n2"})
+    assert (result.cls, result.suspect_nodes, result.iteration) == ("hardware", ["n2"], 1)
+    assert result.first_error.text == "1: RuntimeError: CUDA error: uncorrectable ECC error encountered"
+
+
+def test_the_gloo_connection_closed_is_a_cascade(tmp_path):
+    log = write(
+        tmp_path,
+        "train.log",
+        "[rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:561] "
+        "Connection closed by peer [127.0.0.1]:6026",
+    )
+    result = triage([log], layout={0: "n1", 1: "n2"})
+    assert (result.cls, result.suspect_nodes, result.first_error.kind) == ("hang", [], "cascade")
+
+
+def test_megatrons_nan_check_names_the_node(tmp_path):
+    log = write(
+        tmp_path,
+        "train.log",
+        local_iteration(1, 4.2),
+        "[rank1]: RuntimeError: Rank 1, node vm, device 0, iteration 0: Unexpected result nan "
+        "(message='found NaN in local grad norm for bucket #0 in backward pass before data-parallel "
+        "communication collective')",
+    )
+    result = triage([log], layout={0: "n1", 1: "n2"})
+    assert (result.cls, result.suspect_nodes, result.anomaly_iteration) == ("numerics", ["vm"], 0)
+
+
+def test_preempted_has_no_suspects_but_node_failure_names_the_node(tmp_path):
+    result = triage([DATA / "preempted" / "preempted_time_limit_2node_srun_desitarget_issue628_slurm.out"])
+    assert (result.cls, result.suspect_nodes) == ("preempted", [])
+    failed = write(
+        tmp_path,
+        "slurm.out",
+        "[rank0]:[E ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective operation timeout",
+        "slurmstepd: error: *** JOB 77 ON gpu-a17 CANCELLED AT 2024-05-01T10:00:00 DUE TO NODE FAILURE ***",
+    )
+    result = triage([failed])
+    assert (result.cls, result.suspect_nodes) == ("preempted", ["gpu-a17"])
+
+
+def test_a_step_cancelled_by_srun_after_a_task_died_is_not_preemption(tmp_path):
+    """srun --kill-on-bad-exit (our job script) cancels the step once a task dies."""
+    log = write(
+        tmp_path,
+        "slurm.out",
+        "0: iteration 6 consumed 48 lr 1.000e-04 loss 4.100000 grad_norm 1.200000",
+        "srun: error: n2: task 1: Killed",
+        "srun: Terminating StepId=12.0",
+        "slurmstepd: error: *** STEP 12.0 ON n1 CANCELLED AT 2026-12-01T04:00:00 ***",
+        "srun: error: n1: task 0: Terminated",
+    )
+    result = triage([log], layout={0: "n1", 1: "n2"})
+    assert (result.cls, result.suspect_nodes, result.iteration) == ("hang", ["n2"], 6)
+    assert result.first_error.text == "srun: error: n2: task 1: Killed"
+    # The same cancellation with no task failure before it is a cancellation.
+    alone = write(tmp_path, "alone.out", *log.read_text().splitlines()[3:])
+    assert triage([alone]).cls == "preempted"
+
+
+def test_the_earliest_error_decides_against_a_later_cancellation(tmp_path):
+    log = write(
+        tmp_path,
+        "slurm.out",
+        "2024-05-01 09:00:00 KeyError: 'layers.0.weight'",
+        "slurmstepd: error: *** JOB 77 ON gpu-a17 CANCELLED AT 2024-05-01T10:00:00 DUE TO TIME LIMIT ***",
+    )
+    assert triage([log]).cls == "software"
+
+
+# Inputs.
+
+
+def test_an_empty_file_is_unknown(tmp_path):
+    result = triage([write(tmp_path, "empty.log")])
+    assert (result.cls, result.suspect_nodes, result.first_error, result.evidence) == (
+        "unknown",
+        [],
+        None,
+        [],
+    )
+    assert "nothing recognised" in result.reason
+
+
+def test_no_files_is_unknown():
+    assert triage([]).cls == "unknown"
+
+
+def test_an_unreadable_path_names_the_file(tmp_path):
+    missing = tmp_path / "no-such.log"
+    with pytest.raises(Unreadable) as raised:
+        triage([write(tmp_path, "ok.log", "KeyError: 'x'"), missing])
+    assert str(missing) in str(raised.value)
+    assert raised.value.exit_code == 2
+    under_a_file = write(tmp_path, "file.log", "x") / "child.log"
+    with pytest.raises(Unreadable, match="child.log"):
+        triage([under_a_file])
+
+
+def test_a_directory_is_a_usage_error(tmp_path):
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    with pytest.raises(UsageError, match="logs") as raised:
+        triage([folder])
+    assert not isinstance(raised.value, Unreadable)
+    assert raised.value.exit_code == 2
+
+
+def test_bytes_that_are_not_utf8_are_replaced(tmp_path):
+    log = tmp_path / "bin.log"
+    log.write_bytes(b"\xff\xfe garbage\r\nRuntimeError: CUDA error: uncorrectable ECC error encountered\r\n")
+    result = triage([log])
+    assert result.cls == "hardware"
+    assert result.first_error.text == "RuntimeError: CUDA error: uncorrectable ECC error encountered"
+
+
+def test_a_long_log_is_read_streaming(tmp_path):
+    log = tmp_path / "long.log"
+    with log.open("w") as f:
+        for i in range(1, 200_001):
+            f.write(local_iteration(i, 3.0 - i * 1e-6) + "\n")
+        f.write("1: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n")
+    result = triage([log], layout={0: "n1", 1: "n2"})
+    assert (result.cls, result.suspect_nodes, result.iteration) == ("oom", ["n2"], 200_000)
+    assert result.first_error.line == 200_001
+
+
+def test_evidence_is_capped_and_the_first_error_kept(tmp_path):
+    log = write(tmp_path, "x.log", *(f"[rank{i}]: KeyError: 'k{i}'" for i in range(120)))
+    result = triage([log])
+    assert 1 <= len(result.evidence) <= 50
+    assert result.first_error.text == "[rank0]: KeyError: 'k0'"
+    assert result.evidence[0] == result.first_error
+
+
+# Output.
+
+
+def test_to_dict(tmp_path):
+    result = triage([write(tmp_path, "x.log", "[rank1]: KeyError: 'k'")], layout={1: "n2"})
+    as_dict = result.to_dict()
+    assert list(as_dict) == [
+        "class",
+        "suspect_nodes",
+        "first_error",
+        "evidence",
+        "reason",
+        "exit_code",
+        "megatron",
+        "iteration",
+        "anomaly_iteration",
+    ]
+    assert as_dict["class"] == "software"
+    assert as_dict["suspect_nodes"] == ["n2"]
+    assert as_dict["first_error"] == {
+        "file": str(tmp_path / "x.log"),
+        "line": 1,
+        "text": "[rank1]: KeyError: 'k'",
+    }
+    assert as_dict["evidence"] == [
+        {
+            "file": str(tmp_path / "x.log"),
+            "line": 1,
+            "text": "[rank1]: KeyError: 'k'",
+            "class": "software",
+            "kind": "root",
+        }
+    ]
+    assert triage([]).to_dict()["first_error"] is None
+
+
+def test_line_starts_with_the_class_word(tmp_path):
+    result = triage(
+        [write(tmp_path, "train.log", "1: RuntimeError: CUDA error: uncorrectable ECC error encountered")],
+        layout={1: "n2"},
+    )
+    text = result.line()
+    assert text.split()[0] == "hardware"
+    assert "n2" in text
+    assert f"{tmp_path / 'train.log'}:1: 1: RuntimeError: CUDA error: uncorrectable ECC" in text
+    assert triage([]).line().split()[0] == "unknown"
