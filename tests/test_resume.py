@@ -34,7 +34,7 @@ def killed_between_saves(root: Path, extra: tuple = ()) -> tuple[Path, Path]:
             train_iters=24,
             save_interval=4,
             timeout_seconds=600,
-            extra=["--step-records", str(root / "before.jsonl"), "--die-at", "1:15", *extra],
+            extra=["--step-records", str(root / "before.jsonl"), "--fail-at", "1:15:kill", *extra],
         )
     promote(save, VerifyOptions(job="resume-test"), 30)
     return root, save

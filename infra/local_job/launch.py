@@ -6,13 +6,17 @@ writer Manager orphaned: every process the job started is killed when it ends, h
 """
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
+from string import Template
 
 from tasks.cluster import process
 
 TRAIN = Path(__file__).with_name("train.py")
+JOB_SCRIPT = Path(__file__).with_name("job.sh.in")
+REPO = Path(__file__).resolve().parent.parent.parent
 
 
 def torchrun_command(nproc: int, args: list[str]) -> list[str]:
@@ -69,6 +73,42 @@ def start_local_job(
 def wait_local_job(job: subprocess.Popen, log: Path, timeout_seconds: float) -> None:
     """Wait for the job; kill everything it started; raise if it failed or timed out."""
     process.wait(job, log, timeout_seconds, "local training job")
+
+
+def write_job_script(
+    path: Path,
+    save_dir: Path,
+    records: Path,
+    *,
+    job_name: str = "local-tiny",
+    nodes: int = 2,
+    port: int = 29500,
+    train_iters: int = 8,
+    save_interval: int = 4,
+    notify_url: str = "",
+    extra: list[str] = (),
+) -> Path:
+    """The job as its own batch script (sbatch on the local Slurm cluster, or bash with torchrun
+    here): what a team hands to ckptops as ``recovery.script``."""
+    quote = lambda value: shlex.quote(str(value))  # noqa: E731
+    text = Template(JOB_SCRIPT.read_text()).substitute(
+        JOB_NAME=job_name,
+        NODES=nodes,
+        REPO=quote(REPO),
+        SAVE=quote(save_dir),
+        RECORDS=quote(records),
+        PORT=port,
+        PYTHON=quote(sys.executable),
+        TRAIN_ITERS=train_iters,
+        SAVE_INTERVAL=save_interval,
+        NOTIFY_URL=notify_url,
+        EXTRA=" ".join(quote(a) for a in extra),
+    )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
 
 
 def run_local_job(save_dir: Path, *, timeout_seconds: float = 600, **kwargs) -> Path:

@@ -18,10 +18,11 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 import urllib.request
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from functools import partial
 
 import numpy as np
@@ -37,6 +38,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
 
 from ckptops_records import StepRecorder, batch_summary  # noqa: E402
 from tasks.restore.build import build, init_distributed, set_seeds  # noqa: E402
@@ -44,6 +46,29 @@ from tasks.restore.loader import load_state, rng_state_object  # noqa: E402
 
 CHECKPOINT_VERSION = 3.0
 TRACKER = "latest_checkpointed_iteration.txt"
+# What each fault does to the failing rank. The texts are the errors CUDA and PyTorch print for
+# these failures on a GPU; nan and hang are the real thing on any device.
+FAULTS = {
+    "kill": "SIGKILL, as the kernel's OOM killer or a lost node ends a process",
+    "ecc": "CUDA's uncorrectable ECC error (a GPU memory fault)",
+    "oom": "torch's CUDA out-of-memory error",
+    "nan": "NaN weights: Megatron's NaN check ends the job on the NaN gradient",
+    "hang": "the rank stops answering: the other ranks' collective times out",
+}
+CUDA_ERROR_TAIL = (
+    "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace "
+    "below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+    "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n"
+)
+
+
+def _fault(text: str) -> tuple[int, int, str]:
+    rank, iteration, kind = (text.split(":") + ["", ""])[:3]
+    if not (rank.isdigit() and iteration.isdigit() and kind in FAULTS):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected RANK:ITERATION:KIND, KIND one of {', '.join(FAULTS)}"
+        )
+    return int(rank), int(iteration), kind
 
 
 def parse_args(argv=None):
@@ -64,13 +89,37 @@ def parse_args(argv=None):
     )
     p.add_argument("--step-records", default=None, help="write one step record (JSON line) per step here")
     p.add_argument("--run-id", default=os.environ.get("CKPTOPS_RUN_ID", "local-tiny"))
-    p.add_argument("--attempt-id", default=os.environ.get("TORCHELASTIC_RUN_ID", str(uuid.uuid4())[:8]))
-    # Faults, to rehearse failures and to test that validation catches them.
     p.add_argument(
-        "--die-at",
+        "--attempt-id",
+        default=os.environ.get("TORCHELASTIC_RUN_ID")
+        or os.environ.get("SLURM_JOB_ID")
+        or str(uuid.uuid4())[:8],
+    )
+    p.add_argument(
+        "--exit-on-missing-checkpoint",
+        action="store_true",
+        help="Megatron-LM's flag: with --load, exit non-zero when there is no checkpoint to load "
+        "instead of starting from random weights",
+    )
+    p.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10,
+        help="Megatron-LM's collective timeout (a fraction of a minute is allowed here)",
+    )
+    p.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+        help="Megatron-LM's flag: do not end the job on a NaN gradient",
+    )
+    # Faults, to rehearse failures and to test that triage, recovery and validation catch them.
+    p.add_argument(
+        "--fail-at",
+        type=_fault,
         default=None,
-        metavar="RANK:ITERATION",
-        help="fault: that rank kills itself with SIGKILL before that iteration",
+        metavar="RANK:ITERATION:KIND",
+        help="fault: before that iteration that rank fails; KIND is one of " + ", ".join(FAULTS),
     )
     p.add_argument("--slow-step-ms", type=float, default=0.0, help="fault: every step takes this much longer")
     p.add_argument("--ballast-mb", type=int, default=0, help="fault: hold this much more memory")
@@ -167,12 +216,17 @@ def derive(args):
     return args
 
 
-def checkpoint_dir(args) -> str:
+def checkpoint_dir(args) -> str | None:
+    """The checkpoint to load: --ckpt-step, else Megatron's tracker; None when there is none."""
     step = args.ckpt_step
     if step is None:
-        with open(os.path.join(args.load, TRACKER)) as f:
-            step = int(f.read().strip())
-    return os.path.join(args.load, f"iter_{step:07d}")
+        try:
+            with open(os.path.join(args.load, TRACKER)) as f:
+                step = int(f.read().strip())
+        except FileNotFoundError:
+            return None
+    directory = os.path.join(args.load, f"iter_{step:07d}")
+    return directory if os.path.isdir(directory) else None
 
 
 def setup(args):
@@ -180,7 +234,11 @@ def setup(args):
     # The checkpoint writer otherwise starts a *spawn* Manager on first save (7-14 s here);
     # a fork-context queue created before the process group exists costs well under a second.
     filesystem_async.get_write_results_queue(mp_mode="fork")
-    init_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    init_distributed(
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        timedelta(minutes=args.distributed_timeout_minutes),
+    )
     args.world_size = torch.distributed.get_world_size()
     args.data_parallel_size = parallel_state.get_data_parallel_world_size()
     per_step = args.micro_batch_size * args.data_parallel_size
@@ -352,11 +410,45 @@ def notify_saved(args, iteration, directory):
         print(f"could not post training.checkpoint.saved to {args.notify_url}: {e}", flush=True)
 
 
-def _die_at(args):
-    if not args.die_at:
-        return None
-    rank, iteration = (int(x) for x in args.die_at.split(":"))
-    return iteration if rank == torch.distributed.get_rank() else None
+def fail(kind: str, model) -> None:
+    """Fail this rank the way ``kind`` says (see FAULTS)."""
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "ecc":
+        raise RuntimeError("CUDA error: uncorrectable ECC error encountered\n" + CUDA_ERROR_TAIL)
+    if kind == "oom":
+        device = int(os.environ.get("LOCAL_RANK", 0))
+        raise torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate 2.00 GiB. GPU {device} has a total capacity of "
+            "79.11 GiB of which 1.02 GiB is free. Including non-PyTorch memory, this process has "
+            "78.08 GiB memory in use. Of the allocated memory 75.12 GiB is allocated by PyTorch, and "
+            "1.43 GiB is reserved by PyTorch but unallocated."
+        )
+    if kind == "nan":
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.fill_(float("nan"))
+        return
+    while True:  # hang: never reach the next collective
+        time.sleep(60)
+
+
+def _load_dir(args) -> str | None:
+    """The checkpoint to resume from, as Megatron-LM decides it; exits when it must."""
+    directory = checkpoint_dir(args)
+    if directory is None and torch.distributed.get_rank() == 0:
+        print(f"WARNING: could not find a checkpoint to load under {args.load}", flush=True)
+        if not args.exit_on_missing_checkpoint:
+            print("    will not load any checkpoints and will start from random", flush=True)
+    if directory is None and args.exit_on_missing_checkpoint:
+        print(
+            f">> '--exit-on-missing-checkpoint' is set but no checkpoint was found under load "
+            f"directory '{args.load}'. Exiting with a non-zero status. <<",
+            flush=True,
+        )
+        torch.distributed.barrier()
+        sys.exit(1)
+    return directory
 
 
 def reported_loss(args, losses) -> float:
@@ -399,9 +491,10 @@ def train(args):
     # Megatron-LM's running total, approximated as 6 x parameters x tokens per iteration.
     flops_per_iteration = 6 * model_parameters(built) * args.global_batch_size * args.seq_length
     iteration, consumed, flops = 0, 0, 0.0
-    if args.load:
+    directory = _load_dir(args) if args.load else None
+    if directory:
         loaded = load_state(
-            checkpoint_dir(args),
+            directory,
             built,
             args,
             load_optim=not args.no_load_optim,
@@ -420,11 +513,14 @@ def train(args):
     )
     # Allocated and touched once: resident for the whole run, as a leak or a bigger buffer would be.
     ballast = torch.ones(args.ballast_mb << 18) if args.ballast_mb else None  # noqa: F841 (float32: 4 bytes each)
-    die_before = _die_at(args)
+    fault = args.fail_at if args.fail_at and args.fail_at[0] == torch.distributed.get_rank() else None
     while iteration < args.train_iters:
-        if die_before == iteration + 1:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if fault and fault[1] == iteration + 1:
+            fail(fault[2], model)
         batch_ids = global_batch_ids(args, dataset, consumed)
+        # Megatron-LM's loop advances the rerun state machine once per step, so its NaN report
+        # names the iteration that failed (1-based: the machine counts from 0).
+        get_rerun_state_machine().current_iteration = iteration
         started = time.perf_counter()
         model.zero_grad_buffer()
         optimizer.zero_grad()

@@ -40,10 +40,13 @@ from tasks.restore.model_args import ModelArgsError
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 
 
-def init_distributed(tensor_parallel: int, pipeline_parallel: int) -> None:
+def init_distributed(
+    tensor_parallel: int, pipeline_parallel: int, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT
+) -> None:
     """One process group per job (gloo on CPU, nccl on GPU), from torchrun's environment or
     Slurm's (``srun`` sets SLURM_PROCID and SLURM_NTASKS; the batch script sets MASTER_ADDR and
-    MASTER_PORT)."""
+    MASTER_PORT). ``timeout`` bounds every collective: a rank that stops answering ends the
+    others' wait with an error instead of a hang (Megatron-LM's --distributed-timeout-minutes)."""
     if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
         os.environ["RANK"] = os.environ["SLURM_PROCID"]
         os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
@@ -51,7 +54,7 @@ def init_distributed(tensor_parallel: int, pipeline_parallel: int) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     torch.distributed.init_process_group(
-        backend="nccl" if torch.cuda.is_available() else "gloo", timeout=PROCESS_GROUP_TIMEOUT
+        backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timeout
     )
     world = torch.distributed.get_world_size()
     if world % (tensor_parallel * pipeline_parallel):
@@ -59,7 +62,9 @@ def init_distributed(tensor_parallel: int, pipeline_parallel: int) -> None:
             f"world size {world} is not a multiple of TP {tensor_parallel} x PP {pipeline_parallel}"
         )
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        distributed_timeout_minutes=timeout.total_seconds() / 60,
     )
 
 
@@ -179,6 +184,9 @@ def ddp_config(args, num_parameters: int) -> DistributedDataParallelConfig:
         overlap_grad_reduce=overlap,
         overlap_param_gather=False,
         bucket_size=bucket_size,
+        # Megatron-LM's --check-for-nan-in-loss-and-grad (on by default): a NaN gradient ends
+        # the job with the rerun state machine's "Unexpected result nan" before it is reduced.
+        check_for_nan_in_grad=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)),
     )
     return DistributedDataParallelConfig(**kwargs)
 

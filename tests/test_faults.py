@@ -1,0 +1,36 @@
+"""The local job's fault switch (train.py --fail-at RANK:ITERATION:KIND) really fails a rank the
+way it says, and triage names the class and the rank's node from the job's own output."""
+
+from pathlib import Path
+
+import pytest
+
+from infra.local_job.launch import run_local_job
+from tasks.cluster.process import Failed
+from tasks.recovery.triage import triage
+
+pytestmark = pytest.mark.slow
+
+# kind -> (class, text of the first error)
+EXPECTED = {
+    "ecc": ("hardware", "[rank1]: RuntimeError: CUDA error: uncorrectable ECC error encountered"),
+    "oom": ("oom", "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
+    "nan": ("numerics", "Unexpected result nan"),
+    # The hung rank never errs: the others' collective times out (gloo's words on CPU).
+    "hang": ("hang", "Timed out waiting"),
+}
+
+
+@pytest.mark.parametrize("kind", list(EXPECTED))
+def test_each_fault_fails_the_job_and_triage_names_it(kind, tmp_path):
+    extra = ["--fail-at", f"1:3:{kind}", "--distributed-timeout-minutes", "0.25"]
+    with pytest.raises(Failed) as failed:
+        run_local_job(tmp_path / "ckpt", train_iters=6, save_interval=100, timeout_seconds=300, extra=extra)
+    found = triage([Path(failed.value.log)])
+    cls, text = EXPECTED[kind]
+    assert found.cls == cls, found.line()
+    assert text in found.first_error.text, found.line()
+    assert found.iteration == 2  # the last iteration finished before the fault
+    if kind == "nan":
+        # Megatron names the rank's node and the iteration that failed.
+        assert found.suspect_nodes and found.anomaly_iteration == 3
