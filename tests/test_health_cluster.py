@@ -14,7 +14,7 @@ from tasks.health.run import resolve_nodes, run_health
 from tasks.outcome import Verdict
 from tasks.profile import load_profile
 from tests.conftest import ROOT, free_port
-from tests.helpers.cluster import FakeCluster, profile_yaml
+from tests.helpers.cluster import FakeCluster, profile_yaml, r3_pass_document
 
 pytestmark = pytest.mark.slow
 
@@ -191,37 +191,7 @@ def test_draining_off_gives_a_plan_only(cluster, tmp_path, scontrol):
 
 
 def test_spare_admission_needs_r3_nccl_and_a_pair_test(cluster, tmp_path, scontrol):
-    cluster.record(
-        "default",
-        "diag",
-        json.dumps(
-            {
-                "DCGM Diagnostic": {
-                    "test_categories": [
-                        {
-                            "category": "all",
-                            "tests": [
-                                {
-                                    "name": name,
-                                    "results": [{"entity_id": i, "status": "Pass"} for i in range(8)],
-                                    "test_summary": {"status": "Pass"},
-                                }
-                                for name in (
-                                    "software",
-                                    "pcie",
-                                    "memory",
-                                    "diagnostic",
-                                    "targeted_stress",
-                                    "targeted_power",
-                                    "memory_bandwidth",
-                                )
-                            ],
-                        }
-                    ]
-                }
-            }
-        ),
-    )
+    cluster.record("default", "diag", r3_pass_document())
     cluster.record_sample(
         HEALTHY[2], "pair", "nccl_allreduce_2node_init_failure_ncclwarn_issue294_excerpt.txt", rc=3
     )

@@ -35,5 +35,14 @@ def partition_nodes(partition: str) -> list[str]:
     )
 
 
+def node_state(node: str) -> str:
+    """Slurm's state of one node, lower case as sinfo prints it (idle, drain, drng, down, mix...)."""
+    return run(["sinfo", "-h", "-N", "-n", check_node_name(node), "-o", "%t"]).strip().rstrip("*~#!%$@^-")
+
+
+def resume(node: str) -> None:
+    run(["scontrol", "update", f"NodeName={check_node_name(node)}", "State=RESUME"])
+
+
 def drain(node: str, reason: str) -> None:
     run(["scontrol", "update", f"NodeName={check_node_name(node)}", "State=DRAIN", f"Reason={reason}"])

@@ -67,6 +67,25 @@ class SshSettings:
     key_text: str | None  # from a Prefect Secret block
     use_agent: bool
     connect_timeout: float
+    config_file: Path | None = None
+
+
+def _address(node: str, s: SshSettings) -> tuple[str, int, str, list[str] | None]:
+    """Where ``node`` is reached: the OpenSSH client config's HostName, Port, User and
+    IdentityFile for it when the profile names a config (Slurm node names often differ from the
+    addresses SSH needs), else the node name and the profile's port and user."""
+    if s.config_file is None:
+        return node, s.port, s.user, None
+    try:
+        found = paramiko.SSHConfig.from_path(str(s.config_file)).lookup(node)
+    except OSError as e:
+        raise UsageError(f"{s.config_file}: cannot read the SSH config ({e.strerror})") from None
+    return (
+        found.get("hostname", node),
+        int(found.get("port", s.port)),
+        found.get("user", s.user),
+        found.get("identityfile"),
+    )
 
 
 def _private_key(text: str) -> paramiko.PKey:
@@ -102,13 +121,14 @@ class SshHost:
             raise UsageError(f"{s.known_hosts}: cannot read known_hosts ({e.strerror})") from None
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
         pkey = _private_key(s.key_text) if s.key_text else None
+        hostname, port, user, identity = _address(self.node, s)
         try:
             client.connect(
-                self.node,
-                port=s.port,
-                username=s.user,
+                hostname,
+                port=port,
+                username=user,
                 pkey=pkey,
-                key_filename=str(s.key_file) if s.key_file else None,
+                key_filename=str(s.key_file) if s.key_file else identity,
                 allow_agent=s.use_agent,
                 look_for_keys=False,
                 timeout=s.connect_timeout,

@@ -89,7 +89,14 @@ def _host(node: str, settings, key_text: str | None):
     return SshHost(
         node,
         SshSettings(
-            s.user, s.port, s.known_hosts, s.key_file, key_text, s.use_agent, s.connect_timeout_seconds
+            s.user,
+            s.port,
+            s.known_hosts,
+            s.key_file,
+            key_text,
+            s.use_agent,
+            s.connect_timeout_seconds,
+            s.config_file,
         ),
     )
 

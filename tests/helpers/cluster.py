@@ -157,6 +157,36 @@ LogLevel VERBOSE
         shutil.rmtree(self.root / "scenarios", ignore_errors=True)
 
 
+def r3_pass_document() -> str:
+    """A DCGM 4 run-level-3 diagnostic (JSON) where every test passes on 8 GPUs: what the spare
+    admission set needs to see."""
+    import json
+
+    tests = [
+        {
+            "name": name,
+            "results": [{"entity_id": i, "status": "Pass"} for i in range(8)],
+            "test_summary": {"status": "Pass"},
+        }
+        for name in (
+            "software",
+            "pcie",
+            "memory",
+            "diagnostic",
+            "targeted_stress",
+            "targeted_power",
+            "memory_bandwidth",
+        )
+    ]
+    return json.dumps({"DCGM Diagnostic": {"test_categories": [{"category": "all", "tests": tests}]}})
+
+
+def ssh_config(path: Path, cluster: FakeCluster, names: dict[str, str]) -> Path:
+    """An OpenSSH client config mapping node names (Slurm's) to the fake nodes' addresses."""
+    path.write_text("".join(f"Host {name}\n    HostName {address}\n" for name, address in names.items()))
+    return path
+
+
 def profile_yaml(cluster: FakeCluster, nodes: list[str], known_hosts: Path, raw_dir: Path, **extra) -> str:
     """A health profile for the fake cluster (level 1, small timeouts)."""
     import getpass
