@@ -424,6 +424,140 @@ def validate_resume_command(
     raise typer.Exit(0 if result.ok else 1)
 
 
+@app.command()
+def triage(
+    files: Annotated[
+        list[Path], typer.Argument(help="logs of the failed run: per-rank logs, Slurm output, kernel logs")
+    ],
+    exit_code: Annotated[
+        int | None,
+        typer.Option("--exit-code", help="the job's exit code (Megatron: 16 rerun elsewhere, 17 stop)"),
+    ] = None,
+    as_json: JsonOpt = False,
+):
+    """Find the first error of a failed run and its class: the class word first, then the suspect
+    nodes and the first error. Exit 0 when a class was found, 1 when unknown, 2 unreadable."""
+    with _expected_errors():
+        from tasks.recovery.triage import triage as run_triage
+
+        found = run_triage(files, exit_code=exit_code)
+    if as_json:
+        out.print_json(json.dumps(found.to_dict()))
+    else:
+        out.print(found.line(), markup=False)
+        for line in found.evidence[:10]:
+            out.print(f"  {line.file}:{line.line}: {line.text[:200]}", markup=False)
+    raise typer.Exit(1 if found.cls == "unknown" else 0)
+
+
+def _ask_on_terminal(approve: bool):
+    """The CLI's approver: --approve goes; a terminal asks; anything else (a pipe, cron) says no."""
+    from tasks.recovery.report import plan_markdown
+    from tasks.recovery.run import Decision
+
+    def ask(plan) -> Decision:
+        if approve:
+            return Decision(True, "--approve on the command line")
+        if not sys.stdin.isatty():
+            return Decision(False, "no terminal to ask and no --approve")
+        out.print(plan_markdown(plan), markup=False)
+        answer = typer.prompt(
+            f"relaunch from checkpoint {plan.checkpoint}? [yes / no / another iteration]", default="no"
+        )
+        if answer.strip().isdigit():
+            return Decision(True, "operator on the terminal", int(answer))
+        return Decision(answer.strip().lower() in ("y", "yes"), "operator on the terminal")
+
+    return ask
+
+
+@app.command()
+def recover(
+    slurm_job: Annotated[str | None, typer.Option("--slurm-job", help="the failed Slurm job's id")] = None,
+    logs: Annotated[list[Path] | None, typer.Option("--logs", help="log files of the failed run")] = None,
+    exit_code: Annotated[int | None, typer.Option("--exit-code", help="the job's exit code")] = None,
+    approve: Annotated[
+        bool, typer.Option("--approve", help="relaunch without asking (stop rules still apply)")
+    ] = False,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Recover a failed job: triage, stop rules, checkpoint, node health and drains, approval,
+    relaunch, validation; the incident goes to the ledger. Exit 0 recovered, 1 stopped or aborted."""
+    if not slurm_job and not logs:
+        _fail(UsageError("name what failed: --slurm-job ID or --logs FILE..."))
+    with _expected_errors():
+        from tasks.recovery.ledger import COMPLETED
+        from tasks.recovery.run import Source
+        from tasks.recovery.run import recover as run_recovery
+
+        prof = load_profile(profile)
+
+        def step(name, fn, *args, **kwargs):
+            err.print(f"{name} ...", markup=False)
+            return fn(*args, **kwargs)
+
+        incident = run_recovery(
+            prof, Source(slurm_job, list(logs or []), exit_code), "cli", _ask_on_terminal(approve), step
+        )
+    if as_json:
+        out.print_json(json.dumps(incident.to_dict()))
+    else:
+        out.print(f"{incident.outcome} {incident.id} {incident.cls}: {incident.reason}", markup=False)
+    raise typer.Exit(0 if incident.outcome == COMPLETED else 1)
+
+
+@app.command("recovery-guard")
+def recovery_guard(
+    deployment: Annotated[
+        str, typer.Option("--deployment", help="the automatic recovery deployment: FLOW/DEPLOYMENT")
+    ],
+    notify_block: Annotated[
+        str | None, typer.Option("--notify-block", help="a Prefect notification block to tell (its name)")
+    ] = None,
+    profile: ProfileOpt = None,
+):
+    """Install the job's failure-storm guard on the Prefect server: an automation that pauses the
+    recovery deployment after more than recovery.max_per_hour failures within an hour."""
+    with _expected_errors():
+        from tasks.recovery.automation import install_storm_guard
+
+        block_id = None
+        if notify_block:
+            from prefect.blocks.core import Block
+
+            block_id = Block.load(notify_block)._block_document_id
+        made = install_storm_guard(load_profile(profile), deployment, block_id)
+    out.print(f"{made.name}: {made.description} ({made.id})", markup=False)
+
+
+@app.command()
+def incidents(
+    save_dir: Annotated[Path | None, typer.Argument(help=OWN_SAVE_DIR)] = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="also write the phase timeline as a PNG here")
+    ] = None,
+):
+    """The job's incident ledger: every recovery, its class, nodes, checkpoint and outcome."""
+    with _expected_errors():
+        from tasks.recovery.ledger import incidents as read_incidents
+        from tasks.recovery.report import incident_rows, timeline_png
+
+        prof = _profile_for(profile, save_dir)
+        found = [i for i in read_incidents(prof.job.save_dir) if i.job == prof.job.name]
+        if plot is not None and found:
+            plot.write_bytes(timeline_png(found))
+    if as_json:
+        out.print_json(json.dumps([i.to_dict() for i in found]))
+        return
+    if not found:
+        out.print("no incidents recorded", markup=False)
+        return
+    render.incidents(out, prof.job.name, incident_rows(found))
+
+
 health_app = typer.Typer(no_args_is_help=True, help="Node health: DCGM, GPU basics, nccl-tests.")
 app.add_typer(health_app, name="health")
 

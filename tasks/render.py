@@ -77,6 +77,17 @@ def drills(console: Console, job: str, rows: list[dict]) -> None:
     table(console, f"restore drills of {job}", columns, cells, styles)
 
 
+def incidents(console: Console, job: str, rows: list[dict]) -> None:
+    """The incident ledger (``tasks.recovery.report.incident_rows``)."""
+    columns = list(rows[0])
+    cells = [["" if row.get(c) is None else str(row.get(c)) for c in columns] for row in rows]
+    styles = [
+        [("green" if row["outcome"] == "completed" else "red") if c == "outcome" else None for c in columns]
+        for row in rows
+    ]
+    table(console, f"incidents of {job}", columns, cells, styles)
+
+
 def health(console: Console, done) -> None:
     """A health sweep (``tasks.health.sweep.Sweep``): the worst nodes first, then what follows."""
     plan = done.plan

@@ -54,6 +54,19 @@ class Steps:
     def __len__(self) -> int:
         return int(self.columns["iteration"].size) if "iteration" in self.columns else 0
 
+    def take(self, rows: np.ndarray) -> "Steps":
+        """These rows only (one attempt of a file that several attempts appended to)."""
+        pick = lambda values: values[rows] if values.size else values  # noqa: E731
+        return Steps(
+            self.source,
+            self.kind,
+            {name: values[rows] for name, values in self.columns.items()},
+            pick(self.batch_digest),
+            pick(self.attempt),
+            self.memory_kind,
+            self.throughput_unit,
+        )
+
 
 def _as_columns(values: dict[str, list]) -> dict[str, np.ndarray]:
     """Lists (from log lines) as the float columns Steps holds."""

@@ -1,0 +1,273 @@
+"""The failed job and its relaunch: what Slurm says about a job, the job's own batch script
+checked and resubmitted (or, locally, run), its progress watched through its step records.
+
+Every Slurm call goes through ``tasks.cluster.slurm.run`` (an argv list with a timeout).
+"""
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.cluster import slurm
+from tasks.errors import CkptopsError, UsageError, unreadable
+from tasks.resume.records import Steps, load_steps
+
+_POLL_SECONDS = 2.0
+# Megatron-LM switches a relaunch must (not) carry: without the first a missing checkpoint
+# silently starts from random weights; the second loads what was never persisted.
+REQUIRED_FLAG = "--exit-on-missing-checkpoint"
+FORBIDDEN_FLAG = "--non-persistent-ckpt-type"
+
+
+class RelaunchRefused(CkptopsError):
+    """The relaunch was not submitted: its script is unsafe, or the scheduler refused it."""
+
+
+@dataclass
+class SlurmJob:
+    id: str
+    name: str
+    state: str
+    nodes: list[str]
+    tasks: int
+    stdout: Path | None
+    stderr: Path | None
+    exit_code: int | None
+    reason: str
+    partition: str | None = None
+
+    def layout(self) -> dict[int, str]:
+        """Rank -> node under Slurm's default block distribution (ranks fill a node, then the next)."""
+        if not self.nodes:
+            return {}
+        per_node = max(1, self.tasks // len(self.nodes))
+        return {rank: self.nodes[min(rank // per_node, len(self.nodes) - 1)] for rank in range(self.tasks)}
+
+
+def _fields(text: str) -> dict[str, str]:
+    """``scontrol show job -o``'s one line of Key=Value pairs (values may hold spaces only in
+    the trailing Command/WorkDir-like keys, which we do not rely on)."""
+    return dict(re.findall(r"(\w+)=(\S*)", text))
+
+
+def slurm_job(job_id: str) -> SlurmJob:
+    """What slurmctld remembers of ``job_id`` (it forgets finished jobs after MinJobAge)."""
+    if not re.fullmatch(r"\d+(_\d+)?", str(job_id)):
+        raise UsageError(f"Slurm job {job_id!r}: not a job id")
+    try:
+        text = slurm.run(["scontrol", "show", "job", "-o", str(job_id)])
+    except CkptopsError as e:
+        if "Invalid job id" in str(e):
+            raise UsageError(f"Slurm job {job_id}: no such job (or slurmctld has forgotten it)") from None
+        raise
+    f = _fields(text)
+    nodelist = f.get("NodeList", "")
+    nodes = slurm.expand_nodelist(nodelist) if nodelist and nodelist != "(null)" else []
+    code = f.get("ExitCode", "")
+    path = lambda key: Path(f[key]) if f.get(key) and f[key] != "(null)" else None  # noqa: E731
+    return SlurmJob(
+        id=f.get("JobId", str(job_id)),
+        name=f.get("JobName", ""),
+        state=f.get("JobState", "UNKNOWN"),
+        nodes=nodes,
+        tasks=int(f.get("NumTasks", "0") or 0) or len(nodes),
+        stdout=path("StdOut"),
+        stderr=path("StdErr"),
+        exit_code=int(code.split(":")[0]) if code[:1].isdigit() else None,
+        reason=f.get("Reason", ""),
+        partition=f.get("Partition") or None,
+    )
+
+
+# sinfo's short states of nodes that can take a job.
+_IN_SERVICE = ("idle", "mix", "alloc", "comp")
+
+
+def usable_nodes(partition: str, exclude: list[str]) -> list[str]:
+    """The partition's nodes in service (not drained, draining or down) and not excluded: where a
+    relaunch can run. A relaunch that needs more would wait in the queue forever."""
+    usable = []
+    for line in slurm.run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N %t"]).splitlines():
+        node, state = line.split()
+        if state.rstrip("*~#!%$@^-") in _IN_SERVICE and node not in exclude:
+            usable.append(node)
+    return sorted(set(usable))
+
+
+def check_script(script: Path) -> str:
+    """The job's batch script, refused when a relaunch with it could start from the wrong state."""
+    try:
+        text = Path(script).read_text(errors="replace")
+    except OSError as e:
+        raise unreadable(script, e) from None
+    if FORBIDDEN_FLAG in text:
+        raise RelaunchRefused(
+            f"{script}: uses {FORBIDDEN_FLAG}: a relaunch could load a checkpoint that was never persisted"
+        )
+    if REQUIRED_FLAG not in text:
+        raise RelaunchRefused(
+            f"{script}: lacks {REQUIRED_FLAG}: without a checkpoint a relaunch starts from random weights"
+        )
+    return text
+
+
+def _step_passing(settings, step: int) -> tuple[dict[str, str], list[str]]:
+    env = {"CKPT_STEP": str(step)} if "env" in settings.pass_step else {}
+    args = ["--ckpt-step", str(step)] if "arg" in settings.pass_step else []
+    return env, args
+
+
+def sbatch_command(settings, job_name: str, step: int, exclude: list[str], log_dir: Path) -> list[str]:
+    env, args = _step_passing(settings, step)
+    argv = [
+        "sbatch",
+        "--parsable",
+        f"--job-name={job_name}",
+        # One instance of the job at a time: a relaunch never runs beside a straggling original.
+        "--dependency=singleton",
+        f"--output={log_dir / '%x-%j.out'}",
+        "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in env.items())]),
+    ]
+    if exclude:
+        argv.append(f"--exclude={','.join(sorted(exclude))}")
+    if settings.nodes:
+        argv.append(f"--nodes={settings.nodes}")
+    return [*argv, str(settings.script), *args]
+
+
+def submit(settings, job_name: str, step: int, exclude: list[str], log_dir: Path) -> str:
+    """sbatch the job's own script from ``step``; the new job id."""
+    check_script(settings.script)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out = slurm.run(sbatch_command(settings, job_name, step, exclude, log_dir))
+    except CkptopsError as e:
+        raise RelaunchRefused(f"sbatch {settings.script}: {e}") from None
+    return out.strip().split(";")[0]
+
+
+def start_local(settings, step: int, log_dir: Path) -> str:
+    """Run the job's own script with bash, detached (it outlives the recovery run); its pid."""
+    check_script(settings.script)
+    env, args = _step_passing(settings, step)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"relaunch-{time.strftime('%Y%m%d-%H%M%S')}.out"
+    with open(log, "wb") as sink:
+        child = subprocess.Popen(
+            ["bash", str(settings.script), *args],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
+    return f"local:{child.pid}"
+
+
+def job_state(job: str) -> str:
+    """RUNNING, PENDING, or an end state; a local relaunch is RUNNING while its process lives."""
+    if job.startswith("local:"):
+        pid = int(job.split(":", 1)[1])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "ENDED"
+        return "RUNNING" if not _zombie(pid) else "ENDED"
+    try:
+        return slurm_job(job).state
+    except UsageError:
+        return "ENDED"
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except OSError:
+        return False
+
+
+def cancel(job: str) -> None:
+    """Stop a relaunched job (a rejected resume must not keep training)."""
+    if job.startswith("local:"):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(int(job.split(":", 1)[1]), signal.SIGTERM)
+        return
+    slurm.run(["scancel", job])
+
+
+def wait_running(job: str, timeout_seconds: float) -> str:
+    """Wait until the job leaves the queue; its state (RUNNING, or how it ended)."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        state = job_state(job)
+        if state not in ("PENDING", "CONFIGURING", "REQUEUED"):
+            return state
+        if time.monotonic() > deadline:
+            raise CkptopsError(f"job {job}: still {state} after {timeout_seconds:.0f}s")
+        time.sleep(_POLL_SECONDS)
+
+
+def wait_ended(job: str, timeout_seconds: float) -> str:
+    """Wait until the job has ended; how it ended (an error past the timeout)."""
+    deadline = time.monotonic() + timeout_seconds
+    while (state := job_state(job)) in ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED"):
+        if time.monotonic() > deadline:
+            raise CkptopsError(f"job {job}: still {state} after {timeout_seconds:.0f}s")
+        time.sleep(_POLL_SECONDS)
+    return state
+
+
+def record_count(records: Path) -> int:
+    """Steps recorded so far (0 when the job has written none)."""
+    try:
+        return len(load_steps(records))
+    except UsageError:
+        return 0
+
+
+@dataclass
+class Progress:
+    steps: int
+    first_step_at: float | None
+    last_iteration: int | None
+
+
+def wait_progress(job: str, records: Path, before: int, steps: int, timeout_seconds: float) -> Progress:
+    """Wait until the relaunched job has recorded ``steps`` steps past the ``before`` records
+    that were there at relaunch. Ends early, with an error, when the job ends first."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        found = _progress(records, before)
+        if found.steps >= steps:
+            return found
+        state = job_state(job)
+        if state not in ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING"):
+            found = _progress(records, before)
+            if found.steps >= steps:
+                return found
+            raise CkptopsError(
+                f"job {job}: ended ({state}) after {found.steps} resumed steps, before {steps}; "
+                "see its output"
+            )
+        if time.monotonic() > deadline:
+            raise CkptopsError(
+                f"job {job}: {found.steps} resumed steps after {timeout_seconds:.0f}s, wanted {steps}"
+            )
+        time.sleep(_POLL_SECONDS)
+
+
+def _progress(records: Path, before: int) -> Progress:
+    try:
+        found: Steps = load_steps(records)
+    except UsageError:
+        return Progress(0, None, None)
+    new = len(found) - before
+    if new <= 0:
+        return Progress(0, None, None)
+    times = found.columns.get("time")
+    first = float(times[before]) if times is not None and times.size > before else None
+    return Progress(new, first, int(found.iteration[-1]))

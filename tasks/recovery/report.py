@@ -1,0 +1,111 @@
+"""The incident ledger as people look at it: table rows and a timeline of each incident's phases."""
+
+import base64
+import io
+import time
+
+from tasks.recovery.ledger import PHASES, Incident
+
+
+def _when(at: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at)) if at else ""
+
+
+def incident_rows(found: list[Incident]) -> list[dict]:
+    rows = []
+    for i in found:
+        start = i.times.get("first_error") or i.times.get("detected")
+        end = i.times.get("validated") or max(i.times.values(), default=start)
+        rows.append(
+            {
+                "incident": i.id,
+                "when (UTC)": _when(i.times.get("detected")),
+                "class": i.cls or "",
+                "suspects": ",".join(i.suspect_nodes),
+                "drained": ",".join(i.drained),
+                "excluded": ",".join(i.excluded),
+                "checkpoint": i.checkpoint,
+                "failed at": i.failure_iteration,
+                "recomputed": i.recomputed_iterations,
+                "GPU-h lost": i.lost_gpu_hours,
+                "minutes": round((end - start) / 60, 1) if start and end else None,
+                "stop rule": i.stop_rule or "",
+                "outcome": i.outcome or "",
+                "reason": i.reason or "",
+            }
+        )
+    return rows
+
+
+def timeline_png(found: list[Incident]) -> bytes:
+    """One bar per incident, split into the spans between its phases (seconds from its start)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 0.6 * max(3, len(found)) + 1.2), dpi=100)
+    colours = plt.get_cmap("tab10")
+    labelled = set()
+    for row, incident in enumerate(found):
+        marks = [(p, incident.times[p]) for p in PHASES if incident.times.get(p)]
+        marks.sort(key=lambda m: m[1])
+        if not marks:
+            continue
+        origin = marks[0][1]
+        for (name, at), (_, until) in zip(marks, marks[1:], strict=False):
+            index = PHASES.index(name)
+            ax.barh(
+                row,
+                until - at,
+                left=at - origin,
+                color=colours(index % 10),
+                label=None if name in labelled else f"{name} →",
+            )
+            labelled.add(name)
+    ax.set_yticks(range(len(found)), [f"{i.id} {i.cls or ''} ({i.outcome})" for i in found])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the first phase")
+    ax.set_title("recovery phases per incident")
+    if labelled:
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def incidents_markdown(job: str, found: list[Incident]) -> str:
+    image = base64.b64encode(timeline_png(found)).decode()
+    last = found[-1]
+    return (
+        f"# incidents: {job}\n\n**{last.id}: {last.cls} -> {last.outcome}**: {last.reason}\n\n"
+        f"![recovery phases](data:image/png;base64,{image})\n"
+    )
+
+
+def plan_markdown(plan) -> str:
+    """What the approver reads before deciding."""
+    tri, incident = plan.triage, plan.incident
+    first = tri.first_error
+    lines = [
+        f"# recovery of {incident.job}: {tri.cls}",
+        "",
+        f"- incident: `{incident.id}`; failed job: `{incident.failed_job}`",
+        f"- triage: **{tri.cls}** — {tri.reason}",
+        f"- first error: `{first.file}:{first.line}`: `{first.text[:300]}`"
+        if first
+        else "- first error: none found",
+        f"- suspect nodes: {', '.join(tri.suspect_nodes) or 'none'}",
+        f"- checkpoint: **{plan.checkpoint}** (verified candidates: {', '.join(map(str, plan.choices))})",
+        f"- node health: {incident.health}",
+        f"- drained: {', '.join(plan.drained) or 'none'}; excluded: {', '.join(plan.exclude) or 'none'}; "
+        f"spares admitted: {', '.join(plan.admitted) or 'none'}",
+        f"- relaunch: `{plan.relaunch}`",
+        "",
+        "| stop rule | fired | detail |",
+        "|---|---|---|",
+        *(f"| {r.name} | {'YES' if r.fired else 'no'} | {r.detail} |" for r in plan.rules),
+    ]
+    return "\n".join(lines)

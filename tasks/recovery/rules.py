@@ -1,0 +1,114 @@
+"""Stop rules: when a recovery must not relaunch but page a human. A pure function of the job's
+incident ledger, the new failure and the promoted checkpoint.
+
+Relaunching is cheap; relaunching into the same failure again and again burns GPU-hours and
+hides the real problem (a bad batch, a code bug, a memory regression). Each rule has a name, and
+every rule's verdict is kept in the incident, fired or not, so the approver sees why.
+
+Budget reset: a checkpoint promoted since the earlier failures means the job made real progress
+since; the recurrence rules then count only failures from that checkpoint on. The hourly cap is
+a rate limit and counts every recovery.
+"""
+
+from dataclasses import asdict, dataclass
+
+from tasks.recovery.ledger import Incident
+
+# How many times the same failure at the same place is retried before a human looks.
+SAME_FAILURE_RETRIES = 1
+NO_PROGRESS_RECOVERIES = 3
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    fired: bool
+    detail: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What the stop rules need to know about the new failure."""
+
+    cls: str
+    iteration: int | None
+    exit_code: int | None
+    promoted: int | None  # the promoted iteration now
+    at: float
+
+
+def _relaunched(incident: Incident) -> bool:
+    return incident.relaunched_job is not None
+
+
+def _since_progress(history: list[Incident], promoted: int | None) -> list[Incident]:
+    """Earlier incidents that failed with the same promoted checkpoint as now: a newer promotion
+    since then resets the recurrence budget."""
+    return [i for i in history if i.promoted_at_failure == promoted]
+
+
+def stop_rules(failure: Failure, history: list[Incident], max_per_hour: int) -> list[Rule]:
+    """Every rule's verdict for ``failure``, given the job's earlier incidents (oldest first)."""
+    recent = _since_progress(history, failure.promoted)
+    same = [
+        i
+        for i in recent
+        if i.cls == failure.cls and failure.iteration is not None and i.failure_iteration == failure.iteration
+    ]
+    hour = [i for i in history if failure.at - i.times.get("detected", 0) < 3600]
+    stuck = [i for i in recent if _relaunched(i)]
+    reproduced = [i for i in recent if i.cls == "numerics" and _relaunched(i)]
+    return [
+        Rule(
+            "same-failure-again",
+            len(same) >= SAME_FAILURE_RETRIES,
+            f"{failure.cls} at iteration {failure.iteration} "
+            + (
+                f"already happened in {', '.join(i.id for i in same)} with no checkpoint progress since"
+                if same
+                else "not seen before since the last promotion"
+            ),
+        ),
+        Rule(
+            "no-checkpoint-progress",
+            len(stuck) >= NO_PROGRESS_RECOVERIES,
+            f"{len(stuck)} recoveries since checkpoint {failure.promoted} was promoted "
+            f"(stop at {NO_PROGRESS_RECOVERIES})",
+        ),
+        Rule(
+            "too-many-per-hour",
+            len(hour) >= max_per_hour,
+            f"{len(hour)} recoveries in the last hour; this one would exceed recovery.max_per_hour "
+            f"= {max_per_hour}"
+            if len(hour) >= max_per_hour
+            else f"{len(hour)} recoveries in the last hour (at most {max_per_hour})",
+        ),
+        Rule(
+            "numerics-reproduced",
+            failure.cls == "numerics" and bool(reproduced),
+            f"numerics again after the resume of {reproduced[-1].id}: the data or the code, not a node"
+            if failure.cls == "numerics" and reproduced
+            else "no numerics failure after a resume",
+        ),
+        Rule(
+            "out-of-memory",
+            failure.cls == "oom",
+            "out of memory comes back on any node: the job's memory use must change"
+            if failure.cls == "oom"
+            else "not an out-of-memory failure",
+        ),
+        Rule(
+            "result-validation-failed",
+            failure.exit_code == 17,
+            "Megatron exited 17: its result validation failed (a rerun gave a different result)"
+            if failure.exit_code == 17
+            else f"exit code {failure.exit_code} is not Megatron's 17",
+        ),
+    ]
+
+
+def fired(rules: list[Rule]) -> list[Rule]:
+    return [r for r in rules if r.fired]

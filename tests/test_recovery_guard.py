@@ -1,0 +1,76 @@
+"""The failure-storm guard on a real Prefect server: more than recovery.max_per_hour
+``training.job.failed`` events, posted over plain HTTP as a job's epilog posts them, pause the
+job's recovery deployment; another job's failures do not."""
+
+import json
+import time
+import urllib.request
+import uuid
+from datetime import UTC, datetime
+
+import pytest
+import yaml
+
+from tasks.errors import UsageError
+from tasks.profile import load_profile
+from tasks.recovery.automation import automation_name, install_storm_guard
+
+pytestmark = pytest.mark.slow
+
+
+def post_failed(api: str, job: str, slurm_job: str) -> None:
+    event = [
+        {
+            "id": str(uuid.uuid4()),
+            "occurred": datetime.now(UTC).isoformat(),
+            "event": "training.job.failed",
+            "resource": {"prefect.resource.id": f"ckptops.job.{job}"},
+            "payload": {"slurm_job": slurm_job, "exit_code": 1},
+        }
+    ]
+    request = urllib.request.Request(
+        f"{api}/events", json.dumps(event).encode(), {"Content-Type": "application/json"}, method="POST"
+    )
+    urllib.request.urlopen(request, timeout=10).close()
+
+
+def paused(client, deployment_id, timeout: float = 60.0) -> bool:
+    """Whether the server paused the deployment within ``timeout`` (the automation acts
+    asynchronously, so this polls the deployment's state, with a deadline)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if client.read_deployment(deployment_id).paused:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_more_failures_than_the_hourly_budget_pause_automatic_recovery(prefect_api, tmp_path):
+    from prefect import get_client
+
+    path = tmp_path / "storm.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "job": {"name": "storm", "save_dir": str(tmp_path / "ckpt")},
+                "recovery": {"script": str(tmp_path / "job.sh"), "max_per_hour": 2},
+            }
+        )
+    )
+    profile = load_profile(path)
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow_from_name("recovery-run")
+        deployment = client.create_deployment(flow_id=flow_id, name="storm-recovery")
+        with pytest.raises(UsageError, match="'recovery-run/absent': not found"):
+            install_storm_guard(profile, "recovery-run/absent")
+        install_storm_guard(profile, "recovery-run/storm-recovery")
+        guard = install_storm_guard(profile, "recovery-run/storm-recovery")
+        assert [a.id for a in client.read_automations_by_name(automation_name("storm"))] == [guard.id]
+        assert guard.trigger.threshold == 3
+        for n in range(2):
+            post_failed(prefect_api, "storm", str(100 + n))
+        for n in range(5):
+            post_failed(prefect_api, "another-job", str(200 + n))
+        assert not paused(client, deployment, timeout=5), "paused within the budget"
+        post_failed(prefect_api, "storm", "102")
+        assert paused(client, deployment)

@@ -1,0 +1,253 @@
+"""The recovery run end to end on the real local Slurm cluster (slurmctld, nodes n1-n3): the
+local job runs on two nodes, one rank fails with a GPU-style error, and the recovery-run flow,
+against a real Prefect server, triages, drains the bad node in slurmctld, admits the spare,
+relaunches with --exclude, and validates the resume after an approval given through
+``resume_flow_run``. Node health runs over real OpenSSH servers (tests/helpers/cluster.py) that
+the Slurm node names reach through an SSH client config."""
+
+import contextvars
+import json
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra.local_job.launch import write_job_script
+from tasks.recovery.ledger import incidents
+from tests.conftest import free_port
+from tests.helpers.cluster import FakeCluster, r3_pass_document, ssh_config
+
+pytestmark = pytest.mark.slow
+
+ADDRESSES = {"n1": "127.0.0.21", "n2": "127.0.0.22", "n3": "127.0.0.23"}
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    """Health stand-ins for n1-n3: n2's kernel log holds a critical XID (its GPU is bad), n3 is a
+    spare that passes the admission set."""
+    root = tmp_path_factory.mktemp("nodes")
+    fake = FakeCluster(root, list(ADDRESSES.values()), free_port()).start()
+    fake.record_sample(ADDRESSES["n2"], "journal", "synthetic_journal_xid79.txt")
+    fake.record(ADDRESSES["n3"], "diag", r3_pass_document())
+    yield fake
+    fake.stop()
+
+
+def node_state(node: str) -> tuple[str, str]:
+    """The node's state and drain reason, as slurmctld has them."""
+    out = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True, text=True, timeout=30)
+    state = re.search(r"State=(\S+)", out.stdout)[1]
+    reason = re.search(r"Reason=(.*?)(?: \[|$)", out.stdout)
+    return state, reason[1] if reason else ""
+
+
+def job_fields(job_id: str) -> dict[str, str]:
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30
+    )
+    return dict(part.split("=", 1) for part in out.stdout.split() if "=" in part)
+
+
+def make_job(tmp_path: Path, nodes: FakeCluster, name: str, **recovery) -> tuple[Path, Path, Path]:
+    """A save directory, the job's batch script and a profile for it."""
+    import getpass
+
+    save, records = tmp_path / "checkpoints", tmp_path / "records.jsonl"
+    script = write_job_script(
+        tmp_path / "job.sh", save, records, job_name=name, port=free_port(), train_iters=16, save_interval=4
+    )
+    profile = {
+        "job": {"name": name, "save_dir": str(save), "layout": {"data_parallel": 2}},
+        "verify": {"settle_seconds": 0, "lock_timeout_seconds": 60},
+        "health": {
+            "nodes": list(ADDRESSES),
+            "spares": ["n3"],
+            "transport": "ssh",
+            "ssh": {
+                "user": getpass.getuser(),
+                "port": nodes.port,
+                "known_hosts": str(nodes.known_hosts(tmp_path / "known_hosts")),
+                "key_file": str(nodes.client_key),
+                "config_file": str(ssh_config(tmp_path / "ssh_config", nodes, ADDRESSES)),
+                "use_agent": False,
+                "connect_timeout_seconds": 5,
+            },
+            "command_timeout_seconds": 10,
+            "diag_timeout_seconds": {1: 5, 3: 10},
+            "raw_dir": str(tmp_path / "health"),
+            "pairs": {"known_good": "n1", "pass_gbps": 360, "warn_gbps": 350},
+            "drain": {"enabled": True},
+        },
+        "resume": {
+            "warmup_steps": 2,
+            "min_steps": 4,
+            "loss_rel_tolerance": 0.0,
+            "memory_band": 0.5,
+            "throughput_drop": 0.9,
+        },
+        "recovery": {
+            "launcher": "slurm",
+            "script": str(script),
+            "step_records": str(records),
+            "log_dir": str(tmp_path / "logs"),
+            "progress_steps": 6,
+            "progress_timeout_seconds": 300,
+            "approval_timeout_seconds": 300,
+            **recovery,
+        },
+    }
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    return save, records, path
+
+
+def submit_failing(script: Path, name: str, fault: str, log_dir: Path) -> str:
+    """Run the job to its failure (sbatch --wait); its job id."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--wait",
+            f"--job-name={name}",
+            f"--output={log_dir / '%x-%j.out'}",
+            f"--export=ALL,CKPTOPS_FAIL_AT={fault}",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode != 0, "the rehearsed failure did not fail the job"
+    return done.stdout.strip().split(";")[0]
+
+
+def approve_when_paused(result: dict) -> threading.Thread:
+    """The approver: waits for the recovery run to pause, reads the form's description, approves."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+    from prefect.flow_runs import resume_flow_run
+    from prefect.input import keyset_from_paused_state
+
+    def run():
+        with get_client(sync_client=True) as client:
+            paused = []
+            while not paused and not result.get("done"):
+                paused = client.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(
+                        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED]))
+                    )
+                )
+                threading.Event().wait(0.5)
+            if not paused:
+                return
+            run = paused[0]
+            keyset = keyset_from_paused_state(run.state)
+            result["form"] = client.read_flow_run_input(run.id, keyset["description"])
+            resume_flow_run(run.id, run_input={"decision": "approve", "checkpoint": None, "note": "go"})
+
+    # In this test's Prefect settings (a context variable, which a new thread does not inherit).
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(run,), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_gpu_failure_on_one_node_is_triaged_drained_relaunched_on_the_spare_and_validated(
+    slurm_conf, prefect_api, nodes, tmp_path
+):
+    from prefect.artifacts import Artifact
+
+    from flows.recovery_run import recovery_run
+
+    name = f"rec-{tmp_path.name[-6:].lower().strip('_')}".replace("_", "-")
+    save, records, profile = make_job(tmp_path, nodes, name)
+    subprocess.run(
+        ["scontrol", "update", "NodeName=n3", "State=DRAIN", "Reason=spare"], check=True, timeout=30
+    )
+    try:
+        failed = submit_failing(Path(tmp_path / "job.sh"), name, "1:7:ecc", tmp_path / "logs")
+        assert job_fields(failed)["NodeList"] == "n[1-2]"
+        waiter = approve_when_paused(result := {})
+        state = recovery_run(profile=str(profile), slurm_job=failed, mode="ask", return_state=True)
+        result["done"] = True
+        waiter.join(timeout=30)
+        assert state.is_completed(), state.message
+        (incident,) = incidents(save)
+        assert incident.cls == "hardware" and incident.suspect_nodes == ["n2"]
+        assert incident.first_error["text"].endswith(
+            "RuntimeError: CUDA error: uncorrectable ECC error encountered"
+        )
+        # The approver saw the plan before anything was relaunched.
+        form = result["form"]
+        assert "**hardware**" in form and "drained: n2" in form and "same-failure-again | no" in form
+        # n2: drained in slurmctld with the incident in the reason; n3: admitted back.
+        assert node_state("n2") == ("IDLE+DRAIN", f"ckptops {incident.id} hardware")
+        assert "DRAIN" not in node_state("n3")[0]
+        assert incident.drained == ["n2"] and incident.admitted == ["n3"]
+        # Relaunched from the newest verified checkpoint, away from n2.
+        assert incident.checkpoint == 4 and incident.failure_iteration == 6
+        relaunched = job_fields(incident.relaunched_job)
+        assert relaunched["ExcNodeList"] == "n2" and relaunched["NodeList"] == "n[1,3]"
+        assert incident.outcome == "completed" and incident.validation.startswith("VALIDATED")
+        assert incident.recomputed_iterations == 2 and incident.lost_gpu_hours > 0
+        phases = [p for p in incident.times]
+        assert {"detected", "triaged", "health_done", "approved", "relaunch_submitted", "validated"} <= set(
+            phases
+        )
+        rows = json.loads(Artifact.get(f"incidents-{name}").data)
+        assert rows[-1]["incident"] == incident.id and rows[-1]["outcome"] == "completed"
+    finally:
+        subprocess.run(["scancel", f"--name={name}"], timeout=30)
+        subprocess.run(
+            ["scontrol", "update", "NodeName=n[1-3]", "State=RESUME"], capture_output=True, timeout=30
+        )
+
+
+def ckptops(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("ckptops")), *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_a_failure_that_comes_back_at_the_same_place_is_stopped_not_relaunched_again(
+    slurm_conf, nodes, tmp_path, monkeypatch
+):
+    """The fault is in the environment the recovery relaunches with, so the relaunched job fails
+    exactly as the first did: the first recovery relaunches (and sees the job die before making
+    progress), the second is stopped by the same-failure rule and submits nothing."""
+    name = f"rep-{tmp_path.name[-6:].lower().strip('_')}".replace("_", "-")
+    save, records, profile = make_job(tmp_path, nodes, name)
+    monkeypatch.setenv("CKPTOPS_FAIL_AT", "1:7:ecc")
+    try:
+        first_job = submit_failing(tmp_path / "job.sh", name, "1:7:ecc", tmp_path / "logs")
+        first = ckptops("recover", "--slurm-job", first_job, "--approve", "--profile", str(profile), "--json")
+        assert first.returncode == 1, first.stderr
+        one = json.loads(first.stdout)
+        assert one["class"] == "hardware" and one["relaunched_job"] and one["outcome"] == "stopped"
+        assert "before 6" in one["reason"]  # the relaunch died after 2 resumed steps
+        second = ckptops(
+            "recover", "--slurm-job", one["relaunched_job"], "--approve", "--profile", str(profile), "--json"
+        )
+        assert second.returncode == 1, second.stderr
+        two = json.loads(second.stdout)
+        assert two["stop_rule"] == "same-failure-again" and two["relaunched_job"] is None
+        assert two["failure_iteration"] == one["failure_iteration"] == 6
+        assert two["drained"] == [] and one["id"] in two["reason"]
+        assert [i.outcome for i in incidents(save)] == ["stopped", "stopped"]
+        queued = subprocess.run(
+            ["squeue", "-h", f"--name={name}"], capture_output=True, text=True, timeout=30
+        )
+        assert queued.stdout.strip() == ""
+        listed = ckptops("incidents", "--profile", str(profile))
+        assert listed.returncode == 0 and "same-failure-again" in listed.stdout
+    finally:
+        subprocess.run(["scancel", f"--name={name}"], timeout=30)
+        subprocess.run(
+            ["scontrol", "update", "NodeName=n[1-3]", "State=RESUME"], capture_output=True, timeout=30
+        )
