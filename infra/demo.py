@@ -9,10 +9,15 @@
 4. archive the promoted checkpoint and run a restore drill from each source (real restore,
    verification and load), printing each phase's timing;
 5. run node health on this machine (no GPU here: the verdict says "no GPUs found");
-6. print the status table and where to look in the UI.
+6. the job was started with a rehearsed GPU failure (rank 1 dies with an uncorrectable ECC
+   error): the recovery-run flow triages it, relaunches the job's own script from the promoted
+   checkpoint (hardware is auto-approved in the local profile), waits for progress and validates
+   the resume; the incident lands in the ledger and the UI;
+7. print the status table, the incidents and where to look in the UI.
 
 The demo owns the embedded default's save directory and starts it empty each time, keeping
-only the drill history (so repeated demos show a trend).
+only the drill history (so repeated demos show a trend); the job's incident ledger starts empty
+with the job.
 """
 
 import os
@@ -26,12 +31,19 @@ from tasks.checkpoint.layout import HISTORY
 from tasks.errors import CkptopsError
 from tasks.prefect_server import server_env, start_server
 from tasks.profile import load_profile
+from tasks.recovery.ledger import incidents as ledger_incidents
+from tasks.recovery.ledger import ledger_path
+from tasks.recovery.report import incident_rows
 
 console = Console(highlight=False)
 
 
 def _ui_url(api_url: str) -> str:
     return api_url.removesuffix("/api").removesuffix("/")
+
+
+# Where the demo's job fails: after the save at 12 (rank 1, an uncorrectable ECC error).
+FAULT = "1:14:ecc"
 
 
 def _training_at(log) -> str:
@@ -73,12 +85,15 @@ def main(profile_name: str | None = None) -> int:
 
     from flows.archive_copy import archive_copy
     from flows.node_health import node_health
+    from flows.recovery_run import recovery_run
     from flows.restore_drill import restore_drill
     from flows.verify_and_promote import verify_and_promote
-    from infra.local_job.launch import start_local_job, wait_local_job
+    from infra.local_job.launch import write_job_script
     from tasks import render
     from tasks.checkpoint.catalog import catalog
     from tasks.checkpoint.state import VerifyOptions
+    from tasks.cluster import process as processes
+    from tasks.recovery.job import wait_ended
 
     save_dir = profile.job.save_dir
     if save_dir.exists():  # a fresh job each time; the drill history is kept, to show a trend
@@ -89,18 +104,27 @@ def main(profile_name: str | None = None) -> int:
                 shutil.rmtree(entry)
             else:
                 entry.unlink()
+        ledger_path(save_dir).unlink(missing_ok=True)
+    recovery = profile.recovery
+    script = write_job_script(
+        recovery.script,
+        save_dir,
+        recovery.step_records,
+        job_name=profile.job.name,
+        nodes=job.nproc,
+        train_iters=job.train_iters,
+        save_interval=job.save_interval,
+        notify_url=api_url,
+    )
+    recovery.step_records.unlink(missing_ok=True)
     options = VerifyOptions.from_profile(profile)
     console.print(
         f"training: {job.train_iters} iterations, a checkpoint every {job.save_interval}, "
-        f"{job.nproc} CPU ranks -> {save_dir}"
+        f"{job.nproc} CPU ranks -> {save_dir}; rank {FAULT.split(':')[0]} will fail before iteration "
+        f"{FAULT.split(':')[1]} ({script})"
     )
-    process, log = start_local_job(
-        save_dir,
-        nproc=job.nproc,
-        train_iters=job.train_iters,
-        save_interval=job.save_interval,
-        extra=["--notify-url", api_url, "--job-name", profile.job.name],
-    )
+    log = recovery.log_dir / "train.out"
+    process = processes.start(["bash", str(script)], log, {**os.environ, "CKPTOPS_FAIL_AT": FAULT})
     handled: set[int] = set()
     deadline = time.monotonic() + job.timeout_seconds
 
@@ -119,9 +143,17 @@ def main(profile_name: str | None = None) -> int:
             else:
                 status.update(f"training: {_training_at(log)} of {job.train_iters}")
                 time.sleep(0.5)
-    wait_local_job(process, log, max(1.0, deadline - time.monotonic()))
-    with console.status("verify-and-promote: after the last save"):
-        state = run_flow("training finished")
+    try:
+        processes.wait(process, log, max(1.0, deadline - time.monotonic()), "the local training job")
+    except processes.Failed as e:
+        failed_with = e.code
+        console.print(
+            f"training failed (exit {e.code}), as rehearsed: {processes.tail(log, 1)}", markup=False
+        )
+    else:
+        raise CkptopsError(f"{log}: the job was to fail at {FAULT} but finished")
+    with console.status("verify-and-promote: after the failure"):
+        state = run_flow("training stopped")
 
     ok = state.is_completed()
     if profile.archive and profile.drill:
@@ -140,12 +172,32 @@ def main(profile_name: str | None = None) -> int:
         # On a machine without GPUs a FAIL_CONFIG "no GPUs found" is the expected answer.
         console.print(f"node-health: {health.name}: {health.message}", markup=False)
 
+    with console.status("recovery-run: triage, checkpoint, relaunch, progress, validation..."):
+        recovered = recovery_run(
+            profile=str(profile.source),
+            logs=[str(log)],
+            exit_code=failed_with,
+            trigger="demo",
+            return_state=True,
+        )
+    console.print(f"recovery-run: {recovered.name}: {recovered.message}", markup=False)
+    ok = ok and recovered.is_completed()
+    relaunched = ledger_incidents(save_dir)[-1].relaunched_job
+    if relaunched:
+        with console.status(f"the relaunched job ({relaunched}) trains to iteration {job.train_iters}..."):
+            wait_ended(relaunched, job.timeout_seconds)
+        with console.status("verify-and-promote: after the resumed run"):
+            state = run_flow("resumed run finished")
+        ok = ok and state.is_completed()
+
     console.print()
     render.status(console, save_dir, catalog(save_dir, options))
+    render.incidents(console, profile.job.name, incident_rows(ledger_incidents(save_dir)))
     ui = _ui_url(api_url)
     console.print(f"\nPrefect UI: {ui}  (flow runs: {ui}/runs, artifacts: {ui}/artifacts)")
     console.print(f"training log: {log}")
     console.print(f"drill history: ckptops drills --profile {profile.source}")
+    console.print(f"incidents: ckptops incidents --profile {profile.source}")
     return 0 if ok else 1
 
 
