@@ -39,9 +39,10 @@ def server_env(api_url: str, home: Path | None) -> dict[str, str]:
 
 
 def start_server(
-    api_url: str, home: Path, log: Path, timeout_seconds: float = 180.0
+    api_url: str, home: Path, log: Path, timeout_seconds: float = 180.0, env: dict[str, str] | None = None
 ) -> subprocess.Popen | None:
     """Start ``prefect server start`` for ``api_url`` unless one already answers there.
+    ``env``: the server's own settings (a PostgreSQL URL, an auth string).
 
     Returns the new process (the caller may leave it running), or None if one was reused.
     """
@@ -52,7 +53,7 @@ def start_server(
         raise CkptopsError(f"{api_url}: no Prefect server answers, and ckptops only starts local ones")
     home.mkdir(parents=True, exist_ok=True)
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **server_env(api_url, home)}
+    env = {**os.environ, **server_env(api_url, home), **(env or {})}
     env.pop("PREFECT_API_URL")  # the server itself must not act as a client of itself
     with open(log, "ab") as sink:
         process = subprocess.Popen(

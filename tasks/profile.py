@@ -7,6 +7,7 @@ file and the key.
 """
 
 import importlib.resources
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -19,6 +20,7 @@ from tasks.health.xids import CRITICAL_XIDS
 # The shipped profiles: package data, found the same way installed or in a checkout.
 PROFILES_DIR = Path(str(importlib.resources.files("profiles")))
 DEFAULT_PROFILE = "local"
+PROFILES_ENV = "CKPTOPS_PROFILES"
 
 Slug = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
 Positive = Annotated[float, Field(gt=0)]
@@ -417,10 +419,15 @@ def _one_line(error: ValidationError, path: Path) -> str:
 
 
 def profile_path(name_or_path: str | Path | None) -> Path:
-    """A profile name (``local``) looks in ``profiles/``; anything with a suffix is a path."""
+    """A profile name (``local``) looks in the site's directory ``$CKPTOPS_PROFILES`` first (a
+    deployment's ``profile: gpt-500b`` then means that site's file, e.g. in /etc/ckptops/profiles),
+    then in the shipped ``profiles/``; anything with a suffix or a slash is a path."""
     value = str(name_or_path or DEFAULT_PROFILE)
     if value.endswith((".yaml", ".yml")) or "/" in value:
         return Path(value)
+    site = os.environ.get(PROFILES_ENV)
+    if site and (Path(site) / f"{value}.yaml").is_file():
+        return Path(site) / f"{value}.yaml"
     return PROFILES_DIR / f"{value}.yaml"
 
 
