@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv sshd slurm slurm-down lint test demo bench clean
+.PHONY: venv sshd slurm slurm-down postgres chromium lint test demo demo-down screenshots bench clean
 
 venv: $(STAMP)
 
@@ -31,16 +31,32 @@ slurm:
 slurm-down:
 	@infra/slurm/local_cluster.sh down
 
+# The production test runs a private PostgreSQL 15 cluster from Debian's package.
+postgres:
+	@test -x /usr/lib/postgresql/15/bin/initdb || { command -v apt-get >/dev/null \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null; } \
+		|| { echo "make: the tests need PostgreSQL 15 (Debian: apt-get install postgresql)"; exit 2; }
+
+# The UI test looks at the Prefect UI in headless Chromium (Debian's package).
+chromium:
+	@command -v chromium >/dev/null || { command -v apt-get >/dev/null \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null; } \
+		|| { echo "make: the UI test needs Chromium (Debian: apt-get install chromium)"; exit 2; }
+
 # The linter first: it costs seconds, the suite minutes.
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: venv sshd slurm lint
+test: venv sshd slurm postgres chromium lint
 	$(BIN)/python -m pytest
 
 demo: venv
 	$(BIN)/python -m infra.demo
+
+# Stops the Prefect server and the worker that make demo left running.
+demo-down: venv
+	$(BIN)/python -m infra.demo down
 
 # Needs b3sum for the reference column (Debian: apt-get install b3sum).
 bench: venv sshd

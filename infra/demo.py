@@ -1,93 +1,188 @@
-"""``make demo``: the main job on the embedded default (profiles/local.yaml), end to end.
+"""``make demo``: the main job on the embedded default (profiles/local.yaml), run the way
+production runs it: deployments, a worker, events.
 
-    python -m infra.demo [PROFILE]      (a profile with local_job and prefect.home sections)
+    python -m infra.demo [PROFILE]        the story (a profile with local_job, prefect.home, recovery)
+    python -m infra.demo down [PROFILE]   stop the server and the worker the demo started
 
 1. start (or reuse) the local Prefect server, UI on http://127.0.0.1:4200;
-2. run the local tiny Megatron-Core job (2 CPU ranks) for a few save intervals, posting a
-   ``training.checkpoint.saved`` event to Prefect after each save;
-3. run the verify-and-promote flow as each checkpoint lands, and once more at the end;
-4. archive the promoted checkpoint and run a restore drill from each source (real restore,
-   verification and load), printing each phase's timing;
-5. run node health on this machine (no GPU here: the verdict says "no GPUs found");
-6. the job was started with a rehearsed GPU failure (rank 1 dies with an uncorrectable ECC
-   error): the recovery-run flow triages it, relaunches the job's own script from the promoted
-   checkpoint (hardware is auto-approved in the local profile), waits for progress and validates
-   the resume; the incident lands in the ledger and the UI;
-7. print the status table, the incidents and where to look in the UI.
+2. register the deployments of infra/prefect.yaml (work pool ``ckptops``, schedules and
+   triggers as in production) and start (or reuse) a process worker;
+3. run the local tiny Megatron-Core job (2 CPU ranks) from its own batch script; it posts
+   ``training.checkpoint.saved`` after each save, and the deployment's trigger has the worker
+   verify and promote each one. The job was started with a rehearsed GPU failure: rank 1 dies
+   with an uncorrectable ECC error before iteration 14;
+4. archive the promoted checkpoint, drill a restore from each source, and check node health, each
+   as a run of its deployment (no GPU here: the verdict says "no GPUs found");
+5. recover the job as a run of the recovery deployment: triage, relaunch of the job's script from
+   the promoted checkpoint (hardware is auto-approved in the local profile), progress, validation;
+   the resumed job's saves are verified and promoted through the trigger again;
+6. print the status table, the incident and where to look in the UI. The server and the worker
+   keep running (``make demo-down`` stops them); the next ``make demo`` reuses them.
 
-The demo owns the embedded default's save directory and starts it empty each time, keeping
-only the drill history (so repeated demos show a trend); the job's incident ledger starts empty
-with the job.
+The demo owns the embedded default's save directory and starts it empty each time, keeping only
+the drill history (so repeated demos show a trend); the job's incident ledger starts empty with
+the job.
 """
 
 import os
 import shutil
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 from rich.console import Console
 
 from tasks.checkpoint.layout import HISTORY
 from tasks.errors import CkptopsError
 from tasks.prefect_server import server_env, start_server
-from tasks.profile import load_profile
+from tasks.profile import PROFILES_ENV, load_profile
 from tasks.recovery.ledger import incidents as ledger_incidents
 from tasks.recovery.ledger import ledger_path
 from tasks.recovery.report import incident_rows
 
 console = Console(highlight=False)
+ROOT = Path(__file__).resolve().parent.parent
+# Where the demo's job fails: after the save at 12 (rank 1, an uncorrectable ECC error).
+FAULT = "1:14:ecc"
+POOL = "ckptops"
+# The worker asks for work this often (Prefect's default is 10 s): the demo waits on it.
+WORKER_POLL_SECONDS = "2"
 
 
 def _ui_url(api_url: str) -> str:
     return api_url.removesuffix("/api").removesuffix("/")
 
 
-# Where the demo's job fails: after the save at 12 (rank 1, an uncorrectable ECC error).
-FAULT = "1:14:ecc"
-
-
-def _training_at(log) -> str:
-    """The newest 'iteration N' line of the job's log, for the progress line."""
+def _alive(pid_file: Path, needle: str) -> int | None:
+    """The pid in ``pid_file`` if that process still runs and is what we started."""
     try:
-        lines = [
-            line for line in log.read_text(errors="replace").splitlines() if line.startswith("iteration ")
-        ]
-    except FileNotFoundError:
-        return "starting"
-    return f"iteration {lines[-1].split()[1]}" if lines else "starting (torch and megatron imports)"
+        pid = int(pid_file.read_text())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except (OSError, ValueError):
+        return None
+    return pid if needle in cmdline else None
 
 
-def _completed_iterations(save_dir, options) -> set[int]:
-    from tasks.checkpoint.layout import iter_dir_name, list_iterations
-    from tasks.checkpoint.state import completeness
+def _site_profiles(profile) -> dict[str, str]:
+    """The deployments say ``profile: local``; a demo of another profile file is made the site's
+    ``local`` (a link in a directory the worker searches first)."""
+    if profile.source == load_profile("local").source:
+        return {}
+    site = profile.prefect.home / "profiles"
+    site.mkdir(parents=True, exist_ok=True)
+    link = site / "local.yaml"
+    link.unlink(missing_ok=True)
+    link.symlink_to(profile.source)
+    return {PROFILES_ENV: str(site)}
 
-    return {
-        i
-        for i in list_iterations(save_dir)
-        if completeness(save_dir / iter_dir_name(i), options).state is None
-    }
+
+def _deploy(env: dict) -> None:
+    """The work pool and every deployment of infra/prefect.yaml (idempotent: a second demo
+    updates them in place)."""
+    prefect = [sys.executable, "-m", "prefect"]
+    pool = subprocess.run([*prefect, "work-pool", "inspect", POOL], env=env, capture_output=True, timeout=120)
+    if pool.returncode != 0:
+        made = subprocess.run(
+            [*prefect, "work-pool", "create", POOL, "--type", "process"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if made.returncode != 0:
+            raise CkptopsError(f"prefect work-pool create {POOL}: {made.stderr.strip()[-300:]}")
+    deployed = subprocess.run(
+        [*prefect, "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if deployed.returncode != 0:
+        raise CkptopsError(f"prefect deploy: {(deployed.stdout + deployed.stderr).strip()[-500:]}")
+
+
+def _worker(home: Path, env: dict) -> tuple[int, bool]:
+    """Start a process worker for the pool unless ours still runs; its pid and whether it is new."""
+    pid_file = home / "worker.pid"
+    pid = _alive(pid_file, "worker start")
+    if pid:
+        return pid, False
+    with open(home / "worker.log", "ab") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--limit", "4"],
+            cwd=ROOT,
+            env={**env, "PREFECT_WORKER_QUERY_SECONDS": WORKER_POLL_SECONDS},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    pid_file.write_text(str(worker.pid))
+    return worker.pid, True
+
+
+def _reset(save_dir: Path) -> None:
+    if not save_dir.exists():
+        return
+    for entry in save_dir.iterdir():
+        if entry.name == HISTORY:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    ledger_path(save_dir).unlink(missing_ok=True)
+
+
+def _wait_promoted(save_dir: Path, iteration: int, timeout: float, status) -> None:
+    """Until the triggered verify-and-promote runs have promoted ``iteration``."""
+    from tasks.checkpoint.pointer import read_pointer
+
+    deadline = time.monotonic() + timeout
+    while read_pointer(save_dir) != iteration:
+        if time.monotonic() > deadline:
+            raise CkptopsError(
+                f"{save_dir}: iteration {iteration} not promoted within {timeout:.0f}s "
+                f"(pointer: {read_pointer(save_dir)}); see the verify-and-promote runs in the UI"
+            )
+        status.update(f"verify-and-promote (triggered by the saves): promoted {read_pointer(save_dir)}")
+        time.sleep(0.5)
+
+
+def _run(name: str, timeout: float, **parameters):
+    """A run of a deployment, through the worker, waited for; its final state."""
+    from prefect.deployments import run_deployment
+
+    run = run_deployment(name, parameters=parameters, timeout=timeout, poll_interval=1, as_subflow=False)
+    return run.state
 
 
 def main(profile_name: str | None = None) -> int:
     profile = load_profile(profile_name)
-    if profile.local_job is None or profile.prefect.home is None:
-        raise CkptopsError(f"{profile.source}: the demo needs local_job and prefect.home sections")
-    job, api_url = profile.local_job, profile.prefect.api_url
-    home = profile.prefect.home
-    with console.status(f"Prefect server at {_ui_url(api_url)} (a first start takes about 30 s)..."):
+    if profile.local_job is None or profile.prefect.home is None or profile.recovery is None:
+        raise CkptopsError(f"{profile.source}: the demo needs local_job, prefect.home and recovery sections")
+    job, api_url, home = profile.local_job, profile.prefect.api_url, profile.prefect.home
+    ui = _ui_url(api_url)
+    with console.status(f"Prefect server at {ui} (a first start takes about 30 s)..."):
         started = start_server(api_url, home, home / "server.log")
+    if started is not None:
+        (home / "server.pid").write_text(str(started.pid))
     console.print(
-        f"Prefect server: {'started' if started else 'reused'} at {_ui_url(api_url)}"
-        f" (log: {home / 'server.log'})"
+        f"Prefect server: {'started' if started else 'reused'} at {ui} (log: {home / 'server.log'})"
     )
     # Before prefect is imported: this process and its threads are clients of that server.
     os.environ.update(server_env(api_url, home))
+    env = {**os.environ, "CKPTOPS_ROOT": str(ROOT), **_site_profiles(profile)}
+    with console.status("deployments of infra/prefect.yaml: registering..."):
+        _deploy(env)
+    pid, new = _worker(home, env)
+    console.print(
+        f"deployments registered (work pool {POOL}); worker {'started' if new else 'reused'} "
+        f"(pid {pid}, log: {home / 'worker.log'})"
+    )
 
-    from flows.archive_copy import archive_copy
-    from flows.node_health import node_health
-    from flows.recovery_run import recovery_run
-    from flows.restore_drill import restore_drill
-    from flows.verify_and_promote import verify_and_promote
     from infra.local_job.launch import write_job_script
     from tasks import render
     from tasks.checkpoint.catalog import catalog
@@ -95,17 +190,8 @@ def main(profile_name: str | None = None) -> int:
     from tasks.cluster import process as processes
     from tasks.recovery.job import wait_ended
 
-    save_dir = profile.job.save_dir
-    if save_dir.exists():  # a fresh job each time; the drill history is kept, to show a trend
-        for entry in save_dir.iterdir():
-            if entry.name == HISTORY:
-                continue
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
-        ledger_path(save_dir).unlink(missing_ok=True)
-    recovery = profile.recovery
+    save_dir, recovery = profile.job.save_dir, profile.recovery
+    _reset(save_dir)
     script = write_job_script(
         recovery.script,
         save_dir,
@@ -117,7 +203,6 @@ def main(profile_name: str | None = None) -> int:
         notify_url=api_url,
     )
     recovery.step_records.unlink(missing_ok=True)
-    options = VerifyOptions.from_profile(profile)
     console.print(
         f"training: {job.train_iters} iterations, a checkpoint every {job.save_interval}, "
         f"{job.nproc} CPU ranks -> {save_dir}; rank {FAULT.split(':')[0]} will fail before iteration "
@@ -125,85 +210,88 @@ def main(profile_name: str | None = None) -> int:
     )
     log = recovery.log_dir / "train.out"
     process = processes.start(["bash", str(script)], log, {**os.environ, "CKPTOPS_FAIL_AT": FAULT})
-    handled: set[int] = set()
-    deadline = time.monotonic() + job.timeout_seconds
+    with console.status("training, posting training.checkpoint.saved after each save..."):
+        try:
+            processes.wait(process, log, job.timeout_seconds, "the local training job")
+        except processes.Failed as e:
+            failed_with = e.code
+        else:
+            raise CkptopsError(f"{log}: the job was to fail at {FAULT} but finished")
+    console.print(f"training failed (exit {failed_with}), as rehearsed (log: {log})", markup=False)
+    last_save = (int(FAULT.split(":")[1]) - 1) // job.save_interval * job.save_interval
+    with console.status("verify-and-promote (triggered by the saves)...") as status:
+        _wait_promoted(save_dir, last_save, 300, status)
+    console.print(f"verify-and-promote (triggered by the saves, run by the worker): promoted {last_save}")
 
-    def run_flow(why: str):
-        state = verify_and_promote(profile=str(profile.source), return_state=True)
-        console.print(f"verify-and-promote ({why}): {state.name}: {state.message}", markup=False)
-        return state
-
-    with console.status("training: starting") as status:
-        while process.poll() is None and time.monotonic() < deadline:
-            fresh = _completed_iterations(save_dir, options) - handled
-            if fresh:
-                status.update(f"verify-and-promote: new checkpoint(s) {sorted(fresh)}")
-                run_flow(f"checkpoint(s) {sorted(fresh)} saved")
-                handled |= fresh
-            else:
-                status.update(f"training: {_training_at(log)} of {job.train_iters}")
-                time.sleep(0.5)
-    try:
-        processes.wait(process, log, max(1.0, deadline - time.monotonic()), "the local training job")
-    except processes.Failed as e:
-        failed_with = e.code
-        console.print(
-            f"training failed (exit {e.code}), as rehearsed: {processes.tail(log, 1)}", markup=False
-        )
-    else:
-        raise CkptopsError(f"{log}: the job was to fail at {FAULT} but finished")
-    with console.status("verify-and-promote: after the failure"):
-        state = run_flow("training stopped")
-
-    ok = state.is_completed()
-    if profile.archive and profile.drill:
-        with console.status("archive-copy: upload, read back, commit..."):
-            archived = archive_copy(profile=str(profile.source), force=True, return_state=True)
-        console.print(f"archive-copy: {archived.name}: {archived.message}", markup=False)
-        for source in ("shared", "archive"):
-            with console.status(f"restore-drill from {source}: copy, verify, load (starts 2 ranks)..."):
-                drilled = restore_drill(profile=str(profile.source), source=source, return_state=True)
-            console.print(f"restore-drill: {drilled.message}", markup=False)
-            ok = ok and archived.is_completed() and drilled.is_completed()
-
-    if profile.health:
-        with console.status("node-health on this machine..."):
-            health = node_health(profile=str(profile.source), return_state=True)
-        # On a machine without GPUs a FAIL_CONFIG "no GPUs found" is the expected answer.
-        console.print(f"node-health: {health.name}: {health.message}", markup=False)
+    ok = True
+    steps = [("archive-copy/local-tiny-archive", {"force": True}, "archive-copy")]
+    steps += [
+        (f"restore-drill/local-tiny-drill-{s}", {}, f"restore-drill from {s}") for s in ("shared", "archive")
+    ]
+    steps += [("node-health/local-health", {}, "node-health")]
+    for name, parameters, what in steps:
+        with console.status(f"{what}: a run of {name}..."):
+            state = _run(name, 900, **parameters)
+        console.print(f"{what}: {state.name}: {state.message}", markup=False)
+        # On a machine without GPUs node health's FAIL_CONFIG "no GPUs found" is the expected answer.
+        ok = ok and (state.is_completed() or what == "node-health")
 
     with console.status("recovery-run: triage, checkpoint, relaunch, progress, validation..."):
-        recovered = recovery_run(
-            profile=str(profile.source),
-            logs=[str(log)],
-            exit_code=failed_with,
-            trigger="demo",
-            return_state=True,
+        recovered = _run(
+            "recovery-run/local-tiny-recovery", 900, logs=[str(log)], exit_code=failed_with, trigger="demo"
         )
     console.print(f"recovery-run: {recovered.name}: {recovered.message}", markup=False)
     ok = ok and recovered.is_completed()
-    relaunched = ledger_incidents(save_dir)[-1].relaunched_job
-    if relaunched:
-        with console.status(f"the relaunched job ({relaunched}) trains to iteration {job.train_iters}..."):
-            wait_ended(relaunched, job.timeout_seconds)
-        with console.status("verify-and-promote: after the resumed run"):
-            state = run_flow("resumed run finished")
-        ok = ok and state.is_completed()
+    incident = ledger_incidents(save_dir)[-1] if ledger_incidents(save_dir) else None
+    if incident and incident.relaunched_job:
+        with console.status(f"the relaunched job ({incident.relaunched_job}) trains to {job.train_iters}..."):
+            wait_ended(incident.relaunched_job, job.timeout_seconds)
+        with console.status("verify-and-promote (triggered by the resumed job's saves)...") as status:
+            _wait_promoted(save_dir, job.train_iters, 300, status)
+        console.print(f"verify-and-promote: the resumed job's saves promoted up to {job.train_iters}")
 
+    options = VerifyOptions.from_profile(profile)
     console.print()
     render.status(console, save_dir, catalog(save_dir, options))
     render.incidents(console, profile.job.name, incident_rows(ledger_incidents(save_dir)))
-    ui = _ui_url(api_url)
-    console.print(f"\nPrefect UI: {ui}  (flow runs: {ui}/runs, artifacts: {ui}/artifacts)")
+    console.print(
+        f"\nPrefect UI: {ui}  (deployments: {ui}/deployments, runs: {ui}/runs, artifacts: {ui}/artifacts)"
+    )
     console.print(f"training log: {log}")
     console.print(f"drill history: ckptops drills --profile {profile.source}")
     console.print(f"incidents: ckptops incidents --profile {profile.source}")
+    console.print("the server and the worker keep running: make demo-down stops them")
     return 0 if ok else 1
 
 
+def down(profile_name: str | None = None) -> int:
+    """Stop the worker and the server this demo started (by their recorded pids)."""
+    import signal
+
+    home = load_profile(profile_name).prefect.home
+    for name, needle in (("worker", "worker start"), ("server", "server start")):
+        pid_file = home / f"{name}.pid"
+        pid = _alive(pid_file, needle)
+        if pid:
+            os.killpg(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while _alive(pid_file, needle) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if _alive(pid_file, needle):
+                os.killpg(pid, signal.SIGKILL)
+            console.print(f"{name}: stopped (pid {pid})")
+        else:
+            console.print(f"{name}: not running (nothing recorded in {pid_file})")
+        pid_file.unlink(missing_ok=True)
+    return 0
+
+
 if __name__ == "__main__":
+    args = sys.argv[1:]
     try:
-        sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else None))
+        if args[:1] == ["down"]:
+            sys.exit(down(args[1] if len(args) > 1 else None))
+        sys.exit(main(args[0] if args else None))
     except CkptopsError as e:
         Console(stderr=True).print(f"demo: {e}", markup=False)
         sys.exit(1)

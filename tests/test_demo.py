@@ -1,4 +1,6 @@
-"""``make demo`` end to end, on a profile of its own that points at the test Prefect server."""
+"""``make demo`` end to end, on a profile of its own with a Prefect server of its own: the
+deployments registered, a worker running the triggered and requested runs, the job's failure
+recovered; a second demo reuses the server and the worker; ``demo down`` stops both."""
 
 import os
 import subprocess
@@ -7,45 +9,77 @@ import sys
 import pytest
 
 from tasks.checkpoint.pointer import read_pointer
-from tests.conftest import ROOT
+from tasks.recovery.ledger import incidents
+from tests.conftest import ROOT, free_port
 
 pytestmark = pytest.mark.slow
 
 
-def test_demo_trains_verifies_promotes_and_prints_status(prefect_api, tmp_path):
-    profile = tmp_path / "demo.yaml"
-    profile.write_text(
-        "job: {name: demo-test, save_dir: checkpoints, layout: {data_parallel: 2}}\n"
-        "verify: {settle_seconds: 5, wait_timeout_seconds: 60, poll_seconds: 1}\n"
-        "retention: {keep_verified: 2}\n"
-        f"prefect: {{api_url: '{prefect_api}', home: prefect}}\n"
-        "local_job: {nproc: 2, train_iters: 12, save_interval: 4, timeout_seconds: 600}\n"
-        "archive: {url: archive, keep: 2}\n"
-        "drill: {scratch_dir: scratch, budget_seconds: {shared: 600, archive: 600}}\n"
-        "health: {nodes: [localhost], transport: local, gpus_per_node: 1, raw_dir: health}\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-m", "infra.demo", str(profile)],
+def demo(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    return subprocess.run(
+        [sys.executable, "-m", "infra.demo", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=900,
-        env={**os.environ, "COLUMNS": "300"},
-    )  # long lines unwrapped, to match whole
-
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "Prefect server: reused" in result.stdout
-    assert "verify-and-promote (training finished): Completed" in result.stdout
-    assert read_pointer(tmp_path / "checkpoints") == 12
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("iter_*")) == [
-        "iter_0000008",
-        "iter_0000012",
-    ]
-    assert "checkpoints in" in result.stdout and prefect_api.removesuffix("/api") in result.stdout
-    assert "archive-copy: Completed: iteration 12: committed" in result.stdout
-    assert "restore-drill: PASS drill from shared, iteration 12" in result.stdout
-    assert "restore-drill: PASS drill from archive, iteration 12" in result.stdout
-    assert (
-        "node-health: Failed: 1 nodes: FAIL_CONFIG 1; localhost FAIL_CONFIG: gpu-count: no GPUs found"
-        in result.stdout
+        timeout=1200,
+        env={**env, "COLUMNS": "300"},  # long lines unwrapped, to match whole
     )
+
+
+def test_demo_runs_the_story_through_deployments_and_a_worker_and_recovers(tmp_path):
+    api = f"http://127.0.0.1:{free_port()}/api"
+    profile = tmp_path / "demo.yaml"
+    profile.write_text(
+        "job: {name: local-tiny, save_dir: checkpoints, layout: {data_parallel: 2}}\n"
+        "verify: {settle_seconds: 1, wait_timeout_seconds: 60, poll_seconds: 1, lock_timeout_seconds: 120}\n"
+        "retention: {keep_verified: 3}\n"
+        f"prefect: {{api_url: '{api}', home: prefect}}\n"
+        "local_job: {nproc: 2, train_iters: 20, save_interval: 4, timeout_seconds: 600}\n"
+        "archive: {url: archive, keep: 2}\n"
+        "drill: {scratch_dir: scratch, budget_seconds: {shared: 600, archive: 600}}\n"
+        "health: {nodes: [localhost], transport: local, gpus_per_node: 1, raw_dir: health}\n"
+        "resume: {warmup_steps: 2, min_steps: 4, loss_rel_tolerance: 0.0, memory_band: 0.5, throughput_drop: 0.9}\n"
+        "recovery: {launcher: local, script: job.sh, step_records: records.jsonl, log_dir: logs,\n"
+        "           auto_approve: [hardware], progress_steps: 6, progress_timeout_seconds: 600}\n"
+    )
+    try:
+        first = demo(str(profile))
+        out = first.stdout
+        assert first.returncode == 0, out[-3000:] + first.stderr[-2000:]
+        assert "Prefect server: started" in out and "worker started" in out
+        assert "verify-and-promote (triggered by the saves, run by the worker): promoted 12" in out
+        assert "archive-copy: Completed: iteration 12: committed" in out
+        assert "restore-drill from shared: Completed: PASS drill from shared, iteration 12" in out
+        assert "restore-drill from archive: Completed: PASS drill from archive, iteration 12" in out
+        assert "node-health: Failed: 1 nodes: FAIL_CONFIG 1; localhost FAIL_CONFIG: gpu-count: no GPUs found" in out
+        assert "recovery-run: Completed:" in out and "hardware: completed: resumed from 12" in out
+        assert read_pointer(tmp_path / "checkpoints") == 20
+        (incident,) = incidents(tmp_path / "checkpoints")
+        assert incident.cls == "hardware" and incident.outcome == "completed" and incident.checkpoint == 12
+        assert api.removesuffix("/api") + "/deployments" in out
+
+        # Every flow has a deployment the UI's Run button starts, and the runs came through them.
+        from prefect import get_client
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+            names = {f"{client.read_flow(d.flow_id).name}/{d.name}" for d in client.read_deployments()}
+            runs = client.read_flow_runs()
+        assert {
+            "verify-and-promote/local-tiny",
+            "archive-copy/local-tiny-archive",
+            "restore-drill/local-tiny-drill-shared",
+            "node-health/local-health",
+            "post-resume-validation/local-tiny-validate-resume",
+            "recovery-run/local-tiny-recovery",
+        } <= names
+        assert runs and all(r.deployment_id is not None for r in runs)
+
+        second = demo(str(profile))
+        assert second.returncode == 0, second.stdout[-3000:]
+        assert "Prefect server: reused" in second.stdout and "worker reused" in second.stdout
+    finally:
+        stopped = demo("down", str(profile))
+    assert "worker: stopped" in stopped.stdout and "server: stopped" in stopped.stdout
+    assert not (tmp_path / "prefect" / "worker.pid").exists()
