@@ -7,6 +7,7 @@ from prefect.states import Completed, Failed
 
 from tasks.errors import UsageError
 from tasks.health.flow_tasks import publish_health, sweep_task
+from tasks.notify import send
 from tasks.profile import load_profile
 
 
@@ -19,4 +20,8 @@ def node_health(
         raise UsageError(f"{prof.source}: no health section")
     done = sweep_task(prof.health, nodes, level, admit)
     publish_health(done.run, done.plan, prof.health, done.spares)
-    return Failed(message=done.message()) if done.exit_code else Completed(message=done.message())
+    message = done.message()
+    if done.plan.page:
+        unsent = send(prof, "node health: stop and page", message)
+        message += f"; {unsent}" if unsent else ""
+    return Failed(message=message) if done.exit_code else Completed(message=message)

@@ -11,6 +11,7 @@ from pathlib import Path
 from prefect import flow
 from prefect.states import Completed, Failed
 
+from tasks.notify import send
 from tasks.profile import load_profile
 from tasks.resume.flow_tasks import publish_validation, validate_task
 
@@ -25,4 +26,7 @@ def post_resume_validation(
         prof, Path(after), Path(before) if before else None, Path(checkpoint) if checkpoint else None
     )
     publish_validation(prof.job.name, result)
-    return Completed(message=result.line()) if result.ok else Failed(message=result.line())
+    if result.ok:
+        return Completed(message=result.line())
+    unsent = send(prof, "resume rejected", result.line())
+    return Failed(message=result.line() + (f"; {unsent}" if unsent else ""))

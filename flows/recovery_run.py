@@ -13,6 +13,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 from prefect.states import Completed, Failed
 
+from tasks.notify import send
 from tasks.profile import load_profile
 from tasks.recovery.flow_tasks import announce, ask_in_ui, flow_step, publish_incident
 from tasks.recovery.ledger import COMPLETED
@@ -47,4 +48,7 @@ def recovery_run(
     publish_incident(prof.job.save_dir, incident)
     message = f"{incident.id} {incident.cls}: {incident.outcome}: {incident.reason}"
     print(message)
-    return Completed(message=message) if incident.outcome == COMPLETED else Failed(message=message)
+    if incident.outcome == COMPLETED:
+        return Completed(message=message)
+    unsent = send(prof, f"recovery {incident.outcome}", message)
+    return Failed(message=message + (f"; {unsent}" if unsent else ""))

@@ -8,6 +8,7 @@ the restore window with the budget; the history and trend go to artifacts.
 from prefect import flow
 from prefect.states import Completed, Failed
 
+from tasks.notify import send
 from tasks.profile import load_profile
 from tasks.restore.flow_tasks import drill_task, publish_drill_report
 
@@ -18,4 +19,7 @@ def restore_drill(profile: str = "local", source: str = "shared"):
     report = drill_task(prof, source)
     publish_drill_report(prof, report)
     print(report.line())
-    return Completed(message=report.line()) if report.ok else Failed(message=report.line())
+    if report.ok:
+        return Completed(message=report.line())
+    unsent = send(prof, f"restore drill from {source} failed", report.line())
+    return Failed(message=report.line() + (f"; {unsent}" if unsent else ""))

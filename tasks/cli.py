@@ -54,10 +54,23 @@ def _fail(error: CkptopsError) -> None:
 
 @contextmanager
 def _expected_errors():
+    import httpx
+
     try:
         yield
     except CkptopsError as e:
         _fail(e)
+    except httpx.HTTPStatusError as e:  # from the Prefect server (Prefect's own errors subclass it)
+        if e.response.status_code != 401:
+            raise
+        _fail(
+            UsageError(
+                f"PREFECT_API_AUTH_STRING: the Prefect server at {e.request.url.scheme}://{e.request.url.host}:"
+                f"{e.request.url.port} refused the credentials (401)"
+            )
+        )
+    except httpx.ConnectError as e:
+        _fail(UsageError(f"PREFECT_API_URL: no Prefect server answers ({e})"))
     except OSError as e:
         # Whatever the environment refused (a read-only directory, a full disk, EIO) is not a
         # verdict on a checkpoint: name the path and exit 2, like any unreadable input.
@@ -507,28 +520,22 @@ def recover(
     raise typer.Exit(0 if incident.outcome == COMPLETED else 1)
 
 
-@app.command("recovery-guard")
-def recovery_guard(
+@app.command()
+def automations(
     deployment: Annotated[
         str, typer.Option("--deployment", help="the automatic recovery deployment: FLOW/DEPLOYMENT")
     ],
-    notify_block: Annotated[
-        str | None, typer.Option("--notify-block", help="a Prefect notification block to tell (its name)")
-    ] = None,
     profile: ProfileOpt = None,
 ):
-    """Install the job's failure-storm guard on the Prefect server: an automation that pauses the
-    recovery deployment after more than recovery.max_per_hour failures within an hour."""
+    """Install the job's recovery automations on the Prefect server: the failure-storm guard
+    (pause the deployment after more than recovery.max_per_hour failures within an hour) and, with
+    notify.block, the approval notice (tell the approver when a run pauses for approval)."""
     with _expected_errors():
-        from tasks.recovery.automation import install_storm_guard
+        from tasks.recovery.automation import install
 
-        block_id = None
-        if notify_block:
-            from prefect.blocks.core import Block
-
-            block_id = Block.load(notify_block)._block_document_id
-        made = install_storm_guard(load_profile(profile), deployment, block_id)
-    out.print(f"{made.name}: {made.description} ({made.id})", markup=False)
+        made = install(load_profile(profile), deployment)
+    for automation in made:
+        out.print(f"{automation.name}: {automation.description} ({automation.id})", markup=False)
 
 
 @app.command()

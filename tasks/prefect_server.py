@@ -55,6 +55,8 @@ def start_server(
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **server_env(api_url, home), **(env or {})}
     env.pop("PREFECT_API_URL")  # the server itself must not act as a client of itself
+    # The links the server's automations put in notifications ({{ flow_run|ui_url }}).
+    env.setdefault("PREFECT_UI_URL", api_url.rstrip("/").removesuffix("/api"))
     with open(log, "ab") as sink:
         process = subprocess.Popen(
             [

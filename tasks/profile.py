@@ -343,6 +343,17 @@ class Recovery(_Section):
     )
 
 
+class Notify(_Section):
+    """Who hears about what needs a person: stop-and-page, a failed drill, a rejected resume, a
+    recovery that stops or waits for approval."""
+
+    block: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9-]+/[A-Za-z0-9_.-]+$",
+        description="a Prefect notification block, TYPE-SLUG/NAME (e.g. slack-webhook/oncall)",
+    )
+
+
 class Prefect(_Section):
     api_url: str = "http://127.0.0.1:4200/api"
     home: Path | None = None
@@ -368,6 +379,7 @@ class Profile(_Section):
     resume: Resume = Resume()
     local_job: LocalJob | None = None
     recovery: Recovery | None = None
+    notify: Notify | None = None
     source: Path | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")

@@ -207,6 +207,7 @@ def test_postgres_server_with_auth_and_a_worker_runs_the_triggered_flow_through_
                 },
                 "verify": {"settle_seconds": 0, "wait_timeout_seconds": 300, "poll_seconds": 1},
                 "retention": {"keep_verified": 10},
+                "recovery": {"script": str(tmp_path / "job.sh")},
             }
         )
     )
@@ -268,6 +269,22 @@ def test_postgres_server_with_auth_and_a_worker_runs_the_triggered_flow_through_
 
         assert wait_for(final_state, 300, "the run's final state") == "COMPLETED"
         assert read_pointer(save) == 24
+        # ckptops itself with a wrong auth string: one line naming the setting, exit 2.
+        ckptops = [str(Path(sys.executable).with_name("ckptops")), "automations"]
+        ckptops += ["--deployment", "recovery-run/local-tiny-recovery", "--profile", "local"]
+        wrong = subprocess.run(
+            ckptops,
+            env={**env, "PREFECT_API_AUTH_STRING": "admin:wrong"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert wrong.returncode == 2 and "Traceback" not in wrong.stderr
+        assert wrong.stderr.startswith("ckptops: PREFECT_API_AUTH_STRING: ") and "(401)" in wrong.stderr
+        right = subprocess.run(ckptops, env=env, capture_output=True, text=True, timeout=120)
+        assert right.returncode == 0 and right.stdout.startswith("ckptops recovery storm local-tiny"), (
+            right.stderr
+        )
         changes = [json.loads(line) for line in (save / HISTORY / PROMOTIONS).read_text().splitlines()]
         iterations = [c["iteration"] for c in changes]
         assert iterations[-1] == 24 and len(iterations) == len(set(iterations)), changes

@@ -13,7 +13,7 @@ import yaml
 
 from tasks.errors import UsageError
 from tasks.profile import load_profile
-from tasks.recovery.automation import automation_name, install_storm_guard
+from tasks.recovery.automation import automation_name, install
 
 pytestmark = pytest.mark.slow
 
@@ -62,9 +62,9 @@ def test_more_failures_than_the_hourly_budget_pause_automatic_recovery(prefect_a
         flow_id = client.create_flow_from_name("recovery-run")
         deployment = client.create_deployment(flow_id=flow_id, name="storm-recovery")
         with pytest.raises(UsageError, match="'recovery-run/absent': not found"):
-            install_storm_guard(profile, "recovery-run/absent")
-        install_storm_guard(profile, "recovery-run/storm-recovery")
-        guard = install_storm_guard(profile, "recovery-run/storm-recovery")
+            install(profile, "recovery-run/absent")
+        install(profile, "recovery-run/storm-recovery")
+        (guard,) = install(profile, "recovery-run/storm-recovery")
         assert [a.id for a in client.read_automations_by_name(automation_name("storm"))] == [guard.id]
         assert guard.trigger.threshold == 3
         for n in range(2):

@@ -1,10 +1,14 @@
-"""The failure-storm guard: a Prefect automation that pauses a job's automatic recovery
-deployment when the job fails more than ``recovery.max_per_hour`` times within an hour.
+"""The job's recovery automations on the Prefect server, installed once per job
+(``ckptops automations --deployment recovery-run/<job>-recovery``):
 
-The stop rules already refuse a relaunch past that rate, but each refused run still triages and
-pages. When a job crashes in a loop, the automation stops the runs themselves until a human
-resumes the deployment. It lives on the server (it keeps working while no flow runs), so it is
-installed once per job: ``ckptops recovery-guard``.
+- the failure-storm guard pauses the automatic recovery deployment when the job fails more than
+  ``recovery.max_per_hour`` times within an hour. The stop rules already refuse a relaunch past
+  that rate, but each refused run still triages and pages; when a job crashes in a loop the
+  automation stops the runs themselves until a human resumes the deployment. With
+  ``notify.block`` it also tells a person;
+- with ``notify.block``, the approval notice tells the approver when a run of that deployment
+  pauses for approval, with the run's UI link. It lives on the server, so it fires even when
+  the paused run's own process is gone.
 """
 
 from datetime import timedelta
@@ -17,48 +21,95 @@ from prefect.exceptions import ObjectNotFound
 from tasks.errors import UsageError
 
 FAILED_EVENT = "training.job.failed"
+PAUSED_EVENT = "prefect.flow-run.Paused"
 
 
 def automation_name(job: str) -> str:
     return f"ckptops recovery storm {job}"
 
 
-def install_storm_guard(profile, deployment: str, notify_block_id=None) -> Automation:
-    """Create (or replace) the job's guard for ``deployment`` ("flow-name/deployment-name")."""
+def approval_name(job: str) -> str:
+    return f"ckptops recovery approval {job}"
+
+
+def _block_id(profile):
+    if profile.notify is None or not profile.notify.block:
+        return None
+    from prefect.blocks.core import Block
+
+    try:
+        return Block.load(profile.notify.block)._block_document_id
+    except ValueError as e:
+        raise UsageError(f"{profile.source}: notify.block {profile.notify.block!r}: {e}") from None
+
+
+def install(profile, deployment: str) -> list[Automation]:
+    """Create (or replace: installing twice leaves one of each) the job's automations for
+    ``deployment`` ("flow-name/deployment-name")."""
     from prefect import get_client
 
     if profile.recovery is None:
         raise UsageError(f"{profile.source}: no recovery section")
     job = profile.job.name
+    block = _block_id(profile)
     with get_client(sync_client=True) as client:
         try:
             found = client.read_deployment_by_name(deployment)
         except ObjectNotFound:
             raise UsageError(f"deployment {deployment!r}: not found on the Prefect server") from None
-        # Replaced, never duplicated: installing twice leaves one guard.
-        for old in client.read_automations_by_name(name=automation_name(job)):
-            client.delete_automation(old.id)
-    actions = [PauseDeployment(source="selected", deployment_id=found.id)]
-    if notify_block_id is not None:
+        for name in (automation_name(job), approval_name(job)):
+            for old in client.read_automations_by_name(name=name):
+                client.delete_automation(old.id)
+    made = [_storm_guard(profile, deployment, found.id, block)]
+    if block is not None:
+        made.append(_approval_notice(job, deployment, found.id, block))
+    return made
+
+
+def _storm_guard(profile, deployment: str, deployment_id, block) -> Automation:
+    job, limit = profile.job.name, profile.recovery.max_per_hour
+    actions = [PauseDeployment(source="selected", deployment_id=deployment_id)]
+    if block is not None:
         actions.append(
             SendNotification(
-                block_document_id=notify_block_id,
-                subject=f"ckptops: {job} failed more than {profile.recovery.max_per_hour} times in an hour",
-                body=f"Automatic recovery of {job} is paused ({deployment}); resume it once the cause "
-                "is fixed.",
+                block_document_id=block,
+                subject=f"ckptops {job}: failed more than {limit} times in an hour",
+                body=f"[{job}] automatic recovery is paused ({deployment}): more than {limit} failures "
+                "within an hour. Find the cause, then resume the deployment.",
             )
         )
     return Automation(
         name=automation_name(job),
-        description=f"pause {deployment} after more than {profile.recovery.max_per_hour} failures of "
-        f"{job} within an hour",
+        description=f"pause {deployment} after more than {limit} failures of {job} within an hour",
         trigger=EventTrigger(
             match={"prefect.resource.id": f"ckptops.job.{job}"},
             expect={FAILED_EVENT},
             posture=Posture.Reactive,
             # More than max_per_hour failures: the one past the budget trips it.
-            threshold=profile.recovery.max_per_hour + 1,
+            threshold=limit + 1,
             within=timedelta(hours=1),
         ),
         actions=actions,
+    ).create()
+
+
+def _approval_notice(job: str, deployment: str, deployment_id, block) -> Automation:
+    return Automation(
+        name=approval_name(job),
+        description=f"tell the approver when a run of {deployment} waits for approval",
+        trigger=EventTrigger(
+            match={"prefect.resource.id": "prefect.flow-run.*"},
+            match_related={"prefect.resource.id": f"prefect.deployment.{deployment_id}"},
+            expect={PAUSED_EVENT},
+            posture=Posture.Reactive,
+            threshold=1,
+        ),
+        actions=[
+            SendNotification(
+                block_document_id=block,
+                subject=f"ckptops {job}: a recovery waits for your approval",
+                body=f"[{job}] recovery run {{{{ flow_run.name }}}} waits for approval: the triage, the "
+                "checkpoint and the node plan are on the form: {{ flow_run|ui_url }}",
+            )
+        ],
     ).create()
