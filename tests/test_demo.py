@@ -39,7 +39,8 @@ def test_demo_runs_the_story_through_deployments_and_a_worker_and_recovers(tmp_p
         "archive: {url: archive, keep: 2}\n"
         "drill: {scratch_dir: scratch, budget_seconds: {shared: 600, archive: 600}}\n"
         "health: {nodes: [localhost], transport: local, gpus_per_node: 1, raw_dir: health}\n"
-        "resume: {warmup_steps: 2, min_steps: 4, loss_rel_tolerance: 0.0, memory_band: 0.5, throughput_drop: 0.9}\n"
+        "resume: {warmup_steps: 2, min_steps: 4, loss_rel_tolerance: 0.0, memory_band: 0.5,\n"
+        "         throughput_drop: 0.9}\n"
         "recovery: {launcher: local, script: job.sh, step_records: records.jsonl, log_dir: logs,\n"
         "           auto_approve: [hardware], progress_steps: 6, progress_timeout_seconds: 600}\n"
     )
@@ -52,7 +53,10 @@ def test_demo_runs_the_story_through_deployments_and_a_worker_and_recovers(tmp_p
         assert "archive-copy: Completed: iteration 12: committed" in out
         assert "restore-drill from shared: Completed: PASS drill from shared, iteration 12" in out
         assert "restore-drill from archive: Completed: PASS drill from archive, iteration 12" in out
-        assert "node-health: Failed: 1 nodes: FAIL_CONFIG 1; localhost FAIL_CONFIG: gpu-count: no GPUs found" in out
+        assert (
+            "node-health: Failed: 1 nodes: FAIL_CONFIG 1; localhost FAIL_CONFIG: gpu-count: no GPUs found"
+            in out
+        )
         assert "recovery-run: Completed:" in out and "hardware: completed: resumed from 12" in out
         assert read_pointer(tmp_path / "checkpoints") == 20
         (incident,) = incidents(tmp_path / "checkpoints")
