@@ -565,6 +565,179 @@ def incidents(
     render.incidents(out, prof.job.name, incident_rows(found))
 
 
+goodput_app = typer.Typer(help="Effective training time and checkpoint-interval advice.")
+app.add_typer(goodput_app, name="goodput")
+
+
+def _since(value: str | None) -> float | None:
+    if value is None:
+        return None
+    from datetime import UTC, datetime
+
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise UsageError(f"--since {value!r}: not a date (YYYY-MM-DD or an ISO time)") from None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
+@goodput_app.callback(invoke_without_command=True)
+def goodput(
+    ctx: typer.Context,
+    since: Annotated[str | None, typer.Option("--since", help="from this date or time (UTC)")] = None,
+    log: Annotated[
+        Path | None, typer.Option("--log", help="the job's Megatron-LM log, for its save-checkpoint timers")
+    ] = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+):
+    """The job's goodput ledger: wall time, productive time on the surviving lineage, time lost
+    per cause, ETTR, incidents and MTBF; every figure with its source."""
+    if ctx.invoked_subcommand is not None:
+        return
+    with _expected_errors():
+        from tasks.goodput.report import ledger, ledger_lines
+
+        found = ledger(load_profile(profile), _since(since), log)
+    if as_json:
+        out.print_json(json.dumps(found.to_dict()))
+        return
+    for line in ledger_lines(found):
+        out.print(line, markup=False)
+
+
+@goodput_app.command("advise")
+def goodput_advise(
+    save_seconds: Annotated[
+        float | None, typer.Option("--save-seconds", help="C [default: measured]")
+    ] = None,
+    mtbf_hours: Annotated[float | None, typer.Option("--mtbf-hours", help="M [default: measured]")] = None,
+    restart_minutes: Annotated[
+        float | None, typer.Option("--restart-minutes", help="R [default: measured]")
+    ] = None,
+    interval_minutes: Annotated[
+        float | None, typer.Option("--interval-minutes", help="the current interval [default: the job's]")
+    ] = None,
+    gpus: Annotated[
+        int | None, typer.Option("--gpus", help="[default: recovery.gpus or the world size]")
+    ] = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Young's and Daly's checkpoint intervals, the expected ETTR now and at the advised interval,
+    and the GPU-hours a day the change would save."""
+    with _expected_errors():
+        from tasks.goodput.report import advice, interval_note, ledger
+
+        prof = load_profile(profile)
+        found = advice(prof, ledger(prof), save_seconds, mtbf_hours, restart_minutes, interval_minutes)
+        if gpus is not None:
+            from tasks.goodput.advice import advise
+
+            found = advise(
+                found.save_seconds,
+                found.mtbf_seconds,
+                found.restart_seconds,
+                found.interval_seconds,
+                gpus,
+                found.sources,
+            )
+    if as_json:
+        out.print_json(json.dumps(found.to_dict()))
+        return
+    for line in found.lines():
+        out.print(line, markup=False)
+    note = interval_note(found)
+    if note:
+        out.print(note, markup=False)
+
+
+@goodput_app.command("simulate")
+def goodput_simulate(
+    gpus: Annotated[int, typer.Option("--gpus")],
+    days: Annotated[float, typer.Option("--days")],
+    mtbf_hours: Annotated[float, typer.Option("--mtbf-hours")],
+    save_seconds: Annotated[
+        float, typer.Option("--save-seconds", help="C: until the checkpoint is persisted")
+    ],
+    interval_minutes: Annotated[float, typer.Option("--interval-minutes")],
+    recover_minutes: Annotated[float, typer.Option("--recover-minutes")],
+    blocking_seconds: Annotated[
+        float | None,
+        typer.Option(
+            "--blocking-seconds", help="async saves: the part that holds training [default: all of C]"
+        ),
+    ] = None,
+    runs: Annotated[int, typer.Option("--runs", help="repeated runs for the confidence interval")] = 200,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Simulate the job's wall clock (exponential failures, saves, lost work, recoveries): ETTR
+    with a 95% confidence interval, beside the first-order and exact closed forms; what the
+    measured recoveries would give; what ETTR >= 97% would take."""
+    with _expected_errors():
+        from tasks.goodput.advice import ettr, ettr_exact
+        from tasks.goodput.simulate import restart_for, save_cost_for, simulate
+
+        m, c, t, r = mtbf_hours * 3600, save_seconds, interval_minutes * 60, recover_minutes * 60
+        result = simulate(gpus, days, m, c, t, r, seed, runs, blocking_seconds)
+        first, exact = ettr(c, m, r, t), ettr_exact(result.blocking_seconds, m, r, t)
+        measured = _measured_restart(profile)
+        with_measured = (
+            simulate(gpus, days, m, c, t, measured[0], seed, runs, blocking_seconds) if measured else None
+        )
+        need_save, need_restart = save_cost_for(0.97, m, r), restart_for(0.97, m, c)
+    data = {
+        **result.to_dict(),
+        "ettr_first_order": first,
+        "ettr_exact": exact,
+        "measured_restart_seconds": measured[0] if measured else None,
+        "measured_restart_source": measured[1] if measured else "not measured",
+        "ettr_with_measured_restart": with_measured.ettr if with_measured else None,
+        "save_seconds_for_97": need_save,
+        "restart_seconds_for_97": need_restart,
+    }
+    if as_json:
+        out.print_json(json.dumps(data))
+        return
+    low, high = result.ettr_ci
+    out.print(
+        f"ETTR {result.ettr:.2%} (95% CI {low:.2%} to {high:.2%}, {runs} runs of {days:g} days, "
+        f"{result.failures_per_run:.1f} failures a run); closed forms: first order {first:.2%}, "
+        f"exact {exact:.2%}; {result.gpu_hours_lost:,.0f} GPU-hours lost a run at {gpus} GPUs",
+        markup=False,
+    )
+    if with_measured:
+        out.print(
+            f"with the measured recovery time ({measured[0] / 60:.1f} min, {measured[1]}): ETTR "
+            f"{with_measured.ettr:.2%}",
+            markup=False,
+        )
+    out.print(
+        "ETTR >= 97% at Daly's interval needs "
+        + (
+            f"a save cost of at most {need_save:.0f} s at this recovery time"
+            if need_save
+            else "faster recoveries: no save cost is enough"
+        )
+        + (
+            f", or recoveries within {need_restart / 60:.1f} min at this save cost"
+            if need_restart is not None
+            else ""
+        ),
+        markup=False,
+    )
+
+
+def _measured_restart(profile: str | None) -> tuple[float, str] | None:
+    """The median measured recovery time of the profile's job, when its ledger has one."""
+    from tasks.goodput.report import ledger
+
+    found = ledger(load_profile(profile)).restart_seconds
+    return (found.seconds, f"{found.source}") if found.seconds is not None else None
+
+
 health_app = typer.Typer(no_args_is_help=True, help="Node health: DCGM, GPU basics, nccl-tests.")
 app.add_typer(health_app, name="health")
 

@@ -83,6 +83,7 @@ class CheckpointFacts:
     seq_length: int | None = None  # turns samples/s into tokens/s
     not_valid: str | None = None  # what its manifest says, when it says it is not valid
     verified_now: bool = False  # it had no manifest when the run resumed: verified by this validation
+    save_interval: int | None = None  # the job's --save-interval (goodput advice compares with it)
 
     @property
     def scheduler_unit(self) -> str | None:
@@ -117,6 +118,7 @@ def checkpoint_facts(directory: Path) -> CheckpointFacts:
         None
         if manifest is None or manifest.valid
         else f"its manifest says {manifest.status}: {manifest.reason}",
+        save_interval=getattr(args, "save_interval", None),
     )
 
 

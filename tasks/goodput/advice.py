@@ -1,0 +1,114 @@
+"""Checkpoint-interval advice: Young's and Daly's intervals and the expected effective training
+time ratio (ETTR), from the save cost C, the mean time between failures M and the restart cost R.
+
+All times in seconds. Young (1974): T = sqrt(2CM). Daly (2006), higher order, for C < 2M:
+T = sqrt(2CM) * [1 + sqrt(C/2M)/3 + (C/2M)/9] - C, and T = M when C >= 2M. ETTR to first order:
+1 - C/T - (R + T/2)/M (a save every T costs C; a failure every M costs R and, on average, half
+an interval of lost work).
+"""
+
+import math
+from dataclasses import asdict, dataclass
+
+from tasks.errors import UsageError
+
+
+def _positive(**values: float | None) -> None:
+    for name, value in values.items():
+        if value is None or not math.isfinite(value) or value <= 0:
+            raise UsageError(f"{name}: must be a positive number, got {value}")
+
+
+def young(save: float, mtbf: float) -> float:
+    _positive(save_seconds=save, mtbf_seconds=mtbf)
+    return math.sqrt(2 * save * mtbf)
+
+
+def daly(save: float, mtbf: float) -> tuple[float, str | None]:
+    """Daly's interval, and a note when his formula does not apply (C >= 2M: then T = M)."""
+    _positive(save_seconds=save, mtbf_seconds=mtbf)
+    ratio = save / (2 * mtbf)
+    if ratio >= 1:
+        return mtbf, f"C ({save:.0f} s) >= 2M ({2 * mtbf:.0f} s): Daly's formula does not apply; T = M"
+    return math.sqrt(2 * save * mtbf) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - save, None
+
+
+def ettr(save: float, mtbf: float, restart: float, interval: float) -> float:
+    """Expected ETTR to first order; below 0 it is 0 (the job makes no progress)."""
+    _positive(save_seconds=save, mtbf_seconds=mtbf, interval_seconds=interval)
+    if restart < 0:
+        raise UsageError(f"restart_seconds: must not be negative, got {restart}")
+    return max(0.0, 1 - save / interval - (restart + interval / 2) / mtbf)
+
+
+def ettr_exact(save: float, mtbf: float, restart: float, interval: float) -> float:
+    """Expected ETTR without the first-order approximation, for exponential failures that do not
+    strike during a restart: each interval of work plus its save is retried until it completes,
+    at an expected (M + R)(e^((T + C)/M) - 1) of wall time."""
+    _positive(save_seconds=save, mtbf_seconds=mtbf, interval_seconds=interval)
+    return interval / ((mtbf + restart) * math.expm1((interval + save) / mtbf))
+
+
+@dataclass
+class Advice:
+    save_seconds: float
+    mtbf_seconds: float
+    restart_seconds: float
+    interval_seconds: float | None  # the job's current interval
+    gpus: int
+    young_minutes: float
+    daly_minutes: float
+    daly_note: str | None
+    ettr_now: float | None
+    ettr_advised: float
+    gpu_hours_per_day: float | None  # saved per day by moving to Daly's interval
+    sources: dict[str, str]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        out = [
+            f"save cost C = {self.save_seconds:.1f} s ({self.sources.get('save', 'given')}); "
+            f"MTBF M = {self.mtbf_seconds / 3600:.2f} h ({self.sources.get('mtbf', 'given')}); "
+            f"restart R = {self.restart_seconds / 60:.1f} min ({self.sources.get('restart', 'given')})",
+            f"Young's interval sqrt(2CM): {self.young_minutes:.2f} min",
+            f"Daly's interval: {self.daly_minutes:.2f} min"
+            + (f" ({self.daly_note})" if self.daly_note else ""),
+            f"expected ETTR at Daly's interval: {self.ettr_advised:.2%}",
+        ]
+        if self.interval_seconds is not None:
+            out.append(
+                f"expected ETTR at the current interval ({self.interval_seconds / 60:.2f} min, "
+                f"{self.sources.get('interval', 'given')}): {self.ettr_now:.2%}; moving saves "
+                f"{self.gpu_hours_per_day:.1f} GPU-hours a day at {self.gpus} GPUs"
+            )
+        return out
+
+
+def advise(
+    save: float,
+    mtbf: float,
+    restart: float,
+    interval: float | None,
+    gpus: int,
+    sources: dict[str, str] | None = None,
+) -> Advice:
+    t_young = young(save, mtbf)
+    t_daly, note = daly(save, mtbf)
+    advised = ettr(save, mtbf, restart, t_daly)
+    now = ettr(save, mtbf, restart, interval) if interval is not None else None
+    return Advice(
+        save,
+        mtbf,
+        restart,
+        interval,
+        gpus,
+        t_young / 60,
+        t_daly / 60,
+        note,
+        now,
+        advised,
+        None if now is None else gpus * 24 * (advised - now),
+        dict(sources or {}),
+    )

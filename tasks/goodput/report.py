@@ -1,0 +1,208 @@
+"""Goodput as the CLI and the flow both compute it: the job's ledger from its records, save
+times and incidents, and the interval advice from the measured C, M and R (each overridable),
+with the job's current interval from its checkpoint's args; the per-day chart."""
+
+import base64
+import io
+from pathlib import Path
+
+import numpy as np
+
+from tasks.checkpoint import layout
+from tasks.checkpoint.pointer import read_pointer
+from tasks.errors import UsageError
+from tasks.goodput.advice import Advice, advise
+from tasks.goodput.measure import (
+    CAUSES,
+    Ledger,
+    job_save_interval,
+    measure,
+    save_times_from_files,
+    save_times_from_log,
+    save_times_from_records,
+)
+from tasks.recovery.ledger import incidents
+from tasks.resume.records import Steps, load_steps
+
+# An advised interval this far from the job's own is worth a line in the summary.
+INTERVAL_GAP = 0.25
+
+
+def _steps(profile) -> Steps | None:
+    records = profile.recovery.step_records if profile.recovery else None
+    if records is None or not Path(records).exists():
+        return None
+    return load_steps(records)
+
+
+def _newest_checkpoint(save_dir: Path) -> Path | None:
+    pointer = read_pointer(save_dir) if save_dir.is_dir() else None
+    if pointer is not None:
+        return save_dir / layout.iter_dir_name(pointer)
+    found = layout.list_iterations(save_dir) if save_dir.is_dir() else []
+    return save_dir / layout.iter_dir_name(max(found)) if found else None
+
+
+def _save_times(profile, steps: Steps | None, log: Path | None, save_interval: int | None):
+    """Blocking save times and where they came from, the best source first."""
+    if log is not None:
+        try:
+            with open(log, errors="replace") as lines:
+                found = save_times_from_log(lines)
+        except OSError as e:
+            raise UsageError(f"{log}: {e.strerror or e}") from None
+        if found:
+            return found, f"save timers in {log}"
+    if steps is not None and steps.kind == "records":
+        found = save_times_from_records(steps, save_interval)
+        if found:
+            return found, f"step loop held after each save, {steps.source}"
+    if profile.job.save_dir.is_dir():
+        found = save_times_from_files(profile.job.save_dir)
+        if found:
+            return found, f"file times of the checkpoints in {profile.job.save_dir} (persist time)"
+    return [], "no save timer, step records or checkpoint files"
+
+
+def ledger(profile, since: float | None = None, log: Path | None = None) -> Ledger:
+    steps = _steps(profile)
+    newest = _newest_checkpoint(profile.job.save_dir)
+    save_interval = job_save_interval(newest)[0] if newest else None
+    found = [i for i in incidents(profile.job.save_dir) if i.job == profile.job.name]
+    return measure(profile.job.name, steps, found, _save_times(profile, steps, log, save_interval), since)
+
+
+def current_interval(profile, measured: Ledger) -> tuple[float | None, str]:
+    """The job's checkpoint interval in seconds: its --save-interval (checkpoint args) times its
+    median step time (records or log)."""
+    newest = _newest_checkpoint(profile.job.save_dir)
+    save_interval = job_save_interval(newest)[0] if newest else None
+    steps = _steps(profile)
+    if save_interval is None or steps is None or not len(steps):
+        return None, "not measured: no checkpoint args or step times"
+    step = float(np.nanmedian(steps.step_seconds))
+    return (
+        save_interval * step,
+        f"--save-interval {save_interval} (checkpoint args) x median step {step:.3f} s",
+    )
+
+
+def advice(
+    profile,
+    measured: Ledger,
+    save: float | None = None,
+    mtbf_hours: float | None = None,
+    restart_minutes: float | None = None,
+    interval_minutes: float | None = None,
+) -> Advice:
+    """The advice from the given values, else the measured ones; a value neither given nor
+    measured is a usage error naming the option."""
+    sources: dict[str, str] = {}
+
+    def pick(given, figure_seconds, figure_source, option, scale):
+        if given is not None:
+            sources[option] = "given"
+            return given * scale
+        if figure_seconds is None:
+            raise UsageError(f"{option}: not measured for {profile.job.name} ({figure_source}); give it")
+        sources[option] = figure_source
+        return figure_seconds
+
+    c = pick(save, measured.save_seconds.seconds, measured.save_seconds.source, "save", 1)
+    m = pick(mtbf_hours, measured.mtbf.seconds, measured.mtbf.source, "mtbf", 3600)
+    r = pick(
+        restart_minutes, measured.restart_seconds.seconds, measured.restart_seconds.source, "restart", 60
+    )
+    if interval_minutes is not None:
+        t, sources["interval"] = interval_minutes * 60, "given"
+    else:
+        t, sources["interval"] = current_interval(profile, measured)
+    gpus = (
+        profile.recovery.gpus if profile.recovery and profile.recovery.gpus else None
+    ) or profile.job.layout.world_size
+    return advise(
+        c,
+        m,
+        r,
+        t,
+        gpus,
+        {
+            "save": sources["save"],
+            "mtbf": sources["mtbf"],
+            "restart": sources["restart"],
+            "interval": sources["interval"],
+        },
+    )
+
+
+def interval_note(found: Advice) -> str | None:
+    """A line when the advised interval is more than INTERVAL_GAP away from the job's."""
+    if found.interval_seconds is None:
+        return None
+    advised = found.daly_minutes * 60
+    gap = abs(advised - found.interval_seconds) / found.interval_seconds
+    if gap <= INTERVAL_GAP:
+        return None
+    return (
+        f"the advised interval ({found.daly_minutes:.1f} min) differs from the job's "
+        f"({found.interval_seconds / 60:.1f} min) by {gap:.0%}: change --save-interval"
+    )
+
+
+def duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.2f} h"
+
+
+def ledger_lines(found: Ledger) -> list[str]:
+    def value(figure) -> str:
+        if figure.seconds is None:
+            return f"not measured ({figure.source.removeprefix('not measured: ')})"
+        return f"{duration(figure.seconds)} ({figure.source})"
+
+    lines = [f"goodput of {found.job}" + (f" since {found.since}" if found.since else "")]
+    lines.append(f"  wall time: {value(found.wall)}")
+    lines.append(f"  productive: {value(found.productive)}")
+    for cause in CAUSES:
+        lines.append(f"  lost to {cause}: {value(found.lost[cause])}")
+    lines.append(f"  ETTR: {found.ettr:.2%}" if found.ettr is not None else "  ETTR: not measured")
+    lines.append(f"  incidents: {found.incidents}; MTBF: {value(found.mtbf)}")
+    return lines
+
+
+def per_day_png(found: Ledger) -> bytes:
+    """One stacked bar per day: productive hours and the hours lost to each incident cause."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3.5), dpi=100)
+    days = [d["day"] for d in found.per_day]
+    bottom = np.zeros(len(days))
+    for name in ("productive", *CAUSES[1:]):
+        values = np.array([d[name] for d in found.per_day])
+        if values.any():
+            ax.bar(days, values, bottom=bottom, label=name)
+            bottom += values
+    ax.set_ylabel("hours")
+    ax.set_title(f"goodput of {found.job} per day (UTC)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def markdown(found: Ledger, advice_lines: list[str], note: str | None) -> str:
+    image = base64.b64encode(per_day_png(found)).decode() if found.per_day else None
+    parts = [f"# goodput: {found.job}", ""]
+    if note:
+        parts += [f"**{note}**", ""]
+    parts += [f"- {line.strip()}" for line in ledger_lines(found)[1:]]
+    parts += ["", "## interval advice", "", *(f"- {line}" for line in advice_lines)]
+    if image:
+        parts += ["", f"![goodput per day](data:image/png;base64,{image})"]
+    return "\n".join(parts)
