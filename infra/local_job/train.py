@@ -13,6 +13,7 @@ sampler over a seeded permutation, so a resumed run sees exactly the batches it 
 """
 
 import argparse
+import base64
 import importlib.metadata
 import json
 import math
@@ -398,10 +399,15 @@ def notify_saved(args, iteration, directory):
             "payload": {"iteration": iteration, "directory": directory},
         }
     ]
+    headers = {"Content-Type": "application/json"}
+    # A server with basic auth (production): the same setting Prefect's own clients read.
+    auth = os.environ.get("PREFECT_API_AUTH_STRING")
+    if auth:
+        headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
     request = urllib.request.Request(
         f"{args.notify_url.rstrip('/')}/events",
         data=json.dumps(event).encode(),
-        headers={"Content-Type": "application/json"},
+        headers=headers,
         method="POST",
     )
     try:
