@@ -2,11 +2,9 @@
 aborts, a numerical failure rolls back to the checkpoint before the anomaly and shows it on the
 approval form, an approver's "abort" relaunches nothing; and the CLI's triage and incidents."""
 
-import contextvars
 import json
 import shutil
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import yaml
 from infra.local_job.launch import run_local_job, write_job_script
 from tasks.cluster.process import Failed
 from tasks.recovery.ledger import incidents
+from tests.helpers.approver import answer_when_paused
 from tests.test_cli import CKPTOPS, ckptops
 
 pytestmark = pytest.mark.slow
@@ -76,33 +75,6 @@ def profile_for(run, tmp_path: Path, **recovery) -> Path:
         )
     )
     return path
-
-
-def answer_when_paused(answer: dict, seen: dict) -> threading.Thread:
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
-    from prefect.client.schemas.objects import StateType
-    from prefect.flow_runs import resume_flow_run
-    from prefect.input import keyset_from_paused_state
-
-    def run():
-        with get_client(sync_client=True) as client:
-            paused = []
-            while not paused and not seen.get("done"):
-                paused = client.read_flow_runs(
-                    flow_run_filter=FlowRunFilter(
-                        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED]))
-                    )
-                )
-                threading.Event().wait(0.5)
-            if paused:
-                keyset = keyset_from_paused_state(paused[0].state)
-                seen["form"] = client.read_flow_run_input(paused[0].id, keyset["description"])
-                resume_flow_run(paused[0].id, run_input=answer)
-
-    thread = threading.Thread(target=contextvars.copy_context().run, args=(run,), daemon=True)
-    thread.start()
-    return thread
 
 
 def test_an_approval_nobody_gives_aborts_and_relaunches_nothing(prefect_api, ecc_run, tmp_path):

@@ -5,12 +5,10 @@ relaunches with --exclude, and validates the resume after an approval given thro
 ``resume_flow_run``. Node health runs over real OpenSSH servers (tests/helpers/cluster.py) that
 the Slurm node names reach through an SSH client config."""
 
-import contextvars
 import json
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ import yaml
 from infra.local_job.launch import write_job_script
 from tasks.recovery.ledger import incidents
 from tests.conftest import free_port
+from tests.helpers.approver import answer_when_paused
 from tests.helpers.cluster import FakeCluster, r3_pass_document, ssh_config
 
 pytestmark = pytest.mark.slow
@@ -127,37 +126,6 @@ def submit_failing(script: Path, name: str, fault: str, log_dir: Path) -> str:
     return done.stdout.strip().split(";")[0]
 
 
-def approve_when_paused(result: dict) -> threading.Thread:
-    """The approver: waits for the recovery run to pause, reads the form's description, approves."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
-    from prefect.client.schemas.objects import StateType
-    from prefect.flow_runs import resume_flow_run
-    from prefect.input import keyset_from_paused_state
-
-    def run():
-        with get_client(sync_client=True) as client:
-            paused = []
-            while not paused and not result.get("done"):
-                paused = client.read_flow_runs(
-                    flow_run_filter=FlowRunFilter(
-                        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED]))
-                    )
-                )
-                threading.Event().wait(0.5)
-            if not paused:
-                return
-            run = paused[0]
-            keyset = keyset_from_paused_state(run.state)
-            result["form"] = client.read_flow_run_input(run.id, keyset["description"])
-            resume_flow_run(run.id, run_input={"decision": "approve", "checkpoint": None, "note": "go"})
-
-    # In this test's Prefect settings (a context variable, which a new thread does not inherit).
-    thread = threading.Thread(target=contextvars.copy_context().run, args=(run,), daemon=True)
-    thread.start()
-    return thread
-
-
 def test_a_gpu_failure_on_one_node_is_triaged_drained_relaunched_on_the_spare_and_validated(
     slurm_conf, prefect_api, nodes, tmp_path
 ):
@@ -173,7 +141,7 @@ def test_a_gpu_failure_on_one_node_is_triaged_drained_relaunched_on_the_spare_an
     try:
         failed = submit_failing(Path(tmp_path / "job.sh"), name, "1:7:ecc", tmp_path / "logs")
         assert job_fields(failed)["NodeList"] == "n[1-2]"
-        waiter = approve_when_paused(result := {})
+        waiter = answer_when_paused({"decision": "approve", "checkpoint": None, "note": "go"}, result := {})
         state = recovery_run(profile=str(profile), slurm_job=failed, mode="ask", return_state=True)
         result["done"] = True
         waiter.join(timeout=30)
