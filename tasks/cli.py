@@ -682,7 +682,8 @@ def goodput_simulate(
 
         m, c, t, r = mtbf_hours * 3600, save_seconds, interval_minutes * 60, recover_minutes * 60
         result = simulate(gpus, days, m, c, t, r, seed, runs, blocking_seconds)
-        first, exact = ettr(c, m, r, t), ettr_exact(result.blocking_seconds, m, r, t)
+        # With async saves the closed forms see only the blocking part (not the persist lag).
+        first, exact = ettr(result.blocking_seconds, m, r, t), ettr_exact(result.blocking_seconds, m, r, t)
         measured = _measured_restart(profile)
         with_measured = (
             simulate(gpus, days, m, c, t, measured[0], seed, runs, blocking_seconds) if measured else None
