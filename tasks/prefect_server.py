@@ -55,6 +55,9 @@ def start_server(
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **server_env(api_url, home), **(env or {})}
     env.pop("PREFECT_API_URL")  # the server itself must not act as a client of itself
+    # The API the UI in the browser talks to: Prefect's default is port 4200 whatever port this
+    # server listens on, so a second server's UI would show the first one's data.
+    env.setdefault("PREFECT_UI_API_URL", api_url)
     # The links the server's automations put in notifications ({{ flow_run|ui_url }}).
     env.setdefault("PREFECT_UI_URL", api_url.rstrip("/").removesuffix("/api"))
     with open(log, "ab") as sink:
