@@ -54,6 +54,11 @@ test: venv sshd slurm postgres chromium lint
 demo: venv
 	$(BIN)/python -m infra.demo
 
+# The README's screenshots of the Prefect UI, taken in headless Chromium from the demo's server
+# (the same pages and checks as the browser test).
+screenshots: demo chromium
+	$(BIN)/python -m tests.helpers.ui http://127.0.0.1:4200/api docs/images
+
 # Stops the Prefect server and the worker that make demo left running.
 demo-down: venv
 	$(BIN)/python -m infra.demo down

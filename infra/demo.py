@@ -16,7 +16,8 @@ production runs it: deployments, a worker, events.
 5. recover the job as a run of the recovery deployment: triage, relaunch of the job's script from
    the promoted checkpoint (hardware is auto-approved in the local profile), progress, validation;
    the resumed job's saves are verified and promoted through the trigger again;
-6. print the status table, the incident and where to look in the UI. The server and the worker
+6. report the job's goodput (a run of the goodput-report deployment);
+7. print the status table, the incident and where to look in the UI. The server and the worker
    keep running (``make demo-down`` stops them); the next ``make demo`` reuses them.
 
 The demo owns the embedded default's save directory and starts it empty each time, keeping only
@@ -249,6 +250,9 @@ def main(profile_name: str | None = None) -> int:
         with console.status("verify-and-promote (triggered by the resumed job's saves)...") as status:
             _wait_promoted(save_dir, job.train_iters, 300, status)
         console.print(f"verify-and-promote: the resumed job's saves promoted up to {job.train_iters}")
+    with console.status("goodput-report: the ledger and the interval advice..."):
+        report = _run("goodput-report/local-tiny-goodput", 300)
+    console.print(f"goodput-report: {report.name}: {report.message}", markup=False)
 
     options = VerifyOptions.from_profile(profile)
     console.print()

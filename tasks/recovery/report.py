@@ -44,7 +44,7 @@ def timeline_png(found: list[Incident]) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 0.6 * max(3, len(found)) + 1.2), dpi=100)
+    fig, ax = plt.subplots(figsize=(11, 0.6 * max(3, len(found)) + 1.6), dpi=100)
     colours = plt.get_cmap("tab10")
     labelled = set()
     for row, incident in enumerate(found):
@@ -60,15 +60,17 @@ def timeline_png(found: list[Incident]) -> bytes:
                 until - at,
                 left=at - origin,
                 color=colours(index % 10),
-                label=None if name in labelled else f"{name} →",
+                label=None if name in labelled else name,
             )
             labelled.add(name)
     ax.set_yticks(range(len(found)), [f"{i.id} {i.cls or ''} ({i.outcome})" for i in found])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first phase")
     ax.set_title("recovery phases per incident")
-    if labelled:
-        ax.legend(fontsize=7, loc="lower right")
+    if labelled:  # beside the bars, never over them
+        ax.legend(
+            fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="span from", title_fontsize=7
+        )
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
