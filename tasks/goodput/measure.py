@@ -249,12 +249,11 @@ def _per_day(
     return [days[k] for k in sorted(days)]
 
 
-def job_save_interval(directory: Path) -> tuple[int | None, int | None]:
-    """The job's --save-interval and global batch from a checkpoint's args (None if absent)."""
+def job_save_interval(directory: Path) -> int | None:
+    """The job's --save-interval from a checkpoint's args (None if absent)."""
     from tasks.resume.validate import checkpoint_facts
 
     try:
-        facts = checkpoint_facts(directory)
+        return checkpoint_facts(directory).save_interval
     except UsageError:
-        return None, None
-    return facts.save_interval, facts.global_batch_size
+        return None

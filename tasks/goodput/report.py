@@ -67,7 +67,7 @@ def _save_times(profile, steps: Steps | None, log: Path | None, save_interval: i
 def ledger(profile, since: float | None = None, log: Path | None = None) -> Ledger:
     steps = _steps(profile)
     newest = _newest_checkpoint(profile.job.save_dir)
-    save_interval = job_save_interval(newest)[0] if newest else None
+    save_interval = job_save_interval(newest) if newest else None
     found = [i for i in incidents(profile.job.save_dir) if i.job == profile.job.name]
     return measure(profile.job.name, steps, found, _save_times(profile, steps, log, save_interval), since)
 
@@ -76,7 +76,7 @@ def current_interval(profile, measured: Ledger) -> tuple[float | None, str]:
     """The job's checkpoint interval in seconds: its --save-interval (checkpoint args) times its
     median step time (records or log)."""
     newest = _newest_checkpoint(profile.job.save_dir)
-    save_interval = job_save_interval(newest)[0] if newest else None
+    save_interval = job_save_interval(newest) if newest else None
     steps = _steps(profile)
     if save_interval is None or steps is None or not len(steps):
         return None, "not measured: no checkpoint args or step times"
