@@ -47,7 +47,11 @@ def _drained_in_last_hour(raw_dir: Path, now: float) -> list[str]:
     return recent
 
 
-def plan_drains(reports: list[NodeReport], settings, now: float | None = None) -> DrainPlan:
+def plan_drains(
+    reports: list[NodeReport], settings, now: float | None = None, reason: str | None = None
+) -> DrainPlan:
+    """The drains the verdicts and the caps allow. ``reason``: Slurm's drain reason for every
+    node (a recovery names its incident), else each node's worst check."""
     now = time.time() if now is None else now
     plan = DrainPlan()
     failing = [r for r in reports if r.verdict.failed]
@@ -68,7 +72,7 @@ def plan_drains(reports: list[NodeReport], settings, now: float | None = None) -
         if report.node in recent:
             plan.held.append((report.node, "already drained within the hour"))
         elif len(plan.drain) < budget:
-            plan.drain.append((report.node, _reason(report)))
+            plan.drain.append((report.node, reason[:_REASON_LIMIT] if reason else _reason(report)))
         else:
             plan.held.append((report.node, "held: drain cap reached (per run or per hour)"))
     return plan

@@ -8,12 +8,11 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.cluster import slurm
+from tasks.cluster import process, slurm
 from tasks.errors import CkptopsError, UsageError, unreadable
 from tasks.resume.records import Steps, load_steps
 
@@ -157,14 +156,7 @@ def start_local(settings, step: int, log_dir: Path) -> str:
     env, args = _step_passing(settings, step)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"relaunch-{time.strftime('%Y%m%d-%H%M%S')}.out"
-    with open(log, "wb") as sink:
-        child = subprocess.Popen(
-            ["bash", str(settings.script), *args],
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **env},
-            start_new_session=True,
-        )
+    child = process.start(["bash", str(settings.script), *args], log, {**os.environ, **env})
     return f"local:{child.pid}"
 
 
@@ -219,14 +211,6 @@ def wait_ended(job: str, timeout_seconds: float) -> str:
             raise CkptopsError(f"job {job}: still {state} after {timeout_seconds:.0f}s")
         time.sleep(_POLL_SECONDS)
     return state
-
-
-def record_count(records: Path) -> int:
-    """Steps recorded so far (0 when the job has written none)."""
-    try:
-        return len(load_steps(records))
-    except UsageError:
-        return 0
 
 
 @dataclass

@@ -174,8 +174,7 @@ def nodes_phase(profile, incident: Incident, suspects: list[str], job_nodes: lis
         return drained, exclude, admitted, "no health checks (no suspects or no health section)"
     run = run_health(health, suspects)
     bad = [r for r in run.reports if r.verdict.failed]
-    plan = plan_drains(bad, health)
-    plan.drain = [(node, f"ckptops {incident.id} {incident.cls}") for node, _ in plan.drain]
+    plan = plan_drains(bad, health, reason=f"ckptops {incident.id} {incident.cls}")
     apply_drains(plan, health)
     drained = list(plan.drained)
     note = "; ".join(f"{r.node} {r.verdict.value}: {r.summary}" for r in run.reports)
@@ -325,17 +324,17 @@ def _run(profile, source: Source, incident: Incident, approve, step) -> None:
             )
             return
 
+    if chosen is None:
+        _stop(incident, f"no verified checkpoint to resume from ({promotion})")
+        return
     job_name = settings.job_name or profile.job.name
     log_dir = settings.log_dir or save_dir.parent / "logs"
     relaunch = (
-        " ".join(jobs.sbatch_command(settings, job_name, chosen or 0, exclude, log_dir))
+        " ".join(jobs.sbatch_command(settings, job_name, chosen, exclude, log_dir))
         if settings.launcher == "slurm"
         else f"bash {settings.script}"
     )
     plan = Plan(incident, tri, rules, chosen, choices, drained, exclude, admitted, relaunch)
-    if chosen is None:
-        _stop(incident, f"no verified checkpoint to resume from ({promotion})")
-        return
 
     incident.mark("approval_requested")
     if tri.cls in settings.auto_approve:
@@ -359,7 +358,8 @@ def _run(profile, source: Source, incident: Incident, approve, step) -> None:
         # as an operator's would: the pointer stays the one record of what the job resumed from.
         step("roll-back-pointer", _roll_back, profile, chosen)
 
-    before_rows = jobs.record_count(records) if records else 0
+    # The job is down: the records read at triage are all there are until the relaunch writes.
+    before_rows = len(steps) if steps is not None else 0
     if settings.launcher == "slurm":
         new = step("relaunch", jobs.submit, settings, job_name, chosen, exclude, log_dir)
     else:
