@@ -35,6 +35,7 @@ from pathlib import Path
 from rich.console import Console
 
 from tasks.checkpoint.layout import HISTORY
+from tasks.cluster.process import capture
 from tasks.errors import CkptopsError
 from tasks.prefect_server import server_env, start_server
 from tasks.profile import PROFILES_ENV, load_profile
@@ -82,26 +83,13 @@ def _deploy(env: dict) -> None:
     """The work pool and every deployment of infra/prefect.yaml (idempotent: a second demo
     updates them in place)."""
     prefect = [sys.executable, "-m", "prefect"]
-    pool = subprocess.run([*prefect, "work-pool", "inspect", POOL], env=env, capture_output=True, timeout=120)
-    if pool.returncode != 0:
-        made = subprocess.run(
-            [*prefect, "work-pool", "create", POOL, "--type", "process"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if made.returncode != 0:
+    if capture([*prefect, "work-pool", "inspect", POOL], 120, env).exit_code != 0:
+        made = capture([*prefect, "work-pool", "create", POOL, "--type", "process"], 120, env)
+        if made.exit_code != 0:
             raise CkptopsError(f"prefect work-pool create {POOL}: {made.stderr.strip()[-300:]}")
-    deployed = subprocess.run(
-        [*prefect, "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if deployed.returncode != 0:
+    deploy = [*prefect, "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml"]
+    deployed = capture(deploy, 300, env, cwd=ROOT)
+    if deployed.exit_code != 0:
         raise CkptopsError(f"prefect deploy: {(deployed.stdout + deployed.stderr).strip()[-500:]}")
 
 

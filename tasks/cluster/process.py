@@ -49,14 +49,14 @@ class Output:
         return self.exit_code is None
 
 
-def capture(argv: list[str], timeout: float, env: dict | None = None) -> Output:
+def capture(argv: list[str], timeout: float, env: dict | None = None, cwd: Path | None = None) -> Output:
     """Run a short command to its end and keep what it printed: a time limit, past which it and
     every process of its group are killed; a command that is not installed exits 127, as in a
     shell. Every subprocess ckptops waits on goes through here or ``run``."""
     started = time.monotonic()
     try:
         process = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd, start_new_session=True
         )
     except FileNotFoundError:
         return Output(argv, 127, "", f"{argv[0]}: command not found", time.monotonic() - started)
