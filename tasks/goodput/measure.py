@@ -66,6 +66,7 @@ class Ledger:
     restart_seconds: Figure  # the median downtime of a recovery (first error to first resumed step)
     saves: list[float] = field(default_factory=list)
     per_day: list[dict] = field(default_factory=list)
+    interval: Figure = field(default_factory=lambda: Figure(None, "not measured"))  # the job's own
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -156,6 +157,7 @@ def measure(
     incidents: list[Incident],
     save_times: tuple[list[float], str],
     since: float | None = None,
+    interval: Figure | None = None,
 ) -> Ledger:
     """The ledger from the job's records (or log), its incidents and its save times."""
     since_text = datetime.fromtimestamp(since, UTC).isoformat() if since else None
@@ -224,6 +226,7 @@ def measure(
         else Figure(None, "not measured: no recovered incident"),
         saves,
         per_day,
+        interval or Figure(None, "not measured"),
     )
 
 

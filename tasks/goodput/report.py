@@ -14,6 +14,7 @@ from tasks.errors import UsageError
 from tasks.goodput.advice import Advice, advise
 from tasks.goodput.measure import (
     CAUSES,
+    Figure,
     Ledger,
     job_save_interval,
     measure,
@@ -64,27 +65,25 @@ def _save_times(profile, steps: Steps | None, log: Path | None, save_interval: i
     return [], "no save timer, step records or checkpoint files"
 
 
+def _interval(save_interval: int | None, steps: Steps | None) -> Figure:
+    """The job's checkpoint interval: its --save-interval (checkpoint args) times its median step
+    time (records or log)."""
+    if save_interval is None or steps is None or not len(steps):
+        return Figure(None, "not measured: no checkpoint args or step times")
+    step = float(np.nanmedian(steps.step_seconds))
+    return Figure(
+        save_interval * step, f"--save-interval {save_interval} (checkpoint args) x median step {step:.3f} s"
+    )
+
+
 def ledger(profile, since: float | None = None, log: Path | None = None) -> Ledger:
+    """The job's ledger, its records, checkpoint args and incidents each read once."""
     steps = _steps(profile)
     newest = _newest_checkpoint(profile.job.save_dir)
     save_interval = job_save_interval(newest) if newest else None
     found = [i for i in incidents(profile.job.save_dir) if i.job == profile.job.name]
-    return measure(profile.job.name, steps, found, _save_times(profile, steps, log, save_interval), since)
-
-
-def current_interval(profile, measured: Ledger) -> tuple[float | None, str]:
-    """The job's checkpoint interval in seconds: its --save-interval (checkpoint args) times its
-    median step time (records or log)."""
-    newest = _newest_checkpoint(profile.job.save_dir)
-    save_interval = job_save_interval(newest) if newest else None
-    steps = _steps(profile)
-    if save_interval is None or steps is None or not len(steps):
-        return None, "not measured: no checkpoint args or step times"
-    step = float(np.nanmedian(steps.step_seconds))
-    return (
-        save_interval * step,
-        f"--save-interval {save_interval} (checkpoint args) x median step {step:.3f} s",
-    )
+    saves = _save_times(profile, steps, log, save_interval)
+    return measure(profile.job.name, steps, found, saves, since, _interval(save_interval, steps))
 
 
 def advice(
@@ -116,7 +115,7 @@ def advice(
     if interval_minutes is not None:
         t, sources["interval"] = interval_minutes * 60, "given"
     else:
-        t, sources["interval"] = current_interval(profile, measured)
+        t, sources["interval"] = measured.interval.seconds, measured.interval.source
     gpus = (
         profile.recovery.gpus if profile.recovery and profile.recovery.gpus else None
     ) or profile.job.layout.world_size
