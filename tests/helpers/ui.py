@@ -62,7 +62,7 @@ def look(api_url: str, out: Path, job: str = "local-tiny") -> dict[str, str]:
         )
         # A verify-and-promote run: its artifacts are the checks table and the summary.
         # The run's page is reached as a person reaches it: from the artifact, by its run link.
-        browser.open(f"{ui}/artifacts/artifact/{checks.id}", [f"verify-checks-{job}"])
+        browser.open(f"{ui}/artifacts/artifact/{checks.id}", [f"verify-checks-{job}", run_name])
         browser.click_text(run_name)
         browser.open_text(["Artifacts", "verify-and-promote"])
         browser.click_text("Artifacts")
