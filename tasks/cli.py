@@ -95,6 +95,13 @@ def _byte_progress(description: str, total: int, enabled: bool):
         yield lambda n: bar.advance(task, n)
 
 
+def _shard_lines(statuses, events: list[str]) -> None:
+    """The Slurm engine's news, one line each on stderr (with --json too: stdout stays JSON): a
+    shard done (where, how fast), failed, or retried elsewhere."""
+    for line in events:
+        err.print(line, markup=False, highlight=False)
+
+
 def _dir_bytes(path: Path) -> int:
     from tasks.storage.local import list_files
 
@@ -117,6 +124,13 @@ def verify(
     as_json: JsonOpt = False,
     profile: ProfileOpt = None,
     read_only: Annotated[bool, typer.Option("--read-only", help="do not write manifest.json")] = False,
+    engine: Annotated[
+        str | None,
+        typer.Option("--engine", help="local: read here; slurm: shards over nodes (default: the profile's)"),
+    ] = None,
+    nodes: Annotated[
+        int | None, typer.Option("--nodes", min=1, help="nodes for the slurm engine (default: the profile's)")
+    ] = None,
 ):
     """Verify one checkpoint: exit 0 valid, 1 invalid or still in progress, 2 unreadable input."""
     with _expected_errors():
@@ -124,13 +138,22 @@ def verify(
         from tasks.checkpoint.verify import checkpoint_path, verify_checkpoint
 
         prof = load_profile(profile)
+        if engine not in (None, "local", "slurm"):
+            raise UsageError(f"--engine {engine}: not local or slurm")
         directory = checkpoint_path(path)
-        options = _options(prof, directory.parent, write_manifest=not read_only)
+        slurm = prof.verify.slurm
+        options = _options(
+            prof,
+            directory.parent,
+            write_manifest=not read_only,
+            engine=engine or prof.verify.engine,
+            slurm=slurm.model_copy(update={"nodes": nodes}) if nodes else slurm,
+        )
         # Writing the manifest takes the job lock: a promotion re-reads manifests under it, and
         # retention may be removing this very directory.
         lock = nullcontext() if read_only else job_lock(directory.parent, prof.verify.lock_timeout_seconds)
         with lock, _byte_progress(f"verify {path.name}", _dir_bytes(directory), not as_json) as progress:
-            result = verify_checkpoint(directory, options, progress)
+            result = verify_checkpoint(directory, options, progress, watch=_shard_lines)
     if as_json:
         out.print_json(
             json.dumps(
@@ -142,6 +165,7 @@ def verify(
                     "bytes_read": result.bytes_read,
                     "seconds": round(result.seconds, 3),
                     "checks": [asdict(c) for c in result.checks],
+                    "shards": result.shards,
                 }
             )
         )

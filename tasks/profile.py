@@ -58,9 +58,48 @@ class Job(_Section):
     )
 
 
+class SlurmVerify(_Section):
+    """The Slurm engine: one checkpoint's bytes spread over nodes, one shard per task."""
+
+    partition: str | None = Field(default=None, description="default: the cluster's default partition")
+    nodes: Annotated[int, Field(ge=1)] = 1
+    ntasks_per_node: Annotated[int, Field(ge=1)] = Field(
+        default=1, description="shards verified at once per node (each task uses every thread it is given)"
+    )
+    time_limit: str = Field(default="00:30:00", pattern=r"^(\d+-)?(\d+:)?\d+(:\d+)?$")
+    account: str | None = None
+    python: str | None = Field(
+        default=None,
+        description="the interpreter with ckptops installed on the nodes; default: the one verifying",
+    )
+    work_dir: Path | None = Field(
+        default=None,
+        description="where the shard plan and results go, on storage every node sees; "
+        "default: .ckptops-verify in the save directory",
+    )
+    max_read_mbps: Positive | None = Field(
+        default=None, description="cap each task's read rate (MB/s), to spare a file system training is using"
+    )
+    straggler_factor: Annotated[float, Field(gt=1)] = Field(
+        default=3.0, description="a shard running this many times the median shard time is retried elsewhere"
+    )
+    straggler_min_seconds: Annotated[float, Field(ge=0)] = 60
+    srun_args: list[str] = Field(
+        default_factory=list, description="more srun options (a container image, ...)"
+    )
+
+
 class Verify(_Section):
     threads: Annotated[int, Field(ge=0)] = Field(
         default=0, description="files hashed in parallel; 0 means one per CPU core"
+    )
+    engine: Literal["local", "slurm"] = Field(
+        default="local", description="local: this host reads every byte; slurm: shards over nodes with srun"
+    )
+    slurm: SlurmVerify = SlurmVerify()
+    segment_mb: Annotated[int, Field(ge=1)] = Field(
+        default=1024,
+        description="files are hashed in segments of this size: the unit the Slurm engine splits files by",
     )
     abandon_after_seconds: Positive = Field(
         default=6 * 3600,

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from tasks.checkpoint.scan import Record
 from tasks.errors import CkptopsError, unreadable
 
 _DCP_MODULES = ("torch.distributed.checkpoint.", "megatron.core.dist_checkpointing.")
@@ -73,20 +74,6 @@ def load_dcp_metadata(path: Path) -> Metadata:
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise CheckFailed("dcp-metadata", path.name, "not a DCP Metadata object with storage data")
     return metadata
-
-
-@dataclass(frozen=True)
-class Record:
-    """One serialized item in a data file: a tensor chunk or a pickled object."""
-
-    key: str
-    file: str
-    offset: int
-    length: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,11 @@ the hashing. Files are parallelised inside ``verify_checkpoint`` with threads in
 """
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
-from prefect import get_client, task
+from prefect import get_client, get_run_logger, task
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
@@ -26,6 +27,7 @@ from tasks.profile import Profile
 from tasks.storage.local import list_files
 
 _PROGRESS_EVERY_SECONDS = 1.0
+_SHARD_TABLE_EVERY_SECONDS = 5.0
 
 
 def job_limit_name(job: str) -> str:
@@ -51,15 +53,32 @@ def wait_for_save(
 
 
 class _ByteCounter:
-    """Counts bytes verified; called from the verifier's worker threads."""
+    """Counts bytes verified, and keeps the Slurm engine's latest shard table and news; called
+    from the verifier's threads, read by the task's thread (the one that may talk to Prefect)."""
 
     def __init__(self):
         self.done = 0
+        self.rows: list[dict] = []
+        self.events: list[str] = []
+        self.changed = False
         self._lock = threading.Lock()
 
     def __call__(self, n: int) -> None:
         with self._lock:
             self.done += n
+
+    def watch(self, statuses, events: list[str]) -> None:
+        with self._lock:
+            self.rows = [s.row() for s in statuses]
+            self.events += events
+            self.changed = self.changed or bool(events)
+
+    def take(self) -> tuple[list[dict], list[str]]:
+        """The shard table if it changed since the last take (else empty), and the news since."""
+        with self._lock:
+            rows = self.rows if self.changed else []
+            events, self.events, self.changed = self.events, [], False
+            return rows, events
 
 
 @task(name="verify-checkpoint", task_run_name="verify-{iteration}")
@@ -72,15 +91,39 @@ def verify_one(save_dir: Path, iteration: int, options: VerifyOptions) -> Verifi
     directory = save_dir / layout.iter_dir_name(iteration)
     total = max(1, sum(st.st_size for st in list_files(directory).values()))
     artifact = create_progress_artifact(
-        progress=0.0, description=f"verifying {directory.name} ({total / 1e9:.2f} GB)"
+        progress=0.0,
+        description=f"verifying {directory.name} ({total / 1e9:.2f} GB, {options.engine} engine)",
     )
     counter = _ByteCounter()
+    logger = get_run_logger()
+    published = 0.0
     with ThreadPoolExecutor(max_workers=1) as pool:
-        future = pool.submit(verify_checkpoint, directory, options, counter)
-        while not wait([future], timeout=_PROGRESS_EVERY_SECONDS).done:
+        future = pool.submit(verify_checkpoint, directory, options, counter, watch=counter.watch)
+        while True:
+            finished = wait([future], timeout=_PROGRESS_EVERY_SECONDS).done
             update_progress_artifact(artifact, progress=min(100.0, 100.0 * counter.done / total))
+            rows, events = counter.take()
+            for line in events:
+                logger.info(line)
+            # The per-shard table, as the shards finish, fail or move: a new version at most
+            # every few seconds (each is a row in Prefect's database).
+            if rows and (finished or time.monotonic() - published >= _SHARD_TABLE_EVERY_SECONDS):
+                _publish_shards(options.job, directory.name, rows)
+                published = time.monotonic()
+            elif rows:
+                counter.changed = True
+            if finished:
+                break
     update_progress_artifact(artifact, progress=100.0)
     return future.result()
+
+
+def _publish_shards(job: str, checkpoint: str, rows: list[dict]) -> None:
+    create_table_artifact(
+        table=rows,
+        key=f"verify-shards-{job}",
+        description=f"{checkpoint}: shards and the nodes that read them",
+    )
 
 
 @task(name="promote")

@@ -60,6 +60,7 @@ class Manifest:
     save_identity: dict = field(default_factory=dict)
     verifier: dict = field(default_factory=lambda: {"ckptops": __version__, "host": socket.gethostname()})
     hash_algorithm: str = HASH_ALGORITHM
+    hash_segment_bytes: int | None = None  # see tasks.storage.digest; None: whole-file hashes
     archive: dict | None = None
     schema_version: int = SCHEMA_VERSION
 

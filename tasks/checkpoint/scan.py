@@ -30,13 +30,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import xxhash
 from isal import isal_zlib
 
-from tasks.checkpoint.dcp import Record
+from tasks.storage.digest import FileHash, combine
 
 WINDOW = 1 << 20
 Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Record:
+    """One serialized item in a data file: a tensor chunk or a pickled object."""
+
+    key: str
+    file: str
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
 
 
 @dataclass
@@ -60,6 +73,9 @@ class FileScan:
     failures: list[str] = field(default_factory=list)
     changed: bool = False
     unreadable: OSError | None = None  # the environment's fault, not the checkpoint's
+    start: int = 0  # the bytes hashed: [start, end); the whole file unless a span was asked for
+    end: int = 0
+    segments: list[bytes] = field(default_factory=list)
 
 
 class _Window:
@@ -220,10 +236,29 @@ def _stat_key(st: os.stat_result) -> tuple:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def owned_records(records: list[Record], start: int, end: int, last: bool) -> list[Record]:
+    """The records a span ``[start, end)`` of a file checks: those that begin inside it (the last
+    span also takes any that begin past the file's end, so that every record is checked once)."""
+    return [r for r in records if start <= r.offset and (r.offset < end or last)]
+
+
 def scan_file(
-    path: Path, records: list[Record], want_sha256: bool = False, progress: Progress | None = None
+    path: Path,
+    records: list[Record],
+    want_sha256: bool = False,
+    progress: Progress | None = None,
+    segment_bytes: int | None = None,
+    span: tuple[int, int] | None = None,
+    uncached: bool = False,
 ) -> FileScan:
-    """Hash ``path`` and check the CRCs of ``records`` in it, reading each byte once."""
+    """Hash ``path`` and check the CRCs of ``records`` in it, reading each byte once.
+
+    With ``span`` (``start``, ``end``: segment boundaries, ``end`` the file's planned size for the
+    last span) only those bytes are hashed, into segment digests the caller combines with the other
+    spans'; the CRCs of ``records`` (those the span owns) are checked whole, reading past ``end``
+    where a record runs on. The file must still have the size the spans were planned for.
+    ``uncached`` drops this host's cached pages of the span first, so the bytes come from storage.
+    """
     scan = FileScan(path.name, records=len(records))
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -236,21 +271,31 @@ def scan_file(
     try:
         before = os.fstat(fd)
         scan.size = before.st_size
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        start, end = span or (0, before.st_size)
+        if span is not None and before.st_size < end:
+            scan.changed = True  # shorter than when the spans were planned: a writer is at work
+            return scan
+        if uncached:
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, start, 0, os.POSIX_FADV_SEQUENTIAL)
         ranges = _plan_file(fd, records, scan)
-        hasher = xxhash.xxh3_128()
+        hasher = FileHash(segment_bytes, start)
         sha = hashlib.sha256() if want_sha256 else None
         buffer = bytearray(WINDOW)
         view = memoryview(buffer)
-        pos, next_range, open_ranges = 0, 0, []
-        while True:
-            n = os.preadv(fd, [buffer], pos)
+        # Past the span's end only to finish the CRCs of records it owns; a whole file to its EOF.
+        stop_at = max([end, *(r.end for r in ranges)]) if span else None
+        pos, next_range, open_ranges = start, 0, []
+        while stop_at is None or pos < stop_at:
+            n = os.preadv(fd, [view[: WINDOW if stop_at is None else min(WINDOW, stop_at - pos)]], pos)
             if n == 0:
                 break
             chunk = view[:n]
-            hasher.update(chunk)
-            if sha is not None:
-                sha.update(chunk)
+            hashed = chunk[: max(0, end - pos)] if span else chunk
+            if hashed:
+                hasher.update(hashed)
+                if sha is not None:
+                    sha.update(hashed)
             stop = pos + n
             while next_range < len(ranges) and ranges[next_range].start < stop:
                 open_ranges.append(ranges[next_range])
@@ -273,9 +318,11 @@ def scan_file(
                 _finish(scan, r)
             else:
                 scan.failures.append(f"{r.label}: file ends at byte {pos}, before the entry's end {r.end}")
-        scan.hash = hasher.hexdigest()
+        scan.start, scan.end = start, hasher.position
+        scan.segments = hasher.finish()
+        scan.hash = combine(scan.segments) if span is None else None
         scan.sha256 = sha.hexdigest() if sha is not None else None
-        scan.changed = _stat_key(os.fstat(fd)) != _stat_key(before) or pos != before.st_size
+        scan.changed = _stat_key(os.fstat(fd)) != _stat_key(before) or scan.end != end
         try:
             scan.changed = scan.changed or _stat_key(os.stat(path)) != _stat_key(before)
         except FileNotFoundError:
@@ -293,6 +340,7 @@ def scan_files(
     sha256_for: set[str] = frozenset(),
     threads: int = 0,
     progress: Progress | None = None,
+    segment_bytes: int | None = None,
 ) -> dict[str, FileScan]:
     """Scan many files in parallel, largest first so the last thread does not start last."""
     threads = threads or os.cpu_count() or 1
@@ -312,7 +360,11 @@ def scan_files(
     with ThreadPoolExecutor(max_workers=min(threads, max(1, len(order)))) as pool:
         results = pool.map(
             lambda name: scan_file(
-                directory / name, files[name], name in sha256_for, locked_progress if progress else None
+                directory / name,
+                files[name],
+                name in sha256_for,
+                locked_progress if progress else None,
+                segment_bytes,
             ),
             order,
         )

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tasks.checkpoint import layout
 from tasks.errors import unreadable
+from tasks.storage.digest import DEFAULT_SEGMENT_BYTES
 from tasks.storage.local import list_files
 
 # Shards are written by many hosts and metadata.json by rank 0: tolerate this much clock skew
@@ -36,24 +37,30 @@ class VerifyOptions:
     threads: int = 0
     write_manifest: bool = True
     layout: tuple[int, int, int] | None = None  # (tensor, pipeline, data) parallel, if known
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    engine: str = "local"  # or "slurm": the bytes are read by shard tasks on nodes (slurm_engine)
+    slurm: object = None  # the profile's verify.slurm section, for the slurm engine
 
     @classmethod
     def from_profile(cls, profile, save_dir: Path | None = None, **overrides) -> "VerifyOptions":
         """Options for a save directory; the profile's job settings apply only to its own save_dir."""
         own = save_dir is None or Path(save_dir).resolve() == profile.job.save_dir.resolve()
         job_layout = profile.job.layout
-        return cls(
+        settings = dict(
             job=profile.job.name if own else Path(save_dir).resolve().name,
             megatron_core_version=profile.job.megatron_core_version if own else None,
             writes_integrity_json=profile.job.writes_integrity_json if own else False,
             abandon_after_seconds=profile.verify.abandon_after_seconds,
             settle_seconds=profile.verify.settle_seconds,
             threads=profile.verify.threads,
+            segment_bytes=profile.verify.segment_mb << 20,
+            engine=profile.verify.engine,
+            slurm=profile.verify.slurm,
             layout=(job_layout.tensor_parallel, job_layout.pipeline_parallel, job_layout.data_parallel)
             if own
             else None,
-            **overrides,
         )
+        return cls(**(settings | overrides))
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,13 @@ the reference manifest when there is one, and the state Megatron-LM needs to res
 
 import json
 import math
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tasks import __version__
 from tasks.checkpoint import layout
 from tasks.checkpoint.dcp import CheckFailed, DcpIndex, build_index, load_common_state, load_dcp_metadata
 from tasks.checkpoint.manifest import (
@@ -38,6 +40,7 @@ from tasks.checkpoint.scan import FileScan, scan_files
 from tasks.checkpoint.state import State, VerifyOptions, completeness
 from tasks.errors import UsageError, unreadable
 from tasks.outcome import Check, failed, passed
+from tasks.storage.digest import comparable
 from tasks.storage.local import list_files
 
 
@@ -51,6 +54,7 @@ class Verification:
     manifest: Manifest | None = None
     bytes_read: int = 0
     seconds: float = 0.0
+    shards: list[dict] = field(default_factory=list)  # the Slurm engine's: which nodes read what
 
     @property
     def ok(self) -> bool:
@@ -139,6 +143,7 @@ class _Verifier:
         options: VerifyOptions,
         progress,
         reference: Manifest | None = None,
+        watch=None,
     ):
         self.directory = directory
         self.iteration = iteration
@@ -155,6 +160,9 @@ class _Verifier:
         self.given_reference = reference is not None
         self.manifest_unreadable = False
         self.integrity: dict[str, str] = {}
+        self.watch = watch
+        self.shards: list[dict] = []
+        self.segment_bytes = options.segment_bytes
 
     def run(self) -> None:
         self._check_metadata_json()
@@ -220,6 +228,9 @@ class _Verifier:
             and manifest.files
             and manifest.verified_at
             and manifest.hash_algorithm == HASH_ALGORITHM
+            and comparable(
+                manifest.hash_segment_bytes, self.options.segment_bytes, [f.size for f in manifest.files]
+            )
             and manifest.same_save(self.files)
         ):
             self.reference = manifest
@@ -305,9 +316,12 @@ class _Verifier:
         referenced = self.index.files if self.index is not None else {}
         present = sorted(name for name in self.files if not layout.is_own_file(name))
         files = {name: referenced.get(name, []) for name in present}
-        self.scans = scan_files(
-            self.directory, files, set(self.integrity) & set(present), self.options.threads, self.progress
-        )
+        # Hashes are compared with the reference's: taken the way it took them.
+        if self.reference is not None and not comparable(
+            self.reference.hash_segment_bytes, self.segment_bytes, [f.size for f in self.reference.files]
+        ):
+            self.segment_bytes = self.reference.hash_segment_bytes
+        self.scans = self._read(files, set(self.integrity) & set(present))
         for name, scan in sorted(self.scans.items()):
             if scan.unreadable is not None:
                 raise unreadable(self.directory / name, scan.unreadable)
@@ -315,6 +329,20 @@ class _Verifier:
                 self.checks.failed("crc", name, failure)
         records = sum(s.records for s in self.scans.values())
         self.checks.conclude("crc", f"{records} records' CRCs match")
+
+    def _read(self, files: dict, sha256_for: set[str]) -> dict[str, FileScan]:
+        """Every byte read once: by this host's threads, or by shard tasks on Slurm nodes."""
+        if self.options.engine != "slurm":
+            return scan_files(
+                self.directory, files, sha256_for, self.options.threads, self.progress, self.segment_bytes
+            )
+        from tasks.checkpoint.slurm_engine import SlurmEngine
+
+        engine = SlurmEngine(self.options.slurm, self.progress, self.watch)
+        try:
+            return engine.scan(self.directory, files, sha256_for, self.segment_bytes)
+        finally:
+            self.shards = [s.row() for s in engine.statuses]
 
     def _check_integrity_json(self) -> None:
         if not self.integrity:
@@ -431,7 +459,19 @@ class _Verifier:
             checked_at=checked_at,
             save_identity=reference.save_identity if reference else save_identity(self.files),
             archive=reference.archive if reference else None,
+            hash_segment_bytes=reference.hash_segment_bytes if reference else self.segment_bytes,
+            verifier=self._verifier(),
         )
+
+    def _verifier(self) -> dict:
+        """Who read the bytes: this host, or which nodes read which shard."""
+        found = {"ckptops": __version__, "host": socket.gethostname(), "engine": self.options.engine}
+        if self.shards:
+            found["shards"] = [
+                {"shard": row["shard"], "MB": row["MB"], "nodes": row["nodes"], "seconds": row["seconds"]}
+                for row in self.shards
+            ]
+        return found
 
     def _writer(self, content: dict) -> dict:
         recorded = content.get("megatron_core_version")
@@ -477,11 +517,13 @@ def verify_checkpoint(
     options: VerifyOptions,
     progress: Callable[[int], None] | None = None,
     reference: Manifest | None = None,
+    watch: Callable | None = None,
 ) -> Verification:
     """Verify one checkpoint directory and (unless it is still in progress) write its manifest.
 
     ``reference`` compares the bytes with a given manifest instead of the directory's own: a
-    restored copy is checked against the manifest of what was archived or copied.
+    restored copy is checked against the manifest of what was archived or copied. ``watch``
+    follows the Slurm engine's shards (``slurm_engine.Watch``).
     Raises Unreadable (and writes nothing) when the environment keeps us from reading it.
     """
     directory = checkpoint_path(directory)
@@ -490,7 +532,7 @@ def verify_checkpoint(
     before = completeness(directory, options)
     if before.state is State.IN_PROGRESS:
         return Verification(directory, iteration, before.state, before.reason)
-    verifier = _Verifier(directory, iteration, options, progress, reference)
+    verifier = _Verifier(directory, iteration, options, progress, reference, watch)
     if before.state is State.INVALID:
         verifier.checks.failed("complete", before.file, before.detail)
     else:
@@ -510,6 +552,7 @@ def verify_checkpoint(
             verifier.checks.results,
             bytes_read=bytes_read,
             seconds=seconds,
+            shards=verifier.shards,
         )
     manifest = verifier.manifest()
     if options.write_manifest and not verifier.manifest_unreadable:
@@ -523,4 +566,5 @@ def verify_checkpoint(
         manifest,
         bytes_read,
         seconds,
+        verifier.shards,
     )

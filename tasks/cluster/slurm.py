@@ -35,6 +35,21 @@ def partition_nodes(partition: str) -> list[str]:
     )
 
 
+_IN_SERVICE = ("idle", "mix", "alloc", "comp")
+
+
+def usable_nodes(partition: str | None, exclude=()) -> list[str]:
+    """The partition's (default: every partition's) nodes in service, not drained, draining or
+    down, and not excluded."""
+    argv = ["sinfo", "-h", "-N", "-o", "%N %t", *(["-p", partition] if partition else [])]
+    usable = []
+    for line in run(argv).splitlines():
+        node, state = line.split()
+        if state.rstrip("*~#!%$@^-") in _IN_SERVICE and node not in exclude:
+            usable.append(check_node_name(node))
+    return sorted(set(usable))
+
+
 def node_state(node: str) -> str:
     """Slurm's state of one node, lower case as sinfo prints it (idle, drain, drng, down, mix...)."""
     return run(["sinfo", "-h", "-N", "-n", check_node_name(node), "-o", "%t"]).strip().rstrip("*~#!%$@^-")

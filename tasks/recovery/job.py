@@ -84,18 +84,9 @@ def slurm_job(job_id: str) -> SlurmJob:
 
 
 # sinfo's short states of nodes that can take a job.
-_IN_SERVICE = ("idle", "mix", "alloc", "comp")
-
-
 def usable_nodes(partition: str, exclude: list[str]) -> list[str]:
-    """The partition's nodes in service (not drained, draining or down) and not excluded: where a
-    relaunch can run. A relaunch that needs more would wait in the queue forever."""
-    usable = []
-    for line in slurm.run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N %t"]).splitlines():
-        node, state = line.split()
-        if state.rstrip("*~#!%$@^-") in _IN_SERVICE and node not in exclude:
-            usable.append(node)
-    return sorted(set(usable))
+    """Where a relaunch can run; one that needs more nodes would wait in the queue forever."""
+    return slurm.usable_nodes(partition, exclude)
 
 
 def check_script(script: Path) -> str:

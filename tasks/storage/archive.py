@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import fsspec
-import xxhash
 from fsspec.callbacks import Callback
 
 from tasks.errors import CkptopsError
+from tasks.storage.digest import FileHash, combine
 from tasks.storage.local import atomic_write, make_durable
 
 READ_BLOCK = 8 << 20
@@ -186,29 +186,33 @@ class ArchiveStore:
 
         self._parallel(get, pairs)
 
-    def hash_object(self, key: str, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
-        """Read an object back and hash it the way manifests do (size, XXH3-128)."""
+    def hash_object(
+        self, key: str, progress: Callable[[int], None] | None = None, segment_bytes: int | None = None
+    ) -> tuple[int, str]:
+        """Read an object back and hash it the way manifests do (size, segmented XXH3-128)."""
 
         def read_back():
-            hasher, size = xxhash.xxh3_128(), 0
+            hasher = FileHash(segment_bytes)
             with self.fs.open(self._path(key), "rb", block_size=READ_BLOCK) as f:
                 while chunk := f.read(READ_BLOCK):
                     hasher.update(chunk)
-                    size += len(chunk)
                     if progress:
                         progress(len(chunk))
-            return size, hasher.hexdigest()
+            return hasher.position, combine(hasher.finish())
 
         return self._call("read-back", key, read_back)
 
     def hash_objects(
-        self, keys: list[str], progress: Callable[[int], None] | None = None
+        self,
+        keys: list[str],
+        progress: Callable[[int], None] | None = None,
+        segment_bytes: int | None = None,
     ) -> dict[str, tuple[int, str] | None]:
         """Read back many objects in parallel; None for an object that is not there."""
 
         def one(key):
             try:
-                return key, self.hash_object(key, progress)
+                return key, self.hash_object(key, progress, segment_bytes)
             except FileNotFoundError:
                 return key, None
 

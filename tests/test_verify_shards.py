@@ -1,0 +1,187 @@
+"""The pieces of the Slurm verify engine that need no cluster: segmented hashes, the shard plan,
+and the checks on a shard's result file. (On the real local cluster: test_verify_slurm.py.)"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from tasks.checkpoint.dcp import build_index, load_dcp_metadata
+from tasks.checkpoint.manifest import read_manifest, write_manifest
+from tasks.checkpoint.scan import FileScan, owned_records, scan_file
+from tasks.checkpoint.shards import (
+    Piece,
+    PieceResult,
+    Plan,
+    Shard,
+    ShardResult,
+    merge,
+    plan_shards,
+    read_result,
+    result_path,
+)
+from tasks.checkpoint.slurm_engine import time_limit_seconds
+from tasks.checkpoint.verify import verify_checkpoint
+from tasks.errors import Malformed
+from tasks.storage.digest import FileHash, combine, comparable
+from tests.conftest import iter_dir
+
+MB = 1 << 20
+
+
+def test_a_file_within_one_segment_keeps_its_plain_xxh3_hash():
+    data = os.urandom(3000)
+    hasher = FileHash(4096)
+    hasher.update(data)
+    assert combine(hasher.finish()) == xxhash.xxh3_128(data).hexdigest()
+    empty = FileHash(4096)
+    assert combine(empty.finish()) == xxhash.xxh3_128(b"").hexdigest()
+
+
+def test_a_longer_file_hashes_its_segment_digests_however_it_is_fed():
+    data = os.urandom(10_000)
+    whole = FileHash(4096)
+    whole.update(data)
+    expected = xxhash.xxh3_128(
+        b"".join(xxhash.xxh3_128(data[i : i + 4096]).digest() for i in range(0, len(data), 4096))
+    ).hexdigest()
+    assert combine(whole.finish()) == expected
+    # Two readers, each starting on a segment boundary, in odd-sized writes.
+    first, second = FileHash(4096, 0), FileHash(4096, 8192)
+    for i in range(0, 8192, 1000):
+        first.update(data[i : min(i + 1000, 8192)])
+    second.update(data[8192:])
+    assert combine(first.finish() + second.finish()) == expected
+    with pytest.raises(ValueError, match="not on a 4096-byte segment boundary"):
+        FileHash(4096, 100)
+
+
+def test_hashes_are_comparable_only_where_segments_cannot_differ():
+    assert comparable(MB, MB, [10 * MB])
+    assert comparable(None, MB, [MB, 10])  # an old whole-file manifest of small files
+    assert not comparable(None, MB, [MB + 1])
+    assert not comparable(4 * MB, MB, [2 * MB])
+
+
+def test_spans_of_a_real_data_file_give_the_whole_files_hash_crcs_and_failures(medium_save_dir):
+    directory = iter_dir(medium_save_dir, 4)
+    records = build_index(load_dcp_metadata(directory / ".metadata")).files["__0_0.distcp"]
+    path = directory / "__0_0.distcp"
+    size = path.stat().st_size
+    whole = scan_file(path, records, segment_bytes=MB)
+    assert whole.failures == [] and whole.records == len(records) and size > 4 * MB
+    cuts = [0, 2 * MB, 3 * MB, size]
+    spans = [
+        scan_file(path, owned_records(records, a, b, b == size), segment_bytes=MB, span=(a, b))
+        for a, b in zip(cuts, cuts[1:])
+    ]
+    assert combine([d for s in spans for d in s.segments]) == whole.hash
+    assert sum(s.records for s in spans) == len(records)  # each record checked once
+    assert not any(s.changed for s in spans)
+
+
+def test_shards_balance_bytes_split_large_files_and_keep_writer_order():
+    sizes = {"__10_0.distcp": 10 * MB, "__2_0.distcp": 10 * MB, "metadata.json": 100, ".metadata": 4000}
+    shards = plan_shards(sizes, 4, MB)
+    assert len(shards) == 4
+    loads = [s.bytes for s in shards]
+    assert max(loads) - min(loads) <= MB  # within one segment
+    assert sum(loads) == sum(sizes.values())
+    order = [p.name for s in shards for p in s.pieces]
+    assert order.index("__2_0.distcp") < order.index("__10_0.distcp")  # by rank, not by string
+    # Every byte of every file planned exactly once.
+    for name, size in sizes.items():
+        spans = sorted((p.start, p.end) for s in shards for p in s.pieces if p.name == name)
+        assert spans[0][0] == 0 and spans[-1][1] == size
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert plan_shards(sizes, 1, MB)[0].bytes == sum(sizes.values())
+
+
+def test_a_file_whose_sha256_is_wanted_stays_whole_and_tiny_checkpoints_use_fewer_shards():
+    shards = plan_shards({"a.distcp": 10 * MB, "b.distcp": 10}, 8, MB, whole={"a.distcp"})
+    assert [p for s in shards for p in s.pieces if p.name == "a.distcp"] == [
+        Piece("a.distcp", 0, 10 * MB, 10 * MB, True)
+    ]
+    assert len(shards) == 2  # two units, never an empty shard
+
+
+def test_tasks_read_the_shard_of_the_node_before_theirs():
+    plan = Plan("/x", MB, 2, [Shard(i, []) for i in range(6)])
+    assert [plan.shard_for_task(t) for t in range(6)] == [4, 5, 0, 1, 2, 3]
+
+
+def _result(tmp_path, shard: Shard, changes: dict | None = None) -> Path:
+    scans = [
+        FileScan(p.name, size=p.size, start=p.start, end=p.end, segments=[b"\x01" * 16]) for p in shard.pieces
+    ]
+    result = ShardResult(shard.index, 0, "n1", 1.0, 10, [PieceResult.of(s) for s in scans])
+    result.write(tmp_path)
+    path = result_path(tmp_path, shard.index, 0)
+    data = json.loads(path.read_text())
+    data.update(changes or {})
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (None, "no result written"),
+        ("{", "malformed result"),
+        ({"pieces": []}, "differ from the plan's"),
+        ({"shard": 3}, "result of shard 3, not 0"),
+        ({"bytes": "many"}, "malformed result \\(bytes: Input should be a valid integer"),
+        ({"surprise": 1}, "malformed result"),
+    ],
+)
+def test_a_missing_or_malformed_result_fails_its_shard(tmp_path, damage, message):
+    shard = Shard(0, [Piece("a.distcp", 0, 100, 100)])
+    if damage is None:
+        path = result_path(tmp_path, 0, 0)
+    elif isinstance(damage, str):
+        path = _result(tmp_path, shard)
+        path.write_text(damage)
+    else:
+        path = _result(tmp_path, shard, damage)
+    with pytest.raises(Malformed, match=message):
+        read_result(path, shard, MB)
+
+
+def test_a_result_with_the_wrong_number_of_segment_digests_is_refused(tmp_path):
+    shard = Shard(0, [Piece("a.distcp", 0, 3 * MB, 3 * MB)])
+    path = _result(tmp_path, shard)
+    with pytest.raises(Malformed, match="1 segment digests, 3 expected"):
+        read_result(path, shard, MB)
+
+
+def test_merge_joins_spans_in_order_and_a_resized_file_counts_as_changed(tmp_path):
+    shards = [Shard(0, [Piece("a", MB, 2 * MB, 2 * MB)]), Shard(1, [Piece("a", 0, MB, 2 * MB)])]
+    results = {
+        0: ShardResult(0, 0, "n1", 1, MB, [PieceResult("a", MB, 2 * MB, 2 * MB, ["22" * 16], records=2)]),
+        1: ShardResult(1, 0, "n2", 1, MB, [PieceResult("a", 0, MB, 2 * MB, ["11" * 16], records=3)]),
+    }
+    scan = merge(shards, results)["a"]
+    assert scan.hash == combine([b"\x11" * 16, b"\x22" * 16]) and scan.records == 5 and not scan.changed
+    results[0].pieces[0].size = 3 * MB
+    assert merge(shards, results)["a"].changed
+
+
+def test_slurm_time_limits_parse_as_slurm_reads_them():
+    assert time_limit_seconds("30") == 30 * 60
+    assert time_limit_seconds("05:30") == 5 * 60 + 30
+    assert time_limit_seconds("01:02:03") == 3723
+    assert time_limit_seconds("2-00") == 2 * 86400
+    assert time_limit_seconds("1-02:30") == 86400 + 2 * 3600 + 30 * 60
+
+
+def test_an_old_manifest_without_segments_is_still_a_reference_for_small_files(save_dir, options):
+    directory = iter_dir(save_dir, 4)
+    first = verify_checkpoint(directory, options)
+    assert first.ok and first.manifest.hash_segment_bytes == options.segment_bytes
+    old = read_manifest(directory)
+    old.hash_segment_bytes = None
+    write_manifest(directory, old)
+    again = verify_checkpoint(directory, options)
+    assert again.ok and again.manifest.verified_at == first.manifest.verified_at  # kept as reference
