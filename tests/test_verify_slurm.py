@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prefect.artifacts import Artifact
 
+from flows.verify_and_promote import verify_and_promote
 from tasks.checkpoint.manifest import read_manifest
+from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.shards import plan_shards
 from tasks.checkpoint.state import State, VerifyOptions
 from tasks.checkpoint.verify import verify_checkpoint
@@ -144,6 +147,33 @@ def test_a_shard_task_killed_midway_is_retried_on_another_node(slurm_conf, mediu
     assert read_manifest(directory).files == expected.manifest.files
 
 
+def test_a_hung_shard_task_is_overtaken_by_a_retry_and_then_stopped(slurm_conf, medium_save_dir, tmp_path):
+    directory = iter_dir(medium_save_dir, 4)
+    profile = write_profile(
+        tmp_path, medium_save_dir, max_read_mbps=4, straggler_factor=1.5, straggler_min_seconds=0
+    )
+    process = start_cli(directory, profile)
+    running = wait_for(
+        lambda: (r := reading(tmp_path)) and len(r) == 3 and all(n["bytes"] > 0 for n in r.values()) and r,
+        120,
+        "three shards reading",
+    )
+    hung = running["n1"]
+    os.kill(hung["pid"], signal.SIGSTOP)  # as a read stuck on a dead mount: alive, silent
+    try:
+        code, result, stderr = finish(process)
+        assert code == 0, stderr
+        assert result["state"] == "valid"
+        row = result["shards"][hung["shard"]]
+        assert row["nodes"].startswith("n1 -> ") and row["state"] == "done"
+        assert f"shard {hung['shard']} straggling on n1: retrying on" in stderr
+        # The hung attempt's step was ended with the run: nothing left on the node.
+        wait_for(lambda: not Path(f"/proc/{hung['pid']}").exists(), 60, "the hung task to be ended")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung["pid"], signal.SIGKILL)
+
+
 @pytest.fixture
 def drained_later(slurm_conf):
     yield lambda node: subprocess.run(
@@ -246,3 +276,18 @@ def test_more_nodes_than_in_service_or_no_srun_exit_2_saying_what_is_there(drain
     )
     assert no_slurm.returncode == 2 and no_slurm.stderr.startswith("ckptops: srun: not found on this host")
     assert not (directory / "manifest.json").exists()
+
+
+def test_the_flow_verifies_with_the_profiles_engine_and_shows_the_shards(
+    prefect_api, slurm_conf, medium_save_dir, tmp_path
+):
+    profile = write_profile(tmp_path, medium_save_dir)
+    state = verify_and_promote(profile=str(profile), return_state=True)
+    assert state.is_completed(), state.message
+    assert read_pointer(medium_save_dir) == 4
+    rows = json.loads(Artifact.get("verify-shards-slurm-verify").data)
+    assert [r["shard"] for r in rows] == [0, 1, 2] and all(r["state"] == "done" for r in rows)
+    assert sorted(r["nodes"] for r in rows) == ["n1", "n2", "n3"]
+    manifest = read_manifest(iter_dir(medium_save_dir, 4))
+    assert manifest.verifier["engine"] == "slurm"
+    assert [s["nodes"] for s in manifest.verifier["shards"]] == [r["nodes"] for r in rows]
