@@ -64,9 +64,10 @@ demo-down: venv
 	$(BIN)/python -m infra.demo down
 
 # Needs b3sum for the reference column (Debian: apt-get install b3sum).
-bench: venv sshd
+bench: venv sshd slurm
 	@command -v b3sum >/dev/null || { echo "make bench: b3sum not found (apt-get install b3sum)"; exit 2; }
 	$(BIN)/python -m tests.bench.bench_verify
+	SLURM_CONF=$(CURDIR)/data/slurm/slurm.conf $(BIN)/python -m tests.bench.bench_verify_slurm
 	$(BIN)/python -m tests.bench.bench_drill
 	$(BIN)/python -m tests.bench.bench_health
 	$(BIN)/python -m tests.bench.bench_resume

@@ -47,12 +47,16 @@ def verify_and_promote(
         concurrency(limit, occupy=1, strict=True, timeout_seconds=slot_timeout),
         job_lock(save_dir, prof.verify.lock_timeout_seconds),
     ):
+        poll = prof.verify.poll_seconds
+        # With overlap_save the waiting happens inside the verify step, which reads files early.
         verifications = verify_pending(
             save_dir,
             options,
             iteration,
-            verify=lambda it: verify_one(save_dir, it, options),
-            wait=lambda it: wait_for_save(save_dir, it, options, wait, prof.verify.poll_seconds),
+            verify=lambda it: verify_one(save_dir, it, options, wait if options.overlap_save else 0, poll),
+            wait=None
+            if options.overlap_save
+            else lambda it: wait_for_save(save_dir, it, options, wait, poll),
         )
         report = promote_step(save_dir, options, iteration)
         report.verifications = verifications

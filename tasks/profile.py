@@ -80,6 +80,11 @@ class SlurmVerify(_Section):
     max_read_mbps: Positive | None = Field(
         default=None, description="cap each task's read rate (MB/s), to spare a file system training is using"
     )
+    drop_cache: bool = Field(
+        default=True,
+        description="each task drops its node's cached pages of what it reads first, so the bytes "
+        "come from the storage and not from memory a writer on that node left behind",
+    )
     straggler_factor: Annotated[float, Field(gt=1)] = Field(
         default=3.0, description="a shard running this many times the median shard time is retried elsewhere"
     )
@@ -97,6 +102,11 @@ class Verify(_Section):
         default="local", description="local: this host reads every byte; slurm: shards over nodes with srun"
     )
     slurm: SlurmVerify = SlurmVerify()
+    overlap_save: bool = Field(
+        default=False,
+        description="while waiting for a save (--async-save), read each data file once it has "
+        "settled; the verdict then comes seconds after the last file (local engine)",
+    )
     segment_mb: Annotated[int, Field(ge=1)] = Field(
         default=1024,
         description="files are hashed in segments of this size: the unit the Slurm engine splits files by",
@@ -109,11 +119,18 @@ class Verify(_Section):
     settle_seconds: Annotated[float, Field(ge=0)] = Field(
         default=30,
         description="metadata.json or integrity.json that does not parse and changed more recently "
-        "than this may still be being written (Megatron writes them non-atomically)",
+        "than this may still be being written (Megatron writes them non-atomically); with "
+        "overlap_save, a data file is read early once unchanged for this long",
     )
     wait_timeout_seconds: Annotated[float, Field(ge=0)] = 900
     poll_seconds: Positive = 10
     lock_timeout_seconds: Annotated[float, Field(ge=0)] = 600
+
+    @model_validator(mode="after")
+    def _overlap_reads_here(self):
+        if self.overlap_save and self.engine == "slurm":
+            raise ValueError("overlap_save reads on the verifying host: it needs engine local")
+        return self
 
 
 class Retention(_Section):

@@ -74,7 +74,7 @@ def read_shard(plan: Plan, shard_index: int, attempt: int, node: str, work: Path
                 counter,
                 plan.segment_bytes,
                 (piece.start, piece.end),
-                uncached=True,
+                uncached=plan.drop_cache,
             )
             if scan.unreadable is not None:
                 error = scan.unreadable

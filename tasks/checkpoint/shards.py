@@ -72,6 +72,7 @@ class Plan:
     rotation: int
     shards: list[Shard]
     max_read_mbps: float | None = None
+    drop_cache: bool = True
 
     def shard_for_task(self, task: int) -> int:
         return (task - self.rotation) % len(self.shards)

@@ -184,6 +184,7 @@ class SlurmEngine:
             per_node if used_nodes > 1 else 0,
             shards,
             self.settings.max_read_mbps,
+            self.settings.drop_cache,
         )
         root = Path(self.settings.work_dir or directory.parent / WORK_DIR)
         work = root / f"{directory.name}-{uuid.uuid4().hex[:8]}"

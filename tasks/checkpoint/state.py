@@ -6,6 +6,7 @@ retention, promotion decisions) stays cheap and does not import torch.
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -40,6 +41,7 @@ class VerifyOptions:
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     engine: str = "local"  # or "slurm": the bytes are read by shard tasks on nodes (slurm_engine)
     slurm: object = None  # the profile's verify.slurm section, for the slurm engine
+    overlap_save: bool = False  # read data files while the save still writes others (prescan)
 
     @classmethod
     def from_profile(cls, profile, save_dir: Path | None = None, **overrides) -> "VerifyOptions":
@@ -56,6 +58,7 @@ class VerifyOptions:
             segment_bytes=profile.verify.segment_mb << 20,
             engine=profile.verify.engine,
             slurm=profile.verify.slurm,
+            overlap_save=profile.verify.overlap_save,
             layout=(job_layout.tensor_parallel, job_layout.pipeline_parallel, job_layout.data_parallel)
             if own
             else None,
@@ -137,12 +140,19 @@ def completeness(directory: Path, options: VerifyOptions) -> Completeness:
 
 
 def wait_until_complete(
-    directory: Path, options: VerifyOptions, timeout_seconds: float, poll_seconds: float
+    directory: Path,
+    options: VerifyOptions,
+    timeout_seconds: float,
+    poll_seconds: float,
+    while_waiting: Callable[[], object] | None = None,
 ) -> Completeness:
-    """Poll a checkpoint's completeness until its save is done or the timeout passes."""
+    """Poll a checkpoint's completeness until its save is done or the timeout passes, calling
+    ``while_waiting`` (the early reading of settled files) between polls."""
     deadline = time.monotonic() + timeout_seconds
     while True:
         done = completeness(directory, options)
         if done.state is not State.IN_PROGRESS or time.monotonic() >= deadline:
             return done
+        if while_waiting is not None:
+            while_waiting()
         time.sleep(min(poll_seconds, max(0.0, deadline - time.monotonic())))

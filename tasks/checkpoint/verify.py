@@ -55,6 +55,7 @@ class Verification:
     bytes_read: int = 0
     seconds: float = 0.0
     shards: list[dict] = field(default_factory=list)  # the Slurm engine's: which nodes read what
+    read_early: list[str] = field(default_factory=list)  # read while the save was still going
 
     @property
     def ok(self) -> bool:
@@ -144,6 +145,7 @@ class _Verifier:
         progress,
         reference: Manifest | None = None,
         watch=None,
+        prescan=None,
     ):
         self.directory = directory
         self.iteration = iteration
@@ -161,6 +163,8 @@ class _Verifier:
         self.manifest_unreadable = False
         self.integrity: dict[str, str] = {}
         self.watch = watch
+        self.prescan = prescan
+        self.read_early: list[str] = []
         self.shards: list[dict] = []
         self.segment_bytes = options.segment_bytes
 
@@ -321,7 +325,14 @@ class _Verifier:
             self.reference.hash_segment_bytes, self.segment_bytes, [f.size for f in self.reference.files]
         ):
             self.segment_bytes = self.reference.hash_segment_bytes
-        self.scans = self._read(files, set(self.integrity) & set(present))
+        early = {}
+        if self.prescan is not None and self.segment_bytes == self.prescan.segment_bytes:
+            early = {n: s for n in files if (s := self.prescan.reuse(n, files[n])) is not None}
+            # integrity.json lists SHA-256s: an early reading counts only if it took one too.
+            early = {n: s for n, s in early.items() if n not in self.integrity or s.sha256}
+            self.read_early = sorted(early)
+        rest = {n: records for n, records in files.items() if n not in early}
+        self.scans = early | self._read(rest, set(self.integrity) & set(present))
         for name, scan in sorted(self.scans.items()):
             if scan.unreadable is not None:
                 raise unreadable(self.directory / name, scan.unreadable)
@@ -518,12 +529,14 @@ def verify_checkpoint(
     progress: Callable[[int], None] | None = None,
     reference: Manifest | None = None,
     watch: Callable | None = None,
+    prescan=None,
 ) -> Verification:
     """Verify one checkpoint directory and (unless it is still in progress) write its manifest.
 
     ``reference`` compares the bytes with a given manifest instead of the directory's own: a
     restored copy is checked against the manifest of what was archived or copied. ``watch``
-    follows the Slurm engine's shards (``slurm_engine.Watch``).
+    follows the Slurm engine's shards (``slurm_engine.Watch``). ``prescan`` holds data files read
+    while the save was still going (``prescan.Prescan``), taken where still exactly what was read.
     Raises Unreadable (and writes nothing) when the environment keeps us from reading it.
     """
     directory = checkpoint_path(directory)
@@ -532,7 +545,7 @@ def verify_checkpoint(
     before = completeness(directory, options)
     if before.state is State.IN_PROGRESS:
         return Verification(directory, iteration, before.state, before.reason)
-    verifier = _Verifier(directory, iteration, options, progress, reference, watch)
+    verifier = _Verifier(directory, iteration, options, progress, reference, watch, prescan)
     if before.state is State.INVALID:
         verifier.checks.failed("complete", before.file, before.detail)
     else:
@@ -553,6 +566,7 @@ def verify_checkpoint(
             bytes_read=bytes_read,
             seconds=seconds,
             shards=verifier.shards,
+            read_early=verifier.read_early,
         )
     manifest = verifier.manifest()
     if options.write_manifest and not verifier.manifest_unreadable:
@@ -567,4 +581,5 @@ def verify_checkpoint(
         bytes_read,
         seconds,
         verifier.shards,
+        verifier.read_early,
     )
