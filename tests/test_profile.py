@@ -24,6 +24,7 @@ def test_production_example_describes_the_500b_job():
         profile.job.layout.data_parallel,
     ) == (8, 8, 80)
     assert profile.retention.keep_verified == 3 and profile.local_job is None
+    assert profile.verify.engine == "slurm" and profile.verify.slurm.nodes == 64
 
 
 @pytest.mark.parametrize(
@@ -38,6 +39,14 @@ def test_production_example_describes_the_500b_job():
             "retention.keep_verfied: Extra inputs are not permitted",
         ),
         ("job: {name: Bad Name, save_dir: /x}\n", "job.name: String should match pattern"),
+        (
+            "job: {name: j, save_dir: /x}\nverify: {engine: spark}\n",
+            "verify.engine: Input should be 'local' or 'slurm'",
+        ),
+        (
+            "job: {name: j, save_dir: /x}\nverify: {slurm: {time_limit: 'an hour'}}\n",
+            "verify.slurm.time_limit: String should match pattern",
+        ),
         ("job: {save_dir: /x}\n", "job.name: Field required"),
         (
             "job: {name: j, save_dir: /x}\nverify: {threads: many}\n",
