@@ -291,3 +291,21 @@ def test_the_flow_verifies_with_the_profiles_engine_and_shows_the_shards(
     manifest = read_manifest(iter_dir(medium_save_dir, 4))
     assert manifest.verifier["engine"] == "slurm"
     assert [s["nodes"] for s in manifest.verifier["shards"]] == [r["nodes"] for r in rows]
+
+
+def test_inside_an_allocation_the_shards_run_as_steps_of_it(slurm_conf, medium_save_dir, tmp_path):
+    directory = iter_dir(medium_save_dir, 4)
+    profile = write_profile(tmp_path, medium_save_dir)
+
+    def under_salloc(nodes: int):
+        argv = ["salloc", f"--nodes={nodes}", "--partition=debug", "--time=10", "--job-name=caller"]
+        argv += [CKPTOPS, "verify", directory, "--engine", "slurm", "--json", "--profile", profile]
+        return subprocess.run(list(map(str, argv)), capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+    inside = under_salloc(3)
+    assert inside.returncode == 0, inside.stderr
+    result = json.loads(inside.stdout)
+    assert result["state"] == "valid" and sorted(r["nodes"] for r in result["shards"]) == ["n1", "n2", "n3"]
+    small = under_salloc(2)
+    assert small.returncode == 2
+    assert "--nodes 3: this allocation (job " in small.stderr and "has 2 node(s) in service" in small.stderr

@@ -39,7 +39,7 @@ from tasks.checkpoint.shards import (
     write_plan,
 )
 from tasks.cluster import process, slurm
-from tasks.errors import CkptopsError, Malformed, Unreadable, UsageError
+from tasks.errors import CkptopsError, Malformed, Unreadable, UsageError, unreadable
 
 RETRIES = 2
 WORK_DIR = ".ckptops-verify"
@@ -160,6 +160,7 @@ class SlurmEngine:
         self.statuses: list[ShardStatus] = []
         self._steps: list[_Step] = []
         self._reported = 0
+        self._job = "ckptops-verify"
 
     def scan(
         self,
@@ -174,7 +175,7 @@ class SlurmEngine:
                 "install Slurm's client commands, or use --engine local"
             )
         nodes = self._nodes()
-        sizes = {name: (directory / name).stat().st_size for name in files}
+        sizes = {name: _size(directory / name) for name in files}
         per_node = self.settings.ntasks_per_node
         shards = plan_shards(sizes, len(nodes) * per_node, segment_bytes, set(sha256_for))
         used_nodes = -(-len(shards) // per_node)
@@ -188,8 +189,12 @@ class SlurmEngine:
         )
         root = Path(self.settings.work_dir or directory.parent / WORK_DIR)
         work = root / f"{directory.name}-{uuid.uuid4().hex[:8]}"
-        work.mkdir(parents=True)
-        write_plan(work, plan, files)
+        try:
+            work.mkdir(parents=True)
+            write_plan(work, plan, files)
+        except OSError as e:
+            raise unreadable(work, e) from None
+        self._job = f"ckptops-verify-{directory.name}"
         self.statuses = [ShardStatus(s.index, s.bytes, len(s.files)) for s in shards]
         try:
             self._run(plan, work, used_nodes)
@@ -235,7 +240,7 @@ class SlurmEngine:
 
     def _srun(self, work: Path, name: str, placement: list[str], worker: list[str]) -> list[str]:
         settings = self.settings
-        argv = ["srun", f"--job-name=ckptops-verify-{name}", "--kill-on-bad-exit=0", "--no-kill"]
+        argv = ["srun", f"--job-name={self._job}-{name}", "--kill-on-bad-exit=0", "--no-kill"]
         if _in_allocation():
             argv.append("--overlap")  # a step beside the caller's own, on the allocation's nodes
         else:
@@ -430,6 +435,15 @@ class SlurmEngine:
             f"{directory.name}: no verdict, shard {first.index} ({len(files)} files from {files[0]}) "
             f"could not be read on any node tried: {tried}{more}; logs in {work}"
         )
+
+
+def _size(path: Path) -> int:
+    """A file's size; one gone since it was listed plans as empty, and its task then finds it
+    missing, which counts as changed (a writer at work), as on one host."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _read_progress(path: Path) -> dict | None:
