@@ -3,13 +3,14 @@ and the checks on a shard's result file. (On the real local cluster: test_verify
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import xxhash
 
 from tasks.checkpoint.dcp import build_index, load_dcp_metadata
-from tasks.checkpoint.manifest import read_manifest, write_manifest
+from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.scan import FileScan, owned_records, scan_file
 from tasks.checkpoint.shards import (
     Piece,
@@ -23,10 +24,11 @@ from tasks.checkpoint.shards import (
     result_path,
 )
 from tasks.checkpoint.slurm_engine import time_limit_seconds
+from tasks.checkpoint.state import State
 from tasks.checkpoint.verify import verify_checkpoint
 from tasks.errors import Malformed
 from tasks.storage.digest import FileHash, combine, comparable
-from tests.conftest import iter_dir
+from tests.conftest import flip_byte, iter_dir
 
 MB = 1 << 20
 
@@ -158,14 +160,45 @@ def test_a_result_with_the_wrong_number_of_segment_digests_is_refused(tmp_path):
 
 def test_merge_joins_spans_in_order_and_a_resized_file_counts_as_changed(tmp_path):
     shards = [Shard(0, [Piece("a", MB, 2 * MB, 2 * MB)]), Shard(1, [Piece("a", 0, MB, 2 * MB)])]
+    planned = {"a": [7, 2 * MB, 1000]}
     results = {
-        0: ShardResult(0, 0, "n1", 1, MB, [PieceResult("a", MB, 2 * MB, 2 * MB, ["22" * 16], records=2)]),
-        1: ShardResult(1, 0, "n2", 1, MB, [PieceResult("a", 0, MB, 2 * MB, ["11" * 16], records=3)]),
+        0: ShardResult(
+            0, 0, "n1", 1, MB, [PieceResult("a", MB, 2 * MB, 2 * MB, ["22" * 16], 2, stat=[7, 2 * MB, 1000])]
+        ),
+        1: ShardResult(
+            1, 0, "n2", 1, MB, [PieceResult("a", 0, MB, 2 * MB, ["11" * 16], 3, stat=[7, 2 * MB, 1000])]
+        ),
     }
-    scan = merge(shards, results)["a"]
+    scan = merge(shards, results, planned)["a"]
     assert scan.hash == combine([b"\x11" * 16, b"\x22" * 16]) and scan.records == 5 and not scan.changed
-    results[0].pieces[0].size = 3 * MB
-    assert merge(shards, results)["a"].changed
+    # One span read from a file replaced since planning (same size, another version): never judged.
+    results[0].pieces[0].stat = [8, 2 * MB, 2000]
+    assert merge(shards, results, planned)["a"].changed
+    results[0].pieces[0].stat, results[0].pieces[0].size = [7, 2 * MB, 1000], 3 * MB
+    assert merge(shards, results, planned)["a"].changed
+
+
+def test_a_span_of_a_file_gone_since_planning_reports_its_span_as_changed(tmp_path):
+    shard = Shard(0, [Piece("gone.distcp", 0, 2 * MB, 3 * MB)])
+    scan = scan_file(tmp_path / "gone.distcp", [], segment_bytes=MB, span=(0, 2 * MB))
+    assert scan.changed and (scan.start, scan.end) == (0, 2 * MB)
+    ShardResult(0, 0, "n1", 0.1, 0, [PieceResult.of(scan)]).write(tmp_path)
+    result = read_result(result_path(tmp_path, 0, 0), shard, MB)  # accepted: it says changed
+    assert merge([shard], {0: result}, {"gone.distcp": None})["gone.distcp"].changed
+
+
+def test_a_result_that_skipped_records_or_a_needed_sha256_is_refused(tmp_path):
+    shard = Shard(0, [Piece("a.distcp", 0, 100, 100, sha256=True, records=4)])
+    path = _result(tmp_path, shard)
+    data = json.loads(path.read_text())
+    data["pieces"][0]["records"] = 0
+    path.write_text(json.dumps(data))
+    with pytest.raises(Malformed, match="0 records checked, 4 planned"):
+        read_result(path, shard, MB)
+    data["pieces"][0]["records"] = 4
+    path.write_text(json.dumps(data))
+    with pytest.raises(Malformed, match="no SHA-256, which integrity.json needs"):
+        read_result(path, shard, MB)
 
 
 def test_slurm_time_limits_parse_as_slurm_reads_them():
@@ -176,12 +209,13 @@ def test_slurm_time_limits_parse_as_slurm_reads_them():
     assert time_limit_seconds("1-02:30") == 86400 + 2 * 3600 + 30 * 60
 
 
-def test_an_old_manifest_without_segments_is_still_a_reference_for_small_files(save_dir, options):
-    directory = iter_dir(save_dir, 4)
-    first = verify_checkpoint(directory, options)
-    assert first.ok and first.manifest.hash_segment_bytes == options.segment_bytes
-    old = read_manifest(directory)
-    old.hash_segment_bytes = None
-    write_manifest(directory, old)
-    again = verify_checkpoint(directory, options)
-    assert again.ok and again.manifest.verified_at == first.manifest.verified_at  # kept as reference
+def test_an_old_manifest_of_whole_file_hashes_stays_the_reference(medium_save_dir, options):
+    directory = iter_dir(medium_save_dir, 4)
+    first = verify_checkpoint(directory, replace(options, segment_bytes=None))  # as before segments
+    assert first.ok and first.manifest.hash_segment_bytes is None
+    # Files of 20 MB in 1 MB segments: the reference's whole-file hashes are taken its way.
+    again = verify_checkpoint(directory, replace(options, segment_bytes=MB))
+    assert again.ok and again.manifest.verified_at == first.manifest.verified_at
+    assert read_manifest(directory).files == first.manifest.files
+    flip_byte(directory / "__0_0.distcp", 100)
+    assert verify_checkpoint(directory, replace(options, segment_bytes=MB)).state is State.INVALID

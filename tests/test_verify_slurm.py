@@ -5,6 +5,7 @@ retried, a drained node avoided, a file system one node cannot see, and refusals
 import contextlib
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import yaml
 from prefect.artifacts import Artifact
 
 from flows.verify_and_promote import verify_and_promote
+from tasks.checkpoint.dcp import load_dcp_metadata
 from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.shards import plan_shards
@@ -309,3 +311,17 @@ def test_inside_an_allocation_the_shards_run_as_steps_of_it(slurm_conf, medium_s
     small = under_salloc(2)
     assert small.returncode == 2
     assert "--nodes 3: this allocation (job " in small.stderr and "has 2 node(s) in service" in small.stderr
+
+
+def test_a_record_outside_any_file_fails_both_engines_the_same_way(slurm_conf, save_dir, tmp_path):
+    directory = iter_dir(save_dir, 4)
+    metadata = load_dcp_metadata(directory / ".metadata")
+    index, info = next((k, v) for k, v in metadata.storage_data.items() if v.relative_path == "__0_0.distcp")
+    info.offset = -8  # one flipped sign in a pickled offset: a record no span of the file holds
+    with open(directory / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    profile = write_profile(tmp_path, save_dir)
+    local, remote = verify_with("local", directory, profile), verify_with("slurm", directory, profile)
+    assert local.state is State.INVALID
+    assert (remote.state, remote.reason) == (local.state, local.reason)
+    assert remote.reason.startswith("__0_0.distcp: record ") and "has offset -8" in remote.reason

@@ -15,6 +15,7 @@ very records the walk found; otherwise it reads the file again. Promotion still 
 """
 
 import os
+import stat
 import struct
 import threading
 import time
@@ -43,7 +44,7 @@ def walk_records(path: Path) -> list[tuple[int, int]] | None:
             if end < _EOCD_SIZE:
                 return None
             eocd = os.pread(f.fileno(), _EOCD_SIZE, end - _EOCD_SIZE)
-            if eocd[:4] != _EOCD or struct.unpack("<H", eocd[20:22])[0] != 0:
+            if len(eocd) != _EOCD_SIZE or eocd[:4] != _EOCD or struct.unpack("<H", eocd[20:22])[0] != 0:
                 return None  # torch.save writes no archive comment
             cd_size, cd_offset = struct.unpack("<II", eocd[12:20])
             locator_at = end - _EOCD_SIZE - _ZIP64_LOCATOR_SIZE
@@ -79,31 +80,41 @@ class Prescan:
         self.read: dict[str, tuple[tuple, list[tuple[int, int]], FileScan]] = {}
         self._lock = threading.Lock()
 
-    def step(self) -> list[str]:
-        """Read every data file that is closed and settled and not read yet as it is now; the
-        names read."""
+    def step(self, deadline: float | None = None) -> list[str]:
+        """Read every data file that is closed and settled and not read yet as it is now, until
+        ``deadline`` (monotonic); the names read. A file that cannot be read early is left for
+        the verification itself, which reads and judges it."""
         done = []
         try:
-            entries = list(os.scandir(self.directory))
-        except FileNotFoundError:
-            return done  # the save has not made its directory yet
-        for entry in sorted(entries, key=lambda e: e.name):
-            if not entry.name.endswith(layout.DATA_SUFFIX) or not entry.is_file(follow_symlinks=False):
-                continue
-            st = entry.stat(follow_symlinks=False)
-            if time.time() - st.st_mtime < self.settle_seconds or self._have(entry.name, st):
-                continue
-            walked = walk_records(Path(entry.path))
-            if walked is None:
-                continue
-            records = [Record(f"record {i}", entry.name, o, n) for i, (o, n) in enumerate(walked)]
-            scan = scan_file(Path(entry.path), records, self.sha256, segment_bytes=self.segment_bytes)
-            if scan.changed or scan.unreadable is not None or _stat_key(os.stat(entry.path)) != _stat_key(st):
-                continue
-            with self._lock:
-                self.read[entry.name] = (_stat_key(st), walked, scan)
-            done.append(entry.name)
+            entries = sorted(os.scandir(self.directory), key=lambda e: e.name)
+        except OSError:
+            return done  # the save has not made its directory yet, or it cannot be listed now
+        for entry in entries:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            if entry.name.endswith(layout.DATA_SUFFIX) and self._read_early(Path(entry.path)):
+                done.append(entry.name)
         return done
+
+    def _read_early(self, path: Path) -> bool:
+        try:
+            st = path.stat(follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or time.time() - st.st_mtime < self.settle_seconds:
+                return False
+            if self._have(path.name, st):
+                return False
+            walked = walk_records(path)
+            if walked is None:
+                return False
+            records = [Record(f"record {i}", path.name, o, n) for i, (o, n) in enumerate(walked)]
+            scan = scan_file(path, records, self.sha256, segment_bytes=self.segment_bytes)
+            if scan.changed or scan.unreadable is not None or _stat_key(path.stat()) != _stat_key(st):
+                return False
+        except (OSError, struct.error):
+            return False
+        with self._lock:
+            self.read[path.name] = (_stat_key(st), walked, scan)
+        return True
 
     def _have(self, name: str, st: os.stat_result) -> bool:
         with self._lock:

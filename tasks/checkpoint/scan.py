@@ -76,6 +76,7 @@ class FileScan:
     start: int = 0  # the bytes hashed: [start, end); the whole file unless a span was asked for
     end: int = 0
     segments: list[bytes] = field(default_factory=list)
+    stat: list[int] | None = None  # inode, size, mtime_ns when the read began
 
 
 class _Window:
@@ -260,6 +261,8 @@ def scan_file(
     ``uncached`` drops this host's cached pages of the span first, so the bytes come from storage.
     """
     scan = FileScan(path.name, records=len(records))
+    if span is not None:
+        scan.start, scan.end = span  # what was asked for, even when the file is not there to read
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -318,11 +321,12 @@ def scan_file(
                 _finish(scan, r)
             else:
                 scan.failures.append(f"{r.label}: file ends at byte {pos}, before the entry's end {r.end}")
-        scan.start, scan.end = start, hasher.position
+        scan.start, scan.end = start, end if span else hasher.position
         scan.segments = hasher.finish()
         scan.hash = combine(scan.segments) if span is None else None
         scan.sha256 = sha.hexdigest() if sha is not None else None
-        scan.changed = _stat_key(os.fstat(fd)) != _stat_key(before) or scan.end != end
+        scan.stat = list(_stat_key(before))
+        scan.changed = _stat_key(os.fstat(fd)) != _stat_key(before) or hasher.position != end
         try:
             scan.changed = scan.changed or _stat_key(os.stat(path)) != _stat_key(before)
         except FileNotFoundError:

@@ -96,7 +96,15 @@ def read_shard(plan: Plan, shard_index: int, attempt: int, node: str, work: Path
 def _write_progress(work: Path, shard: int, attempt: int, node: str, done: int) -> None:
     path = progress_path(work, shard, attempt)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps({"node": node, "pid": os.getpid(), "bytes": done}).encode())
+    # The step id lets the coordinator cancel this task in Slurm if its srun cannot end it.
+    job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
+    note = {
+        "node": node,
+        "pid": os.getpid(),
+        "bytes": done,
+        "step": f"{job}.{step}" if job and step else None,
+    }
+    atomic_write(path, json.dumps(note).encode())
 
 
 def _report_progress(work, shard, attempt, node, counter, stop) -> None:

@@ -22,7 +22,7 @@ them back from memory, hiding what never reached the storage; it reads shard ``i
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import pydantic
@@ -45,6 +45,7 @@ class Piece:
     end: int
     size: int
     sha256: bool = False
+    records: int = 0  # how many records this span owns (``with_records``)
 
     @property
     def length(self) -> int:
@@ -123,6 +124,22 @@ def plan_shards(
     return [Shard(i, pieces) for i, pieces in enumerate(p for p in runs if p)]
 
 
+def with_records(shards: list[Shard], records: dict[str, list[Record]]) -> list[Shard]:
+    """The shards with each piece's count of the records it owns: what its result must report."""
+    return [
+        Shard(
+            s.index,
+            [
+                replace(
+                    p, records=len(owned_records(records.get(p.name, []), p.start, p.end, p.end == p.size))
+                )
+                for p in s.pieces
+            ],
+        )
+        for s in shards
+    ]
+
+
 def expected_segments(piece: Piece, segment_bytes: int | None) -> int:
     if segment_bytes is None or piece.length == 0:
         return 1
@@ -151,6 +168,7 @@ class PieceResult:
     records: int = 0
     failures: list[str] = field(default_factory=list)
     changed: bool = False
+    stat: list[int] | None = None  # the file's inode, size and mtime_ns as the task found it
 
     @classmethod
     def of(cls, scan: FileScan) -> "PieceResult":
@@ -164,6 +182,7 @@ class PieceResult:
             scan.records,
             list(scan.failures),
             scan.changed,
+            scan.stat,
         )
 
 
@@ -208,7 +227,17 @@ def read_result(path: Path, shard: Shard, segment_bytes: int | None) -> ShardRes
     for piece in result.pieces:
         if piece.changed:
             continue  # a file that changed under the task is never judged: no digests needed
-        want = expected_segments(by_key[(piece.name, piece.start)], segment_bytes)
+        planned = by_key[(piece.name, piece.start)]
+        if piece.records != planned.records:
+            raise Malformed(
+                f"{path}: {piece.name} at {piece.start}: "
+                f"{piece.records} records checked, {planned.records} planned"
+            )
+        if planned.sha256 and not (
+            isinstance(piece.sha256, str) and len(piece.sha256) == 64 and _is_hex(piece.sha256)
+        ):
+            raise Malformed(f"{path}: {piece.name}: no SHA-256, which integrity.json needs")
+        want = expected_segments(planned, segment_bytes)
         if len(piece.segments) != want or not all(
             isinstance(s, str) and len(s) == 32 and _is_hex(s) for s in piece.segments
         ):
@@ -232,9 +261,13 @@ def _is_hex(text: str) -> bool:
     return True
 
 
-def merge(shards: list[Shard], results: dict[int, ShardResult]) -> dict[str, FileScan]:
+def merge(
+    shards: list[Shard], results: dict[int, ShardResult], stats: dict[str, list[int] | None]
+) -> dict[str, FileScan]:
     """Per-file scans from every shard's result (each shard must have one): the spans of a file
-    joined in order, their segment digests combined into the file's hash."""
+    joined in order, their segment digests combined into the file's hash. A file counts as
+    changed unless every span was read from the very file planned (``stats``: inode, size and
+    mtime when planned): spans of two versions would join into a hash of neither."""
     spans: dict[str, list[tuple[Piece, PieceResult]]] = {}
     for shard in shards:
         found = {(p.name, p.start): p for p in results[shard.index].pieces}
@@ -248,8 +281,8 @@ def merge(shards: list[Shard], results: dict[int, ShardResult]) -> dict[str, Fil
         for piece, result in parts:
             scan.records += result.records
             scan.failures += result.failures
-            # A size other than planned: the file changed since (a writer at work), never judged.
-            scan.changed |= result.changed or result.size != planned
+            # Another size or version than planned: a writer at work since, never judged.
+            scan.changed |= result.changed or result.size != planned or result.stat != stats.get(name)
             scan.segments += [bytes.fromhex(s) for s in result.segments]
             scan.sha256 = result.sha256 if piece.sha256 else scan.sha256
         scan.hash = combine(scan.segments)

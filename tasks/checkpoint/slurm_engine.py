@@ -12,6 +12,7 @@ another node in service, at most twice; the first result to land wins. A shard t
 read leaves the verification without a verdict (``ShardsFailed``): never a pass, never a fail.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -36,6 +37,7 @@ from tasks.checkpoint.shards import (
     progress_path,
     read_result,
     result_path,
+    with_records,
     write_plan,
 )
 from tasks.cluster import process, slurm
@@ -45,6 +47,8 @@ RETRIES = 2
 WORK_DIR = ".ckptops-verify"
 _POLL_SECONDS = 0.2
 _STOP_GRACE_SECONDS = 10
+_RESULT_GRACE_SECONDS = 5
+_NO_NODE_BACKOFF_SECONDS = 10
 _TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-(\d+))?: (.*)")
 
 
@@ -71,6 +75,7 @@ class ShardStatus:
     attempts: list[Attempt] = field(default_factory=list)
     result: ShardResult | None = None
     gave_up: bool = False  # no other node was left to retry on
+    next_try: float = 0.0  # a straggler with no free node waits until then before asking again
 
     @property
     def done(self) -> bool:
@@ -147,6 +152,7 @@ class _Step:
     log: Path
     attempt: int
     shards: list[int]
+    ended: float = 0.0  # when this host first saw the srun gone
 
 
 class SlurmEngine:
@@ -175,9 +181,12 @@ class SlurmEngine:
                 "install Slurm's client commands, or use --engine local"
             )
         nodes = self._nodes()
-        sizes = {name: _size(directory / name) for name in files}
+        stats = {name: _stat(directory / name) for name in files}
+        sizes = {name: st[1] if st else 0 for name, st in stats.items()}
         per_node = self.settings.ntasks_per_node
-        shards = plan_shards(sizes, len(nodes) * per_node, segment_bytes, set(sha256_for))
+        shards = with_records(
+            plan_shards(sizes, len(nodes) * per_node, segment_bytes, set(sha256_for)), files
+        )
         used_nodes = -(-len(shards) // per_node)
         plan = Plan(
             str(directory),
@@ -199,12 +208,12 @@ class SlurmEngine:
         try:
             self._run(plan, work, used_nodes)
         finally:
-            self._stop_all()
+            self._stop_all(work)
         failed = [s for s in self.statuses if not s.done]
         if failed:
             raise ShardsFailed(self._failure_line(directory, failed, shards, work))
         shutil.rmtree(work, ignore_errors=True)
-        return merge(shards, {s.index: s.result for s in self.statuses})
+        return merge(shards, {s.index: s.result for s in self.statuses}, stats)
 
     # -- nodes
 
@@ -223,16 +232,21 @@ class SlurmEngine:
             )
         return have[:wanted]
 
-    def _retry_node(self, status: ShardStatus) -> str | None:
-        """Another node in service for a shard's retry: not one it already ran on, not drained
-        (asked afresh each time: a node may have been drained since the run began), idle if any."""
-        if _in_allocation():
-            in_service = set(slurm.usable_nodes(None))
-            pool = [n for n in slurm.expand_nodelist(os.environ["SLURM_JOB_NODELIST"]) if n in in_service]
-        else:
-            pool = slurm.usable_nodes(self.settings.partition)
+    def _in_service(self) -> list[str] | None:
+        """The nodes a retry may use now, asked afresh (a node may have been drained since the
+        run began); None when Slurm does not answer (the retry waits for the next poll)."""
+        try:
+            if _in_allocation():
+                in_service = set(slurm.usable_nodes(None))
+                return [n for n in slurm.expand_nodelist(os.environ["SLURM_JOB_NODELIST"]) if n in in_service]
+            return slurm.usable_nodes(self.settings.partition)
+        except CkptopsError:
+            return None
+
+    @staticmethod
+    def _retry_node(status: ShardStatus, pool: list[str], busy: set[str]) -> str | None:
+        """Another node in service for a shard's retry: not one it already ran on, idle if any."""
         tried = {a.node for a in status.attempts}
-        busy = {a.node for s in self.statuses for a in s.running}
         free = [n for n in pool if n not in tried]
         return next((n for n in free if n not in busy), free[0] if free else None)
 
@@ -307,7 +321,7 @@ class SlurmEngine:
         self, plan: Plan, work: Path, status: ShardStatus, attempt: Attempt, events: list[str]
     ) -> None:
         path = result_path(work, status.index, attempt.number)
-        if not path.exists() and self._alive(status.index, attempt.number):
+        if not _listed(path) and self._waiting(status.index, attempt.number):
             return
         try:
             result = read_result(path, plan.shards[status.index], plan.segment_bytes)
@@ -349,8 +363,17 @@ class SlurmEngine:
         attempt.seconds = time.monotonic() - attempt.started
         events.append(f"shard {status.index} failed on {attempt.node or 'an unknown node'}: {error}")
 
-    def _alive(self, shard: int, attempt: int) -> bool:
-        return any(s.popen.poll() is None and s.attempt == attempt and shard in s.shards for s in self._steps)
+    def _waiting(self, shard: int, attempt: int) -> bool:
+        """Whether a result may still come: the attempt's srun runs, or ended so recently that a
+        network file system may not show this host a file created on another node yet."""
+        now = time.monotonic()
+        for step in self._steps:
+            if step.attempt == attempt and shard in step.shards:
+                if step.popen.poll() is None:
+                    return True
+                step.ended = step.ended or now
+                return now - step.ended < _RESULT_GRACE_SECONDS
+        return False
 
     def _last_words(self, work: Path, plan: Plan, shard: int, attempt: Attempt, fallback: str) -> str:
         """Why a task left no usable result: its own last line on stderr, else srun's line about
@@ -374,8 +397,11 @@ class SlurmEngine:
 
     def _retry(self, plan: Plan, work: Path, events: list[str]) -> None:
         durations = [s.result.seconds for s in self.statuses if s.done]
+        pool = None
         for status in self.statuses:
             if status.done or status.failed or len(status.attempts) > RETRIES:
+                continue
+            if time.monotonic() < status.next_try:
                 continue
             running = status.running
             if running:
@@ -390,9 +416,14 @@ class SlurmEngine:
                 why = f"straggling on {running[0].node or '?'}"
             else:
                 why = "failed"
-            node = self._retry_node(status)
+            pool = self._in_service() if pool is None else pool
+            if pool is None:
+                return  # Slurm did not answer: the next poll asks again, up to the time limit
+            node = self._retry_node(status, pool, {a.node for s in self.statuses for a in s.running})
             if node is None:
-                if not running:
+                if running:
+                    status.next_try = time.monotonic() + _NO_NODE_BACKOFF_SECONDS
+                else:
                     status.gave_up = True
                     events.append(f"shard {status.index} {why}: no other node in service to retry on")
                 continue
@@ -411,19 +442,31 @@ class SlurmEngine:
         if self.watch:
             self.watch(self.statuses, events)
 
-    def _stop_all(self) -> None:
+    def _stop_all(self, work: Path) -> None:
         """End every srun still running (a straggler whose shard another node finished): srun
-        passes SIGTERM on to its tasks and ends its step; past the grace, its group is killed."""
+        passes SIGTERM on to its tasks and ends its step. Past the grace, the local srun is
+        killed and the steps its tasks reported are cancelled in Slurm, so none reads on."""
         for step in self._steps:
             if step.popen.poll() is None:
                 step.popen.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + _STOP_GRACE_SECONDS
+        stuck = []
         for step in self._steps:
             try:
                 step.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
             except process.subprocess.TimeoutExpired:
-                os.killpg(step.popen.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(step.popen.pid, signal.SIGKILL)
                 step.popen.wait()
+                stuck.append(step)
+        steps = {
+            note["step"]
+            for step in stuck
+            for shard in step.shards
+            if (note := _read_progress(progress_path(work, shard, step.attempt))) and note.get("step")
+        }
+        if steps:
+            process.capture(["scancel", *sorted(steps)], slurm.TIMEOUT_SECONDS)
 
     @staticmethod
     def _failure_line(directory: Path, failed: list[ShardStatus], shards: list[Shard], work: Path) -> str:
@@ -437,13 +480,23 @@ class SlurmEngine:
         )
 
 
-def _size(path: Path) -> int:
-    """A file's size; one gone since it was listed plans as empty, and its task then finds it
-    missing, which counts as changed (a writer at work), as on one host."""
+def _stat(path: Path) -> list[int] | None:
+    """A file's inode, size and mtime when planned; None for one gone since it was listed (it
+    plans as empty, its task finds it missing, and it counts as changed, as on one host)."""
     try:
-        return path.stat().st_size
+        st = path.stat()
     except FileNotFoundError:
-        return 0
+        return None
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _listed(path: Path) -> bool:
+    """Whether a result file is there, asked of its directory: a listing revalidates a network
+    file system's cached view, where a stat of a file created elsewhere may not yet."""
+    try:
+        return path.name in os.listdir(path.parent)
+    except FileNotFoundError:
+        return False
 
 
 def _read_progress(path: Path) -> dict | None:

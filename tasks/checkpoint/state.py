@@ -144,15 +144,15 @@ def wait_until_complete(
     options: VerifyOptions,
     timeout_seconds: float,
     poll_seconds: float,
-    while_waiting: Callable[[], object] | None = None,
+    while_waiting: Callable[[float], object] | None = None,
 ) -> Completeness:
     """Poll a checkpoint's completeness until its save is done or the timeout passes, calling
-    ``while_waiting`` (the early reading of settled files) between polls."""
+    ``while_waiting`` (the early reading of settled files, given the deadline) between polls."""
     deadline = time.monotonic() + timeout_seconds
     while True:
         done = completeness(directory, options)
         if done.state is not State.IN_PROGRESS or time.monotonic() >= deadline:
             return done
         if while_waiting is not None:
-            while_waiting()
+            while_waiting(deadline)
         time.sleep(min(poll_seconds, max(0.0, deadline - time.monotonic())))

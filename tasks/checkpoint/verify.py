@@ -232,9 +232,6 @@ class _Verifier:
             and manifest.files
             and manifest.verified_at
             and manifest.hash_algorithm == HASH_ALGORITHM
-            and comparable(
-                manifest.hash_segment_bytes, self.options.segment_bytes, [f.size for f in manifest.files]
-            )
             and manifest.same_save(self.files)
         ):
             self.reference = manifest
@@ -276,6 +273,13 @@ class _Verifier:
             if (fqn, None) not in self.index.records:
                 self.checks.failed("records", None, f"object '{fqn}' has no record")
         for name, records in self.index.files.items():
+            for record in records:
+                if record.offset < 0 or record.length <= 0:
+                    self.checks.failed(
+                        "records",
+                        name,
+                        f"record '{record.key}' has offset {record.offset}, length {record.length}",
+                    )
             for before, after in zip(records, records[1:]):
                 if after.offset < before.end:
                     self.checks.failed("records", name, f"records '{before.key}' and '{after.key}' overlap")
@@ -319,8 +323,12 @@ class _Verifier:
     def _scan_content(self) -> None:
         referenced = self.index.files if self.index is not None else {}
         present = sorted(name for name in self.files if not layout.is_own_file(name))
-        files = {name: referenced.get(name, []) for name in present}
-        # Hashes are compared with the reference's: taken the way it took them.
+        # A record with no place in any file fails the records check; there is nothing to read.
+        files = {
+            name: [r for r in referenced.get(name, []) if r.offset >= 0 and r.length > 0] for name in present
+        }
+        # Hashes are compared with the reference's, taken the way it took them (an older
+        # manifest's whole-file hashes, or another segment size), whatever the profile says now.
         if self.reference is not None and not comparable(
             self.reference.hash_segment_bytes, self.segment_bytes, [f.size for f in self.reference.files]
         ):
