@@ -163,10 +163,20 @@ def test_merge_joins_spans_in_order_and_a_resized_file_counts_as_changed(tmp_pat
     planned = {"a": [7, 2 * MB, 1000]}
     results = {
         0: ShardResult(
-            0, 0, "n1", 1, MB, [PieceResult("a", MB, 2 * MB, 2 * MB, ["22" * 16], 2, stat=[7, 2 * MB, 1000])]
+            0,
+            0,
+            "n1",
+            1,
+            MB,
+            [PieceResult("a", MB, 2 * MB, 2 * MB, ["22" * 16], records=2, stat=[7, 2 * MB, 1000])],
         ),
         1: ShardResult(
-            1, 0, "n2", 1, MB, [PieceResult("a", 0, MB, 2 * MB, ["11" * 16], 3, stat=[7, 2 * MB, 1000])]
+            1,
+            0,
+            "n2",
+            1,
+            MB,
+            [PieceResult("a", 0, MB, 2 * MB, ["11" * 16], records=3, stat=[7, 2 * MB, 1000])],
         ),
     }
     scan = merge(shards, results, planned)["a"]
