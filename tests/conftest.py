@@ -85,6 +85,8 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory):
     """A real ``prefect server start`` (SQLite) on a free loopback port, for the whole session."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
     from tasks.prefect_server import start_server
@@ -98,6 +100,10 @@ def prefect_api(tmp_path_factory):
     try:
         with temporary_settings({PREFECT_API_URL: url, PREFECT_HOME: str(home)}):
             yield url
+            # Send what the flows logged and emitted while the server still listens: drained at
+            # exit instead, it would go to a server already stopped (or to a temporary one).
+            APILogWorker.drain_all(timeout=30, at_exit=False)
+            EventsWorker.drain_all(timeout=30, at_exit=False)
     finally:
         for key, value in saved.items():
             if value is None:
