@@ -75,9 +75,10 @@ def look(api_url: str, out: Path, job: str = "local-tiny") -> dict[str, str]:
         seen["drill-trend"] = browser.open(f"{ui}/artifacts/artifact/{trend.id}", [f"restore drills: {job}"])
         browser.wait_images(1)
         browser.screenshot(out / "drill-trend.png")
-        # Node health: the per-node table.
+        # Node health: the per-node table (the run's state message above it names the node and
+        # the verdict too, shortened: wait for the table's own evidence).
         seen["node-health"] = browser.open(
-            f"{ui}/artifacts/artifact/{health.id}", ["localhost", "FAIL_CONFIG"]
+            f"{ui}/artifacts/artifact/{health.id}", ["localhost", "FAIL_CONFIG", "no GPUs found"]
         )
         browser.screenshot(out / "node-health.png")
         # The incident: its row and its phase timeline.
