@@ -83,12 +83,6 @@ def slurm_job(job_id: str) -> SlurmJob:
     )
 
 
-# sinfo's short states of nodes that can take a job.
-def usable_nodes(partition: str, exclude: list[str]) -> list[str]:
-    """Where a relaunch can run; one that needs more nodes would wait in the queue forever."""
-    return slurm.usable_nodes(partition, exclude)
-
-
 def check_script(script: Path) -> str:
     """The job's batch script, refused when a relaunch with it could start from the wrong state."""
     try:

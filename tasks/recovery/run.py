@@ -315,7 +315,8 @@ def _run(profile, source: Source, incident: Incident, approve, step) -> None:
     incident.mark("health_done")
     needed = settings.nodes or len(job_nodes)
     if settings.launcher == "slurm" and detected.partition and needed:
-        usable = step("capacity", jobs.usable_nodes, detected.partition, exclude)
+        # A relaunch needing more nodes than are in service would wait in the queue forever.
+        usable = step("capacity", slurm.usable_nodes, detected.partition, exclude)
         if len(usable) < needed:
             _stop(
                 incident,
