@@ -98,6 +98,7 @@ def test_shards_balance_bytes_split_large_files_and_keep_writer_order():
         spans = sorted((p.start, p.end) for s in shards for p in s.pieces if p.name == name)
         assert spans[0][0] == 0 and spans[-1][1] == size
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert all(len(s.pieces) == len(s.files) for s in shards)  # a shard holds one span per file
     assert plan_shards(sizes, 1, MB)[0].bytes == sum(sizes.values())
 
 

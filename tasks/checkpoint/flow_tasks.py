@@ -74,11 +74,13 @@ class _ByteCounter:
             self.events += events
             self.changed = self.changed or bool(events)
 
-    def take(self) -> tuple[list[dict], list[str]]:
-        """The shard table if it changed since the last take (else empty), and the news since."""
+    def take(self, table_due: bool) -> tuple[list[dict], list[str]]:
+        """The news since the last take, and the shard table when it is due and has changed since
+        it was last taken (else empty: it stays pending)."""
         with self._lock:
-            rows = self.rows if self.changed else []
-            events, self.events, self.changed = self.events, [], False
+            rows = self.rows if self.changed and table_due else []
+            self.changed = self.changed and not rows
+            events, self.events = self.events, []
             return rows, events
 
 
@@ -111,16 +113,16 @@ def verify_one(
         while True:
             finished = wait([future], timeout=_PROGRESS_EVERY_SECONDS).done
             update_progress_artifact(artifact, progress=min(100.0, 100.0 * counter.done / total))
-            rows, events = counter.take()
-            for line in events:
-                logger.info(line)
             # The per-shard table, as the shards finish, fail or move: a new version at most
             # every few seconds (each is a row in Prefect's database).
-            if rows and (finished or time.monotonic() - published >= _SHARD_TABLE_EVERY_SECONDS):
+            rows, events = counter.take(
+                finished or time.monotonic() - published >= _SHARD_TABLE_EVERY_SECONDS
+            )
+            for line in events:
+                logger.info(line)
+            if rows:
                 _publish_shards(options.job, directory.name, rows)
                 published = time.monotonic()
-            elif rows:
-                counter.changed = True
             if finished:
                 break
     update_progress_artifact(artifact, progress=100.0)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from tasks.checkpoint import layout
-from tasks.checkpoint.scan import FileScan, Record, scan_file
+from tasks.checkpoint.scan import FileScan, Record, scan_file, stat_key
 from tasks.checkpoint.state import VerifyOptions, wait_until_complete
 from tasks.checkpoint.verify import Verification, verify_checkpoint
 
@@ -63,10 +63,6 @@ def walk_records(path: Path) -> list[tuple[int, int]] | None:
     return found[::-1]
 
 
-def _stat_key(st: os.stat_result) -> tuple:
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
 class Prescan:
     """Early readings of one checkpoint's data files; ``step`` reads what has settled since."""
 
@@ -77,7 +73,7 @@ class Prescan:
         self.settle_seconds = settle_seconds
         self.segment_bytes = segment_bytes
         self.sha256 = sha256  # the job writes integrity.json: take its SHA-256s on the way
-        self.read: dict[str, tuple[tuple, list[tuple[int, int]], FileScan]] = {}
+        self.read: dict[str, tuple[list[int], list[tuple[int, int]], FileScan]] = {}
         self._lock = threading.Lock()
 
     def step(self, deadline: float | None = None) -> list[str]:
@@ -108,17 +104,17 @@ class Prescan:
                 return False
             records = [Record(f"record {i}", path.name, o, n) for i, (o, n) in enumerate(walked)]
             scan = scan_file(path, records, self.sha256, segment_bytes=self.segment_bytes)
-            if scan.changed or scan.unreadable is not None or _stat_key(path.stat()) != _stat_key(st):
+            if scan.changed or scan.unreadable is not None or stat_key(path.stat()) != stat_key(st):
                 return False
         except (OSError, struct.error):
             return False
         with self._lock:
-            self.read[path.name] = (_stat_key(st), walked, scan)
+            self.read[path.name] = (stat_key(st), walked, scan)
         return True
 
     def _have(self, name: str, st: os.stat_result) -> bool:
         with self._lock:
-            return name in self.read and self.read[name][0] == _stat_key(st)
+            return name in self.read and self.read[name][0] == stat_key(st)
 
     def reuse(self, name: str, records: list[Record]) -> FileScan | None:
         """The early reading of ``name`` if the file is unchanged since and ``.metadata`` lists
@@ -129,7 +125,7 @@ class Prescan:
             return None
         key, walked, scan = kept
         try:
-            now = _stat_key(os.stat(self.directory / name))
+            now = stat_key(os.stat(self.directory / name))
         except OSError:
             return None
         if now != key or walked != sorted((r.offset, r.length) for r in records):

@@ -233,8 +233,10 @@ def _finish(scan: FileScan, r: CrcRange) -> None:
         scan.failures.append(f"{r.label} at offset {r.start}: CRC {r.crc:08x}, expected {r.expected:08x}")
 
 
-def _stat_key(st: os.stat_result) -> tuple:
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
+def stat_key(st: os.stat_result) -> list[int]:
+    """What identifies one version of a file: inode, size and mtime (the same on every node of a
+    shared file system, so a shard task's and the coordinator's can be compared)."""
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
 
 
 def owned_records(records: list[Record], start: int, end: int, last: bool) -> list[Record]:
@@ -325,10 +327,10 @@ def scan_file(
         scan.segments = hasher.finish()
         scan.hash = combine(scan.segments) if span is None else None
         scan.sha256 = sha.hexdigest() if sha is not None else None
-        scan.stat = list(_stat_key(before))
-        scan.changed = _stat_key(os.fstat(fd)) != _stat_key(before) or hasher.position != end
+        scan.stat = stat_key(before)
+        scan.changed = stat_key(os.fstat(fd)) != stat_key(before) or hasher.position != end
         try:
-            scan.changed = scan.changed or _stat_key(os.stat(path)) != _stat_key(before)
+            scan.changed = scan.changed or stat_key(os.stat(path)) != stat_key(before)
         except FileNotFoundError:
             scan.changed = True
     except OSError as e:

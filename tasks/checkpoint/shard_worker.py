@@ -19,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tasks.checkpoint.scan import owned_records, scan_file
+from tasks.checkpoint.scan import scan_file
 from tasks.checkpoint.shards import PieceResult, Plan, ShardResult, progress_path, read_records
 from tasks.storage.local import atomic_write
 
@@ -64,12 +64,10 @@ def read_shard(plan: Plan, shard_index: int, attempt: int, node: str, work: Path
         records = read_records(work, shard_index)
 
         def read(piece):
-            owned = owned_records(
-                records.get(piece.name, []), piece.start, piece.end, piece.end == piece.size
-            )
+            # A shard holds at most one span of a file: its records there are the span's own.
             scan = scan_file(
                 directory / piece.name,
-                owned,
+                records.get(piece.name, []),
                 piece.sha256,
                 counter,
                 plan.segment_bytes,

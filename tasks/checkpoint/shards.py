@@ -45,7 +45,7 @@ class Piece:
     end: int
     size: int
     sha256: bool = False
-    records: int = 0  # how many records this span owns (``with_records``)
+    records: int = 0  # how many records this span owns (``assign_records``)
 
     @property
     def length(self) -> int:
@@ -124,20 +124,20 @@ def plan_shards(
     return [Shard(i, pieces) for i, pieces in enumerate(p for p in runs if p)]
 
 
-def with_records(shards: list[Shard], records: dict[str, list[Record]]) -> list[Shard]:
-    """The shards with each piece's count of the records it owns: what its result must report."""
-    return [
-        Shard(
-            s.index,
-            [
-                replace(
-                    p, records=len(owned_records(records.get(p.name, []), p.start, p.end, p.end == p.size))
-                )
-                for p in s.pieces
-            ],
-        )
-        for s in shards
-    ]
+def assign_records(
+    shards: list[Shard], records: dict[str, list[Record]]
+) -> tuple[list[Shard], dict[int, list[Record]]]:
+    """Each shard's records (those its spans own), in one pass over them all; and the shards with
+    each piece's count of them: what its result must report."""
+    counted, owned = [], {}
+    for shard in shards:
+        pieces, owned[shard.index] = [], []
+        for p in shard.pieces:
+            mine = owned_records(records.get(p.name, []), p.start, p.end, p.end == p.size)
+            pieces.append(replace(p, records=len(mine)))
+            owned[shard.index] += mine
+        counted.append(Shard(shard.index, pieces))
+    return counted, owned
 
 
 def expected_segments(piece: Piece, segment_bytes: int | None) -> int:
@@ -290,18 +290,14 @@ def merge(
     return scans
 
 
-def write_plan(work: Path, plan: Plan, records: dict[str, list[Record]]) -> None:
-    """The plan, and beside it each shard's records (those its spans own, from the coordinator's
+def write_plan(work: Path, plan: Plan, owned: dict[int, list[Record]]) -> None:
+    """The plan, and beside it each shard's records (``assign_records``, from the coordinator's
     reading of ``.metadata``): a task reads only its own, and never unpickles anything."""
     folder = Path(work) / "records"
     folder.mkdir(parents=True, exist_ok=True)
     for shard in plan.shards:
-        owned = [
-            asdict(r)
-            for p in shard.pieces
-            for r in owned_records(records.get(p.name, []), p.start, p.end, p.end == p.size)
-        ]
-        atomic_write(folder / f"shard-{shard.index}.json", json.dumps(owned).encode())
+        records = [asdict(r) for r in owned[shard.index]]
+        atomic_write(folder / f"shard-{shard.index}.json", json.dumps(records).encode())
     atomic_write(Path(work) / PLAN, plan.to_json().encode())
 
 

@@ -26,18 +26,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.checkpoint.scan import FileScan, Record
+from tasks.checkpoint.scan import FileScan, Record, stat_key
 from tasks.checkpoint.shards import (
     PLAN,
     Plan,
     Shard,
     ShardResult,
+    assign_records,
     merge,
     plan_shards,
     progress_path,
     read_result,
     result_path,
-    with_records,
     write_plan,
 )
 from tasks.cluster import process, slurm
@@ -184,7 +184,7 @@ class SlurmEngine:
         stats = {name: _stat(directory / name) for name in files}
         sizes = {name: st[1] if st else 0 for name, st in stats.items()}
         per_node = self.settings.ntasks_per_node
-        shards = with_records(
+        shards, owned = assign_records(
             plan_shards(sizes, len(nodes) * per_node, segment_bytes, set(sha256_for)), files
         )
         used_nodes = -(-len(shards) // per_node)
@@ -200,7 +200,7 @@ class SlurmEngine:
         work = root / f"{directory.name}-{uuid.uuid4().hex[:8]}"
         try:
             work.mkdir(parents=True)
-            write_plan(work, plan, files)
+            write_plan(work, plan, owned)
         except OSError as e:
             raise unreadable(work, e) from None
         self._job = f"ckptops-verify-{directory.name}"
@@ -484,10 +484,9 @@ def _stat(path: Path) -> list[int] | None:
     """A file's inode, size and mtime when planned; None for one gone since it was listed (it
     plans as empty, its task finds it missing, and it counts as changed, as on one host)."""
     try:
-        st = path.stat()
+        return stat_key(path.stat())
     except FileNotFoundError:
         return None
-    return [st.st_ino, st.st_size, st.st_mtime_ns]
 
 
 def _listed(path: Path) -> bool:
