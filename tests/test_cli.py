@@ -16,6 +16,16 @@ def ckptops(*args):
     )
 
 
+def ckptops_here(*args):
+    """The CLI in this process (exit code, stdout, stderr): for tests of what a command says and
+    how it exits, where no process boundary is being tested."""
+    from typer.testing import CliRunner
+
+    from tasks.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
 def test_verify_valid_exits_0_with_one_line(save_dir):
     result = ckptops("verify", iter_dir(save_dir, 4))
     assert result.returncode == 0, result.stderr

@@ -16,7 +16,7 @@ from tasks.goodput.measure import measure, save_times_from_log, save_times_from_
 from tasks.goodput.simulate import restart_for, save_cost_for, simulate
 from tasks.recovery.ledger import Incident, record
 from tasks.resume.records import Steps
-from tests.test_cli import ckptops
+from tests.test_cli import ckptops, ckptops_here
 
 SEED = dict(save=180.0, mtbf=24 * 3600.0)
 
@@ -51,6 +51,68 @@ def test_zero_or_negative_c_m_t_are_usage_errors(flag, value):
     done = ckptops("goodput", "advise", "--restart-minutes", "10", *[x for kv in args.items() for x in kv])
     assert done.returncode == 2 and done.stderr.startswith("ckptops: ") and "positive" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+SIMULATE = {
+    "--gpus": "5120",
+    "--days": "76",
+    "--mtbf-hours": "24",
+    "--save-seconds": "180",
+    "--interval-minutes": "90",
+    "--recover-minutes": "10",
+    "--runs": "10",
+}
+
+
+@pytest.mark.parametrize(
+    "flag,value,named",
+    [
+        ("--recover-minutes", "nan", "restart_seconds"),
+        ("--recover-minutes", "-1", "restart_seconds"),
+        ("--save-seconds", "inf", "save_seconds"),
+        ("--mtbf-hours", "nan", "mtbf_seconds"),
+        ("--days", "1e6", "days"),
+        ("--days", "nan", "days"),
+        ("--runs", "1000000000", "runs"),
+        ("--seed", "-1", "seed"),
+        ("--gpus", "-5", "gpus"),
+        ("--blocking-seconds", "nan", "blocking"),
+    ],
+)
+def test_simulate_refuses_numbers_that_are_not_finite_or_in_range(flag, value, named):
+    done = ckptops_here("goodput", "simulate", *[x for kv in (SIMULATE | {flag: value}).items() for x in kv])
+    assert done.exit_code == 2 and done.stderr.startswith(f"ckptops: {named}: ")
+    assert "%" not in done.stdout  # no ETTR printed from a NaN
+
+
+def test_the_simulator_has_a_bound_on_events():
+    # 3650 days with a save every minute in 1000 runs: billions of events, refused before any.
+    done = ckptops_here(
+        "goodput",
+        "simulate",
+        *[
+            x
+            for kv in (SIMULATE | {"--days": "3650", "--interval-minutes": "1", "--runs": "1000"}).items()
+            for x in kv
+        ],
+    )
+    assert done.exit_code == 2 and "saves and failures to simulate, more than 5,000,000" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "flag,value,named",
+    [("--restart-minutes", "nan", "restart_seconds"), ("--gpus", "-5", "gpus"), ("--gpus", "0", "gpus")],
+)
+def test_advise_refuses_a_nan_restart_and_gpus_below_one(flag, value, named):
+    given = {
+        "--save-seconds": "180",
+        "--mtbf-hours": "24",
+        "--restart-minutes": "10",
+        "--interval-minutes": "60",
+    }
+    done = ckptops_here("goodput", "advise", *[x for kv in (given | {flag: value}).items() for x in kv])
+    assert done.exit_code == 2 and done.stderr.startswith(f"ckptops: {named}: ")
+    assert "GPU-hours" not in done.stdout and "ETTR" not in done.stdout
 
 
 @pytest.mark.parametrize(

@@ -12,21 +12,35 @@ from dataclasses import asdict, dataclass
 
 from tasks.errors import UsageError
 
+# The most GPUs any job holds: a figure past it is a typing error, not a cluster.
+MAX_GPUS = 10_000_000
 
-def _positive(**values: float | None) -> None:
+
+def positive(**values: float | None) -> None:
     for name, value in values.items():
         if value is None or not math.isfinite(value) or value <= 0:
             raise UsageError(f"{name}: must be a positive number, got {value}")
 
 
+def not_negative(**values: float | None) -> None:
+    for name, value in values.items():
+        if value is None or not math.isfinite(value) or value < 0:
+            raise UsageError(f"{name}: must be a finite number, not negative, got {value}")
+
+
+def check_gpus(gpus) -> None:
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS:
+        raise UsageError(f"gpus: must be a whole number from 1 to {MAX_GPUS:,}, got {gpus}")
+
+
 def young(save: float, mtbf: float) -> float:
-    _positive(save_seconds=save, mtbf_seconds=mtbf)
+    positive(save_seconds=save, mtbf_seconds=mtbf)
     return math.sqrt(2 * save * mtbf)
 
 
 def daly(save: float, mtbf: float) -> tuple[float, str | None]:
     """Daly's interval, and a note when his formula does not apply (C >= 2M: then T = M)."""
-    _positive(save_seconds=save, mtbf_seconds=mtbf)
+    positive(save_seconds=save, mtbf_seconds=mtbf)
     ratio = save / (2 * mtbf)
     if ratio >= 1:
         return mtbf, f"C ({save:.0f} s) >= 2M ({2 * mtbf:.0f} s): Daly's formula does not apply; T = M"
@@ -35,9 +49,8 @@ def daly(save: float, mtbf: float) -> tuple[float, str | None]:
 
 def ettr(save: float, mtbf: float, restart: float, interval: float) -> float:
     """Expected ETTR to first order; below 0 it is 0 (the job makes no progress)."""
-    _positive(save_seconds=save, mtbf_seconds=mtbf, interval_seconds=interval)
-    if restart < 0:
-        raise UsageError(f"restart_seconds: must not be negative, got {restart}")
+    positive(save_seconds=save, mtbf_seconds=mtbf, interval_seconds=interval)
+    not_negative(restart_seconds=restart)
     return max(0.0, 1 - save / interval - (restart + interval / 2) / mtbf)
 
 
@@ -45,7 +58,8 @@ def ettr_exact(save: float, mtbf: float, restart: float, interval: float) -> flo
     """Expected ETTR without the first-order approximation, for exponential failures that do not
     strike during a restart: each interval of work plus its save is retried until it completes,
     at an expected (M + R)(e^((T + C)/M) - 1) of wall time."""
-    _positive(save_seconds=save, mtbf_seconds=mtbf, interval_seconds=interval)
+    positive(save_seconds=save, mtbf_seconds=mtbf, interval_seconds=interval)
+    not_negative(restart_seconds=restart)
     return interval / ((mtbf + restart) * math.expm1((interval + save) / mtbf))
 
 
@@ -94,6 +108,7 @@ def advise(
     gpus: int,
     sources: dict[str, str] | None = None,
 ) -> Advice:
+    check_gpus(gpus)
     t_young = young(save, mtbf)
     t_daly, note = daly(save, mtbf)
     advised = ettr(save, mtbf, restart, t_daly)

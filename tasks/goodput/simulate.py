@@ -13,8 +13,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from tasks.errors import UsageError
+from tasks.goodput.advice import check_gpus, daly, ettr, not_negative, positive
 
 Z95 = 1.96
+# Bounds: a simulation runs about 30,000 events a second here, so the largest takes minutes.
+MAX_DAYS = 3650
+MAX_RUNS = 100_000
+MAX_EVENTS = 5_000_000
 
 
 @dataclass
@@ -73,6 +78,25 @@ def _one(rng, horizon, mtbf, save, blocking, interval, restart) -> tuple[float, 
     return work, failures
 
 
+def _check(gpus, days, mtbf, save, interval, restart, seed, runs) -> None:
+    """Every input finite and in range, and the whole simulation within MAX_EVENTS: one line
+    naming the value otherwise (a NaN would print a NaN ETTR, 1e6 days would never end)."""
+    check_gpus(gpus)
+    positive(days=days, mtbf_seconds=mtbf, save_seconds=save, interval_seconds=interval)
+    not_negative(restart_seconds=restart)
+    if days > MAX_DAYS:
+        raise UsageError(f"days: at most {MAX_DAYS} (ten years), got {days:g}")
+    for name, value, low, high in (("runs", runs, 2, MAX_RUNS), ("seed", seed, 0, 2**63 - 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise UsageError(f"{name}: must be a whole number from {low} to {high:,}, got {value}")
+    events = runs * days * 86400 * (1 / interval + 1 / mtbf)
+    if events > MAX_EVENTS:
+        raise UsageError(
+            f"about {events:,.0f} saves and failures to simulate, more than {MAX_EVENTS:,}: "
+            "fewer runs or days, or a longer interval"
+        )
+
+
 def simulate(
     gpus: int,
     days: float,
@@ -84,13 +108,9 @@ def simulate(
     runs: int = 200,
     blocking: float | None = None,
 ) -> Simulation:
-    for name, value in (("days", days), ("mtbf", mtbf), ("save", save), ("interval", interval)):
-        if not math.isfinite(value) or value <= 0:
-            raise UsageError(f"{name}: must be a positive number, got {value}")
-    if restart < 0 or gpus < 1 or runs < 2:
-        raise UsageError("restart must not be negative, gpus at least 1, runs at least 2")
+    _check(gpus, days, mtbf, save, interval, restart, seed, runs)
     blocking = save if blocking is None else blocking
-    if not 0 < blocking <= save:
+    if not (math.isfinite(blocking) and 0 < blocking <= save):
         raise UsageError(f"blocking: must be in (0, save], got {blocking}")
     horizon = days * 86400
     rng = np.random.default_rng(seed)
@@ -119,7 +139,6 @@ def simulate(
 def save_cost_for(target: float, mtbf: float, restart: float) -> float | None:
     """The save cost C at which Daly's interval reaches ``target`` ETTR (first order), or None
     when no save cost does (the restarts alone cost more)."""
-    from tasks.goodput.advice import daly, ettr
 
     def at(save: float) -> float:
         return ettr(save, mtbf, restart, daly(save, mtbf)[0])
@@ -135,8 +154,6 @@ def save_cost_for(target: float, mtbf: float, restart: float) -> float | None:
 
 def restart_for(target: float, mtbf: float, save: float) -> float | None:
     """The restart time R at which Daly's interval reaches ``target`` ETTR (first order)."""
-    from tasks.goodput.advice import daly
-
     interval = daly(save, mtbf)[0]
     restart = mtbf * (1 - save / interval - target) - interval / 2
     return restart if restart >= 0 else None
