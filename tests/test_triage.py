@@ -3,6 +3,8 @@
 on focused synthetic cases for each rule, including the texts our local training job prints."""
 
 import calendar
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -979,6 +981,49 @@ def test_a_long_log_is_read_streaming(tmp_path):
     assert result.first_error.line == 200_001
 
 
+def test_a_200_mb_line_is_read_in_bounded_memory_and_kept_to_a_few_kb(tmp_path):
+    """One line of 200 MB that starts like an OOM (the issue's log): triage in a process of its
+    own, its peak memory measured by the kernel (ru_maxrss), holds far less than the line, and
+    its JSON holds the first error once, cut to a few KB with its length."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "huge.log"
+    size = 200 << 20
+    with log.open("wb") as f:
+        f.write(b"[rank1]: torch.OutOfMemoryError: CUDA out of memory. ")
+        chunk = b"x" * (1 << 20)
+        for _ in range(size >> 20):
+            f.write(chunk)
+        f.write(b"\n[rank1]: done\n")
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import json, sys; from tasks.recovery.triage import triage; "
+            "print(json.dumps(triage([sys.argv[1]], layout={1: 'n2'}).to_dict()))",
+            str(log),
+        ],
+        stdout=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    out = child.stdout.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    peak_mb = usage.ru_maxrss / 1024
+    assert peak_mb < 150, f"triage of a 200 MB line peaked at {peak_mb:.0f} MB"
+    found = json.loads(out)
+    assert len(out) < 20_000 and found["class"] == "oom" and found["suspect_nodes"] == ["n2"]
+    assert found["first_error"]["text"].endswith(f"[... {size + 53} bytes in all]")
+    assert found["evidence"][0] == {
+        "file": str(log),
+        "line": 1,
+        "class": "oom",
+        "kind": "root",
+        "first_error": True,
+    }
+
+
 def test_evidence_is_capped_and_the_first_error_kept(tmp_path):
     log = write(tmp_path, "x.log", *(f"[rank{i}]: KeyError: 'k{i}'" for i in range(120)))
     result = triage([log])
@@ -1011,14 +1056,9 @@ def test_to_dict(tmp_path):
         "line": 1,
         "text": "[rank1]: KeyError: 'k'",
     }
+    # The first error's text is there once: its evidence entry points at it.
     assert as_dict["evidence"] == [
-        {
-            "file": str(tmp_path / "x.log"),
-            "line": 1,
-            "text": "[rank1]: KeyError: 'k'",
-            "class": "software",
-            "kind": "root",
-        }
+        {"file": str(tmp_path / "x.log"), "line": 1, "class": "software", "kind": "root", "first_error": True}
     ]
     assert triage([]).to_dict()["first_error"] is None
 

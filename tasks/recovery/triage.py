@@ -48,6 +48,7 @@ from pathlib import Path
 
 from tasks.errors import UsageError, unreadable
 from tasks.health.xids import CRITICAL_XIDS
+from tasks.storage.local import read_lines
 
 _FRAME = re.compile(r'\bFile "[^"]+", line \d+')
 
@@ -55,6 +56,9 @@ CLASSES = ("hardware", "network", "numerics", "oom", "software", "hang", "preemp
 
 APPLICATION_XIDS = frozenset({13, 31, 43})  # an application fault: evidence for software
 EVIDENCE_CAP = 50
+# What is kept of a log line: an error message is at its start, and a first error is stored in
+# the incident ledger and in every JSON answer.
+LINE_BYTES = 4096
 _BLOCK = 1000  # lines screened at once
 SPIKE_WINDOW, SPIKE_FACTOR = 20, 3.0
 OVERFLOWS_FOR_NUMERICS = 5
@@ -95,8 +99,10 @@ class Triage:
             "first_error": None
             if first is None
             else {"file": first.file, "line": first.line, "text": first.text},
+            # The first error is evidence too; its text is given once, above.
             "evidence": [
-                {"file": e.file, "line": e.line, "text": e.text, "class": e.cls, "kind": e.kind}
+                {"file": e.file, "line": e.line, "class": e.cls, "kind": e.kind}
+                | ({"first_error": True} if e == first else {"text": e.text})
                 for e in self.evidence
             ],
             "reason": self.reason,
@@ -446,12 +452,12 @@ class _Scan:
         self.files: list[_File] = []
         self.year: int | None = None  # of the first dated timestamp
 
-    def read(self, index: int, name: str, stream) -> None:
+    def read(self, index: int, name: str, lines) -> None:
         state = _File(index, name)
         self.files.append(state)
         block: list[str] = []
-        for raw in stream:
-            block.append(raw.rstrip("\r\n"))
+        for text in lines:
+            block.append(text)
             if len(block) == _BLOCK:
                 self._block(state, block)
                 block = []
@@ -768,8 +774,7 @@ def triage(
         if path.is_dir():
             raise UsageError(f"{path}: is a directory; triage reads log files")
         try:
-            with open(path, encoding="utf-8", errors="replace") as stream:
-                scan.read(index, str(path), stream)
+            scan.read(index, str(path), read_lines(path, LINE_BYTES))
         except OSError as e:
             raise unreadable(path, e) from e
     return scan.result(exit_code)

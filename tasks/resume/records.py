@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from tasks.errors import UsageError
+from tasks.storage.local import read_lines
 
 _COLUMNS = (
     "iteration",
@@ -243,20 +244,15 @@ def parse_megatron_log(path: Path, lines) -> Steps:
     )
 
 
-def _first_line(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        return next((line for line in f if line.strip()), b"")
-
-
 def load_steps(path: Path) -> Steps:
     """Step records or a Megatron-LM log, told apart by their first meaningful line; either is
-    read without holding the file in memory whole."""
+    read without holding the file in memory whole (a FIFO or a device is refused)."""
     path = Path(path)
     try:
-        if _first_line(path).lstrip().startswith(b"{"):
+        first = next((line for line in read_lines(path, 4096) if line.strip()), "")
+        if first.lstrip().startswith("{"):
             return _load_records(path)
-        with open(path, errors="replace") as lines:
-            steps = parse_megatron_log(path, lines)
+        steps = parse_megatron_log(path, read_lines(path))
     except OSError as e:
         raise UsageError(f"{path}: {e.strerror or e}") from None
     if not len(steps):

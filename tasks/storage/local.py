@@ -9,12 +9,24 @@ import json
 import os
 import secrets
 import shutil
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 
-from tasks.errors import Malformed, unreadable
+from tasks.errors import Malformed, UsageError, unreadable
 
 TEMP_MARK = ".tmp-"
 TRASH_PREFIX = ".ckptops-trash-"
+# The longest line a log reader keeps: the rest of a longer line is read past, never held.
+MAX_LINE = 64 << 10
+
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+}
 
 
 def _write_temp(path: Path, data: bytes) -> Path:
@@ -194,3 +206,46 @@ def purge_trash(directory: Path) -> None:
             trash.unlink()
         else:
             shutil.rmtree(trash, ignore_errors=True)
+
+
+def open_regular(path: Path):
+    """Open a file to read it whole, refusing anything but a regular file: a FIFO with no
+    writer would block the reader forever, a device never ends. The check is made on the opened
+    descriptor (opened without blocking), so nothing can be swapped in between."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise unreadable(path, e) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        raise UsageError(f"{path}: {kind}, not a regular file; give the file itself")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, its whole length noted after the cut."""
+    return text if len(text) <= limit else f"{text[:limit]} [... {len(text)} characters in all]"
+
+
+def read_lines(path: Path, limit: int = MAX_LINE) -> Iterator[str]:
+    """The lines of a text file (a regular one: ``open_regular``), decoded as UTF-8 with errors
+    replaced, without their line ends. A line longer than ``limit`` bytes is cut there, its whole
+    length noted after the cut; the rest is read past in pieces, so a 200 MB line costs ``limit``
+    of memory, not 200 MB."""
+    with open_regular(path) as f:
+        while True:
+            line = f.readline(limit)
+            if not line:
+                return
+            text = line.decode("utf-8", "replace").rstrip("\r\n")
+            if len(line) == limit and not line.endswith(b"\n"):
+                length = len(line)
+                while (rest := f.readline(limit)) and not rest.endswith(b"\n"):
+                    length += len(rest)
+                length += len(rest.rstrip(b"\r\n"))
+                text = f"{text} [... {length} bytes in all]"
+            yield text
