@@ -17,7 +17,7 @@ from tasks.profile import load_profile
 @flow(name="goodput-report", log_prints=True)
 def goodput_report(profile: str = "local"):
     prof = load_profile(profile)
-    found = ledger(prof)
+    found = ledger(prof, warn=print)
     rows = [
         {
             "figure": name,

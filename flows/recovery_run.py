@@ -11,13 +11,13 @@ from typing import Literal
 
 from prefect import flow
 from prefect.runtime import flow_run
-from prefect.states import Completed, Failed
+from prefect.states import Cancelled, Completed, Failed
 
 from tasks.notify import send
 from tasks.profile import load_profile
 from tasks.recovery.flow_tasks import announce, ask_in_ui, flow_step, publish_incident
 from tasks.recovery.ledger import COMPLETED
-from tasks.recovery.run import Source, recover
+from tasks.recovery.run import Duplicate, Source, recover
 
 
 @flow(name="recovery-run", log_prints=True)
@@ -36,15 +36,20 @@ def recovery_run(
         prof = prof.model_copy(update={"recovery": prof.recovery.model_copy(update={"auto_approve": []})})
     source = Source(slurm_job or None, [Path(p) for p in logs or []], exit_code)
     timeout = prof.recovery.approval_timeout_seconds if prof.recovery else 0
-    incident = recover(
-        prof,
-        source,
-        trigger,
-        ask_in_ui(timeout),
-        step=flow_step,
-        flow_run=str(flow_run.id),
-        started=lambda i: announce(prof.job.name, i.id, {"slurm_job": slurm_job, "logs": logs or []}),
-    )
+    try:
+        incident = recover(
+            prof,
+            source,
+            trigger,
+            ask_in_ui(timeout),
+            step=flow_step,
+            flow_run=str(flow_run.id),
+            started=lambda i: announce(prof.job.name, i.id, {"slurm_job": slurm_job, "logs": logs or []}),
+            warn=print,
+        )
+    except Duplicate as e:  # another run has this failure in hand: nothing to do, nobody to page
+        print(e)
+        return Cancelled(message=str(e))
     publish_incident(prof.job.save_dir, incident)
     message = f"{incident.id} {incident.cls}: {incident.outcome}: {incident.reason}"
     print(message)

@@ -6,6 +6,7 @@ naming the file and the check, never a traceback.
 """
 
 import json
+import os
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
@@ -19,6 +20,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 from tasks import render
 from tasks.errors import CkptopsError, Malformed, UsageError, unreadable
 from tasks.profile import Profile, load_profile
+from tasks.storage.local import open_regular
 
 app = typer.Typer(
     add_completion=False,
@@ -45,6 +47,10 @@ OWN_SAVE_DIR = "the profile's own save directory (the default); any other is ref
 # Real DCGM and nccl-tests outputs are kilobytes; a file far larger is not one (and would cost
 # gigabytes to parse).
 MAX_TOOL_OUTPUT = 64 << 20
+
+
+def _warn(line: str) -> None:
+    err.print(f"ckptops: warning: {line}", markup=False)
 
 
 def _fail(error: CkptopsError) -> None:
@@ -520,7 +526,8 @@ def recover(
     as_json: JsonOpt = False,
 ):
     """Recover a failed job: triage, stop rules, checkpoint, node health and drains, approval,
-    relaunch, validation; the incident goes to the ledger. Exit 0 recovered, 1 stopped or aborted."""
+    relaunch, validation; the incident goes to the ledger. Exit 0 recovered, 1 stopped, aborted or
+    interrupted, 3 another recovery has this failure in hand (nothing relaunched)."""
     if not slurm_job and not logs:
         _fail(UsageError("name what failed: --slurm-job ID or --logs FILE..."))
     with _expected_errors():
@@ -535,7 +542,12 @@ def recover(
             return fn(*args, **kwargs)
 
         incident = run_recovery(
-            prof, Source(slurm_job, list(logs or []), exit_code), "cli", _ask_on_terminal(approve), step
+            prof,
+            Source(slurm_job, list(logs or []), exit_code),
+            "cli",
+            _ask_on_terminal(approve),
+            step,
+            warn=_warn,
         )
     if as_json:
         out.print_json(json.dumps(incident.to_dict()))
@@ -573,11 +585,14 @@ def incidents(
 ):
     """The job's incident ledger: every recovery, its class, nodes, checkpoint and outcome."""
     with _expected_errors():
-        from tasks.recovery.ledger import incidents as read_incidents
+        from tasks.recovery.ledger import read_ledger
         from tasks.recovery.report import incident_rows, timeline_png
 
         prof = _profile_for(profile, save_dir)
-        found = [i for i in read_incidents(prof.job.save_dir) if i.job == prof.job.name]
+        read = read_ledger(prof.job.save_dir)
+        for problem in read.problems:
+            _warn(problem)
+        found = [i for i in read.incidents if i.job == prof.job.name]
         if plot is not None and found:
             plot.write_bytes(timeline_png(found))
     if as_json:
@@ -622,7 +637,7 @@ def goodput(
     with _expected_errors():
         from tasks.goodput.report import ledger, ledger_lines
 
-        found = ledger(load_profile(profile), _since(since), log)
+        found = ledger(load_profile(profile), _since(since), log, _warn)
     if as_json:
         out.print_json(json.dumps(found.to_dict()))
         return
@@ -654,7 +669,9 @@ def goodput_advise(
         from tasks.goodput.report import advice, interval_note, ledger
 
         prof = load_profile(profile)
-        found = advice(prof, ledger(prof), save_seconds, mtbf_hours, restart_minutes, interval_minutes)
+        found = advice(
+            prof, ledger(prof, warn=_warn), save_seconds, mtbf_hours, restart_minutes, interval_minutes
+        )
         if gpus is not None:
             from tasks.goodput.advice import advise
 
@@ -845,13 +862,14 @@ def health_classify(
         if tool not in ("dcgm", "nccl"):
             raise UsageError(f"{tool!r}: classify dcgm or nccl")
         try:
-            size = file.stat().st_size
-            if size > MAX_TOOL_OUTPUT:
-                raise UsageError(
-                    f"{file}: {size / 2**20:.0f} MiB is more than any dcgmi or all_reduce_perf output "
-                    f"(at most {MAX_TOOL_OUTPUT >> 20} MiB are read)"
-                )
-            text = file.read_text(errors="replace")
+            with open_regular(file) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > MAX_TOOL_OUTPUT:
+                    raise UsageError(
+                        f"{file}: {size / 2**20:.0f} MiB is more than any dcgmi or all_reduce_perf "
+                        f"output (at most {MAX_TOOL_OUTPUT >> 20} MiB are read)"
+                    )
+                text = f.read(MAX_TOOL_OUTPUT).decode(errors="replace")
         except OSError as e:
             raise UsageError(f"{file}: {e.strerror}") from None
         try:

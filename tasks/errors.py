@@ -38,3 +38,15 @@ class LockTimeout(CkptopsError):
 
 def unreadable(path, error: OSError) -> Unreadable:
     return Unreadable(f"{path}: {error.strerror or error}")
+
+
+class Interrupted(BaseException):
+    """A signal (SIGTERM from ``timeout``, systemd or Prefect; SIGINT) asked a long run to end.
+    A ``BaseException``, like ``KeyboardInterrupt``: no ``except Exception`` may swallow it, and
+    every ``finally`` on the way out runs."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)

@@ -397,6 +397,16 @@ class Recovery(_Section):
     on_rejected: Literal["stop", "warn"] = Field(
         default="stop", description="a rejected resume: stop the job (scancel) and page, or only warn"
     )
+    reverify: Literal["full", "manifest"] = Field(
+        default="full",
+        description="the chosen checkpoint is verified again before the relaunch: every byte with "
+        "the profile's engine (full), or its files' sizes and times against the manifest; never off",
+    )
+    lock_timeout_seconds: Annotated[float, Field(ge=0)] = Field(
+        default=7200,
+        description="how long a recovery of another failure waits for the one in progress "
+        "(one recovery per job at a time)",
+    )
 
 
 class Notify(_Section):

@@ -2,9 +2,12 @@
 relaunch's safety checks and its sbatch line, and Slurm's answer for a job it does not know."""
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tasks.errors import UsageError
 from tasks.profile import Recovery
@@ -148,3 +151,156 @@ def test_a_slurm_job_that_does_not_exist_is_one_line(slurm_conf):
 def test_the_block_layout_maps_ranks_to_nodes():
     job = jobs.SlurmJob("1", "j", "FAILED", ["n1", "n2"], 4, None, None, 1, "")
     assert job.layout() == {0: "n1", 1: "n1", 2: "n2", 3: "n2"}
+
+
+# The ledger's readers never break on a bad line.
+
+HARDWARE_LOG = (
+    Path(__file__).parent
+    / "data"
+    / "triage"
+    / "hardware"
+    / "ecc_uncorrectable_nccl_watchdog_rank1_2xh100_sdscripts_issue1434.log"
+)
+
+
+def write_lines(path: Path, *entries) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for entry in entries:
+            f.write((entry if isinstance(entry, str) else json.dumps(entry)) + "\n")
+
+
+def test_a_wrongly_typed_ledger_line_is_reported_once_by_line_and_field_and_skipped(tmp_path):
+    from tasks.recovery.ledger import read_ledger
+
+    good = past("hardware", 120, 100)
+    record(tmp_path, good)
+    path = ledger_path(tmp_path)
+    write_lines(
+        path,
+        {"id": "bad-times", "job": "job", "trigger": "cli", "times": [1, 2]},
+        {"id": "bad-nodes", "job": "job", "trigger": "cli", "suspect_nodes": "n1"},
+        '{"id": "nan", "job": "job", "trigger": "cli", "times": {"detected": NaN}}',
+        '["not", "an", "incident"]',
+    )
+    found = read_ledger(tmp_path)
+    assert [i.id for i in found.incidents] == ["i0"]
+    assert found.problems == [
+        f"{path}:2: times: Input should be a valid dictionary; skipped",
+        f"{path}:3: suspect_nodes: Input should be a valid list; skipped",
+        f"{path}:4: not JSON (NaN is not a number JSON allows); skipped",
+        f"{path}:5: not an incident (no id); skipped",
+    ]
+
+
+def test_the_newest_line_of_an_incident_is_the_incident_in_the_place_it_began(tmp_path):
+    first, second = past("hardware", 120, 100, n=0), past("network", 130, 100, n=1)
+    first.outcome = second.outcome = "running"
+    record(tmp_path, first)
+    record(tmp_path, second)
+    first.outcome, first.reason = "completed", "resumed"
+    record(tmp_path, first)
+    assert [(i.id, i.outcome) for i in incidents(tmp_path)] == [("i0", "completed"), ("i1", "running")]
+
+
+def test_a_first_error_of_200_mb_is_kept_to_a_few_kb_with_its_length(tmp_path):
+    incident = past("oom", 120, 100)
+    incident.first_error = {"file": "x.log", "line": 1, "text": "torch.OutOfMemoryError: " + "x" * 10_000_000}
+    incident.reason = "r" * 1_000_000
+    record(tmp_path, incident)
+    line = ledger_path(tmp_path).read_text()
+    assert len(line) < 10_000
+    (back,) = incidents(tmp_path)
+    assert back.first_error["text"].startswith("torch.OutOfMemoryError: xxx")
+    assert back.first_error["text"].endswith("[... 10000024 characters in all]")
+    assert back.reason.endswith("[... 1000000 characters in all]")
+
+
+def test_no_figure_in_a_ledger_line_is_nan(tmp_path):
+    incident = past("hardware", 120, 100)
+    incident.mark("first_resumed_step", float("nan"))
+    incident.lost_gpu_hours = float("nan")
+    record(tmp_path, incident)
+    line = json.loads(ledger_path(tmp_path).read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert "first_resumed_step" not in line["times"] and line["lost_gpu_hours"] is None
+
+
+def local_profile(tmp_path: Path, **recovery) -> Path:
+    save = tmp_path / "checkpoints"
+    save.mkdir(exist_ok=True)
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\npython pretrain_gpt.py --exit-on-missing-checkpoint\n")
+    path = tmp_path / "profile.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "job": {"name": "job", "save_dir": str(save)},
+                "recovery": {"launcher": "local", "script": str(script), "max_per_hour": 3, **recovery},
+            }
+        )
+    )
+    return path
+
+
+def test_recover_counts_a_killed_recoverys_running_incident_and_skips_a_bad_line(tmp_path):
+    """Three recoveries in the last hour, the newest left running by a recovery killed with
+    SIGKILL, and a line of wrong types: the killed one is closed, the bad line reported and left
+    out, and the hourly cap stops this recovery without a relaunch."""
+    from tests.test_cli import ckptops_here
+
+    profile = local_profile(tmp_path)
+    save = tmp_path / "checkpoints"
+    now = time.time()
+    for n in range(3):
+        incident = past("network", 100 + n, None, ago=600 * (n + 1), relaunched=False, n=n)
+        incident.times["detected"] = now - 600 * (n + 1)
+        incident.outcome = "running" if n == 0 else "stopped"
+        incident.owner = {"host": "elsewhere", "pid": 1, "started": 0.0}
+        record(save, incident)
+    write_lines(ledger_path(save), {"id": "bad", "job": "job", "trigger": "cli", "times": [1]})
+    done = ckptops_here("recover", "--logs", HARDWARE_LOG, "--json", "--profile", profile)
+    assert done.exit_code == 1, done.stderr
+    this = json.loads(done.stdout)
+    assert this["stop_rule"] == "too-many-per-hour" and this["relaunched_job"] is None
+    assert f"{ledger_path(save)}:4: times: Input should be a valid dictionary; skipped" in done.stderr
+    killed = next(i for i in incidents(save) if i.id == "i0")
+    assert killed.outcome == "interrupted" and "was killed; nothing was relaunched" in killed.reason
+    listed = ckptops_here("incidents", "--profile", profile)
+    assert listed.exit_code == 0 and "times: Input should be a valid dictionary" in listed.stderr
+    measured = ckptops_here("goodput", "--profile", profile, "--json")
+    assert measured.exit_code == 0 and json.loads(measured.stdout)["incidents"] == 4
+
+
+def test_step_records_that_do_not_exist_stop_the_recovery_before_any_relaunch(tmp_path):
+    from tests.test_cli import ckptops_here
+
+    absent = tmp_path / "nowhere" / "records.jsonl"
+    profile = local_profile(tmp_path, step_records=str(absent), auto_approve=["hardware"])
+    done = ckptops_here("recover", "--logs", HARDWARE_LOG, "--json", "--profile", profile)
+    assert done.exit_code == 1
+    incident = json.loads(done.stdout)
+    assert incident["relaunched_job"] is None and incident["outcome"] == "stopped"
+    assert incident["reason"].startswith(f"recovery.step_records: {absent}: No such file or directory")
+
+
+def test_fifos_are_refused_by_every_reader_of_logs_in_one_line(tmp_path):
+    """A FIFO with no writer used to block triage, recover and goodput --log until killed; each
+    runs here as a process with a deadline, so a reader that blocks fails the test."""
+    from tests.test_cli import ckptops
+
+    fifo = tmp_path / "train.log"
+    os.mkfifo(fifo)
+    profile = local_profile(tmp_path, step_records=str(tmp_path / "records.fifo"))
+    os.mkfifo(tmp_path / "records.fifo")
+    triaged = ckptops("triage", fifo)
+    assert triaged.returncode == 2 and triaged.stderr.strip() == (
+        f"ckptops: {fifo}: a FIFO, not a regular file; give the file itself"
+    )
+    recovered = ckptops("recover", "--logs", fifo, "--json", "--profile", profile)
+    assert (
+        recovered.returncode == 1 and "a FIFO, not a regular file" in json.loads(recovered.stdout)["reason"]
+    )
+    for log in (fifo, HARDWARE_LOG):  # the records are a FIFO too
+        measured = ckptops("goodput", "--log", log, "--profile", profile)
+        assert measured.returncode == 2 and "a FIFO, not a regular file" in measured.stderr

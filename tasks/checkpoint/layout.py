@@ -16,6 +16,7 @@ MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 POINTER = "latest_verified_iteration.txt"
 LOCK = ".ckptops.lock"
 ARCHIVE_LOCK = ".ckptops-archive.lock"
+RECOVERY_LOCK = ".ckptops-recovery.lock"
 PINS = ".ckptops-pins"
 HISTORY = ".ckptops-history"
 

@@ -266,3 +266,30 @@ def promote(
         report = apply_promotion(save_dir, options, requested)
         report.verifications = verifications
         return report
+
+
+def reverify(
+    save_dir: Path,
+    options: VerifyOptions,
+    iteration: int,
+    lock_timeout_seconds: float,
+    full: bool = True,
+) -> tuple[Verification, PromotionReport]:
+    """Verify a verified checkpoint again before something uses it (a relaunch reads every byte,
+    and ``torch.load`` checks no CRC), then promote as a scheduled run would: a checkpoint that
+    fails is recorded invalid in its manifest and the pointer moves off it. ``full`` reads every
+    byte against the manifest with the profile's engine; otherwise only the save's identity (the
+    sizes and times of its files) is compared with the manifest."""
+    save_dir = Path(save_dir)
+    directory = save_dir / layout.iter_dir_name(iteration)
+    with job_lock(save_dir, lock_timeout_seconds):
+        if full:
+            result = verify_checkpoint(directory, options)
+        elif valid_for_this_save(directory, iteration) is not None:
+            result = Verification(directory, iteration, State.VALID, "the manifest matches the save on disk")
+        else:
+            why = f"{layout.MANIFEST}: does not say valid for the save on disk"
+            result = Verification(directory, iteration, State.INVALID, why)
+        report = apply_promotion(save_dir, options)
+        report.verifications = [result]
+        return result, report

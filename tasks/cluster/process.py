@@ -105,6 +105,48 @@ def start(argv: list[str], log: Path, env: dict | None = None, cwd: Path | None 
         )
 
 
+def running(pid: int, holder: dict | None = None) -> bool:
+    """Whether ``pid`` still runs (a zombie does not, and is reaped if it is our child); with
+    ``holder`` (an ``identity``), only if it is still that process and not a reuse of its pid."""
+    if holder is not None and gone(holder):
+        return False
+    try:
+        if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            return True
+    except psutil.NoSuchProcess:
+        return False
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    return False
+
+
+def terminate(pid: int, grace_seconds: float = 30.0, holder: dict | None = None) -> bool:
+    """End a process started by ``start`` (a session and a group of its own) and everything it
+    started: SIGTERM to its group (a job's launcher passes it on to its ranks), then, whatever is
+    left after ``grace_seconds``, SIGKILL to every group and process it started. False when it
+    was not running; returns once all of it is gone (or, for a process stuck in I/O the kernel
+    does not interrupt, after another ``grace_seconds``)."""
+    if not running(pid, holder):
+        return False
+    descendants: dict[int, int] = {}
+    _note_descendants(pid, descendants)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_seconds
+    while time.monotonic() < deadline and any(running(p) for p in (pid, *descendants)):
+        time.sleep(_POLL_SECONDS)
+    for group in {pid, *descendants.values()}:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
+    for child in (pid, *descendants):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child, signal.SIGKILL)
+    deadline = time.monotonic() + grace_seconds  # a process in uninterruptible I/O may linger
+    while time.monotonic() < deadline and any(running(p) for p in (pid, *descendants)):
+        time.sleep(0.05)
+    return True
+
+
 def tail(log: Path, lines: int = 5) -> str:
     try:
         return " | ".join(Path(log).read_text(errors="replace").strip().splitlines()[-lines:])

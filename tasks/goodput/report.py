@@ -22,8 +22,9 @@ from tasks.goodput.measure import (
     save_times_from_log,
     save_times_from_records,
 )
-from tasks.recovery.ledger import incidents
+from tasks.recovery.ledger import read_ledger
 from tasks.resume.records import Steps, load_steps
+from tasks.storage.local import read_lines
 
 # An advised interval this far from the job's own is worth a line in the summary.
 INTERVAL_GAP = 0.25
@@ -48,8 +49,7 @@ def _save_times(profile, steps: Steps | None, log: Path | None, save_interval: i
     """Blocking save times and where they came from, the best source first."""
     if log is not None:
         try:
-            with open(log, errors="replace") as lines:
-                found = save_times_from_log(lines)
+            found = save_times_from_log(read_lines(log))
         except OSError as e:
             raise UsageError(f"{log}: {e.strerror or e}") from None
         if found:
@@ -76,12 +76,16 @@ def _interval(save_interval: int | None, steps: Steps | None) -> Figure:
     )
 
 
-def ledger(profile, since: float | None = None, log: Path | None = None) -> Ledger:
-    """The job's ledger, its records, checkpoint args and incidents each read once."""
+def ledger(profile, since: float | None = None, log: Path | None = None, warn=None) -> Ledger:
+    """The job's ledger, its records, checkpoint args and incidents each read once; ``warn``
+    gets the incident ledger's lines that could not be used."""
     steps = _steps(profile)
     newest = _newest_checkpoint(profile.job.save_dir)
     save_interval = job_save_interval(newest) if newest else None
-    found = [i for i in incidents(profile.job.save_dir) if i.job == profile.job.name]
+    read = read_ledger(profile.job.save_dir)
+    for problem in read.problems if warn else ():
+        warn(problem)
+    found = [i for i in read.incidents if i.job == profile.job.name]
     saves = _save_times(profile, steps, log, save_interval)
     return measure(profile.job.name, steps, found, saves, since, _interval(save_interval, steps))
 

@@ -4,10 +4,8 @@ checked and resubmitted (or, locally, run), its progress watched through its ste
 Every Slurm call goes through ``tasks.cluster.slurm.run`` (an argv list with a timeout).
 """
 
-import contextlib
 import os
 import re
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,52 +133,65 @@ def submit(settings, job_name: str, step: int, exclude: list[str], log_dir: Path
     return out.strip().split(";")[0]
 
 
-def start_local(settings, step: int, log_dir: Path) -> str:
-    """Run the job's own script with bash, detached (it outlives the recovery run); its pid."""
+def start_local(settings, step: int, log_dir: Path) -> tuple[str, dict]:
+    """Run the job's own script with bash, detached (it outlives the recovery run): its id
+    (``local:PID``) and its process's identity (so a later recovery never takes another process
+    that got the pid for it)."""
     check_script(settings.script)
     env, args = _step_passing(settings, step)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"relaunch-{time.strftime('%Y%m%d-%H%M%S')}.out"
     child = process.start(["bash", str(settings.script), *args], log, {**os.environ, **env})
-    return f"local:{child.pid}"
+    return f"local:{child.pid}", process.identity(child.pid)
 
 
-def job_state(job: str) -> str:
-    """RUNNING, PENDING, or an end state; a local relaunch is RUNNING while its process lives."""
-    if job.startswith("local:"):
-        pid = int(job.split(":", 1)[1])
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return "ENDED"
-        return "RUNNING" if not _zombie(pid) else "ENDED"
+def _local_pid(job: str) -> int | None:
+    return int(job.split(":", 1)[1]) if job.startswith("local:") else None
+
+
+def job_state(job: str, holder: dict | None = None) -> str:
+    """RUNNING, PENDING, or an end state; a local relaunch is RUNNING while its process (the
+    process ``holder`` names, when given) lives."""
+    pid = _local_pid(job)
+    if pid is not None:
+        return "RUNNING" if process.running(pid, holder) else "ENDED"
     try:
         return slurm_job(job).state
     except UsageError:
         return "ENDED"
 
 
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
-    except OSError:
-        return False
+ACTIVE = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED", "SUSPENDED")
 
 
-def cancel(job: str) -> None:
-    """Stop a relaunched job (a rejected resume must not keep training)."""
-    if job.startswith("local:"):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(int(job.split(":", 1)[1]), signal.SIGTERM)
-        return
+def alive(job: str, holder: dict | None = None) -> bool:
+    """Whether the job is queued or running (a cancelled or finished one is not)."""
+    return job_state(job, holder) in ACTIVE
+
+
+def cancel(job: str, holder: dict | None = None, timeout_seconds: float = 60.0) -> str:
+    """Stop a relaunched job and wait until it is gone (a relaunch that must not go on training
+    must be gone before the incident says so): ``scancel``, or SIGTERM then SIGKILL to a local
+    job's process group. What was done, for the incident's reason."""
+    pid = _local_pid(job)
+    if pid is not None:
+        ended = process.terminate(pid, min(30.0, timeout_seconds / 2), holder)
+        return f"job {job} {'stopped' if ended else 'had already ended'}"
+    if not alive(job):
+        return f"job {job} had already ended"
     slurm.run(["scancel", job])
+    try:
+        state = wait_ended(job, timeout_seconds)
+    except CkptopsError as e:
+        return f"job {job} cancelled, but {e}"
+    return f"job {job} cancelled ({state})"
 
 
-def wait_running(job: str, timeout_seconds: float) -> str:
+def wait_running(job: str, timeout_seconds: float, holder: dict | None = None) -> str:
     """Wait until the job leaves the queue; its state (RUNNING, or how it ended)."""
     deadline = time.monotonic() + timeout_seconds
     while True:
-        state = job_state(job)
+        state = job_state(job, holder)
         if state not in ("PENDING", "CONFIGURING", "REQUEUED"):
             return state
         if time.monotonic() > deadline:
@@ -191,7 +202,7 @@ def wait_running(job: str, timeout_seconds: float) -> str:
 def wait_ended(job: str, timeout_seconds: float) -> str:
     """Wait until the job has ended; how it ended (an error past the timeout)."""
     deadline = time.monotonic() + timeout_seconds
-    while (state := job_state(job)) in ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED"):
+    while (state := job_state(job)) in ACTIVE:
         if time.monotonic() > deadline:
             raise CkptopsError(f"job {job}: still {state} after {timeout_seconds:.0f}s")
         time.sleep(_POLL_SECONDS)
@@ -205,7 +216,9 @@ class Progress:
     last_iteration: int | None
 
 
-def wait_progress(job: str, records: Path, before: int, steps: int, timeout_seconds: float) -> Progress:
+def wait_progress(
+    job: str, records: Path, before: int, steps: int, timeout_seconds: float, holder: dict | None = None
+) -> Progress:
     """Wait until the relaunched job has recorded ``steps`` steps past the ``before`` records
     that were there at relaunch. Ends early, with an error, when the job ends first."""
     deadline = time.monotonic() + timeout_seconds
@@ -213,8 +226,8 @@ def wait_progress(job: str, records: Path, before: int, steps: int, timeout_seco
         found = _progress(records, before)
         if found.steps >= steps:
             return found
-        state = job_state(job)
-        if state not in ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING"):
+        state = job_state(job, holder)
+        if state not in ACTIVE:
             found = _progress(records, before)
             if found.steps >= steps:
                 return found

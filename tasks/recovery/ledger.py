@@ -1,18 +1,29 @@
-"""The incident ledger: one JSON line per recovery in ``<save_dir>/.ckptops-history/incidents.jsonl``.
+"""The incident ledger: JSON lines in ``<save_dir>/.ckptops-history/incidents.jsonl``.
 
 The ledger is the job's memory of its failures: the stop rules read it (tasks.recovery.rules),
 ``ckptops incidents`` and the UI show it, and goodput is measured from it. It lives beside the
-checkpoints it talks about, so it survives a Prefect database reset. One line is appended when an
-incident ends, however it ends (crash-safe: one O_APPEND write, fsynced).
+checkpoints it talks about, so it survives a Prefect database reset.
+
+An incident is written when its recovery starts (outcome ``running``, with the failure's
+identity) and again each time a phase ends: every write is one appended line holding the whole
+incident (one O_APPEND write, fsynced), and the newest line of an id is the incident. So a
+recovery killed at any instruction leaves its incident, as far as it got, for the next one to
+find. Every line is type-checked when read; one that is not an incident is reported (file, line,
+field) and skipped, never used.
 """
 
+import json
+import math
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import pydantic
+
 from tasks.checkpoint.layout import HISTORY
-from tasks.storage.local import append_jsonl, read_jsonl
+from tasks.errors import UsageError
+from tasks.storage.local import append_jsonl, clip, read_lines
 
 INCIDENTS = "incidents.jsonl"
 
@@ -22,6 +33,7 @@ PHASES = (
     "first_error",
     "detected",
     "triaged",
+    "reverified",
     "health_done",
     "approval_requested",
     "approved",
@@ -31,11 +43,18 @@ PHASES = (
     "validated",
 )
 
-# How an incident ended.
+# How an incident ended (or that it has not yet).
+RUNNING = "running"  # its recovery is at work (or was killed: the next recovery resolves it)
 COMPLETED = "completed"  # relaunched and the resume validated
 WARNED = "warned"  # relaunched; validation rejected it but the profile only warns
 STOPPED = "stopped"  # a human must act: a stop rule, no checkpoint, a failed relaunch, a rejected resume
 ABORTED = "aborted"  # the approver said no, or nobody answered in time
+INTERRUPTED = "interrupted"  # its recovery was ended by a signal (or killed) before it finished
+
+# Text fields are kept to this many characters (a first error of 200 MB is not kept whole).
+TEXT_LIMIT = 4096
+# A ledger line longer than this is not one ckptops wrote: it is reported, never parsed.
+LINE_LIMIT = 1 << 20
 
 
 def new_id(now: float | None = None) -> str:
@@ -73,22 +92,70 @@ class Incident:
     outcome: str | None = None
     reason: str | None = None
     flow_run: str | None = None
+    # What failed, as one key: the Slurm job and its exit, or the logs' first error. A second
+    # recovery of the same failure finds the first by it.
+    failure_key: str | None = None
+    owner: dict | None = None  # the recovery's process (host, pid, start time)
+    records_before: int | None = None  # step records there were when the relaunch was submitted
+    relaunch_process: dict | None = None  # a local relaunch's process (host, pid, start time)
+    reverified: list[dict] = field(default_factory=list)  # each re-verification before relaunch
 
     def mark(self, phase: str, at: float | None = None) -> None:
+        """``phase`` happened at ``at`` (now, if None); a time that is not a number (a NaN from
+        a log without times) leaves the phase unmeasured rather than wrong."""
         assert phase in PHASES, phase
-        self.times[phase] = time.time() if at is None else at
+        if at is None:
+            at = time.time()
+        if math.isfinite(at):
+            self.times[phase] = float(at)
+
+    @property
+    def running(self) -> bool:
+        return self.outcome == RUNNING
 
     def to_dict(self) -> dict:
-        data = asdict(self)
+        """The incident as a ledger line: strict JSON (a figure that is not a number is null),
+        text fields bounded."""
+        data = _finite(asdict(self))
         data["class"] = data.pop("cls")
+        for name in ("reason", "health", "validation"):
+            if isinstance(data[name], str):
+                data[name] = clip(data[name], TEXT_LIMIT)
+        first = data["first_error"]
+        if isinstance(first, dict) and isinstance(first.get("text"), str):
+            data["first_error"] = {**first, "text": clip(first["text"], TEXT_LIMIT)}
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "Incident":
+        """An incident from a ledger line, every field's type checked (``pydantic``); fields
+        another version of ckptops wrote that this one does not know are left out."""
         data = dict(data)
         data["cls"] = data.pop("class", None)
         known = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return _INCIDENT.validate_python({k: v for k, v in data.items() if k in known})
+
+
+_INCIDENT = pydantic.TypeAdapter(Incident)
+
+
+def _finite(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+@dataclass
+class Ledger:
+    """The incidents (the newest line of each, in the order they began) and the lines that
+    could not be used, one line each naming the file, the line number and the field."""
+
+    incidents: list[Incident]
+    problems: list[str]
 
 
 def ledger_path(save_dir: Path) -> Path:
@@ -96,16 +163,56 @@ def ledger_path(save_dir: Path) -> Path:
 
 
 def record(save_dir: Path, incident: Incident) -> None:
+    """Append the incident as it is now (its newest line is what readers see)."""
     append_jsonl(ledger_path(save_dir), incident.to_dict())
 
 
+def _problem(error: pydantic.ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join("class" if part == "cls" else str(part) for part in first["loc"]) or "(the line)"
+    return f"{where}: {first['msg']}"
+
+
+def read_ledger(save_dir: Path) -> Ledger:
+    """Every incident in the ledger; torn, foreign or wrongly typed lines are reported, skipped."""
+    path = ledger_path(save_dir)
+    if not path.exists():
+        return Ledger([], [])
+    found: dict[str, Incident] = {}
+    problems: list[str] = []
+    try:
+        for number, text in enumerate(read_lines(path, LINE_LIMIT), 1):
+            if not text.strip():
+                continue
+            if len(text) >= LINE_LIMIT:
+                problems.append(f"{path}:{number}: longer than {LINE_LIMIT} bytes; skipped")
+                continue
+            try:
+                entry = json.loads(text, parse_constant=_no_constant)
+            except ValueError as e:
+                problems.append(f"{path}:{number}: not JSON ({e}); skipped")
+                continue
+            if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+                problems.append(f"{path}:{number}: not an incident (no id); skipped")
+                continue
+            try:
+                incident = Incident.from_dict(entry)
+            except pydantic.ValidationError as e:
+                problems.append(f"{path}:{number}: {_problem(e)}; skipped")
+                continue
+            found[incident.id] = incident  # a later line of an id replaces it in its place
+    except OSError as e:
+        raise UsageError(f"{path}: {e.strerror or e}") from None
+    return Ledger(list(found.values()), problems)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
 def incidents(save_dir: Path) -> list[Incident]:
-    """Every recorded incident, oldest first (torn or foreign lines skipped)."""
-    found = []
-    for entry in read_jsonl(ledger_path(save_dir)):
-        if isinstance(entry, dict) and "id" in entry and "job" in entry:
-            found.append(Incident.from_dict(entry))
-    return found
+    """Every recorded incident, in the order they began (unusable lines skipped)."""
+    return read_ledger(save_dir).incidents
 
 
 def lost_gpu_hours(
@@ -113,4 +220,6 @@ def lost_gpu_hours(
 ) -> float:
     """GPU time the failure cost: every GPU idle while the job was down, plus the work redone
     from the checkpoint up to where the failure struck."""
-    return gpus * (max(0.0, downtime_seconds) + max(0, recomputed_iterations) * step_seconds) / 3600
+    downtime = downtime_seconds if math.isfinite(downtime_seconds) else 0.0
+    step = step_seconds if math.isfinite(step_seconds) else 0.0
+    return gpus * (max(0.0, downtime) + max(0, recomputed_iterations) * step) / 3600

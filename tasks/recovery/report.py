@@ -101,6 +101,7 @@ def plan_markdown(plan) -> str:
         else "- first error: none found",
         f"- suspect nodes: {', '.join(tri.suspect_nodes) or 'none'}",
         f"- checkpoint: **{plan.checkpoint}** (verified candidates: {', '.join(map(str, plan.choices))})",
+        *(_reverified_line(r) for r in incident.reverified),
         f"- node health: {incident.health}",
         f"- drained: {', '.join(plan.drained) or 'none'}; excluded: {', '.join(plan.exclude) or 'none'}; "
         f"spares admitted: {', '.join(plan.admitted) or 'none'}",
@@ -111,3 +112,15 @@ def plan_markdown(plan) -> str:
         *(f"| {r.name} | {'YES' if r.fired else 'no'} | {r.detail} |" for r in plan.rules),
     ]
     return "\n".join(lines)
+
+
+def _reverified_line(found: dict) -> str:
+    how = (
+        f"every byte, {found['engine']} engine" if found["mode"] == "full" else "its manifest's save identity"
+    )
+    if found["outcome"] == "pass":
+        return f"- re-verified {found['iteration']} ({how}, {found['seconds']:.1f} s): passed"
+    return (
+        f"- re-verified {found['iteration']} ({how}, {found['seconds']:.1f} s): **FAILED**, now invalid and "
+        f"not resumed from: {found['reason']}"
+    )

@@ -5,13 +5,28 @@ The one composition of a recovery, which the flow (flows/recovery_run.py) and th
 with a form, or a terminal prompt) and in how phases are shown (tasks in the UI, lines on a
 terminal): ``approve`` and ``step`` are passed in.
 
-Phases: detect (what failed, where), triage, stop rules, checkpoint, nodes (health, drain,
-exclude, spares), approval, relaunch, progress, validation; every phase's time and every fact
-land in the incident, which is appended to the ledger however the run ends.
+Phases: detect (what failed, where), triage, stop rules, checkpoint (chosen, then verified
+again), nodes (health, drain, exclude, spares), approval, relaunch, progress, validation.
+
+One recovery per job at a time, one incident per failure:
+- the job's recovery lock (``.ckptops-recovery.lock`` in the save directory) is held from the
+  triage to the end, by the CLI and the flow alike;
+- the incident is in the ledger from the start (``running``, with the failure's key) and is
+  written again as each phase ends, so a recovery killed at any point leaves what it did;
+- a second recovery of a failure another has in hand, or has relaunched for, relaunches nothing
+  (``Duplicate``); under the lock an incident still ``running`` is one whose recovery was killed:
+  its relaunched job, if it still runs, is adopted (watched and validated), else it is closed;
+- SIGTERM and SIGINT close the incident as ``interrupted`` with what was done;
+- a relaunch that misses its progress deadline is cancelled before the incident stops.
 """
 
+import hashlib
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,30 +34,34 @@ import numpy as np
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.catalog import catalog
+from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.manifest import valid_for_this_save
 from tasks.checkpoint.pointer import read_pointer
-from tasks.checkpoint.promote import promote
+from tasks.checkpoint.promote import promote, reverify
 from tasks.checkpoint.state import State, VerifyOptions
-from tasks.cluster import slurm
-from tasks.errors import CkptopsError, UsageError
+from tasks.cluster import process, slurm
+from tasks.errors import CkptopsError, Interrupted, LockTimeout, UsageError
 from tasks.health.actions import apply_drains, plan_drains, spare_readiness
 from tasks.health.run import run_health
 from tasks.recovery import job as jobs
 from tasks.recovery.ledger import (
     ABORTED,
     COMPLETED,
+    INTERRUPTED,
+    RUNNING,
     STOPPED,
     WARNED,
     Incident,
-    incidents,
     lost_gpu_hours,
     new_id,
+    read_ledger,
     record,
 )
 from tasks.recovery.rules import Failure, Rule, fired, stop_rules
 from tasks.recovery.triage import Triage, triage
 from tasks.resume.records import Steps, load_steps
 from tasks.resume.validate import checkpoint_facts, validate_resume
+from tasks.storage.local import open_regular
 
 
 @dataclass
@@ -77,6 +96,17 @@ class Decision:
     note: str = ""
 
 
+class Duplicate(CkptopsError):
+    """Another recovery has this failure in hand, or already relaunched the job for it: this one
+    relaunches nothing and writes no incident of its own."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, incident: Incident):
+        super().__init__(message)
+        self.incident = incident
+
+
 # sinfo's short states of a node that is out of service (drained, draining, down).
 _HELD_STATES = ("drain", "drng", "down")
 
@@ -85,17 +115,8 @@ def plain_step(name: str, fn: Callable, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def _records(profile) -> Path | None:
-    return profile.recovery.step_records if profile.recovery else None
-
-
-def _steps(records: Path | None):
-    if records is None:
-        return None
-    try:
-        return load_steps(records)
-    except UsageError:
-        return None
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 @dataclass
@@ -123,6 +144,22 @@ def detect(profile, source: Source) -> Detected:
     if not found.logs:
         raise UsageError("no logs to triage: name a Slurm job whose output still exists, or log files")
     return found
+
+
+def failure_key(source: Source, tri: Triage) -> str:
+    """One failure's identity: its Slurm job (a job fails once), else its logs' first error
+    (file, line and text), else the logs themselves (paths, sizes and times)."""
+    if source.slurm_job:
+        return f"slurm:{source.slurm_job}"
+    digest = hashlib.sha256()
+    first = tri.first_error
+    if first is not None:
+        digest.update(f"{Path(first.file).resolve()}\0{first.line}\0{first.text}".encode())
+    else:
+        for path in sorted(Path(p).resolve() for p in source.logs):
+            stat = path.stat()
+            digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    return f"logs:{digest.hexdigest()[:16]}"
 
 
 def promote_pending(profile) -> tuple[int | None, str]:
@@ -161,6 +198,40 @@ def choose_checkpoint(
     pointer = read_pointer(save_dir)
     chosen = pointer if pointer in candidates else max(candidates)
     return chosen, sorted(candidates, reverse=True)
+
+
+def unusable(profile) -> str:
+    """Why no checkpoint can be resumed from: each one and its one-line state."""
+    infos = catalog(profile.job.save_dir, VerifyOptions.from_profile(profile))
+    if not infos:
+        return f"{profile.job.save_dir} holds no checkpoint"
+    return "; ".join(f"{layout.iter_dir_name(i.iteration)} {i.state}: {i.reason}" for i in reversed(infos))
+
+
+def reverify_checkpoint(profile, iteration: int) -> dict:
+    """Verify the chosen checkpoint again before it is relaunched from (every byte with the
+    profile's engine, or its manifest's save identity with ``recovery.reverify: manifest``); a
+    failure marks it invalid and moves the pointer as promotion would. What was found."""
+    mode = profile.recovery.reverify
+    started = time.monotonic()
+    result, report = reverify(
+        profile.job.save_dir,
+        VerifyOptions.from_profile(profile),
+        iteration,
+        profile.verify.lock_timeout_seconds,
+        full=mode == "full",
+    )
+    return {
+        "iteration": iteration,
+        "mode": mode,
+        "engine": profile.verify.engine if mode == "full" else None,
+        "outcome": "pass" if result.ok else "fail",
+        "state": str(result.state),
+        "reason": result.reason,
+        "seconds": round(time.monotonic() - started, 3),
+        "bytes": result.bytes_read,
+        "pointer": report.current,
+    }
 
 
 def nodes_phase(profile, incident: Incident, suspects: list[str], job_nodes: list[str]):
@@ -227,6 +298,445 @@ def _anomaly(tri: Triage, steps) -> int | None:
     return tri.iteration
 
 
+def _records(profile) -> Path | None:
+    return profile.recovery.step_records if profile.recovery else None
+
+
+def _read_records(records: Path | None) -> Steps | None:
+    """The job's step records: a configured path must be a file (nothing is relaunched that
+    could never be watched or validated); one without a record yet holds no steps."""
+    if records is None:
+        return None
+    try:
+        open_regular(records).close()
+    except UsageError as e:
+        raise UsageError(
+            f"recovery.step_records: {e}; a relaunch could neither be watched nor validated"
+        ) from None
+    if Path(records).stat().st_size == 0:
+        return None
+    return load_steps(records)
+
+
+def _who(owner: dict | None) -> str:
+    if not owner:
+        return "a recovery run"
+    return f"the recovery run (pid {owner.get('pid')} on {owner.get('host')})"
+
+
+@contextmanager
+def _sigterm_ends_the_run():
+    """SIGTERM (what ``timeout``, systemd and Prefect send) raises ``Interrupted`` in the main
+    thread, so the incident is closed on the way out; SIGINT already raises KeyboardInterrupt.
+    Left alone where someone else handles SIGTERM (Prefect's flow engine raises its own
+    TerminationSignal, a BaseException too) or off the main thread."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _signal_name(error: BaseException) -> str:
+    number = getattr(error, "signum", None) or getattr(error, "signal", None)
+    if isinstance(number, int):
+        return signal.Signals(number).name
+    return "SIGINT" if isinstance(error, KeyboardInterrupt) else type(error).__name__
+
+
+class _Recovery:
+    def __init__(self, profile, source: Source, trigger: str, approve, step, flow_run, warn):
+        if profile.recovery is None:
+            raise UsageError(f"{profile.source}: no recovery section")
+        self.profile, self.settings, self.source = profile, profile.recovery, source
+        self.save_dir = profile.job.save_dir
+        self.approve, self.step, self.warn = approve, step, warn
+        self.incident = Incident(new_id(), profile.job.name, trigger, source.slurm_job, flow_run=flow_run)
+        self.phase = "detect"
+        self.records = _records(profile)
+        self.steps: Steps | None = None
+        self.failed: Steps | None = None
+        self.detected: Detected | None = None
+        self.tri: Triage | None = None
+        self.rules: list[Rule] = []
+
+    def _save(self) -> None:
+        record(self.save_dir, self.incident)
+
+    def _do(self, name: str, fn, *args, **kwargs):
+        """One phase: shown by ``step`` (a task in the UI, a line on a terminal)."""
+        self.phase = name
+        return self.step(name, fn, *args, **kwargs)
+
+    def _stop(self, reason: str, outcome: str = STOPPED) -> None:
+        self.incident.outcome, self.incident.reason = outcome, reason
+
+    # The run as a whole.
+
+    def run(self, started) -> Incident:
+        incident = self.incident
+        incident.mark("detected")
+        try:
+            self._triage()
+        except CkptopsError as e:
+            self._stop(str(e))
+            self._save()
+            return incident
+        incident.failure_key = failure_key(self.source, self.tri)
+        try:
+            lock = self._lock()
+        except LockTimeout as e:
+            self._stop(f"another recovery of {incident.job} holds its recovery lock: {e}")
+            self._save()
+            return incident
+        with lock:
+            adoptable = self._resolve_leftovers()
+            if adoptable is not None:
+                return self._adopt(adoptable)
+            self._refuse_duplicate()
+            incident.outcome, incident.owner = RUNNING, process.identity()
+            self._save()
+            if started:
+                started(incident)
+            self._guarded(self._phases)
+        return incident
+
+    def _guarded(self, phases) -> None:
+        """Run ``phases``; however they end, the incident is closed and recorded."""
+        try:
+            phases()
+        except CkptopsError as e:
+            self._stop(str(e))
+        except BaseException as e:
+            if not isinstance(e, Exception):  # a signal: SIGTERM, SIGINT, Prefect's cancellation
+                self._stop(
+                    f"interrupted by {_signal_name(e)} during {self.phase}; {self._done()}", INTERRUPTED
+                )
+            raise
+        finally:
+            if self.incident.outcome == RUNNING:
+                self._stop(f"the recovery run failed during {self.phase} (a fault in ckptops)")
+            self._save()
+
+    def _done(self) -> str:
+        job = self.incident.relaunched_job
+        if job is None:
+            return "nothing was relaunched"
+        return f"relaunched {job} from {self.incident.checkpoint}; the next recovery adopts it while it runs"
+
+    def _lock(self) -> ExitStack:
+        """The job's recovery lock. While another recovery holds it, a recovery of the same
+        failure reports that one (``Duplicate``) at once; any other waits its turn."""
+        stack = ExitStack()
+        try:
+            stack.enter_context(job_lock(self.save_dir, 0, layout.RECOVERY_LOCK))
+            return stack
+        except LockTimeout:
+            pass
+        ours = self.incident.failure_key
+        for other in read_ledger(self.save_dir).incidents:
+            if other.running and other.failure_key == ours:
+                raise Duplicate(
+                    f"incident {other.id} is recovering this failure ({ours}) in {_who(other.owner)}; "
+                    "nothing relaunched",
+                    other,
+                )
+        stack.enter_context(job_lock(self.save_dir, self.settings.lock_timeout_seconds, layout.RECOVERY_LOCK))
+        return stack
+
+    def _resolve_leftovers(self) -> Incident | None:
+        """Under the lock, an incident still ``running`` was left by a recovery that was killed.
+        Its relaunched job, if it still runs (or one an interrupted recovery left running), is
+        the one to adopt; the others are closed as interrupted."""
+        ledger = read_ledger(self.save_dir)
+        for problem in ledger.problems:
+            self.warn(problem)
+        adoptable = None
+        for old in ledger.incidents:
+            if old.job != self.incident.job or old.outcome not in (RUNNING, INTERRUPTED):
+                continue
+            job = old.relaunched_job
+            if job and "validated" not in old.times and jobs.alive(job, old.relaunch_process):
+                adoptable = old
+            elif old.running:
+                ended = f"its relaunched job {job} is no longer running" if job else "nothing was relaunched"
+                old.outcome = INTERRUPTED
+                old.reason = f"{_who(old.owner)} was killed; {ended}"
+                record(self.save_dir, old)
+        return adoptable
+
+    def _refuse_duplicate(self) -> None:
+        ours = self.incident.failure_key
+        for other in read_ledger(self.save_dir).incidents:
+            if other.failure_key == ours and other.relaunched_job:
+                raise Duplicate(
+                    f"incident {other.id} already relaunched the job for this failure ({ours}) as "
+                    f"{other.relaunched_job} ({other.outcome}); nothing relaunched",
+                    other,
+                )
+
+    def _adopt(self, old: Incident) -> Incident:
+        """Watch and validate the job a killed recovery relaunched, as that recovery would have."""
+        self.incident = old
+        note = f"adopted after {_who(old.owner)} ended; "
+        old.outcome, old.owner = RUNNING, process.identity()
+        self._save()
+        steps = _read_records(self.records)
+        before = old.records_before or 0
+        self.failed = (
+            _failed_attempt(steps.take(np.arange(min(before, len(steps)))), old.failed_job) if steps else None
+        )
+        self._guarded(self._watch)
+        old.reason = note + (old.reason or "")
+        self._save()
+        return old
+
+    # The phases.
+
+    def _triage(self) -> None:
+        incident = self.incident
+        self.detected = self._do("detect", detect, self.profile, self.source)
+        self.tri = tri = self._do(
+            "triage",
+            triage,
+            self.detected.logs,
+            self.detected.layout or None,
+            self.detected.exit_code,
+            self.profile.health.critical_xids if self.profile.health else None,
+        )
+        incident.mark("triaged")
+        incident.cls, incident.exit_code = tri.cls, tri.exit_code
+        incident.first_error = tri.to_dict()["first_error"]
+        incident.suspect_nodes = list(tri.suspect_nodes)
+        if tri.first_error is not None and tri.first_error.at is not None:
+            incident.mark("first_error", tri.first_error.at)
+
+    def _phases(self) -> None:
+        incident, settings = self.incident, self.settings
+        self.steps = self._do("step-records", _read_records, self.records)
+        self.failed = _failed_attempt(self.steps, self.source.slurm_job)
+        if self.failed is not None:
+            incident.failure_iteration = int(self.failed.iteration[-1])
+            incident.mark("last_progress", float(self.failed.time[-1]))
+        else:
+            incident.failure_iteration = self.tri.iteration
+        incident.promoted_at_failure, promotion = self._do("promote-pending", promote_pending, self.profile)
+        incident.gpus = settings.gpus or self.profile.job.layout.world_size
+        self._save()
+        if self._rules_stop():
+            return
+        chosen, choices = self._choose()
+        drained, exclude, admitted, health_note = self._do(
+            "nodes", nodes_phase, self.profile, incident, incident.suspect_nodes, self.detected.nodes
+        )
+        incident.health = health_note
+        incident.drained, incident.excluded, incident.admitted = drained, exclude, admitted
+        incident.mark("health_done")
+        self._save()
+        if not self._capacity(exclude):
+            return
+        if chosen is None:
+            self._stop(f"no usable checkpoint to resume from: {unusable(self.profile)}")
+            return
+        chosen = self._approval(chosen, choices, drained, exclude, admitted)
+        if chosen is None:
+            return
+        self._relaunch(chosen, exclude)
+        self._watch()
+
+    def _rules_stop(self) -> bool:
+        incident = self.incident
+        failure = Failure(
+            self.tri.cls,
+            incident.failure_iteration,
+            self.tri.exit_code,
+            incident.promoted_at_failure,
+            time.time(),
+        )
+        # Running incidents count too: the ledger has every incident from its start.
+        history = [
+            i for i in read_ledger(self.save_dir).incidents if i.job == incident.job and i.id != incident.id
+        ]
+        rules = self._do("stop-rules", stop_rules, failure, history, self.settings.max_per_hour)
+        incident.rules = [r.to_dict() for r in rules]
+        self.rules = rules
+        if fired(rules):
+            # A human decides from here: nothing is drained, chosen or relaunched.
+            self._stop("stop rule: " + "; ".join(f"{r.name}: {r.detail}" for r in fired(rules)))
+            incident.stop_rule = fired(rules)[0].name
+            return True
+        return False
+
+    def _choose(self) -> tuple[int | None, list[int]]:
+        """The checkpoint to resume from, verified again: one that no longer verifies is marked
+        invalid (the pointer moves off it) and the next is chosen."""
+        before = _anomaly(self.tri, self.steps) if self.tri.cls == "numerics" else None
+        while True:
+            chosen, choices = self._do(
+                "choose-checkpoint", choose_checkpoint, self.profile, self.incident.failure_iteration, before
+            )
+            if chosen is None or self._reverified(chosen):
+                return chosen, choices
+
+    def _reverified(self, iteration: int) -> bool:
+        """Whether ``iteration`` passes its verification again (done once per recovery)."""
+        done = [r for r in self.incident.reverified if r["iteration"] == iteration]
+        if not done:
+            done = [self._do("reverify", reverify_checkpoint, self.profile, iteration)]
+            self.incident.reverified.append(done[0])
+            self.incident.mark("reverified")
+            self._save()
+        return done[-1]["outcome"] == "pass"
+
+    def _capacity(self, exclude: list[str]) -> bool:
+        settings, detected = self.settings, self.detected
+        needed = settings.nodes or len(detected.nodes)
+        if settings.launcher == "slurm" and detected.partition and needed:
+            # A relaunch needing more nodes than are in service would wait in the queue forever.
+            usable = self._do("capacity", slurm.usable_nodes, detected.partition, exclude)
+            if len(usable) < needed:
+                self._stop(
+                    f"the job needs {needed} nodes; partition {detected.partition} has {len(usable)} in "
+                    f"service outside the excluded {', '.join(exclude) or 'none'}"
+                )
+                return False
+        return True
+
+    def _job_name(self) -> str:
+        return self.settings.job_name or self.profile.job.name
+
+    def _log_dir(self) -> Path:
+        return self.settings.log_dir or self.save_dir.parent / "logs"
+
+    def _approval(self, chosen, choices, drained, exclude, admitted) -> int | None:
+        """The approver's decision; the checkpoint to relaunch from, or None (stopped)."""
+        incident, settings = self.incident, self.settings
+        relaunch = (
+            " ".join(jobs.sbatch_command(settings, self._job_name(), chosen, exclude, self._log_dir()))
+            if settings.launcher == "slurm"
+            else f"bash {settings.script}"
+        )
+        plan = Plan(incident, self.tri, self.rules, chosen, choices, drained, exclude, admitted, relaunch)
+        incident.mark("approval_requested")
+        self._save()
+        self.phase = "approval"
+        if self.tri.cls in settings.auto_approve:
+            decision = Decision(True, f"auto: {self.tri.cls} is in recovery.auto_approve")
+        else:
+            decision = self.approve(plan)
+        if not decision.approve:
+            note = f": {decision.note}" if decision.note else ""
+            self._stop(f"not approved ({decision.by}){note}", ABORTED)
+            return None
+        incident.mark("approved")
+        if decision.checkpoint is not None and decision.checkpoint != chosen:
+            if decision.checkpoint not in choices:
+                self._stop(f"checkpoint {decision.checkpoint} is not a verified candidate ({choices})")
+                return None
+            chosen = decision.checkpoint
+            if not self._reverified(chosen):
+                self._stop(f"checkpoint {chosen}, the approver's choice, failed re-verification")
+                return None
+        return chosen
+
+    def _relaunch(self, chosen: int, exclude: list[str]) -> None:
+        incident, settings = self.incident, self.settings
+        incident.checkpoint = chosen
+        if read_pointer(self.save_dir) != chosen:
+            # A rollback (numerics, or the approver's pick) goes through the pointer, with a hold,
+            # as an operator's would: the pointer stays the one record of what the job resumed from.
+            self._do("roll-back-pointer", _roll_back, self.profile, chosen)
+        running = self._do("already-running", self._running_copy)
+        if running:
+            raise CkptopsError(f"{running}: not relaunching a second copy")
+        # The job is down: the records read at triage are all there are until the relaunch writes.
+        incident.records_before = len(self.steps) if self.steps is not None else 0
+        if settings.launcher == "slurm":
+            new = self._do(
+                "relaunch", jobs.submit, settings, self._job_name(), chosen, exclude, self._log_dir()
+            )
+        else:
+            new, incident.relaunch_process = self._do(
+                "relaunch", jobs.start_local, settings, chosen, self._log_dir()
+            )
+        incident.relaunched_job = new
+        incident.mark("relaunch_submitted")
+        self._save()
+
+    def _running_copy(self) -> str | None:
+        """A copy of the job that still runs (the relaunch of an earlier incident, or on Slurm a
+        job of the singleton name queued or running): what it is, or None."""
+        if self.settings.launcher == "slurm":
+            ids = slurm.run(["squeue", "-h", "--name", self._job_name(), "-o", "%i %T"]).split("\n")
+            live = [
+                line.split()[0] for line in ids if line.split() and line.split()[0] != self.source.slurm_job
+            ]
+            return f"Slurm job {live[0]} ({self._job_name()}) is queued or running" if live else None
+        for other in read_ledger(self.save_dir).incidents:
+            job = other.relaunched_job
+            if job and other.id != self.incident.id and jobs.alive(job, other.relaunch_process):
+                return f"{job}, relaunched by incident {other.id}, still runs"
+        return None
+
+    def _watch(self) -> None:
+        """Wait for the relaunched job to run and make progress, then validate the resume. A job
+        that misses a deadline is cancelled before the incident stops."""
+        incident, settings = self.incident, self.settings
+        new, holder = incident.relaunched_job, incident.relaunch_process
+        try:
+            state = self._do(
+                "wait-running", jobs.wait_running, new, settings.progress_timeout_seconds, holder
+            )
+            incident.mark("job_running")
+            self._save()
+            if self.records is None:
+                self._stop(
+                    f"relaunched ({new}, {state}); no recovery.step_records to watch its progress or validate"
+                )
+                return
+            progress = self._do(
+                "wait-progress",
+                jobs.wait_progress,
+                new,
+                self.records,
+                incident.records_before or 0,
+                settings.progress_steps,
+                settings.progress_timeout_seconds,
+                holder,
+            )
+        except CkptopsError as e:
+            self.phase = "cancel"
+            raise CkptopsError(f"{e}; {jobs.cancel(new, holder)}") from None
+        incident.mark("first_resumed_step", progress.first_step_at)
+        self._save()
+        checkpoint_dir = self.save_dir / layout.iter_dir_name(incident.checkpoint)
+        now = load_steps(self.records)
+        resumed = now.take(np.arange(incident.records_before or 0, len(now)))
+        result = self._do(
+            "validate-resume", validate_resume, checkpoint_dir, self.failed, resumed, self.profile.resume
+        )
+        incident.mark("validated")
+        incident.validation = result.line()
+        _account(incident, self.failed, checkpoint_dir)
+        if result.ok:
+            self._stop(f"resumed from {incident.checkpoint} as {new}; {result.line()}", COMPLETED)
+        elif settings.on_rejected == "warn":
+            self._stop(
+                f"resume rejected, job left running (recovery.on_rejected: warn): {result.line()}", WARNED
+            )
+        else:
+            self._stop(f"resume rejected, {jobs.cancel(new, holder)}: {result.line()}")
+
+
 def recover(
     profile,
     source: Source,
@@ -235,174 +745,14 @@ def recover(
     step: Callable = plain_step,
     flow_run: str | None = None,
     started: Callable[[Incident], None] | None = None,
+    warn: Callable[[str], None] = _to_stderr,
 ) -> Incident:
-    """Run one recovery; the incident is in the ledger when this returns (or raises).
-    ``started`` is told the incident as soon as it exists (the flow emits an event)."""
-    settings = profile.recovery
-    if settings is None:
-        raise UsageError(f"{profile.source}: no recovery section")
-    incident = Incident(new_id(), profile.job.name, trigger, source.slurm_job, flow_run=flow_run)
-    incident.mark("detected")
-    if started:
-        started(incident)
-    try:
-        _run(profile, source, incident, approve, step)
-    except CkptopsError as e:
-        incident.outcome, incident.reason = STOPPED, str(e)
-    finally:
-        if incident.outcome is None:
-            incident.outcome, incident.reason = STOPPED, "the recovery run ended unexpectedly"
-        record(profile.job.save_dir, incident)
-    return incident
-
-
-def _stop(incident: Incident, reason: str, outcome: str = STOPPED) -> None:
-    incident.outcome, incident.reason = outcome, reason
-
-
-def _run(profile, source: Source, incident: Incident, approve, step) -> None:
-    settings = profile.recovery
-    save_dir = profile.job.save_dir
-    detected: Detected = step("detect", detect, profile, source)
-    job_nodes = detected.nodes
-    tri: Triage = step(
-        "triage",
-        triage,
-        detected.logs,
-        detected.layout or None,
-        detected.exit_code,
-        profile.health.critical_xids if profile.health else None,
-    )
-    incident.mark("triaged")
-    records = _records(profile)
-    steps = _steps(records)
-    incident.cls, incident.exit_code = tri.cls, tri.exit_code
-    incident.first_error = tri.to_dict()["first_error"]
-    incident.suspect_nodes = list(tri.suspect_nodes)
-    if tri.first_error is not None and tri.first_error.at is not None:
-        incident.mark("first_error", tri.first_error.at)
-    failed = _failed_attempt(steps, source.slurm_job)
-    if failed is not None:
-        incident.failure_iteration = int(failed.iteration[-1])
-        if np.isfinite(failed.time[-1]):
-            incident.mark("last_progress", float(failed.time[-1]))
-    else:
-        incident.failure_iteration = tri.iteration
-    incident.promoted_at_failure, promotion = step("promote-pending", promote_pending, profile)
-    incident.gpus = settings.gpus or profile.job.layout.world_size
-
-    failure = Failure(
-        tri.cls, incident.failure_iteration, tri.exit_code, incident.promoted_at_failure, time.time()
-    )
-    history = [i for i in incidents(save_dir) if i.job == profile.job.name]
-    rules = step("stop-rules", stop_rules, failure, history, settings.max_per_hour)
-    incident.rules = [r.to_dict() for r in rules]
-    if fired(rules):
-        # A human decides from here: nothing is drained, chosen or relaunched.
-        _stop(incident, "stop rule: " + "; ".join(f"{r.name}: {r.detail}" for r in fired(rules)))
-        incident.stop_rule = fired(rules)[0].name
-        return
-
-    before = _anomaly(tri, steps) if tri.cls == "numerics" else None
-    chosen, choices = step(
-        "choose-checkpoint", choose_checkpoint, profile, incident.failure_iteration, before
-    )
-    drained, exclude, admitted, health_note = step(
-        "nodes", nodes_phase, profile, incident, incident.suspect_nodes, job_nodes
-    )
-    incident.health = health_note
-    incident.drained, incident.excluded, incident.admitted = drained, exclude, admitted
-    incident.mark("health_done")
-    needed = settings.nodes or len(job_nodes)
-    if settings.launcher == "slurm" and detected.partition and needed:
-        # A relaunch needing more nodes than are in service would wait in the queue forever.
-        usable = step("capacity", slurm.usable_nodes, detected.partition, exclude)
-        if len(usable) < needed:
-            _stop(
-                incident,
-                f"the job needs {needed} nodes; partition {detected.partition} has {len(usable)} in "
-                f"service outside the excluded {', '.join(exclude) or 'none'}",
-            )
-            return
-
-    if chosen is None:
-        _stop(incident, f"no verified checkpoint to resume from ({promotion})")
-        return
-    job_name = settings.job_name or profile.job.name
-    log_dir = settings.log_dir or save_dir.parent / "logs"
-    relaunch = (
-        " ".join(jobs.sbatch_command(settings, job_name, chosen, exclude, log_dir))
-        if settings.launcher == "slurm"
-        else f"bash {settings.script}"
-    )
-    plan = Plan(incident, tri, rules, chosen, choices, drained, exclude, admitted, relaunch)
-
-    incident.mark("approval_requested")
-    if tri.cls in settings.auto_approve:
-        decision = Decision(True, f"auto: {tri.cls} is in recovery.auto_approve")
-    else:
-        decision = approve(plan)
-    if not decision.approve:
-        _stop(
-            incident, f"not approved ({decision.by}){': ' + decision.note if decision.note else ''}", ABORTED
-        )
-        return
-    incident.mark("approved")
-    if decision.checkpoint is not None and decision.checkpoint != chosen:
-        if decision.checkpoint not in choices:
-            _stop(incident, f"checkpoint {decision.checkpoint} is not a verified candidate ({choices})")
-            return
-        chosen = decision.checkpoint
-    incident.checkpoint = chosen
-    if read_pointer(save_dir) != chosen:
-        # A rollback (numerics, or the approver's pick) goes through the pointer, with a hold,
-        # as an operator's would: the pointer stays the one record of what the job resumed from.
-        step("roll-back-pointer", _roll_back, profile, chosen)
-
-    # The job is down: the records read at triage are all there are until the relaunch writes.
-    before_rows = len(steps) if steps is not None else 0
-    if settings.launcher == "slurm":
-        new = step("relaunch", jobs.submit, settings, job_name, chosen, exclude, log_dir)
-    else:
-        new = step("relaunch", jobs.start_local, settings, chosen, log_dir)
-    incident.relaunched_job = new
-    incident.mark("relaunch_submitted")
-    state = step("wait-running", jobs.wait_running, new, settings.progress_timeout_seconds)
-    incident.mark("job_running")
-    if records is None:
-        _stop(
-            incident,
-            f"relaunched ({new}, {state}); no recovery.step_records to watch its progress or validate",
-        )
-        return
-    progress = step(
-        "wait-progress",
-        jobs.wait_progress,
-        new,
-        records,
-        before_rows,
-        settings.progress_steps,
-        settings.progress_timeout_seconds,
-    )
-    incident.mark("first_resumed_step", progress.first_step_at)
-    checkpoint_dir = save_dir / layout.iter_dir_name(chosen)
-    now = load_steps(records)
-    resumed = now.take(np.arange(before_rows, len(now)))
-    result = step("validate-resume", validate_resume, checkpoint_dir, failed, resumed, profile.resume)
-    incident.mark("validated")
-    incident.validation = result.line()
-    _account(incident, failed, checkpoint_dir)
-    if result.ok:
-        _stop(incident, f"resumed from {chosen} as {new}; {result.line()}", COMPLETED)
-    elif settings.on_rejected == "warn":
-        _stop(
-            incident,
-            f"resume rejected, job left running (recovery.on_rejected: warn): {result.line()}",
-            WARNED,
-        )
-    else:
-        jobs.cancel(new)
-        _stop(incident, f"resume rejected, job {new} cancelled: {result.line()}")
+    """Run one recovery; its incident is in the ledger from its start, as far as it got when
+    this returns or raises. ``started`` is told the incident once it holds the job's recovery
+    (the flow emits an event); ``warn`` gets the ledger lines that could not be used. Raises
+    ``Duplicate`` when another recovery has this failure in hand."""
+    with _sigterm_ends_the_run():
+        return _Recovery(profile, source, trigger, approve, step, flow_run, warn).run(started)
 
 
 def _roll_back(profile, iteration: int) -> None:

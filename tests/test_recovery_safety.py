@@ -1,0 +1,278 @@
+"""Recovery as an unlucky operator meets it: the same failure recovered five times at once, a
+recovery killed with SIGKILL or ended with SIGTERM after its relaunch, a relaunch that makes no
+progress, a checkpoint that rotted after promotion. Every case runs the local job from its own
+batch script and ``ckptops recover`` as a process, killed with real signals."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from infra.local_job.launch import write_job_script
+from tasks.checkpoint.manifest import read_manifest
+from tasks.checkpoint.pointer import read_pointer
+from tasks.cluster import process
+from tasks.recovery.ledger import incidents, ledger_path
+from tests.conftest import ROOT, flip_byte, free_port, iter_dir
+from tests.test_cli import CKPTOPS
+
+pytestmark = pytest.mark.slow
+
+FAULT = "1:10:ecc"  # rank 1 dies before iteration 10: checkpoints 4 and 8, the last step 9
+TRAIN_ITERS = 40
+SLOW_MS = 200  # each step: long enough that a relaunch still trains while a recovery restarts
+
+
+@dataclass
+class Job:
+    root: Path
+    save: Path
+    records: Path
+    script: Path
+    log: Path
+    profile: Path
+
+
+def _script(root: Path, save: Path, records: Path) -> Path:
+    return write_job_script(
+        root / "job.sh",
+        save,
+        records,
+        job_name="safe",
+        port=free_port(),
+        train_iters=TRAIN_ITERS,
+        save_interval=4,
+        extra=["--slow-step-ms", str(SLOW_MS)],
+    )
+
+
+@pytest.fixture(scope="module")
+def failed(tmp_path_factory) -> Job:
+    """The local job run from its batch script to its rehearsed failure, once for the module."""
+    root = tmp_path_factory.mktemp("failed")
+    save, records = root / "checkpoints", root / "records.jsonl"
+    script, log = _script(root, save, records), root / "train.out"
+    job = process.start(["bash", str(script)], log, {**os.environ, "CKPTOPS_FAIL_AT": FAULT})
+    with pytest.raises(process.Failed):
+        process.wait(job, log, 600, "the failing job")
+    return Job(root, save, records, script, log, Path())
+
+
+def job_copy(failed: Job, tmp_path: Path, **recovery) -> Job:
+    """A private copy of the failed job (checkpoints, records, log) with its script and profile."""
+    save = shutil.copytree(failed.save, tmp_path / "checkpoints")
+    records = Path(shutil.copy(failed.records, tmp_path / "records.jsonl"))
+    log = Path(shutil.copy(failed.log, tmp_path / "train.out"))
+    script = _script(tmp_path, save, records)
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(
+        yaml.safe_dump(
+            {
+                "job": {"name": "safe", "save_dir": str(save), "layout": {"data_parallel": 2}},
+                "verify": {"settle_seconds": 0, "lock_timeout_seconds": 60},
+                "resume": {
+                    "warmup_steps": 2,
+                    "min_steps": 4,
+                    "loss_rel_tolerance": 0.0,
+                    "memory_band": 0.5,
+                    "throughput_drop": 0.9,
+                },
+                "recovery": {
+                    "launcher": "local",
+                    "script": str(script),
+                    "step_records": str(records),
+                    "log_dir": str(tmp_path / "logs"),
+                    "progress_steps": 6,
+                    "progress_timeout_seconds": 300,
+                    **recovery,
+                },
+            }
+        )
+    )
+    return Job(tmp_path, save, records, script, log, profile)
+
+
+def recover(job: Job, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            str(CKPTOPS),
+            "recover",
+            "--logs",
+            str(job.log),
+            "--approve",
+            "--json",
+            "--profile",
+            str(job.profile),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+
+
+def ledger_lines(job: Job) -> list[dict]:
+    path = ledger_path(job.save)
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def until(condition, timeout: float, what: str):
+    """Poll ``condition`` until it holds (its value) or the deadline passes (a failure)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout:.0f}s: {what}")
+
+
+def relaunched(job: Job) -> str | None:
+    return next((line["relaunched_job"] for line in ledger_lines(job) if line.get("relaunched_job")), None)
+
+
+def local_pid(job_id: str) -> int:
+    return int(job_id.split(":", 1)[1])
+
+
+def processes_of(path: Path) -> list[psutil.Process]:
+    """Live processes whose command line names ``path`` (the job's script or save directory)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        if p.info["status"] != psutil.STATUS_ZOMBIE and str(path) in " ".join(p.info["cmdline"] or []):
+            found.append(p)
+    return found
+
+
+def stop_job(job_id: str | None) -> None:
+    if job_id:
+        process.terminate(local_pid(job_id), grace_seconds=5)
+
+
+def test_five_recoveries_of_one_failure_started_together_relaunch_once(failed, tmp_path):
+    job = job_copy(failed, tmp_path, max_per_hour=3)
+    runs = [recover(job) for _ in range(5)]
+    try:
+        done = [(run.wait(timeout=600), *run.communicate()) for run in runs]
+        codes = sorted(code for code, _, _ in done)
+        assert codes == [0, 3, 3, 3, 3], [(c, e[-300:]) for c, _, e in done]
+        (incident,) = incidents(job.save)
+        assert incident.outcome == "completed" and incident.checkpoint == 8
+        for code, _, stderr in done:
+            if code == 3:
+                assert f"incident {incident.id}" in stderr and "nothing relaunched" in stderr
+        # One relaunch: every ledger line of the one incident names the same job, or none yet.
+        assert {line["relaunched_job"] for line in ledger_lines(job)} == {None, incident.relaunched_job}
+        assert {line["id"] for line in ledger_lines(job)} == {incident.id}
+    finally:
+        stop_job(relaunched(job))
+
+
+def test_a_recovery_killed_after_its_relaunch_is_adopted_not_relaunched_again(failed, tmp_path):
+    job = job_copy(failed, tmp_path)
+    first = recover(job)
+    new = None
+    try:
+        new = until(lambda: relaunched(job), 300, "the first recovery relaunched the job")
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+        (left,) = incidents(job.save)
+        assert left.outcome == "running" and left.relaunched_job == new
+        assert process.running(local_pid(new), left.relaunch_process), "the relaunch died with its recovery"
+        second = recover(job)
+        out, err = second.communicate(timeout=600)
+        assert second.returncode == 0, err[-2000:]
+        adopted = json.loads(out)
+        assert adopted["id"] == left.id and adopted["relaunched_job"] == new
+        assert adopted["outcome"] == "completed" and adopted["reason"].startswith("adopted after")
+        assert adopted["validation"].startswith("VALIDATED")
+        # Nothing relaunched a second time: one job id in the whole ledger.
+        assert {line["relaunched_job"] for line in ledger_lines(job)} - {None} == {new}
+        assert len(processes_of(job.script)) <= 1
+    finally:
+        stop_job(new or relaunched(job))
+
+
+def test_sigterm_closes_the_incident_as_interrupted_with_the_relaunch_named(failed, tmp_path):
+    job = job_copy(failed, tmp_path)
+    run = recover(job)
+    new = None
+    try:
+        new = until(lambda: relaunched(job), 300, "the recovery relaunched the job")
+        until(lambda: "job_running" in ledger_lines(job)[-1]["times"], 120, "the recovery watches progress")
+        os.killpg(run.pid, signal.SIGTERM)
+        out, _ = run.communicate(timeout=60)
+        assert run.returncode != 0
+        (incident,) = incidents(job.save)
+        assert incident.outcome == "interrupted"
+        assert incident.reason.startswith("interrupted by SIGTERM during wait-progress; relaunched " + new)
+        # The relaunch was left running for the next recovery to adopt, not killed with the run.
+        assert process.running(local_pid(new), incident.relaunch_process)
+    finally:
+        stop_job(new or relaunched(job))
+
+
+def test_a_relaunch_that_makes_no_progress_is_cancelled_before_the_incident_stops(failed, tmp_path):
+    job = job_copy(failed, tmp_path, progress_timeout_seconds=25)
+    # The relaunch inherits a hang: rank 0 stops before iteration 9, the first it would train.
+    run = recover(job, env={"CKPTOPS_FAIL_AT": "0:9:hang"})
+    out, err = run.communicate(timeout=600)
+    new = json.loads(out)["relaunched_job"]
+    try:
+        assert run.returncode == 1, err[-2000:]
+        (incident,) = incidents(job.save)
+        assert incident.outcome == "stopped" and incident.relaunched_job == new
+        assert "0 resumed steps after 25s, wanted 6" in incident.reason
+        assert f"job {new} stopped" in incident.reason
+        # Gone, with everything it started (torchrun and both ranks).
+        assert not process.running(local_pid(new), incident.relaunch_process)
+        assert not processes_of(job.save)
+    finally:
+        stop_job(new)
+
+
+def test_a_checkpoint_that_rotted_after_promotion_is_not_relaunched_from(failed, tmp_path):
+    """A byte flipped in the promoted checkpoint, file times kept: the re-verification before the
+    relaunch finds it, marks it invalid, moves the pointer, and the plan is the one before."""
+    job = job_copy(failed, tmp_path)
+    assert (
+        subprocess.run(
+            [str(CKPTOPS), "promote", "--profile", str(job.profile)], capture_output=True, timeout=300
+        ).returncode
+        == 0
+    )
+    assert read_pointer(job.save) == 8
+    flip_byte(iter_dir(job.save, 8) / "__0_0.distcp", 5000)
+    # Nobody can approve (no terminal, no --approve): the run stops at the approval, after the choice.
+    done = subprocess.run(
+        [str(CKPTOPS), "recover", "--logs", str(job.log), "--json", "--profile", str(job.profile)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
+    incident = json.loads(done.stdout)
+    assert incident["outcome"] == "aborted" and incident["relaunched_job"] is None
+    first, second = incident["reverified"]
+    assert (first["iteration"], first["outcome"], first["mode"]) == (8, "fail", "full")
+    assert "[crc]" in first["reason"] and first["seconds"] >= 0
+    assert (second["iteration"], second["outcome"]) == (4, "pass")
+    assert "reverified" in incident["times"]
+    assert read_pointer(job.save) == 4
+    assert read_manifest(iter_dir(job.save, 8)).status == "invalid"
+    verify = subprocess.run(
+        [str(CKPTOPS), "verify", str(iter_dir(job.save, 8))], capture_output=True, text=True
+    )
+    assert verify.returncode == 1 and "[crc]" in verify.stdout
