@@ -12,6 +12,7 @@ from prefect.concurrency.sync import concurrency
 from prefect.states import Completed, Failed
 
 from tasks.checkpoint.flow_tasks import (
+    announce_if_caught_up,
     check_rows,
     ensure_job_limit,
     promote_step,
@@ -62,6 +63,7 @@ def verify_and_promote(
         report.verifications = verifications
         plan, deleted = retention(save_dir, options, prof.retention.keep_verified)
     publish_report(prof.job.name, check_rows(verifications), summary_markdown(prof, report, plan, deleted))
+    announce_if_caught_up(save_dir, options, prof.job.name)
     if not report.ok:
         return Failed(message="; ".join(report.problems()))
     return Completed(message=report.summary(deleted))

@@ -93,12 +93,17 @@ def _deploy(env: dict) -> None:
         raise CkptopsError(f"prefect deploy: {(deployed.stdout + deployed.stderr).strip()[-500:]}")
 
 
-def _worker(home: Path, env: dict) -> tuple[int, bool]:
-    """Start a process worker for the pool unless ours still runs; its pid and whether it is new."""
+def _worker(home: Path, env: dict) -> tuple[int, bool, list[str]]:
+    """Start a process worker for the pool unless ours still runs: its pid, whether it is new, and
+    the runs a dead worker had left pending or running, crashed first (they held their
+    deployments' slots: every later run of those deployments would wait for them for good)."""
+    from tasks.watchdog import crash_orphans
+
     pid_file = home / "worker.pid"
     pid = _alive(pid_file, "worker start")
     if pid:
-        return pid, False
+        return pid, False, []
+    crashed = crash_orphans(POOL, "the demo's worker that ran it is gone (crashed by the next make demo)")
     with open(home / "worker.log", "ab") as log:
         worker = subprocess.Popen(
             [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--limit", "4"],
@@ -109,7 +114,7 @@ def _worker(home: Path, env: dict) -> tuple[int, bool]:
             start_new_session=True,
         )
     pid_file.write_text(str(worker.pid))
-    return worker.pid, True
+    return worker.pid, True, crashed
 
 
 def _reset(save_dir: Path) -> None:
@@ -166,11 +171,17 @@ def main(profile_name: str | None = None) -> int:
     env = {**os.environ, "CKPTOPS_ROOT": str(ROOT), **_site_profiles(profile)}
     with console.status("deployments of infra/prefect.yaml: registering..."):
         _deploy(env)
-    pid, new = _worker(home, env)
+    pid, new, crashed = _worker(home, env)
     console.print(
         f"deployments registered (work pool {POOL}); worker {'started' if new else 'reused'} "
         f"(pid {pid}, log: {home / 'worker.log'})"
     )
+    if crashed:
+        console.print(f"runs a dead worker had left pending or running, crashed: {', '.join(crashed)}")
+    from tasks.watchdog import install
+
+    watching = install(profile)
+    console.print(f"watchdog automations: {', '.join(a.name for a in watching)}")
 
     from infra.local_job.launch import write_job_script
     from tasks import render

@@ -241,9 +241,12 @@ def status(
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ):
-    """Every checkpoint with its state, size, verification time and promotion."""
+    """Every checkpoint with its state, size, verification time and promotion; and an ALERT line
+    (exit 1) when the newest complete checkpoint has waited past verify.alert_after_seconds
+    without being promoted."""
     with _expected_errors():
         from tasks.checkpoint.catalog import catalog
+        from tasks.checkpoint.overdue import overdue
         from tasks.checkpoint.pointer import read_pointer
 
         prof = load_profile(profile)
@@ -254,10 +257,14 @@ def status(
         except Malformed as e:
             pointer, problem = None, str(e)
         infos = catalog(directory, _options(prof, directory), pointer=pointer)
+        own = directory.resolve() == prof.job.save_dir.resolve()
+        late = overdue(directory, infos, prof.verify.alert_after_seconds if own else None)
     if as_json:
         out.print_json(json.dumps([i.to_dict() for i in infos]))
     else:
         render.status(out, directory, infos, problem)
+    if late is not None:
+        (err if as_json else out).print(late.line(), markup=False)
     if prof.drill and not as_json:
         from tasks.restore.scratch import stale_scratch
 
@@ -268,6 +275,8 @@ def status(
         err.print(f"ckptops: {line}", markup=False)
     if problems:
         raise typer.Exit(Malformed.exit_code)
+    if late is not None:
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -559,15 +568,18 @@ def recover(
 @app.command()
 def automations(
     deployment: Annotated[
-        str, typer.Option("--deployment", help="the automatic recovery deployment: FLOW/DEPLOYMENT")
-    ],
+        str | None,
+        typer.Option("--deployment", help="the automatic recovery deployment: FLOW/DEPLOYMENT"),
+    ] = None,
     profile: ProfileOpt = None,
 ):
-    """Install the job's recovery automations on the Prefect server: the failure-storm guard
-    (pause the deployment after more than recovery.max_per_hour failures within an hour) and, with
-    notify.block, the approval notice (tell the approver when a run pauses for approval)."""
+    """Install the job's automations on the Prefect server: the watchdog (crash a run whose worker
+    died, RUNNING without heartbeats or PENDING past prefect.submission_timeout_seconds, so its
+    deployment's slot is given back), with notify.block the promotion alarm (a save not promoted
+    within verify.alert_after_seconds), and with --deployment the recovery's failure-storm guard and
+    approval notice."""
     with _expected_errors():
-        from tasks.recovery.automation import install
+        from tasks.watchdog import install
 
         made = install(load_profile(profile), deployment)
     for automation in made:

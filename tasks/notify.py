@@ -35,3 +35,16 @@ def send(profile, subject: str, body: str) -> str | None:
     except Exception as e:  # the receiver's failure (HTTP status, refused, timeout) is not ours
         return f"notification not sent through {profile.notify.block!r}: {type(e).__name__}: {str(e)[:200]}"
     return None
+
+
+def block_id(profile):
+    """The id of the profile's notification block (for a server automation's action), or None
+    without one; a block that does not exist is one line naming it."""
+    if profile.notify is None or not profile.notify.block:
+        return None
+    from prefect.blocks.core import Block
+
+    try:
+        return Block.load(profile.notify.block)._block_document_id
+    except ValueError as e:
+        raise UsageError(f"{profile.source}: notify.block {profile.notify.block!r}: {e}") from None

@@ -125,6 +125,12 @@ class Verify(_Section):
     wait_timeout_seconds: Annotated[float, Field(ge=0)] = 900
     poll_seconds: Positive = 10
     lock_timeout_seconds: Annotated[float, Field(ge=0)] = 600
+    alert_after_seconds: Annotated[float, Field(ge=10)] | None = Field(
+        default=None,
+        description="the newest complete checkpoint unpromoted this long raises the alarm (status, "
+        "and a notification through notify.block); default: twice the save interval the saves show, "
+        "at least 300 s",
+    )
 
     @model_validator(mode="after")
     def _overlap_reads_here(self):
@@ -423,6 +429,11 @@ class Notify(_Section):
 class Prefect(_Section):
     api_url: str = "http://127.0.0.1:4200/api"
     home: Path | None = None
+    submission_timeout_seconds: Annotated[float, Field(ge=10)] = Field(
+        default=600,
+        description="a run pending this long without starting is crashed by the watchdog automation "
+        "(its worker died while submitting it), which gives its concurrency slot back",
+    )
 
 
 class LocalJob(_Section):

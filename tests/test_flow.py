@@ -35,6 +35,7 @@ def write_profile(tmp_path, save_dir, name="flow-test", lock_timeout=30):
 
 
 def test_flow_verifies_promotes_retains_and_publishes(prefect_api, save_dir, tmp_path):
+    started = datetime.now(UTC)
     state = verify_and_promote(profile=write_profile(tmp_path, save_dir), return_state=True)
     assert state.is_completed(), state.message
     assert state.message == (
@@ -53,6 +54,29 @@ def test_flow_verifies_promotes_retains_and_publishes(prefect_api, save_dir, tmp
 
     again = verify_and_promote(profile=write_profile(tmp_path, save_dir), return_state=True)
     assert again.is_completed() and again.message == "latest verified: 24 (already the newest verified)"
+    # Each run that leaves the pointer on the newest complete checkpoint tells the promotion
+    # alarm so (the server stores events asynchronously: a bounded poll).
+    assert promoted_events("flow-test", started, 2) == [24, 24]
+
+
+def promoted_events(job: str, since: datetime, count: int, timeout: float = 60) -> list[int]:
+    from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
+
+    deadline, found = time.monotonic() + timeout, []
+    with get_client(sync_client=True) as client:
+        while len(found) < count and time.monotonic() < deadline:
+            page = client.read_events(
+                filter=EventFilter(
+                    occurred=EventOccurredFilter(since=since),
+                    event=EventNameFilter(name=["ckptops.checkpoint.promoted"]),
+                    resource=EventResourceFilter(id=[f"ckptops.job.{job}"]),
+                ),
+                limit=50,
+            )
+            found = [e.payload["iteration"] for e in page.events]
+            if len(found) < count:
+                time.sleep(0.5)
+    return found
 
 
 def test_flow_fails_naming_the_bad_checkpoint_and_keeps_the_good_one(prefect_api, save_dir, tmp_path):
@@ -108,6 +132,13 @@ def test_deployments_register_and_the_saved_event_starts_a_run(prefect_api):
         deployment = client.read_deployment_by_name("verify-and-promote/local-tiny")
         assert deployment.parameters == {"profile": "local"}
         assert deployment.schedules and deployment.schedules[0].schedule.interval.total_seconds() == 30
+        # Every deployment's runs beat their heart at the watchdog's rate and carry its tag.
+        from tasks.watchdog import HEARTBEAT_SECONDS, TAG
+
+        for each in client.read_deployments():
+            if each.entrypoint and each.entrypoint.startswith("flows/") and each.work_pool_name == "ckptops":
+                assert TAG in each.tags, each.name
+                assert each.job_variables["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == str(HEARTBEAT_SECONDS)
 
         # What the training job does after a save: a plain HTTP POST, no Prefect client.
         event = [

@@ -19,6 +19,7 @@ from prefect.events.schemas.automations import EventTrigger, Posture
 from prefect.exceptions import ObjectNotFound
 
 from tasks.errors import UsageError
+from tasks.notify import block_id
 
 FAILED_EVENT = "training.job.failed"
 PAUSED_EVENT = "prefect.flow-run.Paused"
@@ -32,17 +33,6 @@ def approval_name(job: str) -> str:
     return f"ckptops recovery approval {job}"
 
 
-def _block_id(profile):
-    if profile.notify is None or not profile.notify.block:
-        return None
-    from prefect.blocks.core import Block
-
-    try:
-        return Block.load(profile.notify.block)._block_document_id
-    except ValueError as e:
-        raise UsageError(f"{profile.source}: notify.block {profile.notify.block!r}: {e}") from None
-
-
 def install(profile, deployment: str) -> list[Automation]:
     """Create (or replace: installing twice leaves one of each) the job's automations for
     ``deployment`` ("flow-name/deployment-name")."""
@@ -51,7 +41,7 @@ def install(profile, deployment: str) -> list[Automation]:
     if profile.recovery is None:
         raise UsageError(f"{profile.source}: no recovery section")
     job = profile.job.name
-    block = _block_id(profile)
+    block = block_id(profile)
     with get_client(sync_client=True) as client:
         try:
             found = client.read_deployment_by_name(deployment)
