@@ -56,6 +56,14 @@ def test_production_example_describes_the_500b_job():
         ("job: [a, b]\n", "job: Input should be a valid dictionary"),
         ("job: {name: j, save_dir: /x}\nprefect: 5\n", "prefect: Input should be a valid dictionary"),
         ("job: {name: j\n", "not valid YAML"),
+        (
+            "job: {name: j, save_dir: /x}\nrecovery: {script: /x.sh, reverify: 'off'}\n",
+            "recovery.reverify: Input should be 'full' or 'manifest'",
+        ),
+        (
+            "job: {name: j, save_dir: /x}\nverify: {alert_after_seconds: 5}\n",
+            "verify.alert_after_seconds: Input should be greater than or equal to 10",
+        ),
     ],
 )
 def test_bad_values_name_the_file_and_key(tmp_path, text, message):
