@@ -138,7 +138,9 @@ def test_deployments_register_and_the_saved_event_starts_a_run(prefect_api):
         for each in client.read_deployments():
             if each.entrypoint and each.entrypoint.startswith("flows/") and each.work_pool_name == "ckptops":
                 assert TAG in each.tags, each.name
-                assert each.job_variables["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == str(HEARTBEAT_SECONDS)
+                assert each.job_variables["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == str(
+                    HEARTBEAT_SECONDS
+                )
 
         # What the training job does after a save: a plain HTTP POST, no Prefect client.
         event = [

@@ -282,9 +282,12 @@ def test_postgres_server_with_auth_and_a_worker_runs_the_triggered_flow_through_
         assert wrong.returncode == 2 and "Traceback" not in wrong.stderr
         assert wrong.stderr.startswith("ckptops: PREFECT_API_AUTH_STRING: ") and "(401)" in wrong.stderr
         right = subprocess.run(ckptops, env=env, capture_output=True, text=True, timeout=120)
-        assert right.returncode == 0 and right.stdout.startswith("ckptops recovery storm local-tiny"), (
-            right.stderr
-        )
+        names = [line.split(":")[0] for line in right.stdout.splitlines()]
+        assert right.returncode == 0 and names == [
+            "ckptops crash silent runs",
+            "ckptops crash stuck submissions",
+            "ckptops recovery storm local-tiny",
+        ], right.stderr
         changes = [json.loads(line) for line in (save / HISTORY / PROMOTIONS).read_text().splitlines()]
         iterations = [c["iteration"] for c in changes]
         assert iterations[-1] == 24 and len(iterations) == len(set(iterations)), changes

@@ -172,12 +172,16 @@ def test_a_host_whose_worker_is_gone_crashes_its_orphans_at_once(prefect_api, tr
 def test_status_raises_the_alarm_for_a_complete_checkpoint_left_unpromoted(save_dir, tmp_path):
     profile = profile_for(tmp_path, save_dir, verify={"alert_after_seconds": 600})
     assert ckptops_here("promote", save_dir, "--iteration", "20", "--profile", profile).exit_code == 0
+
+    def saved(seconds_ago: float) -> None:
+        at = time.time() - seconds_ago
+        for path in iter_dir(save_dir, 24).iterdir():
+            os.utime(path, (at, at))
+
+    saved(60)  # iter 24 finished saving a minute ago: not late yet
     quiet = ckptops_here("status", "--profile", profile)
     assert quiet.exit_code == 0 and "ALERT" not in quiet.stdout
-    # iter 24 finished saving an hour ago and was never promoted (20 was, by hand).
-    an_hour_ago = time.time() - 3600
-    for path in iter_dir(save_dir, 24).iterdir():
-        os.utime(path, (an_hour_ago, an_hour_ago))
+    saved(3600)  # an hour ago, and never promoted (20 was, by hand)
     late = ckptops_here("status", "--profile", profile)
     assert late.exit_code == 1
     assert late.stdout.strip().splitlines()[-1] == (
