@@ -28,9 +28,11 @@ def recovery_run(
     exit_code: int | None = None,
     mode: Literal["auto", "ask"] = "auto",
     trigger: str = "manual",
+    retry: bool = False,
 ):
     """``slurm_job`` or ``logs`` name what failed. ``mode``: ``auto`` relaunches the profile's
-    auto-approved classes without asking; ``ask`` always waits for an approver."""
+    auto-approved classes without asking; ``ask`` always waits for an approver. ``retry``:
+    recover a failure again whose earlier recovery relaunched nothing (an approver said no)."""
     prof = load_profile(profile)
     if mode == "ask" and prof.recovery is not None:
         prof = prof.model_copy(update={"recovery": prof.recovery.model_copy(update={"auto_approve": []})})
@@ -46,10 +48,14 @@ def recovery_run(
             flow_run=str(flow_run.id),
             started=lambda i: announce(prof.job.name, i.id, {"slurm_job": slurm_job, "logs": logs or []}),
             warn=print,
+            retry=retry,
         )
-    except Duplicate as e:  # another run has this failure in hand: nothing to do, nobody to page
+    except Duplicate as e:
+        # Another run has this failure in hand: nothing to do, nobody to page. One that has
+        # handled it already is news for a person (a failure may have been taken for another).
         print(e)
-        return Cancelled(message=str(e))
+        unsent = None if e.incident.running else send(prof, "recovery refused: a duplicate", str(e))
+        return Cancelled(message=str(e) + (f"; {unsent}" if unsent else ""))
     publish_incident(prof.job.save_dir, incident)
     message = f"{incident.id} {incident.cls}: {incident.outcome}: {incident.reason}"
     print(message)

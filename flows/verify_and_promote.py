@@ -63,7 +63,7 @@ def verify_and_promote(
         report.verifications = verifications
         plan, deleted = retention(save_dir, options, prof.retention.keep_verified)
     publish_report(prof.job.name, check_rows(verifications), summary_markdown(prof, report, plan, deleted))
-    announce_if_caught_up(save_dir, options, prof.job.name)
+    announce_if_caught_up(prof, options)
     if not report.ok:
         return Failed(message="; ".join(report.problems()))
     return Completed(message=report.summary(deleted))

@@ -7,6 +7,7 @@ naming the file and the check, never a traceback.
 
 import json
 import os
+import signal
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
@@ -18,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
 from tasks import render
-from tasks.errors import CkptopsError, Malformed, UsageError, unreadable
+from tasks.errors import CkptopsError, Interrupted, Malformed, UsageError, unreadable
 from tasks.profile import Profile, load_profile
 from tasks.storage.local import open_regular
 
@@ -502,8 +503,12 @@ def triage(
     raise typer.Exit(1 if found.cls == "unknown" else 0)
 
 
-def _ask_on_terminal(approve: bool):
-    """The CLI's approver: --approve goes; a terminal asks; anything else (a pipe, cron) says no."""
+def _ask_on_terminal(approve: bool, timeout_seconds: float):
+    """The CLI's approver: --approve goes; a terminal asks, for at most the profile's approval
+    timeout (the recovery holds the job's recovery lock meanwhile); no answer, an empty input
+    or anything else (a pipe, cron) says no."""
+    import select
+
     from tasks.recovery.report import plan_markdown
     from tasks.recovery.run import Decision
 
@@ -512,13 +517,20 @@ def _ask_on_terminal(approve: bool):
             return Decision(True, "--approve on the command line")
         if not sys.stdin.isatty():
             return Decision(False, "no terminal to ask and no --approve")
-        out.print(plan_markdown(plan), markup=False)
-        answer = typer.prompt(
-            f"relaunch from checkpoint {plan.checkpoint}? [yes / no / another iteration]", default="no"
+        err.print(plan_markdown(plan), markup=False)  # stdout stays the answer (--json)
+        err.print(
+            f"relaunch from checkpoint {plan.checkpoint}? [yes / no / another iteration] "
+            f"(no answer within {timeout_seconds:.0f}s is no): ",
+            end="",
+            markup=False,
         )
-        if answer.strip().isdigit():
+        ready, _, _ = select.select([sys.stdin], [], [], timeout_seconds)
+        if not ready:
+            return Decision(False, f"no answer on the terminal within {timeout_seconds:.0f}s")
+        answer = sys.stdin.readline().strip()
+        if answer.isdigit():
             return Decision(True, "operator on the terminal", int(answer))
-        return Decision(answer.strip().lower() in ("y", "yes"), "operator on the terminal")
+        return Decision(answer.lower() in ("y", "yes"), "operator on the terminal")
 
     return ask
 
@@ -531,12 +543,17 @@ def recover(
     approve: Annotated[
         bool, typer.Option("--approve", help="relaunch without asking (stop rules still apply)")
     ] = False,
+    retry: Annotated[
+        bool,
+        typer.Option("--retry", help="recover a failure again whose earlier recovery relaunched nothing"),
+    ] = False,
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ):
     """Recover a failed job: triage, stop rules, checkpoint, node health and drains, approval,
-    relaunch, validation; the incident goes to the ledger. Exit 0 recovered, 1 stopped, aborted or
-    interrupted, 3 another recovery has this failure in hand (nothing relaunched)."""
+    relaunch, validation; the incident goes to the ledger. Exit 0 recovered, 1 stopped or aborted,
+    3 another recovery has this failure in hand or has handled it (nothing relaunched), 128+N
+    ended by signal N (the incident says what was done)."""
     if not slurm_job and not logs:
         _fail(UsageError("name what failed: --slurm-job ID or --logs FILE..."))
     with _expected_errors():
@@ -545,24 +562,39 @@ def recover(
         from tasks.recovery.run import recover as run_recovery
 
         prof = load_profile(profile)
+        timeout = prof.recovery.approval_timeout_seconds if prof.recovery else 0
 
         def step(name, fn, *args, **kwargs):
             err.print(f"{name} ...", markup=False)
             return fn(*args, **kwargs)
 
-        incident = run_recovery(
-            prof,
-            Source(slurm_job, list(logs or []), exit_code),
-            "cli",
-            _ask_on_terminal(approve),
-            step,
-            warn=_warn,
-        )
+        try:
+            incident = run_recovery(
+                prof,
+                Source(slurm_job, list(logs or []), exit_code),
+                "cli",
+                _ask_on_terminal(approve, timeout),
+                step,
+                warn=_warn,
+                retry=retry,
+            )
+        except (Interrupted, KeyboardInterrupt) as e:
+            signum = getattr(e, "signum", signal.SIGINT)
+            ended = getattr(e, "incident", None)
+            if ended is not None:
+                _print_incident(ended, as_json)
+            else:
+                err.print(f"ckptops: interrupted by {signal.Signals(signum).name}", markup=False)
+            raise typer.Exit(128 + signum) from None
+    _print_incident(incident, as_json)
+    raise typer.Exit(0 if incident.outcome == COMPLETED else 1)
+
+
+def _print_incident(incident, as_json: bool) -> None:
     if as_json:
         out.print_json(json.dumps(incident.to_dict()))
     else:
         out.print(f"{incident.outcome} {incident.id} {incident.cls}: {incident.reason}", markup=False)
-    raise typer.Exit(0 if incident.outcome == COMPLETED else 1)
 
 
 @app.command()

@@ -434,6 +434,11 @@ class Prefect(_Section):
         description="a run pending this long without starting is crashed by the watchdog automation "
         "(its worker died while submitting it), which gives its concurrency slot back",
     )
+    silent_run_seconds: Annotated[float, Field(ge=35)] = Field(
+        default=90,
+        description="a running run without a heartbeat this long (runs beat every 30 s) is crashed by "
+        "the watchdog automation (its process died), which gives its concurrency slot back",
+    )
 
 
 class LocalJob(_Section):

@@ -3,7 +3,6 @@ relaunch's safety checks and its sbatch line, and Slurm's answer for a job it do
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -177,20 +176,31 @@ def test_a_wrongly_typed_ledger_line_is_reported_once_by_line_and_field_and_skip
     good = past("hardware", 120, 100)
     record(tmp_path, good)
     path = ledger_path(tmp_path)
+    line = {"job": "job", "trigger": "cli"}
     write_lines(
         path,
-        {"id": "bad-times", "job": "job", "trigger": "cli", "times": [1, 2]},
-        {"id": "bad-nodes", "job": "job", "trigger": "cli", "suspect_nodes": "n1"},
+        {"id": "bad-times", **line, "times": [1, 2]},
+        {"id": "bad-nodes", **line, "suspect_nodes": "n1"},
         '{"id": "nan", "job": "job", "trigger": "cli", "times": {"detected": NaN}}',
         '["not", "an", "incident"]',
+        {"id": "text-number", **line, "times": {"detected": "NaN"}},
+        '{"id": "huge", "job": "job", "trigger": "cli", "times": {"detected": 1e999}}',
+        {"id": "exit-as-text", **line, "exit_code": "7"},
+        {"id": "gpus-as-bool", **line, "gpus": True},
+        {"id": "error-text", **line, "first_error": {"file": "x", "line": 1, "text": ["a"]}},
     )
     found = read_ledger(tmp_path)
     assert [i.id for i in found.incidents] == ["i0"]
     assert found.problems == [
-        f"{path}:2: times: Input should be a valid dictionary; skipped",
-        f"{path}:3: suspect_nodes: Input should be a valid list; skipped",
+        f"{path}:2: times: Input should be an object; skipped",
+        f"{path}:3: suspect_nodes: Input should be a valid array; skipped",
         f"{path}:4: not JSON (NaN is not a number JSON allows); skipped",
         f"{path}:5: not an incident (no id); skipped",
+        f"{path}:6: times.detected: Input should be a valid number; skipped",
+        f"{path}:7: times.detected: Input should be a finite number; skipped",
+        f"{path}:8: exit_code: Input should be a valid integer; skipped",
+        f"{path}:9: gpus: Input should be a valid integer; skipped",
+        f"{path}:10: first_error.text: Input should be a valid string; skipped",
     ]
 
 
@@ -226,8 +236,8 @@ def test_no_figure_in_a_ledger_line_is_nan(tmp_path):
     assert "first_resumed_step" not in line["times"] and line["lost_gpu_hours"] is None
 
 
-def local_profile(tmp_path: Path, **recovery) -> Path:
-    save = tmp_path / "checkpoints"
+def local_profile(tmp_path: Path, save: Path | None = None, **recovery) -> Path:
+    save = save or tmp_path / "checkpoints"
     save.mkdir(exist_ok=True)
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/bash\npython pretrain_gpt.py --exit-on-missing-checkpoint\n")
@@ -235,7 +245,7 @@ def local_profile(tmp_path: Path, **recovery) -> Path:
     path.write_text(
         yaml.safe_dump(
             {
-                "job": {"name": "job", "save_dir": str(save)},
+                "job": {"name": "job", "save_dir": str(save), "layout": {"data_parallel": 2}},
                 "recovery": {"launcher": "local", "script": str(script), "max_per_hour": 3, **recovery},
             }
         )
@@ -243,33 +253,56 @@ def local_profile(tmp_path: Path, **recovery) -> Path:
     return path
 
 
-def test_recover_counts_a_killed_recoverys_running_incident_and_skips_a_bad_line(tmp_path):
-    """Three recoveries in the last hour, the newest left running by a recovery killed with
-    SIGKILL, and a line of wrong types: the killed one is closed, the bad line reported and left
-    out, and the hourly cap stops this recovery without a relaunch."""
+def test_recover_counts_a_killed_recoverys_relaunch_and_skips_a_bad_line(tmp_path):
+    """Three relaunches in the last hour, the newest by a recovery killed with SIGKILL (its
+    incident left running, its relaunch since dead), a recovery that relaunched nothing, and a
+    line of wrong types: the killed one is closed, the bad line reported and left out, and the
+    hourly cap counts the three relaunches and stops this recovery without a relaunch."""
+    from tests.conftest import exited_process_identity
     from tests.test_cli import ckptops_here
 
     profile = local_profile(tmp_path)
     save = tmp_path / "checkpoints"
-    now = time.time()
-    for n in range(3):
-        incident = past("network", 100 + n, None, ago=600 * (n + 1), relaunched=False, n=n)
-        incident.times["detected"] = now - 600 * (n + 1)
+    dead = exited_process_identity()
+    for n in range(4):
+        incident = past("network", 100 + n, 100 + n, ago=600 * (n + 1), relaunched=n < 3, n=n)
         incident.outcome = "running" if n == 0 else "stopped"
-        incident.owner = {"host": "elsewhere", "pid": 1, "started": 0.0}
+        incident.owner = {"host": dead["host"], "pid": 1, "started": 0.0}
+        if n == 0:
+            incident.relaunched_job, incident.relaunch_process = f"local:{dead['pid']}", dead
         record(save, incident)
     write_lines(ledger_path(save), {"id": "bad", "job": "job", "trigger": "cli", "times": [1]})
     done = ckptops_here("recover", "--logs", HARDWARE_LOG, "--json", "--profile", profile)
     assert done.exit_code == 1, done.stderr
     this = json.loads(done.stdout)
     assert this["stop_rule"] == "too-many-per-hour" and this["relaunched_job"] is None
-    assert f"{ledger_path(save)}:4: times: Input should be a valid dictionary; skipped" in done.stderr
+    assert "3 relaunches in the last hour" in this["reason"]
+    assert f"{ledger_path(save)}:5: times: Input should be an object; skipped" in done.stderr
     killed = next(i for i in incidents(save) if i.id == "i0")
-    assert killed.outcome == "interrupted" and "was killed; nothing was relaunched" in killed.reason
+    assert killed.outcome == "interrupted"
+    assert killed.reason.endswith(f"was killed; its relaunched job local:{dead['pid']} is no longer running")
     listed = ckptops_here("incidents", "--profile", profile)
-    assert listed.exit_code == 0 and "times: Input should be a valid dictionary" in listed.stderr
+    assert listed.exit_code == 0 and "times: Input should be an object" in listed.stderr
     measured = ckptops_here("goodput", "--profile", profile, "--json")
-    assert measured.exit_code == 0 and json.loads(measured.stdout)["incidents"] == 4
+    assert measured.exit_code == 0 and json.loads(measured.stdout)["incidents"] == 5
+
+
+def test_an_aborted_recovery_stands_until_retry_and_a_retry_is_no_recurrence(save_dir, tmp_path):
+    """The approver said no: the same failure recovered again is refused (exit 3) unless asked
+    with --retry, and the retry is not stopped by same-failure-again (the aborted one relaunched
+    nothing and is this very failure)."""
+    from tests.test_cli import ckptops_here
+
+    profile = local_profile(tmp_path, save_dir)
+    first = ckptops_here("recover", "--logs", HARDWARE_LOG, "--json", "--profile", profile)
+    assert first.exit_code == 1 and json.loads(first.stdout)["outcome"] == "aborted"
+    again = ckptops_here("recover", "--logs", HARDWARE_LOG, "--json", "--profile", profile)
+    assert again.exit_code == 3 and "already handled this failure" in again.stderr
+    assert "aborted, retry to recover it again; nothing relaunched" in again.stderr
+    retried = ckptops_here("recover", "--logs", HARDWARE_LOG, "--json", "--retry", "--profile", profile)
+    incident = json.loads(retried.stdout)
+    assert incident["outcome"] == "aborted" and incident["stop_rule"] is None
+    assert [i.outcome for i in incidents(save_dir)] == ["aborted", "aborted"]
 
 
 def test_step_records_that_do_not_exist_stop_the_recovery_before_any_relaunch(tmp_path):
@@ -304,3 +337,68 @@ def test_fifos_are_refused_by_every_reader_of_logs_in_one_line(tmp_path):
     for log in (fifo, HARDWARE_LOG):  # the records are a FIFO too
         measured = ckptops("goodput", "--log", log, "--profile", profile)
         assert measured.returncode == 2 and "a FIFO, not a regular file" in measured.stderr
+
+
+def test_only_relaunches_count_and_a_retry_of_the_same_failure_is_no_recurrence():
+    running = past("hardware", 120, 100, ago=60, n=0)
+    running.outcome, running.failure_key = "running", "slurm:7:0:t0"
+    aborted = past("hardware", 120, 100, ago=120, relaunched=False, n=1)
+    # A running incident that has relaunched is a relaunch in the hour.
+    assert names(stop_rules(Failure("hardware", 200, 1, 100, NOW, "slurm:8:0:t1"), [running], 1)) == [
+        "too-many-per-hour"
+    ]
+    # An incident that relaunched nothing is no recurrence and no relaunch.
+    assert names(stop_rules(Failure("hardware", 120, 1, 100, NOW, "slurm:9:0:t2"), [aborted], 1)) == []
+    # The same failure's own incident is a retry, not the failure coming back.
+    assert names(stop_rules(Failure("hardware", 120, 1, 100, NOW, "slurm:7:0:t0"), [running], 1)) == []
+    assert names(stop_rules(Failure("hardware", 120, 1, 100, NOW, "slurm:9:0:t2"), [running], 3)) == [
+        "same-failure-again"
+    ]
+
+
+def test_the_exact_ettr_of_a_hopeless_interval_is_zero_not_an_overflow():
+    from tasks.goodput.advice import ettr_exact
+
+    assert ettr_exact(save=60, mtbf=36, restart=300, interval=28800) == 0.0
+
+
+def test_manifest_reverification_sees_a_resave_but_not_a_silent_flip(save_dir, options):
+    """recovery.reverify: manifest compares the files' sizes and times with the manifest: a
+    touched file is caught, a flipped bit with the times kept is not (only full reads it)."""
+    from tasks.checkpoint.promote import promote, reverify
+    from tests.conftest import flip_byte, iter_dir
+
+    promote(save_dir, options, 30)
+    flip_byte(iter_dir(save_dir, 24) / "__0_0.distcp", 5000)
+    quick, _ = reverify(save_dir, options, 24, 30, full=False)
+    assert quick.ok
+    full, report = reverify(save_dir, options, 24, 30, full=True)
+    assert not full.ok and "[crc]" in full.reason and report.current == 20
+    os.utime(iter_dir(save_dir, 20) / "metadata.json")
+    touched, report = reverify(save_dir, options, 20, 30, full=False)
+    assert not touched.ok and report.current == 16
+
+
+def test_the_terminal_prompt_waits_for_the_approval_timeout_only_and_then_says_no(save_dir, tmp_path):
+    """An operator who walks away from the prompt must not hold the job's recovery lock for
+    good: on a real terminal (a pty), no answer within recovery.approval_timeout_seconds is a no."""
+    import pty
+    import subprocess
+
+    from tests.test_cli import CKPTOPS
+
+    profile = local_profile(tmp_path, save_dir, approval_timeout_seconds=3)
+    main, terminal = pty.openpty()
+    done = subprocess.run(
+        [str(CKPTOPS), "recover", "--logs", str(HARDWARE_LOG), "--json", "--profile", str(profile)],
+        stdin=terminal,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    os.close(terminal)
+    os.close(main)
+    incident = json.loads(done.stdout)
+    assert "relaunch from checkpoint 24?" in done.stderr
+    assert done.returncode == 1 and incident["outcome"] == "aborted"
+    assert incident["reason"] == "not approved (no answer on the terminal within 3s)"

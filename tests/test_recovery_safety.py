@@ -212,8 +212,10 @@ def test_sigterm_closes_the_incident_as_interrupted_with_the_relaunch_named(fail
         new = until(lambda: relaunched(job), 300, "the recovery relaunched the job")
         until(lambda: "job_running" in ledger_lines(job)[-1]["times"], 120, "the recovery watches progress")
         os.killpg(run.pid, signal.SIGTERM)
-        out, _ = run.communicate(timeout=60)
-        assert run.returncode != 0
+        out, err = run.communicate(timeout=60)
+        # 128 + 15, no traceback, and the incident as it was closed on stdout.
+        assert run.returncode == 143 and "Traceback" not in err, err[-2000:]
+        assert json.loads(out)["outcome"] == "interrupted"
         (incident,) = incidents(job.save)
         assert incident.outcome == "interrupted"
         assert incident.reason.startswith("interrupted by SIGTERM during wait-progress; relaunched " + new)
@@ -276,3 +278,54 @@ def test_a_checkpoint_that_rotted_after_promotion_is_not_relaunched_from(failed,
         [str(CKPTOPS), "verify", str(iter_dir(job.save, 8))], capture_output=True, text=True
     )
     assert verify.returncode == 1 and "[crc]" in verify.stdout
+
+
+def test_a_relaunch_its_recovery_never_recorded_is_found_by_its_token_and_adopted(failed, tmp_path):
+    """A recovery killed between submitting the relaunch and recording it leaves an incident that
+    names only the relaunch's token (saved before the submission); the job carries the token in
+    its environment, and the next recovery finds it there and adopts it instead of relaunching."""
+    from tasks.checkpoint.promote import promote
+    from tasks.checkpoint.state import VerifyOptions
+    from tasks.profile import load_profile
+    from tasks.recovery import job as jobs
+    from tasks.recovery.ledger import Incident, record
+
+    job = job_copy(failed, tmp_path)
+    profile = load_profile(job.profile)
+    promote(profile.job.save_dir, VerifyOptions.from_profile(profile), 30)  # as the killed one had
+    settings = profile.recovery
+    left = Incident("20261201-0000-kill", "safe", "cli", outcome="running", checkpoint=8)
+    left.mark("detected")
+    left.relaunch_token, left.records_before = left.id, len(job.records.read_text().splitlines())
+    left.failure_iteration = 9
+    record(job.save, left)
+    new, _ = jobs.start_local(settings, "safe", 8, tmp_path / "logs", left.relaunch_token)
+    try:
+        done = recover(job)
+        out, err = done.communicate(timeout=600)
+        assert done.returncode == 0, out
+        adopted = json.loads(out)
+        assert adopted["id"] == left.id and adopted["relaunched_job"] == new
+        assert adopted["outcome"] == "completed" and adopted["validation"].startswith("VALIDATED")
+        assert [i.id for i in incidents(job.save)] == [left.id]
+    finally:
+        stop_job(new)
+
+
+def test_the_checkpoint_an_approver_picks_is_verified_again_before_it_is_used(failed, tmp_path):
+    from tasks.profile import load_profile
+    from tasks.recovery.run import Decision, Source
+    from tasks.recovery.run import recover as run_recovery
+
+    job = job_copy(failed, tmp_path)
+    flip_byte(iter_dir(job.save, 4) / "__1_0.distcp", 5000)
+    incident = run_recovery(
+        load_profile(job.profile),
+        Source(logs=[job.log]),
+        "test",
+        lambda plan: Decision(True, "an approver who prefers 4", checkpoint=4),
+    )
+    assert incident.outcome == "stopped" and incident.relaunched_job is None
+    assert incident.reason == "checkpoint 4, the approver's choice, failed re-verification"
+    assert [(r["iteration"], r["outcome"]) for r in incident.reverified] == [(8, "pass"), (4, "fail")]
+    assert read_manifest(iter_dir(job.save, 4)).status == "invalid"

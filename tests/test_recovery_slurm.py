@@ -219,3 +219,27 @@ def test_a_failure_that_comes_back_at_the_same_place_is_stopped_not_relaunched_a
         subprocess.run(
             ["scontrol", "update", "NodeName=n[1-3]", "State=RESUME"], capture_output=True, timeout=30
         )
+
+
+def test_a_relaunch_that_makes_no_progress_is_scancelled_before_the_incident_stops(
+    slurm_conf, nodes, tmp_path, monkeypatch
+):
+    name = f"hng-{tmp_path.name[-6:].lower().strip('_')}".replace("_", "-")
+    save, records, profile = make_job(tmp_path, nodes, name, progress_timeout_seconds=30)
+    try:
+        failed = submit_failing(tmp_path / "job.sh", name, "1:7:ecc", tmp_path / "logs")
+        # The relaunch inherits a hang: rank 0 stops before iteration 5, the first it would train.
+        monkeypatch.setenv("CKPTOPS_FAIL_AT", "0:5:hang")
+        done = ckptops("recover", "--slurm-job", failed, "--approve", "--profile", str(profile), "--json")
+        assert done.returncode == 1, done.stderr
+        incident = json.loads(done.stdout)
+        new = incident["relaunched_job"]
+        assert new and "0 resumed steps after 30s, wanted 6" in incident["reason"]
+        assert f"job {new} cancelled (" in incident["reason"]
+        queued = subprocess.run(["squeue", "-h", "-j", new], capture_output=True, text=True, timeout=30)
+        assert queued.stdout.strip() == "", "the relaunch is still in the queue"
+    finally:
+        subprocess.run(["scancel", f"--name={name}"], timeout=30)
+        subprocess.run(
+            ["scontrol", "update", "NodeName=n[1-3]", "State=RESUME"], capture_output=True, timeout=30
+        )

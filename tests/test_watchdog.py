@@ -27,10 +27,10 @@ pytestmark = pytest.mark.slow
 VERIFY = "flows/verify_and_promote.py:verify_and_promote"
 
 
-def profile_for(tmp_path: Path, save: Path, **extra) -> Path:
-    path = tmp_path / "profile.yaml"
+def profile_for(tmp_path: Path, save: Path, name: str = "wedge", **extra) -> Path:
+    path = tmp_path / f"{name}.yaml"
     data = {
-        "job": {"name": "wedge", "save_dir": str(save), "layout": {"data_parallel": 2}},
+        "job": {"name": name, "save_dir": str(save), "layout": {"data_parallel": 2}},
         "verify": {"settle_seconds": 0, "lock_timeout_seconds": 30, "wait_timeout_seconds": 0},
         "prefect": {"submission_timeout_seconds": 20},
     }
@@ -104,34 +104,49 @@ def until(condition, timeout: float, what: str):
     raise AssertionError(f"not within {timeout:.0f}s: {what}")
 
 
-def test_a_worker_killed_while_submitting_does_not_wedge_verify_and_promote(prefect_api, trained, tmp_path):
+def test_a_dead_worker_does_not_wedge_verify_and_promote(prefect_api, trained, tmp_path):
+    """A worker SIGKILLed while it submits one run (PENDING, its engine not started yet) and
+    while another runs (RUNNING, waiting for a save in progress): the watchdog crashes both, the
+    first after prefect.submission_timeout_seconds, the second after prefect.silent_run_seconds
+    without a heartbeat, which gives their deployments' slots back; the next saved checkpoint is
+    promoted by a new worker. Before, the next run bounced back to SCHEDULED for good."""
     from prefect import get_client
 
     from tasks.profile import load_profile
     from tasks.watchdog import install
 
     save = shutil.copytree(trained, tmp_path / "checkpoints")
-    profile = profile_for(tmp_path, save)
+    waiting = shutil.copytree(trained, tmp_path / "waiting")
+    (iter_dir(waiting, 24) / "metadata.json").unlink()  # a save still being written: the run waits
+    profile = profile_for(tmp_path, save, prefect={"silent_run_seconds": 35})
     pool = f"wedge-{tmp_path.name[-8:].lower().replace('_', '-')}"
     watching = install(load_profile(profile))
     with get_client(sync_client=True) as client:
         dep = deployment(client, pool, "wedge", profile)
+        silent = deployment(client, pool, "silent", profile_for(tmp_path, waiting, "silent"))
         worker = start_worker(pool, tmp_path / "worker.log")
         try:
-            # The first run's submission never starts its flow (its command hangs where the
-            # engine would start): it is PENDING, holding the slot, when its worker dies.
-            stuck = client.create_flow_run_from_deployment(dep, job_variables={"command": "sleep 600"})
+            # The engine would start 30 s after the submission; the worker dies before.
+            late = f"sh -c 'sleep 30; exec {sys.executable} -m prefect.engine'"
+            stuck = client.create_flow_run_from_deployment(dep, job_variables={"command": late})
+            beating = client.create_flow_run_from_deployment(
+                silent,
+                parameters={"wait_timeout_seconds": 600},
+                job_variables={"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}},
+            )
             until(lambda: state_of(client, stuck.id).is_pending(), 120, "the worker took the first run")
+            until(lambda: state_of(client, beating.id).is_running(), 120, "the second run started")
             kill(worker)
             worker = start_worker(pool, tmp_path / "worker.log")
             promoted = client.create_flow_run_from_deployment(dep)
-            # Before the watchdog, the second run bounced back to SCHEDULED every few seconds,
-            # for good; now the stuck run is crashed and gives its slot back.
-            until(lambda: state_of(client, promoted.id).is_final(), 240, "the second run finished")
+            until(lambda: state_of(client, promoted.id).is_final(), 240, "the next run finished")
             assert state_of(client, promoted.id).is_completed(), state_of(client, promoted.id).message
+            assert read_pointer(save) == 24
             crashed = state_of(client, stuck.id)
             assert crashed.is_crashed() and "pending for 20 s without starting" in crashed.message
-            assert read_pointer(save) == 24
+            until(lambda: state_of(client, beating.id).is_crashed(), 120, "the silent run was crashed")
+            assert "no heartbeat for 35 s" in state_of(client, beating.id).message
+            assert client.read_deployment(silent).global_concurrency_limit.active_slots == 0
         finally:
             kill(worker)
             for automation in watching:
@@ -229,6 +244,41 @@ def test_the_promotion_alarm_notifies_when_a_save_is_not_promoted_in_time(prefec
         with get_client(sync_client=True) as client:
             for automation in made:
                 client.delete_automation(automation.id)
+
+
+def test_the_alarm_installed_before_any_save_follows_the_interval_the_saves_show(
+    prefect_api,
+    receiver,  # noqa: F811
+    trained,
+    tmp_path,
+):
+    from tasks.checkpoint.catalog import catalog
+    from tasks.checkpoint.overdue import MIN_ALERT_SECONDS, UNMEASURED_ALERT_SECONDS
+    from tasks.checkpoint.state import VerifyOptions
+    from tasks.profile import load_profile
+    from tasks.watchdog import install, overdue_name, refresh_alarm
+
+    save = tmp_path / "checkpoints"
+    save.mkdir()
+    path = profile_for(tmp_path, save, "early", notify={"block": "custom-webhook/test-pager"})
+    profile = load_profile(path)
+    made = install(profile)
+    (early,) = [a for a in made if a.name == overdue_name("early")]
+    assert early.trigger.within.total_seconds() == UNMEASURED_ALERT_SECONDS
+    # The job saves (every few seconds here): the next verify-and-promote run refreshes it.
+    shutil.rmtree(save)
+    shutil.copytree(trained, save)
+    refreshed = refresh_alarm(profile, catalog(save, VerifyOptions.from_profile(profile)))
+    try:
+        assert refreshed is not None and refreshed.trigger.within.total_seconds() == MIN_ALERT_SECONDS
+        assert refresh_alarm(profile, catalog(save, VerifyOptions.from_profile(profile))) is None
+    finally:
+        from prefect import get_client
+
+        with get_client(sync_client=True) as client:
+            for automation in made:
+                for each in client.read_automations_by_name(name=automation.name):
+                    client.delete_automation(each.id)
 
 
 def test_a_flow_run_for_a_failure_another_recovery_has_in_hand_ends_cancelled(prefect_api, tmp_path):

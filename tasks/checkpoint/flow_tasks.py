@@ -28,7 +28,7 @@ from tasks.checkpoint.state import Completeness, State, VerifyOptions, wait_unti
 from tasks.checkpoint.verify import Verification, verify_checkpoint
 from tasks.profile import Profile
 from tasks.storage.local import list_files
-from tasks.watchdog import announce_promotion
+from tasks.watchdog import announce_promotion, refresh_alarm
 
 _PROGRESS_EVERY_SECONDS = 1.0
 _SHARD_TABLE_EVERY_SECONDS = 5.0
@@ -146,14 +146,15 @@ def promote_step(save_dir: Path, options: VerifyOptions, requested: int | None) 
 
 
 @task(name="announce-promotion")
-def announce_if_caught_up(save_dir: Path, options: VerifyOptions, job: str) -> bool:
+def announce_if_caught_up(profile: Profile, options: VerifyOptions) -> bool:
     """Tell the promotion alarm (``ckptops.checkpoint.promoted``) when the pointer names the
-    newest complete checkpoint; whether it does."""
-    infos = catalog(save_dir, options)
+    newest complete checkpoint, and keep its threshold what the saves show; whether it does."""
+    infos = catalog(profile.job.save_dir, options)
+    refresh_alarm(profile, infos)
     if not caught_up(infos):
         return False
     promoted = next(i.iteration for i in infos if i.promoted)
-    announce_promotion(job, promoted)
+    announce_promotion(profile.job.name, promoted)
     return True
 
 

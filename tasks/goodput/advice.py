@@ -60,7 +60,10 @@ def ettr_exact(save: float, mtbf: float, restart: float, interval: float) -> flo
     at an expected (M + R)(e^((T + C)/M) - 1) of wall time."""
     positive(save_seconds=save, mtbf_seconds=mtbf, interval_seconds=interval)
     not_negative(restart_seconds=restart)
-    return interval / ((mtbf + restart) * math.expm1((interval + save) / mtbf))
+    exponent = (interval + save) / mtbf
+    if exponent > 700:  # e^700 is near the largest float: no interval completes, ETTR is 0
+        return 0.0
+    return interval / ((mtbf + restart) * math.expm1(exponent))
 
 
 @dataclass

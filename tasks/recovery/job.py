@@ -6,6 +6,7 @@ Every Slurm call goes through ``tasks.cluster.slurm.run`` (an argv list with a t
 
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,8 @@ class SlurmJob:
     exit_code: int | None
     reason: str
     partition: str | None = None
+    start_time: str | None = None
+    restarts: int = 0  # Slurm requeued it this often: each start is another attempt, another failure
 
     def layout(self) -> dict[int, str]:
         """Rank -> node under Slurm's default block distribution (ranks fill a node, then the next)."""
@@ -78,6 +81,8 @@ def slurm_job(job_id: str) -> SlurmJob:
         exit_code=int(code.split(":")[0]) if code[:1].isdigit() else None,
         reason=f.get("Reason", ""),
         partition=f.get("Partition") or None,
+        start_time=f.get("StartTime") or None,
+        restarts=int(f.get("Restarts", "0") or 0) if f.get("Restarts", "0").isdigit() else 0,
     )
 
 
@@ -104,7 +109,15 @@ def _step_passing(settings, step: int) -> tuple[dict[str, str], list[str]]:
     return env, args
 
 
-def sbatch_command(settings, job_name: str, step: int, exclude: list[str], log_dir: Path) -> list[str]:
+# Where a relaunch carries its incident's token: a local job's environment, a Slurm job's comment.
+TOKEN_ENV = "CKPTOPS_INCIDENT"
+JOB_ENV = "CKPTOPS_JOB"
+COMMENT_PREFIX = "ckptops:"
+
+
+def sbatch_command(
+    settings, job_name: str, step: int, exclude: list[str], log_dir: Path, token: str | None = None
+) -> list[str]:
     env, args = _step_passing(settings, step)
     argv = [
         "sbatch",
@@ -115,6 +128,8 @@ def sbatch_command(settings, job_name: str, step: int, exclude: list[str], log_d
         f"--output={log_dir / '%x-%j.out'}",
         "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in env.items())]),
     ]
+    if token:
+        argv.append(f"--comment={COMMENT_PREFIX}{token}")
     if exclude:
         argv.append(f"--exclude={','.join(sorted(exclude))}")
     if settings.nodes:
@@ -122,26 +137,29 @@ def sbatch_command(settings, job_name: str, step: int, exclude: list[str], log_d
     return [*argv, str(settings.script), *args]
 
 
-def submit(settings, job_name: str, step: int, exclude: list[str], log_dir: Path) -> str:
-    """sbatch the job's own script from ``step``; the new job id."""
+def submit(
+    settings, job_name: str, step: int, exclude: list[str], log_dir: Path, token: str | None = None
+) -> str:
+    """sbatch the job's own script from ``step``; the new job id. ``token`` goes in its comment."""
     check_script(settings.script)
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        out = slurm.run(sbatch_command(settings, job_name, step, exclude, log_dir))
+        out = slurm.run(sbatch_command(settings, job_name, step, exclude, log_dir, token))
     except CkptopsError as e:
         raise RelaunchRefused(f"sbatch {settings.script}: {e}") from None
     return out.strip().split(";")[0]
 
 
-def start_local(settings, step: int, log_dir: Path) -> tuple[str, dict]:
+def start_local(settings, job: str, step: int, log_dir: Path, token: str) -> tuple[str, dict]:
     """Run the job's own script with bash, detached (it outlives the recovery run): its id
     (``local:PID``) and its process's identity (so a later recovery never takes another process
-    that got the pid for it)."""
+    that got the pid for it). The job's name and ``token`` go in its environment."""
     check_script(settings.script)
     env, args = _step_passing(settings, step)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"relaunch-{time.strftime('%Y%m%d-%H%M%S')}.out"
-    child = process.start(["bash", str(settings.script), *args], log, {**os.environ, **env})
+    env = {**os.environ, **env, TOKEN_ENV: token, JOB_ENV: job}
+    child = process.start(["bash", str(settings.script), *args], log, env)
     return f"local:{child.pid}", process.identity(child.pid)
 
 
@@ -149,11 +167,17 @@ def _local_pid(job: str) -> int | None:
     return int(job.split(":", 1)[1]) if job.startswith("local:") else None
 
 
+# A local relaunch whose process is on another host: it may run, this host cannot tell.
+ELSEWHERE = "ELSEWHERE"
+
+
 def job_state(job: str, holder: dict | None = None) -> str:
     """RUNNING, PENDING, or an end state; a local relaunch is RUNNING while its process (the
-    process ``holder`` names, when given) lives."""
+    process ``holder`` names, when given) lives, ELSEWHERE when that process is another host's."""
     pid = _local_pid(job)
     if pid is not None:
+        if holder is not None and holder.get("host") != socket.gethostname():
+            return ELSEWHERE
         return "RUNNING" if process.running(pid, holder) else "ENDED"
     try:
         return slurm_job(job).state
@@ -161,30 +185,69 @@ def job_state(job: str, holder: dict | None = None) -> str:
         return "ENDED"
 
 
-ACTIVE = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED", "SUSPENDED")
+ACTIVE = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED", "SUSPENDED", ELSEWHERE)
 
 
 def alive(job: str, holder: dict | None = None) -> bool:
-    """Whether the job is queued or running (a cancelled or finished one is not)."""
+    """Whether the job may be queued or running (a cancelled or finished one is not; one on
+    another host may be)."""
     return job_state(job, holder) in ACTIVE
 
 
 def cancel(job: str, holder: dict | None = None, timeout_seconds: float = 60.0) -> str:
     """Stop a relaunched job and wait until it is gone (a relaunch that must not go on training
     must be gone before the incident says so): ``scancel``, or SIGTERM then SIGKILL to a local
-    job's process group. What was done, for the incident's reason."""
+    job's process group. What was done, for the incident's reason; never raises."""
     pid = _local_pid(job)
-    if pid is not None:
-        ended = process.terminate(pid, min(30.0, timeout_seconds / 2), holder)
-        return f"job {job} {'stopped' if ended else 'had already ended'}"
-    if not alive(job):
-        return f"job {job} had already ended"
-    slurm.run(["scancel", job])
     try:
+        if pid is not None:
+            if job_state(job, holder) == ELSEWHERE:
+                return f"job {job} runs on {holder.get('host')}: not cancelled from here, cancel it there"
+            ended = process.terminate(pid, min(30.0, timeout_seconds / 2), holder)
+            return f"job {job} {'stopped' if ended else 'had already ended'}"
+        if not alive(job):
+            return f"job {job} had already ended"
+        slurm.run(["scancel", job])
         state = wait_ended(job, timeout_seconds)
     except CkptopsError as e:
-        return f"job {job} cancelled, but {e}"
+        return f"job {job} NOT known to be cancelled: {e}"
     return f"job {job} cancelled ({state})"
+
+
+def find_by_token(job_name: str, token: str, launcher: str) -> tuple[str, dict | None] | None:
+    """A relaunch submitted with ``token`` that is still queued or running: its id (and a local
+    one's process), found by its Slurm comment or its environment; None if there is none."""
+    if launcher == "slurm":
+        for line in slurm.run(["squeue", "-h", "--name", job_name, "-o", "%i %k"]).splitlines():
+            fields = line.split(maxsplit=1)
+            if len(fields) == 2 and fields[1].strip() == f"{COMMENT_PREFIX}{token}":
+                return fields[0], None
+        return None
+    found = _local_jobs(TOKEN_ENV, token)
+    return (f"local:{found[0]}", process.identity(found[0])) if found else None
+
+
+def local_copies(job: str) -> list[int]:
+    """The running local relaunches of ``job`` (by the name in their environment)."""
+    return _local_jobs(JOB_ENV, job)
+
+
+def _local_jobs(key: str, value: str) -> list[int]:
+    """The outermost local processes whose environment has ``key=value`` (a relaunch's bash,
+    not the ranks it started, which inherit it), oldest first."""
+    import psutil
+
+    found = {}
+    for p in psutil.process_iter(["pid", "ppid", "create_time", "status"]):
+        if p.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            if p.environ().get(key) == value:
+                found[p.info["pid"]] = (p.info["ppid"], p.info["create_time"])
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    top = [pid for pid, (ppid, _) in found.items() if ppid not in found]
+    return sorted(top, key=lambda pid: found[pid][1])
 
 
 def wait_running(job: str, timeout_seconds: float, holder: dict | None = None) -> str:

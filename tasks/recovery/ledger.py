@@ -18,6 +18,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 import pydantic
 
@@ -63,8 +64,43 @@ def new_id(now: float | None = None) -> str:
     return f"{stamp}-{uuid.uuid4().hex[:4]}"
 
 
+class FirstError(TypedDict):
+    file: str
+    line: int
+    text: str
+
+
+class RuleVerdict(TypedDict):
+    name: str
+    fired: bool
+    detail: str
+
+
+class Holder(TypedDict):
+    """A process (tasks.cluster.process.identity)."""
+
+    host: str
+    pid: int
+    started: float
+
+
+class Reverified(TypedDict):
+    iteration: int
+    mode: str
+    engine: str | None
+    outcome: str
+    state: str
+    reason: str
+    seconds: float
+    bytes: int
+    pointer: int | None
+
+
 @dataclass
 class Incident:
+    # Ledger lines are read strictly: a "7" is not an exit code, true is not a GPU count.
+    __pydantic_config__ = pydantic.ConfigDict(strict=True, allow_inf_nan=False)
+
     id: str
     job: str
     trigger: str  # "manual", "event" or "cli"
@@ -72,7 +108,7 @@ class Incident:
     times: dict[str, float] = field(default_factory=dict)
     cls: str | None = None
     exit_code: int | None = None
-    first_error: dict | None = None
+    first_error: FirstError | None = None
     suspect_nodes: list[str] = field(default_factory=list)
     drained: list[str] = field(default_factory=list)
     excluded: list[str] = field(default_factory=list)
@@ -85,7 +121,7 @@ class Incident:
     recomputed_tokens: int | None = None
     lost_gpu_hours: float | None = None
     gpus: int | None = None
-    rules: list[dict] = field(default_factory=list)
+    rules: list[RuleVerdict] = field(default_factory=list)
     stop_rule: str | None = None
     relaunched_job: str | None = None
     validation: str | None = None
@@ -95,10 +131,14 @@ class Incident:
     # What failed, as one key: the Slurm job and its exit, or the logs' first error. A second
     # recovery of the same failure finds the first by it.
     failure_key: str | None = None
-    owner: dict | None = None  # the recovery's process (host, pid, start time)
+    owner: Holder | None = None  # the recovery's process
     records_before: int | None = None  # step records there were when the relaunch was submitted
-    relaunch_process: dict | None = None  # a local relaunch's process (host, pid, start time)
-    reverified: list[dict] = field(default_factory=list)  # each re-verification before relaunch
+    # Saved before the relaunch is submitted, and given to the job (its Slurm comment, a local
+    # job's environment), so a recovery killed between the submission and the next save leaves
+    # a relaunch the next recovery can still find.
+    relaunch_token: str | None = None
+    relaunch_process: Holder | None = None  # a local relaunch's process
+    reverified: list[Reverified] = field(default_factory=list)  # each re-verification before relaunch
 
     def mark(self, phase: str, at: float | None = None) -> None:
         """``phase`` happened at ``at`` (now, if None); a time that is not a number (a NaN from
@@ -128,12 +168,13 @@ class Incident:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Incident":
-        """An incident from a ledger line, every field's type checked (``pydantic``); fields
-        another version of ckptops wrote that this one does not know are left out."""
+        """An incident from a ledger line, every field's type checked strictly (``pydantic``, as
+        JSON: no NaN, no infinity, no number as a string); fields another version of ckptops
+        wrote that this one does not know are left out."""
         data = dict(data)
         data["cls"] = data.pop("class", None)
         known = cls.__dataclass_fields__
-        return _INCIDENT.validate_python({k: v for k, v in data.items() if k in known})
+        return _INCIDENT.validate_json(json.dumps({k: v for k, v in data.items() if k in known}))
 
 
 _INCIDENT = pydantic.TypeAdapter(Incident)

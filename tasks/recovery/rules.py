@@ -7,7 +7,11 @@ every rule's verdict is kept in the incident, fired or not, so the approver sees
 
 Budget reset: a checkpoint promoted since the earlier failures means the job made real progress
 since; the recurrence rules then count only failures from that checkpoint on. The hourly cap is
-a rate limit and counts every recovery.
+a rate limit and counts every relaunch.
+
+Only recoveries that relaunched the job count (a running one that has relaunched too): one that
+stopped, was aborted or was interrupted before relaunching cost nothing and proved nothing. And
+an incident of this very failure (its key) is a retry of it, never a recurrence.
 """
 
 from dataclasses import asdict, dataclass
@@ -38,6 +42,7 @@ class Failure:
     exit_code: int | None
     promoted: int | None  # the promoted iteration now
     at: float
+    key: str | None = None  # the failure's key (tasks.recovery.run.failure_key)
 
 
 def _relaunched(incident: Incident) -> bool:
@@ -52,15 +57,18 @@ def _since_progress(history: list[Incident], promoted: int | None) -> list[Incid
 
 def stop_rules(failure: Failure, history: list[Incident], max_per_hour: int) -> list[Rule]:
     """Every rule's verdict for ``failure``, given the job's earlier incidents (oldest first)."""
-    recent = _since_progress(history, failure.promoted)
+    attempts = [
+        i for i in history if _relaunched(i) and (failure.key is None or i.failure_key != failure.key)
+    ]
+    recent = _since_progress(attempts, failure.promoted)
     same = [
         i
         for i in recent
         if i.cls == failure.cls and failure.iteration is not None and i.failure_iteration == failure.iteration
     ]
-    hour = [i for i in history if failure.at - i.times.get("detected", 0) < 3600]
-    stuck = [i for i in recent if _relaunched(i)]
-    reproduced = [i for i in recent if i.cls == "numerics" and _relaunched(i)]
+    hour = [i for i in attempts if failure.at - i.times.get("detected", 0) < 3600]
+    stuck = recent
+    reproduced = [i for i in recent if i.cls == "numerics"]
     return [
         Rule(
             "same-failure-again",
@@ -81,10 +89,10 @@ def stop_rules(failure: Failure, history: list[Incident], max_per_hour: int) -> 
         Rule(
             "too-many-per-hour",
             len(hour) >= max_per_hour,
-            f"{len(hour)} recoveries in the last hour; this one would exceed recovery.max_per_hour "
+            f"{len(hour)} relaunches in the last hour; this one would exceed recovery.max_per_hour "
             f"= {max_per_hour}"
             if len(hour) >= max_per_hour
-            else f"{len(hour)} recoveries in the last hour (at most {max_per_hour})",
+            else f"{len(hour)} relaunches in the last hour (at most {max_per_hour})",
         ),
         Rule(
             "numerics-reproduced",

@@ -52,6 +52,7 @@ from tasks.recovery.ledger import (
     STOPPED,
     WARNED,
     Incident,
+    ledger_path,
     lost_gpu_hours,
     new_id,
     read_ledger,
@@ -128,6 +129,7 @@ class Detected:
     exit_code: int | None
     nodes: list[str]
     partition: str | None
+    attempt: str | None = None  # the Slurm job's start: its requeues and start time
 
 
 def detect(profile, source: Source) -> Detected:
@@ -136,6 +138,7 @@ def detect(profile, source: Source) -> Detected:
     if source.slurm_job:
         job = jobs.slurm_job(source.slurm_job)
         found.layout, found.nodes, found.partition = job.layout(), job.nodes, job.partition
+        found.attempt = f"{job.restarts}:{job.start_time}"
         if found.exit_code is None:
             found.exit_code = job.exit_code
         for path in (job.stdout, job.stderr):
@@ -146,19 +149,18 @@ def detect(profile, source: Source) -> Detected:
     return found
 
 
-def failure_key(source: Source, tri: Triage) -> str:
-    """One failure's identity: its Slurm job (a job fails once), else its logs' first error
-    (file, line and text), else the logs themselves (paths, sizes and times)."""
+def failure_key(source: Source, tri: Triage, detected: Detected | None = None) -> str:
+    """One failure's identity. A Slurm job's id and its start (a requeued job fails again as
+    another attempt); else its logs' first error (file, line and text) and the logs' sizes (a
+    log appended to by a later run that fails the same way is another failure)."""
     if source.slurm_job:
-        return f"slurm:{source.slurm_job}"
+        return f"slurm:{source.slurm_job}:{detected.attempt if detected else ''}"
     digest = hashlib.sha256()
     first = tri.first_error
     if first is not None:
-        digest.update(f"{Path(first.file).resolve()}\0{first.line}\0{first.text}".encode())
-    else:
-        for path in sorted(Path(p).resolve() for p in source.logs):
-            stat = path.stat()
-            digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+        digest.update(f"{Path(first.file).resolve()}\0{first.line}\0{first.text}\0".encode())
+    for path in sorted(Path(p).resolve() for p in source.logs):
+        digest.update(f"{path}\0{path.stat().st_size}\0".encode())
     return f"logs:{digest.hexdigest()[:16]}"
 
 
@@ -175,16 +177,16 @@ def promote_pending(profile) -> tuple[int | None, str]:
 
 
 def choose_checkpoint(
-    profile, failure_iteration: int | None, before: int | None
+    profile, failure_iteration: int | None, before: int | None, passed_over: tuple[int, ...] = ()
 ) -> tuple[int | None, list[int]]:
     """The newest verified checkpoint at or before the failure (and before ``before``, the start
-    of a numerical anomaly). Never Megatron's tracker: the promotion pointer and the manifests
-    decide. Returns it and every candidate, newest first."""
+    of a numerical anomaly), not one of ``passed_over``. Never Megatron's tracker: the promotion
+    pointer and the manifests decide. Returns it and every candidate, newest first."""
     save_dir = profile.job.save_dir
     options = VerifyOptions.from_profile(profile)
     candidates = []
     for info in catalog(save_dir, options):
-        if info.state is not State.VALID or info.stale:
+        if info.state is not State.VALID or info.stale or info.iteration in passed_over:
             continue
         if failure_iteration is not None and info.iteration > failure_iteration:
             continue
@@ -346,6 +348,27 @@ def _sigterm_ends_the_run():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+@contextmanager
+def _signals_held():
+    """SIGTERM and SIGINT wait while a relaunch is submitted and recorded: the job and the
+    ledger line naming it go together. A signal that came meanwhile is delivered after, to the
+    handler that was in place (ours, Prefect's, or the default)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    for number in previous:
+        signal.signal(number, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        for number in pending:
+            signal.raise_signal(number)
+
+
 def _signal_name(error: BaseException) -> str:
     number = getattr(error, "signum", None) or getattr(error, "signal", None)
     if isinstance(number, int):
@@ -353,13 +376,18 @@ def _signal_name(error: BaseException) -> str:
     return "SIGINT" if isinstance(error, KeyboardInterrupt) else type(error).__name__
 
 
+# The states in which a relaunch can be adopted (watched to its resume): not one that ends.
+_ADOPTABLE = ("RUNNING", "PENDING", "CONFIGURING", "REQUEUED", "SUSPENDED")
+_LOCK_POLL_SECONDS = 0.5
+
+
 class _Recovery:
-    def __init__(self, profile, source: Source, trigger: str, approve, step, flow_run, warn):
+    def __init__(self, profile, source: Source, trigger: str, approve, step, flow_run, warn, retry):
         if profile.recovery is None:
             raise UsageError(f"{profile.source}: no recovery section")
         self.profile, self.settings, self.source = profile, profile.recovery, source
         self.save_dir = profile.job.save_dir
-        self.approve, self.step, self.warn = approve, step, warn
+        self.approve, self.step, self.warn, self.retry = approve, step, warn, retry
         self.incident = Incident(new_id(), profile.job.name, trigger, source.slurm_job, flow_run=flow_run)
         self.phase = "detect"
         self.records = _records(profile)
@@ -370,7 +398,10 @@ class _Recovery:
         self.rules: list[Rule] = []
 
     def _save(self) -> None:
-        record(self.save_dir, self.incident)
+        try:
+            record(self.save_dir, self.incident)
+        except OSError as e:  # a full or read-only store: one line that says so
+            raise CkptopsError(f"{ledger_path(self.save_dir)}: the incident cannot be written: {e}") from None
 
     def _do(self, name: str, fn, *args, **kwargs):
         """One phase: shown by ``step`` (a task in the UI, a line on a terminal)."""
@@ -388,31 +419,37 @@ class _Recovery:
         try:
             self._triage()
         except CkptopsError as e:
-            self._stop(str(e))
-            self._save()
-            return incident
-        incident.failure_key = failure_key(self.source, self.tri)
+            return self._closed(str(e))
+        incident.failure_key = failure_key(self.source, self.tri, self.detected)
         try:
             lock = self._lock()
         except LockTimeout as e:
-            self._stop(f"another recovery of {incident.job} holds its recovery lock: {e}")
-            self._save()
-            return incident
+            return self._closed(f"another recovery of {incident.job} holds its recovery lock: {e}")
         with lock:
-            adoptable = self._resolve_leftovers()
+            try:
+                adoptable = self._resolve_leftovers()
+            except CkptopsError as e:
+                return self._closed(str(e))
             if adoptable is not None:
-                return self._adopt(adoptable)
+                return self._adopt(adoptable, started)
             self._refuse_duplicate()
             incident.outcome, incident.owner = RUNNING, process.identity()
             self._save()
-            if started:
-                started(incident)
-            self._guarded(self._phases)
-        return incident
+            self._guarded(self._phases, started)
+        return self.incident
 
-    def _guarded(self, phases) -> None:
-        """Run ``phases``; however they end, the incident is closed and recorded."""
+    def _closed(self, reason: str) -> Incident:
+        """An incident that stopped before it held the recovery: written once, as stopped."""
+        self._stop(reason)
+        self._save()
+        return self.incident
+
+    def _guarded(self, phases, started) -> None:
+        """Tell ``started``, run ``phases``; however they end, the incident is closed and
+        recorded. A signal that ends them carries the incident out (``error.incident``)."""
         try:
+            if started:
+                started(self.incident)
             phases()
         except CkptopsError as e:
             self._stop(str(e))
@@ -421,11 +458,15 @@ class _Recovery:
                 self._stop(
                     f"interrupted by {_signal_name(e)} during {self.phase}; {self._done()}", INTERRUPTED
                 )
+                e.incident = self.incident
             raise
         finally:
             if self.incident.outcome == RUNNING:
                 self._stop(f"the recovery run failed during {self.phase} (a fault in ckptops)")
-            self._save()
+            try:
+                self._save()
+            except CkptopsError as e:
+                self.warn(str(e))
 
     def _done(self) -> str:
         job = self.incident.relaunched_job
@@ -434,29 +475,32 @@ class _Recovery:
         return f"relaunched {job} from {self.incident.checkpoint}; the next recovery adopts it while it runs"
 
     def _lock(self) -> ExitStack:
-        """The job's recovery lock. While another recovery holds it, a recovery of the same
-        failure reports that one (``Duplicate``) at once; any other waits its turn."""
-        stack = ExitStack()
-        try:
-            stack.enter_context(job_lock(self.save_dir, 0, layout.RECOVERY_LOCK))
-            return stack
-        except LockTimeout:
-            pass
+        """The job's recovery lock. While another recovery holds it, one of the same failure
+        reports that one (``Duplicate``) as soon as its incident is in the ledger; any other
+        waits its turn (``recovery.lock_timeout_seconds``)."""
+        deadline = time.monotonic() + self.settings.lock_timeout_seconds
         ours = self.incident.failure_key
-        for other in read_ledger(self.save_dir).incidents:
-            if other.running and other.failure_key == ours:
-                raise Duplicate(
-                    f"incident {other.id} is recovering this failure ({ours}) in {_who(other.owner)}; "
-                    "nothing relaunched",
-                    other,
-                )
-        stack.enter_context(job_lock(self.save_dir, self.settings.lock_timeout_seconds, layout.RECOVERY_LOCK))
-        return stack
+        while True:
+            stack = ExitStack()
+            try:
+                stack.enter_context(job_lock(self.save_dir, 0, layout.RECOVERY_LOCK))
+                return stack
+            except LockTimeout:
+                if time.monotonic() >= deadline:
+                    raise
+            for other in read_ledger(self.save_dir).incidents:
+                if other.running and other.failure_key == ours:
+                    raise Duplicate(
+                        f"incident {other.id} is recovering this failure ({ours}) in "
+                        f"{_who(other.owner)}; nothing relaunched",
+                        other,
+                    )
+            time.sleep(_LOCK_POLL_SECONDS)
 
     def _resolve_leftovers(self) -> Incident | None:
         """Under the lock, an incident still ``running`` was left by a recovery that was killed.
-        Its relaunched job, if it still runs (or one an interrupted recovery left running), is
-        the one to adopt; the others are closed as interrupted."""
+        The relaunch it (or an interrupted one) made, if it still runs, is the one to adopt; the
+        others are closed as interrupted."""
         ledger = read_ledger(self.save_dir)
         for problem in ledger.problems:
             self.warn(problem)
@@ -464,38 +508,71 @@ class _Recovery:
         for old in ledger.incidents:
             if old.job != self.incident.job or old.outcome not in (RUNNING, INTERRUPTED):
                 continue
+            if old.running and old.relaunch_token and not old.relaunched_job:
+                # Killed between submitting the relaunch and recording it: found by its token.
+                found = jobs.find_by_token(self._job_name(), old.relaunch_token, self.settings.launcher)
+                if found:
+                    old.relaunched_job, old.relaunch_process = found
             job = old.relaunched_job
-            if job and "validated" not in old.times and jobs.alive(job, old.relaunch_process):
+            state = (
+                jobs.job_state(job, old.relaunch_process) if job and "validated" not in old.times else None
+            )
+            if state == jobs.ELSEWHERE:
+                raise CkptopsError(
+                    f"incident {old.id} relaunched {job} on {old.relaunch_process['host']}, where it may "
+                    "still run: recover there, or end it and its incident first"
+                )
+            if state in _ADOPTABLE and job != self.source.slurm_job:
                 adoptable = old
             elif old.running:
-                ended = f"its relaunched job {job} is no longer running" if job else "nothing was relaunched"
-                old.outcome = INTERRUPTED
-                old.reason = f"{_who(old.owner)} was killed; {ended}"
+                if job is not None and job == self.source.slurm_job:
+                    ended = f"its relaunch {job} failed: incident {self.incident.id} recovers that"
+                else:
+                    ended = (
+                        f"its relaunched job {job} is no longer running" if job else "nothing was relaunched"
+                    )
+                old.outcome, old.reason = INTERRUPTED, f"{_who(old.owner)} was killed; {ended}"
                 record(self.save_dir, old)
         return adoptable
 
     def _refuse_duplicate(self) -> None:
+        """A failure recovered once is not recovered again unless asked (``retry``): an approver's
+        no stands. A recovery interrupted before it relaunched anything is simply taken up again,
+        and one that relaunched is never repeated."""
         ours = self.incident.failure_key
         for other in read_ledger(self.save_dir).incidents:
-            if other.failure_key == ours and other.relaunched_job:
+            if other.failure_key != ours or (other.outcome == INTERRUPTED and not other.relaunched_job):
+                continue
+            if other.relaunched_job or not self.retry:
                 raise Duplicate(
-                    f"incident {other.id} already relaunched the job for this failure ({ours}) as "
-                    f"{other.relaunched_job} ({other.outcome}); nothing relaunched",
+                    f"incident {other.id} already handled this failure ({ours}): {other.outcome}"
+                    + (
+                        f", relaunched {other.relaunched_job}"
+                        if other.relaunched_job
+                        else ", retry to recover it again"
+                    )
+                    + "; nothing relaunched",
                     other,
                 )
 
-    def _adopt(self, old: Incident) -> Incident:
+    def _adopt(self, old: Incident, started) -> Incident:
         """Watch and validate the job a killed recovery relaunched, as that recovery would have."""
-        self.incident = old
         note = f"adopted after {_who(old.owner)} ended; "
+        self.incident = old
         old.outcome, old.owner = RUNNING, process.identity()
         self._save()
-        steps = _read_records(self.records)
-        before = old.records_before or 0
-        self.failed = (
-            _failed_attempt(steps.take(np.arange(min(before, len(steps)))), old.failed_job) if steps else None
-        )
-        self._guarded(self._watch)
+
+        def watch() -> None:
+            steps = _read_records(self.records)
+            before = old.records_before or 0
+            self.failed = (
+                _failed_attempt(steps.take(np.arange(min(before, len(steps)))), old.failed_job)
+                if steps
+                else None
+            )
+            self._watch()
+
+        self._guarded(watch, started)
         old.reason = note + (old.reason or "")
         self._save()
         return old
@@ -561,6 +638,7 @@ class _Recovery:
             self.tri.exit_code,
             incident.promoted_at_failure,
             time.time(),
+            incident.failure_key,
         )
         # Running incidents count too: the ledger has every incident from its start.
         history = [
@@ -581,20 +659,32 @@ class _Recovery:
         invalid (the pointer moves off it) and the next is chosen."""
         before = _anomaly(self.tri, self.steps) if self.tri.cls == "numerics" else None
         while True:
+            failed = tuple(r["iteration"] for r in self.incident.reverified if r["outcome"] != "pass")
             chosen, choices = self._do(
-                "choose-checkpoint", choose_checkpoint, self.profile, self.incident.failure_iteration, before
+                "choose-checkpoint",
+                choose_checkpoint,
+                self.profile,
+                self.incident.failure_iteration,
+                before,
+                failed,
             )
             if chosen is None or self._reverified(chosen):
                 return chosen, choices
 
     def _reverified(self, iteration: int) -> bool:
-        """Whether ``iteration`` passes its verification again (done once per recovery)."""
+        """Whether ``iteration`` passes its verification again (done once per recovery). One
+        that was being written while it was read is no verdict: the recovery stops."""
         done = [r for r in self.incident.reverified if r["iteration"] == iteration]
         if not done:
             done = [self._do("reverify", reverify_checkpoint, self.profile, iteration)]
             self.incident.reverified.append(done[0])
             self.incident.mark("reverified")
             self._save()
+        if done[-1]["state"] == str(State.IN_PROGRESS):
+            raise CkptopsError(
+                f"{layout.iter_dir_name(iteration)} changed while it was verified again "
+                f"({done[-1]['reason']}): something is writing the checkpoint a relaunch would read"
+            )
         return done[-1]["outcome"] == "pass"
 
     def _capacity(self, exclude: list[str]) -> bool:
@@ -660,31 +750,52 @@ class _Recovery:
             raise CkptopsError(f"{running}: not relaunching a second copy")
         # The job is down: the records read at triage are all there are until the relaunch writes.
         incident.records_before = len(self.steps) if self.steps is not None else 0
-        if settings.launcher == "slurm":
-            new = self._do(
-                "relaunch", jobs.submit, settings, self._job_name(), chosen, exclude, self._log_dir()
-            )
-        else:
-            new, incident.relaunch_process = self._do(
-                "relaunch", jobs.start_local, settings, chosen, self._log_dir()
-            )
-        incident.relaunched_job = new
-        incident.mark("relaunch_submitted")
+        # The intent first; then the job and the line naming it, with signals held in between.
+        incident.relaunch_token = incident.id
         self._save()
+        with _signals_held():
+            if settings.launcher == "slurm":
+                new = self._do(
+                    "relaunch",
+                    jobs.submit,
+                    settings,
+                    self._job_name(),
+                    chosen,
+                    exclude,
+                    self._log_dir(),
+                    incident.relaunch_token,
+                )
+            else:
+                new, incident.relaunch_process = self._do(
+                    "relaunch",
+                    jobs.start_local,
+                    settings,
+                    incident.job,
+                    chosen,
+                    self._log_dir(),
+                    incident.relaunch_token,
+                )
+            incident.relaunched_job = new
+            incident.mark("relaunch_submitted")
+            self._save()
 
     def _running_copy(self) -> str | None:
-        """A copy of the job that still runs (the relaunch of an earlier incident, or on Slurm a
-        job of the singleton name queued or running): what it is, or None."""
+        """A copy of the job that still runs: on Slurm a job of the singleton name, queued or
+        running; locally a relaunch of this job (by its environment), or an earlier incident's
+        relaunch the ledger names (here, or on another host). What it is, or None."""
         if self.settings.launcher == "slurm":
             ids = slurm.run(["squeue", "-h", "--name", self._job_name(), "-o", "%i %T"]).split("\n")
             live = [
                 line.split()[0] for line in ids if line.split() and line.split()[0] != self.source.slurm_job
             ]
             return f"Slurm job {live[0]} ({self._job_name()}) is queued or running" if live else None
+        copies = jobs.local_copies(self.incident.job)
+        if copies:
+            return f"local:{copies[0]}, a relaunch of {self.incident.job}, still runs"
         for other in read_ledger(self.save_dir).incidents:
             job = other.relaunched_job
             if job and other.id != self.incident.id and jobs.alive(job, other.relaunch_process):
-                return f"{job}, relaunched by incident {other.id}, still runs"
+                return f"{job}, relaunched by incident {other.id}, may still run"
         return None
 
     def _watch(self) -> None:
@@ -746,13 +857,15 @@ def recover(
     flow_run: str | None = None,
     started: Callable[[Incident], None] | None = None,
     warn: Callable[[str], None] = _to_stderr,
+    retry: bool = False,
 ) -> Incident:
     """Run one recovery; its incident is in the ledger from its start, as far as it got when
     this returns or raises. ``started`` is told the incident once it holds the job's recovery
     (the flow emits an event); ``warn`` gets the ledger lines that could not be used. Raises
-    ``Duplicate`` when another recovery has this failure in hand."""
+    ``Duplicate`` when another recovery has this failure in hand or has handled it (``retry``:
+    recover a failure again whose recovery relaunched nothing, after an approver's no)."""
     with _sigterm_ends_the_run():
-        return _Recovery(profile, source, trigger, approve, step, flow_run, warn).run(started)
+        return _Recovery(profile, source, trigger, approve, step, flow_run, warn, retry).run(started)
 
 
 def _roll_back(profile, iteration: int) -> None:
@@ -779,5 +892,5 @@ def _account(incident: Incident, steps, checkpoint_dir: Path) -> None:
         step_seconds = float(np.median(finite)) if finite.size else 0.0
     t = incident.times
     start = t.get("first_error") or t.get("last_progress") or t.get("detected")
-    downtime = (t.get("first_resumed_step") or time.time()) - start
+    downtime = (t.get("first_resumed_step") or time.time()) - start if start is not None else 0.0
     incident.lost_gpu_hours = round(lost_gpu_hours(incident.gpus or 0, downtime, recomputed, step_seconds), 4)
