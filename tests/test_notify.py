@@ -141,7 +141,8 @@ def test_a_failed_drill_and_a_stopped_recovery_notify_and_a_missing_block_only_s
         },
         "missing.yaml",
     )
-    still = recovery_run(profile=missing, logs=[str(oom)], return_state=True)
+    # The same failure again: recovered again only when asked (retry), as an operator would.
+    still = recovery_run(profile=missing, logs=[str(oom)], retry=True, return_state=True)
     assert still.is_failed() and "stop rule: out-of-memory" in still.message
     assert "notification not sent: block 'custom-webhook/absent'" in still.message
     assert len(receiver.bodies) == before + 2

@@ -313,12 +313,15 @@ def test_a_relaunch_its_recovery_never_recorded_is_found_by_its_token_and_adopte
 
 
 def test_the_checkpoint_an_approver_picks_is_verified_again_before_it_is_used(failed, tmp_path):
+    from tasks.checkpoint.promote import promote
+    from tasks.checkpoint.state import VerifyOptions
     from tasks.profile import load_profile
     from tasks.recovery.run import Decision, Source
     from tasks.recovery.run import recover as run_recovery
 
     job = job_copy(failed, tmp_path)
-    flip_byte(iter_dir(job.save, 4) / "__1_0.distcp", 5000)
+    promote(job.save, VerifyOptions.from_profile(load_profile(job.profile)), 30)
+    flip_byte(iter_dir(job.save, 4) / "__1_0.distcp", 5000)  # after it was verified
     incident = run_recovery(
         load_profile(job.profile),
         Source(logs=[job.log]),
