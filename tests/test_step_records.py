@@ -73,17 +73,17 @@ def test_a_torn_last_line_is_forgiven_a_bad_line_is_not(tmp_path):
 
 def test_the_last_attempt_starts_where_the_attempt_id_changes(tmp_path):
     """An attempt that died exactly at a checkpoint leaves no drop in the iteration numbers."""
-    from tasks.resume.validate import _last_attempt
+    from tasks.resume.checks import last_attempt
 
     path = tmp_path / "steps.jsonl"
     record_steps(path, count=12)
     record_steps(path, count=18, attempt="attempt-2", first=13)
     steps = load_steps(path)
-    assert steps.iteration[_last_attempt(steps)] == 13
+    assert steps.iteration[last_attempt(steps)] == 13
     path.write_text(
         path.read_text() + path.read_text().split("\n", 12)[-1]
     )  # the same attempt appended again
-    assert _last_attempt(load_steps(path)) == 30
+    assert last_attempt(load_steps(path)) == 30
 
 
 def test_a_wsd_schedule_is_replayed_from_the_checkpoint_args(tmp_path):
@@ -92,7 +92,8 @@ def test_a_wsd_schedule_is_replayed_from_the_checkpoint_args(tmp_path):
 
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from tasks.resume.validate import CheckpointFacts, _schedule, _wsd_decay_steps
+    from tasks.checkpoint.facts import CheckpointFacts, wsd_decay_steps
+    from tasks.resume.checks import schedule
 
     args = SimpleNamespace(
         train_iters=100, global_batch_size=8, lr_wsd_decay_iters=20, lr_wsd_decay_style="linear"
@@ -112,15 +113,15 @@ def test_a_wsd_schedule_is_replayed_from_the_checkpoint_args(tmp_path):
     job = OptimizerParamScheduler(
         SimpleNamespace(param_groups=[{}]),
         **settings,
-        wsd_decay_steps=_wsd_decay_steps(args),
+        wsd_decay_steps=wsd_decay_steps(args),
         lr_wsd_decay_style="linear",
     )
     state = job.state_dict()
     assert "wsd_decay_steps" not in state
     facts = CheckpointFacts(
-        tmp_path, 50, 400, 8, state, 0.0, True, _wsd_decay_steps(args), args.lr_wsd_decay_style
+        tmp_path, 50, 400, 8, state, 0.0, True, wsd_decay_steps(args), args.lr_wsd_decay_style
     )
-    lr_after = _schedule(facts)
+    lr_after = schedule(facts)
     for consumed in (40, 400, 700, 760, 800):
         job.num_steps = consumed
         assert lr_after(consumed) == job.get_lr({})

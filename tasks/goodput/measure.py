@@ -254,7 +254,7 @@ def _per_day(
 
 def job_save_interval(directory: Path) -> int | None:
     """The job's --save-interval from a checkpoint's args (None if absent)."""
-    from tasks.resume.validate import checkpoint_facts
+    from tasks.checkpoint.facts import checkpoint_facts
 
     try:
         return checkpoint_facts(directory).save_interval

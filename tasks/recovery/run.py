@@ -34,6 +34,7 @@ import numpy as np
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.catalog import catalog
+from tasks.checkpoint.facts import checkpoint_facts
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.manifest import valid_for_this_save
 from tasks.checkpoint.pointer import read_pointer
@@ -61,7 +62,7 @@ from tasks.recovery.ledger import (
 from tasks.recovery.rules import Failure, Rule, fired, stop_rules
 from tasks.recovery.triage import Triage, triage
 from tasks.resume.records import Steps, load_steps
-from tasks.resume.validate import checkpoint_facts, validate_resume
+from tasks.resume.validate import validate_resume
 from tasks.storage.local import open_regular
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tasks.archive.copy import archived_manifest, entry_key, newest_committed
 from tasks.checkpoint import layout
+from tasks.checkpoint.facts import scheduler_unit
 from tasks.checkpoint.manifest import Manifest, now_iso, valid_for_this_save
 from tasks.checkpoint.pins import pinned
 from tasks.checkpoint.pointer import promoted
@@ -240,9 +241,8 @@ class _Drill:
 
         consumed = manifest.consumed_train_samples
         steps = (loaded.scheduler or {}).get("num_steps")
-        # Megatron-LM steps its scheduler by the samples of each batch; some loops step it once
-        # per iteration. Either count must match the checkpoint's progress exactly.
-        unit = "samples" if steps == consumed else "iterations" if steps == manifest.iteration else None
+        # Either count the scheduler may keep must match the checkpoint's progress exactly.
+        unit = scheduler_unit(steps, consumed, manifest.iteration)
         inferred = (
             f"; inferred from the tensor shapes: {'; '.join(loaded.inferred)}" if loaded.inferred else ""
         )

@@ -1,0 +1,91 @@
+"""What a checkpoint says it is: the one place that reads a checkpoint's own state for others.
+
+Resume validation, recovery, goodput and drills ask here (never the common state themselves):
+iteration, consumed samples, the scheduler's state and what it counts, the LR schedule's settings
+Megatron-LM keeps only in its args, the parallel layout, the writer's versions, and what the
+checkpoint's manifest says of it. Read with the safe loader (tasks.checkpoint.dcp).
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tasks.checkpoint import layout
+from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
+from tasks.checkpoint.manifest import read_manifest
+from tasks.errors import UsageError
+
+
+def scheduler_unit(num_steps, consumed: int | None, iteration: int | None) -> str | None:
+    """What a scheduler counts, told by its step count at a checkpoint: Megatron-LM steps it by
+    each batch's samples, some loops once per iteration; None if it is neither."""
+    if num_steps is None:
+        return None
+    if num_steps == consumed:
+        return "samples"
+    return "iterations" if num_steps == iteration else None
+
+
+@dataclass
+class CheckpointFacts:
+    directory: Path
+    iteration: int
+    consumed: int
+    global_batch_size: int
+    scheduler: dict
+    warmup_init_lr: float
+    verified: bool
+    # Megatron-LM passes these to the scheduler from its args; its state_dict does not keep them.
+    wsd_decay_steps: int | None = None
+    wsd_decay_style: str | None = None
+    seq_length: int | None = None  # turns samples/s into tokens/s
+    not_valid: str | None = None  # what its manifest says, when it says it is not valid
+    save_interval: int | None = None  # the job's --save-interval
+    layout: dict = field(default_factory=dict)  # tensor, pipeline, data parallel sizes
+
+    @property
+    def scheduler_unit(self) -> str | None:
+        return scheduler_unit(self.scheduler.get("num_steps"), self.consumed, self.iteration)
+
+
+def wsd_decay_steps(args) -> int | None:
+    """As Megatron-LM's get_optimizer_param_scheduler computes it (in samples)."""
+    if getattr(args, "train_iters", None):
+        iters = getattr(args, "lr_wsd_decay_iters", None)
+        return None if iters is None else int(iters) * int(args.global_batch_size)
+    samples = getattr(args, "lr_wsd_decay_samples", None)
+    return None if samples is None else int(samples)
+
+
+def checkpoint_facts(directory: Path) -> CheckpointFacts:
+    """What the checkpoint says it is (its own common state, read with the safe loader)."""
+    directory = Path(directory)
+    iteration = layout.parse_iter_dir(directory.name)
+    if iteration is None or not directory.is_dir():
+        raise UsageError(f"{directory}: not a checkpoint directory (expected iter_NNNNNNN)")
+    common = load_common_state(directory, build_index(load_dcp_metadata(directory / layout.DCP_METADATA)))
+    args = common.get("args")
+    manifest = read_manifest(directory)
+    not_valid = (
+        None
+        if manifest is None or manifest.valid
+        else f"its manifest says {manifest.status}: {manifest.reason}"
+    )
+    return CheckpointFacts(
+        directory,
+        int(common["iteration"]),
+        int(args.consumed_train_samples),
+        int(args.global_batch_size),
+        dict(common["opt_param_scheduler"]),
+        float(getattr(args, "lr_warmup_init", 0.0) or 0.0),
+        manifest is not None and manifest.valid,
+        wsd_decay_steps(args),
+        getattr(args, "lr_wsd_decay_style", None),
+        getattr(args, "seq_length", None),
+        not_valid,
+        save_interval=getattr(args, "save_interval", None),
+        layout={
+            "tensor_parallel": getattr(args, "tensor_model_parallel_size", None),
+            "pipeline_parallel": getattr(args, "pipeline_model_parallel_size", None),
+            "data_parallel": getattr(args, "data_parallel_size", None),
+        },
+    )

@@ -1,0 +1,530 @@
+"""The checks of a resumed run against the run before its failure, one by one.
+
+Iterations after the checkpoint that the failed run had already done are *recomputed* by the
+resumed run: they must reproduce the same learning rate, the same batches and (within the
+profile's tolerance, bit-exact when nothing changed) the same loss and grad norm. Iterations
+beyond them must follow the checkpoint's own LR schedule and take the next positions of the data
+order. Throughput and peak memory are compared over steady-state windows (after warm-up) with
+the baseline (tasks.resume.baseline).
+"""
+
+import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+
+from tasks.checkpoint.catalog import catalog
+from tasks.checkpoint.facts import CheckpointFacts
+from tasks.checkpoint.pointer import pointer_during, read_pointer
+from tasks.checkpoint.state import State, VerifyOptions
+from tasks.errors import CkptopsError
+from tasks.outcome import Check, Outcome
+from tasks.resume.baseline import median, throughput_of
+from tasks.resume.records import Steps
+
+
+@dataclass
+class Validation:
+    checkpoint: str
+    iteration: int
+    checks: list[Check] = field(default_factory=list)
+    baseline: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not any(c.failed for c in self.checks)
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if c.failed]
+
+    def line(self) -> str:
+        if self.ok:
+            unchecked = [c.name for c in self.checks if c.outcome is Outcome.UNCHECKED]
+            return f"VALIDATED resume from iteration {self.iteration}: every check passed" + (
+                f" (not checkable here: {', '.join(unchecked)})" if unchecked else ""
+            )
+        first = self.failed[0]
+        return (
+            f"REJECTED resume from iteration {self.iteration}: {first.name}: expected {first.expected}, "
+            f"observed {first.observed}" + (f" ({first.detail})" if first.detail else "")
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "checkpoint": self.checkpoint,
+            "iteration": self.iteration,
+            "ok": self.ok,
+            "checks": [c.to_dict() for c in self.checks],
+            "baseline": self.baseline,
+        }
+
+
+def schedule(facts: CheckpointFacts):
+    """The learning rate after a given count of the scheduler's unit, by the checkpoint's own
+    schedule (megatron-core's class, not a copy)."""
+    from tasks.restore.schedule import scheduler_from_state
+
+    try:
+        scheduler = scheduler_from_state(
+            SimpleNamespace(param_groups=[{}]),
+            facts.scheduler,
+            facts.warmup_init_lr,
+            facts.wsd_decay_steps,
+            facts.wsd_decay_style,
+        )
+    except (KeyError, AssertionError, TypeError) as e:
+        raise CkptopsError(
+            f"{facts.directory.name}: its scheduler state cannot be replayed ({type(e).__name__}: {e})"
+        ) from None
+
+    def lr_at(count: int) -> float:
+        scheduler.num_steps = count
+        return scheduler.get_lr({})
+
+    return lr_at
+
+
+def _differ(mine: np.ndarray, theirs: np.ndarray, rel: float) -> np.ndarray:
+    """Which pairs differ by more than ``rel`` (relative); NaN on the reference side is skipped."""
+    close = (mine == theirs) | np.isclose(mine, theirs, rtol=rel, atol=0.0)
+    return ~close & ~np.isnan(theirs)
+
+
+def _flagged(steps: Steps) -> np.ndarray:
+    """Iterations that were skipped, counted NaN, or whose loss or grad norm was not finite."""
+    return (np.nan_to_num(steps.skipped) > 0) | (np.nan_to_num(steps.nan) > 0) | (steps.nonfinite > 0)
+
+
+def _match(before: Steps | None, iterations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each iteration, whether the run before had it, and its row there (the last record of
+    an iteration wins: a rerun's)."""
+    if before is None or not len(before):
+        return np.zeros(iterations.size, dtype=bool), np.zeros(iterations.size, dtype=np.int64)
+    reversed_its = before.iteration[::-1]
+    unique, first_in_reversed = np.unique(reversed_its, return_index=True)
+    last_row = len(before) - 1 - first_in_reversed
+    pos = np.clip(np.searchsorted(unique, iterations), 0, unique.size - 1)
+    found = unique[pos] == iterations
+    return found, last_row[pos]
+
+
+def last_attempt(steps: Steps) -> int:
+    """Where the last attempt starts in a file that attempts were appended to: where the
+    attempt id changes (records), or where the iteration stops increasing (logs have no id, and
+    an attempt that died exactly at a checkpoint continues the numbering of the one before)."""
+    restart = np.diff(steps.iteration) <= 0
+    if steps.attempt.size == len(steps):
+        restart |= steps.attempt[1:] != steps.attempt[:-1]
+    restarts = np.nonzero(restart)[0]
+    return int(restarts[-1] + 1) if restarts.size else 0
+
+
+_PROMOTED = "promoted checkpoint"
+
+
+class Validator:
+    def __init__(
+        self,
+        facts: CheckpointFacts,
+        before: Steps | None,
+        after: Steps,
+        settings,
+        baseline: dict | None,
+        verified_now: bool = False,
+    ):
+        self.facts, self.before, self.after, self.settings, self.baseline = (
+            facts,
+            before,
+            after,
+            settings,
+            baseline,
+        )
+        self.result = Validation(str(facts.directory), facts.iteration, baseline=baseline)
+        # It had no manifest when the run resumed: verified by this validation.
+        self.verified_now = verified_now
+        # Rows of the resumed run (its last attempt), in order, from after the checkpoint on.
+        self.start = last_attempt(after) if len(after) else 0
+        self.rows = self.start + np.nonzero(after.iteration[self.start :] > facts.iteration)[0]
+        found, before_rows = _match(before, after.iteration[self.rows])
+        self.recomputed, self.recomputed_before = self.rows[found], before_rows[found]
+        self.beyond = self.rows[~found]
+        logs = "megatron-log" in (after.kind, before.kind if before else "")
+        # Logged values are rounded to a few digits; records carry full floats.
+        self.lr_tolerance = 1e-5 if logs else 1e-12
+
+    def add(self, name, ok, expected, observed, detail=""):
+        self.result.checks.append(
+            Check(
+                name,
+                Outcome.UNCHECKED if ok is None else Outcome.PASS if ok else Outcome.FAIL,
+                detail,
+                str(expected),
+                str(observed),
+            )
+        )
+
+    def run(self) -> Validation:
+        self._promoted()
+        self._resume_point()
+        self._learning_rate()
+        self._data_order()
+        self._loss()
+        self._memory()
+        self._throughput()
+        self._skipped()
+        return self.result
+
+    def _promoted(self) -> None:
+        """The resume must start from a checkpoint the pointer named shortly before the resumed
+        run's first step (the promotion log says; an operator's rollback included). The window,
+        ``resume.pointer_window_seconds``, covers the load and the clocks of two hosts. Not the
+        pointer now: the resumed run's own saves move it on, and a later validation must pass."""
+        f, a = self.facts, self.after
+        if f.not_valid:
+            self.add(_PROMOTED, False, "a verified checkpoint", f"{f.directory.name}: {f.not_valid}")
+            return
+        if not f.verified:
+            self.add(_PROMOTED, False, "a verified checkpoint", f"{f.directory.name} was never verified")
+            return
+        if self.verified_now:
+            # Nothing had verified it when the run resumed, so the pointer cannot have named it.
+            self.result.checks.append(
+                Check(
+                    _PROMOTED,
+                    Outcome.WARN,
+                    f"{f.directory.name} was verified after the "
+                    "resume (it passed): the run resumed from a checkpoint nobody had "
+                    "verified yet",
+                    "a verified checkpoint",
+                    "verified after the resume",
+                )
+            )
+            return
+        started = float(a.time[self.start]) if len(a) else float("nan")
+        window = self.settings.pointer_window_seconds
+        values = (
+            pointer_during(f.directory.parent, started - window, started) if math.isfinite(started) else None
+        )
+        if values is None:
+            self._promoted_without_log()
+            return
+        named = sorted(v for v in values if v is not None)
+        expected = (
+            f"iteration {named[0]} (latest verified when the run resumed)"
+            if len(named) == 1
+            else f"one of iterations {', '.join(map(str, named)) or 'none'} (the pointer in the "
+            f"{window:g} s before the run resumed)"
+        )
+        self.add(_PROMOTED, f.iteration in named, expected, f"iteration {f.iteration}")
+
+    def _promoted_without_log(self) -> None:
+        """No start time (Megatron-LM logs) or no promotion log: the newest verified checkpoint
+        up to where the failed run stopped, no newer than the pointer (a rollback) - as good as
+        the save directory can tell (a checkpoint the resumed run re-saved looks the same)."""
+        f = self.facts
+        pointer = read_pointer(f.directory.parent)
+        if pointer is None:
+            self.add(_PROMOTED, None, "", "", "no promotion pointer and no promotion log: not checkable")
+            return
+        if self.before is None or not len(self.before):
+            if pointer > f.iteration:
+                self.add(
+                    _PROMOTED,
+                    None,
+                    "",
+                    "",
+                    f"the pointer has moved on (now {pointer}) and neither a "
+                    "promotion log nor the records before the failure say what it was: not checkable",
+                )
+            else:
+                self.add(
+                    _PROMOTED,
+                    pointer == f.iteration,
+                    f"iteration {pointer} (latest verified)",
+                    f"iteration {f.iteration}",
+                )
+            return
+        failed_at = int(self.before.iteration.max())
+        limit = min(pointer, failed_at)
+        # The catalog's "valid" is a manifest that says so for the save now on disk.
+        verified = [
+            i.iteration
+            for i in catalog(f.directory.parent, VerifyOptions(job=f.directory.parent.name))
+            if i.state is State.VALID
+        ]
+        expected = max((it for it in verified if it <= limit), default=None)
+        self.add(
+            _PROMOTED,
+            expected == f.iteration,
+            f"iteration {expected} (latest verified up to the failure at {failed_at})",
+            f"iteration {f.iteration}",
+        )
+
+    def _resume_point(self) -> None:
+        f, a = self.facts, self.after
+        if not len(a):
+            self.add("resume point", False, f"iteration {f.iteration + 1}", "no records after the resume")
+            return
+        first = int(a.iteration[self.start])
+        if first != f.iteration + 1:
+            self.add(
+                "resume point",
+                False,
+                f"first iteration {f.iteration + 1}",
+                f"first iteration {first}",
+                "resumed from another checkpoint than this one",
+            )
+            return
+        size = a.batch_count[self.start] if not np.isnan(a.batch_count[self.start]) else f.global_batch_size
+        resumed_at = None if np.isnan(a.consumed[self.start]) else int(a.consumed[self.start] - size)
+        self.add(
+            "resume point",
+            resumed_at == f.consumed,
+            f"iteration {f.iteration + 1} after {f.consumed} samples",
+            f"iteration {first} after {resumed_at} samples",
+        )
+
+    def _learning_rate(self) -> None:
+        a, b = self.after, self.before
+        if not self.rows.size:
+            self.add("learning rate", None, "", "", "no resumed iterations")
+            return
+        bad = []
+        if self.recomputed.size:
+            differ = _differ(a.lr[self.recomputed], b.lr[self.recomputed_before], self.lr_tolerance)
+            for i, j in zip(self.recomputed[differ][:1], self.recomputed_before[differ][:1]):
+                bad.append((int(a.iteration[i]), b.lr[j], a.lr[i], "the run before the failure"))
+            mismatched = int(differ.sum())
+        else:
+            mismatched = 0
+        unit = self.facts.scheduler_unit
+        if self.beyond.size and unit is None:
+            steps = self.facts.scheduler.get("num_steps")
+            self.add(
+                "learning rate",
+                None,
+                "",
+                "",
+                f"the scheduler's step count at the checkpoint ({steps}) is "
+                f"neither its samples ({self.facts.consumed}) nor its iterations ({self.facts.iteration}): "
+                "what it counts is unknown, so its schedule cannot be replayed",
+            )
+            return
+        lr_at = schedule(self.facts) if self.beyond.size else None
+        # Beyond the recomputed steps, the learning rate after each iteration is the schedule's
+        # at the count of its unit: samples consumed, or iterations done.
+        counts = a.consumed if unit == "samples" else a.iteration.astype(np.float64)
+        for i in self.beyond:
+            if np.isnan(counts[i]):
+                continue
+            expected = lr_at(int(counts[i]))
+            if not (a.lr[i] == expected or math.isclose(a.lr[i], expected, rel_tol=self.lr_tolerance)):
+                mismatched += 1
+                if not bad:
+                    bad.append(
+                        (int(a.iteration[i]), expected, a.lr[i], f"the checkpoint's schedule, in {unit}")
+                    )
+        if bad:
+            it, expected, observed, source = min(bad)
+            self.add(
+                "learning rate",
+                False,
+                f"{expected:.9g} at iteration {it} ({source})",
+                f"{observed}",
+                f"{mismatched} of {self.rows.size} iterations differ",
+            )
+        else:
+            self.add(
+                "learning rate",
+                True,
+                f"{self.recomputed.size} recomputed as before, "
+                f"{self.beyond.size} on the checkpoint's schedule"
+                + (f" (the scheduler counts {unit})" if self.beyond.size else ""),
+                "all equal",
+            )
+
+    def _data_order(self) -> None:
+        a, b, f = self.after, self.before, self.facts
+        positions = a.batch_position[self.rows]
+        if not self.rows.size or np.isnan(positions).all():
+            self.add(
+                "data order",
+                None,
+                "",
+                "",
+                "no batch positions or IDs in these records (Megatron-LM logs do not have them)",
+            )
+            return
+        counts = np.where(np.isnan(a.batch_count[self.rows]), f.global_batch_size, a.batch_count[self.rows])
+        expected = f.consumed + np.concatenate(([0.0], np.cumsum(counts)[:-1]))
+        bad = []
+        wrong_position = np.nonzero(positions != expected)[0]
+        if wrong_position.size:
+            k = wrong_position[0]
+            bad.append(
+                (
+                    int(a.iteration[self.rows[k]]),
+                    f"position {int(expected[k])}",
+                    f"position {positions[k]:.0f}",
+                )
+            )
+        wrong_batch, compared = 0, 0
+        if self.recomputed.size:
+            theirs = b.batch_digest[self.recomputed_before]
+            mine = a.batch_digest[self.recomputed]
+            compared = sum(t is not None for t in theirs)
+            differ = np.array([t is not None and m != t for m, t in zip(mine, theirs)], dtype=bool)
+            wrong_batch = int(differ.sum())
+            if wrong_batch:
+                k = np.nonzero(differ)[0][0]
+                bad.append(
+                    (
+                        int(a.iteration[self.recomputed[k]]),
+                        f"the batch of the run before (digest {theirs[k]})",
+                        f"digest {mine[k]}",
+                    )
+                )
+        if bad:
+            it, expected_text, observed = min(bad)
+            self.add(
+                "data order",
+                False,
+                f"{expected_text} at iteration {it}",
+                observed,
+                f"{wrong_position.size} positions and {wrong_batch} recomputed batches differ",
+            )
+        elif not compared:
+            # Positions follow on, but no batch could be compared: a changed seed or shuffle
+            # would look the same. Not a pass.
+            self.add(
+                "data order",
+                None,
+                "",
+                "",
+                f"positions contiguous from sample {f.consumed}, but no recomputed "
+                "batch to compare (a resume at the checkpoint, or records without batch IDs)",
+            )
+        else:
+            self.add(
+                "data order",
+                True,
+                f"{compared} recomputed batches identical, positions contiguous from sample {f.consumed}",
+                "as expected",
+            )
+
+    def _loss(self) -> None:
+        if not self.recomputed.size:
+            self.add("loss and grad norm", None, "", "", "no recomputed iterations to compare")
+            return
+        a, b, tol = self.after, self.before, self.settings.loss_rel_tolerance
+        bad, count = [], 0
+        for name in ("loss", "grad_norm"):
+            mine, theirs = getattr(a, name)[self.recomputed], getattr(b, name)[self.recomputed_before]
+            differ = _differ(mine, theirs, tol)
+            count += int(differ.sum())
+            if differ.any():
+                k = np.nonzero(differ)[0][0]
+                bad.append(
+                    (
+                        int(a.iteration[self.recomputed[k]]),
+                        name.replace("_", " "),
+                        float(theirs[k]),
+                        float(mine[k]),
+                    )
+                )
+        if bad:
+            it, name, expected, observed = min(bad)
+            self.add(
+                "loss and grad norm",
+                False,
+                f"{name} {expected!r} at iteration {it}",
+                repr(observed),
+                f"{count} values outside a relative tolerance of {tol:g}",
+            )
+        else:
+            exact = "bit-exact" if tol == 0 else f"within {tol:g}"
+            self.add(
+                "loss and grad norm",
+                True,
+                f"{self.recomputed.size} recomputed iterations {exact}",
+                "as expected",
+            )
+
+    def _window(self, values: np.ndarray) -> float | None:
+        rows = self.rows[self.settings.warmup_steps :]
+        if rows.size < self.settings.min_steps:
+            return None
+        return median(values[rows])
+
+    def _steady_state(self, name: str, median: str, values: np.ndarray, kind: str, now_kind, mismatch: str):
+        """(baseline, resumed) medians to compare, or None after saying why they cannot be."""
+        baseline = self.baseline or {}
+        base, now = baseline.get(median), self._window(values)
+        if not base or now is None:
+            self.add(name, None, "", "", "no baseline (or a zero one) or too few steady-state steps")
+            return None
+        if baseline.get(kind) != now_kind:
+            self.add(name, None, "", "", mismatch)
+            return None
+        return base, now
+
+    def _memory(self) -> None:
+        pair = self._steady_state(
+            "peak memory",
+            "peak_memory_median",
+            self.after.peak_memory,
+            "memory_kind",
+            self.after.memory_kind,
+            "baseline and resumed run measure memory differently",
+        )
+        if pair is None:
+            return
+        (base, now), band = pair, self.settings.memory_band
+        ok = abs(now - base) <= band * base
+        self.add(
+            "peak memory",
+            ok,
+            f"{base / 2**20:.1f} MiB +-{band:.0%}",
+            f"{now / 2**20:.1f} MiB ({now / base - 1:+.1%})",
+        )
+
+    def _throughput(self) -> None:
+        throughput, unit = throughput_of(self.after, self.facts)
+        pair = self._steady_state(
+            "throughput",
+            "throughput_median",
+            throughput,
+            "throughput_unit",
+            unit,
+            f"baseline in {(self.baseline or {}).get('throughput_unit')}, the resumed run in {unit}",
+        )
+        if pair is None:
+            return
+        (base, now), drop = pair, self.settings.throughput_drop
+        self.add(
+            "throughput",
+            now >= (1 - drop) * base,
+            f">= {(1 - drop) * base:.4g} {unit} ({1 - drop:.0%} of {base:.4g})",
+            f"{now:.4g} {unit} ({now / base - 1:+.1%})",
+        )
+
+    def _skipped(self) -> None:
+        a, b = self.after, self.before
+        flagged = _flagged(a)
+        if self.recomputed.size:  # the run before skipped these too: not new
+            flagged[self.recomputed[_flagged(b)[self.recomputed_before]]] = False
+        hits = self.rows[flagged[self.rows]]
+        if hits.size:
+            i = hits[0]
+            values = f", loss {a.loss[i]}, grad norm {a.grad_norm[i]}" if a.nonfinite[i] else ""
+            self.add(
+                "skipped and NaN iterations",
+                False,
+                "none",
+                f"iteration {int(a.iteration[i])}: {int(a.skipped[i])} skipped, {int(a.nan[i])} NaN{values}",
+                f"{hits.size} steps affected",
+            )
+        else:
+            self.add("skipped and NaN iterations", True, "none", "none")
