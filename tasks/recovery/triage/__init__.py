@@ -1,0 +1,72 @@
+"""Triage of a failed distributed training run from its logs: what class of failure, which nodes
+to suspect, and the first line that shows it. A pure function of the log files (read streaming,
+line by line: logs can be GBs) and of what the caller knows (the rank -> node layout, the exit code).
+
+Every line is one of: a *root* cause (the class it is evidence for: hardware, network, numerics,
+oom, software, preempted), a *cascade* (a consequence of some other rank's failure: a collective
+timeout, a closed connection, an exited task, SIGTERM sent to the workers; class ``hang``), or
+nothing. The decision:
+
+1. Hardware evidence anywhere wins, even when it is not the earliest line: a GPU fault often shows
+   first as an illegal memory access or an NCCL error on the training side, and as a critical XID
+   only in the node's kernel log.
+2. Megatron's exit code 17 (its result validation failed) means numerics, unless (1).
+3. Otherwise the class of the earliest root line. Lines are ordered by timestamp across files;
+   a line without one inherits the last timestamp of its file (a traceback below a timestamped
+   line), lines before a file's first timestamp take that first one, and a line is never placed
+   before an earlier line of its own file (ranks interleaved in one file with skewed clocks). A
+   file with no timestamp at all cannot be placed in time: its lines come first, in the order the
+   files were given (a rank that died with a bare Python traceback is usually the one that failed).
+   dmesg's ``[ 219.470994]`` is uptime, not wall time, and is not a timestamp here.
+4. Only cascades: ``hang``.
+5. Nothing recognised: ``unknown``. No guessing.
+
+Within a class, the first error of a preempted job is the scheduler's line that states why (``DUE
+TO TIME LIMIT``), if there is one. A step cancelled without a reason after an srun task failed is
+``srun --kill-on-bad-exit`` at work, a cascade. DeepSpeed's fp16 overflows are numerics at five in
+a row only once the loss scale is down to OVERFLOW_SCALE_FLOOR: the initial loss-scale search from
+2^16..2^32 overflows many times in a row and is normal.
+
+Suspect nodes come only from the root lines of the chosen class (never from cascades: the rank
+whose collective timed out is a victim), except for a hang where one task exited before the
+timeouts (that task's node), and for a task that exited with Megatron's 16 or 17. A preempted job
+has no suspects (a preempted node is not faulty), unless Slurm says NODE FAILURE.
+
+Timestamps are taken as UTC. Formats without a year (glog ``E0817 17:40:34``, syslog
+``Dec  2 11:38:47``) take the year of the first dated timestamp in any of the files, else the
+current year (the previous one for a date later than today).
+"""
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from tasks.errors import UsageError, unreadable
+from tasks.health.xids import CRITICAL_XIDS
+from tasks.recovery.triage.model import CLASSES, LINE_BYTES, Line, Triage
+from tasks.recovery.triage.scan import Scan
+from tasks.storage.local import read_lines
+
+__all__ = ["CLASSES", "CRITICAL_XIDS", "Line", "Triage", "triage"]
+
+
+def triage(
+    paths: list[Path],
+    layout: dict[int, str] | None = None,
+    exit_code: int | None = None,
+    critical_xids: Iterable[int] | None = None,
+) -> Triage:
+    """Classify the failure the logs at ``paths`` show. ``layout`` maps a global rank to its node
+    (for ``[rankN]:``, ``N: `` and ``[Rank N]`` prefixes); ``exit_code`` is the job's, if known;
+    ``critical_xids`` defaults to CRITICAL_XIDS. Raises Unreadable for a file that cannot be read
+    and UsageError for a directory."""
+    critical = CRITICAL_XIDS if critical_xids is None else frozenset(int(x) for x in critical_xids)
+    scan = Scan(dict(layout or {}), critical)
+    for index, path in enumerate(paths):
+        path = Path(path)
+        if path.is_dir():
+            raise UsageError(f"{path}: is a directory; triage reads log files")
+        try:
+            scan.read(index, str(path), read_lines(path, LINE_BYTES))
+        except OSError as e:
+            raise unreadable(path, e) from e
+    return scan.result(exit_code)

@@ -1,0 +1,122 @@
+"""The decision, once every file is read: the lines placed in time across files, the class
+that wins, its suspects, first error and reason (the rules in the package's docstring)."""
+
+from tasks.recovery.triage.model import EVIDENCE_CAP, MEGATRON, Hit, Triage
+
+
+class Decide:
+    """The decision part of a scan (tasks.recovery.triage.scan.Scan): its files, read."""
+
+    def result(self, exit_code: int | None) -> "Triage":
+        roots, cascades = [], []
+        for f in self.files:
+            hits = sorted([h for group in f.roots.values() for h in group] + f.cascades, key=lambda h: h.line)
+            latest = None
+            for h in hits:
+                h.at = self._epoch(h.ts)
+                when = h.at if h.ts is not None else self._epoch(f.first_ts)
+                if when is not None:
+                    latest = when if latest is None else max(latest, when)
+                # A file without any timestamp cannot be placed in time: first, in the order given.
+                h.order = (
+                    (0, 0.0, h.file_index, h.line) if latest is None else (1, latest, h.file_index, h.line)
+                )
+            roots += [h for h in hits if h.kind == "root"]
+            cascades += [h for h in hits if h.kind == "cascade"]
+        roots.sort(key=lambda h: h.order)
+        cascades.sort(key=lambda h: h.order)
+        return self._decide(roots, cascades, exit_code)
+
+    def _decide(self, roots: list[Hit], cascades: list[Hit], exit_code: int | None) -> "Triage":
+        exits = [h for h in cascades if h.exit_code in MEGATRON]
+        if exit_code is None and exits:
+            exit_code = exits[0].exit_code
+        megatron = MEGATRON.get(exit_code)
+        by_class: dict[str, list[Hit]] = {}
+        for h in roots:
+            by_class.setdefault(h.cls, []).append(h)
+        suspects: list[str] = []
+        if "hardware" in by_class:
+            cls, first = "hardware", by_class["hardware"][0]
+        elif exit_code == 17:
+            cls = "numerics"
+            first = (by_class.get("numerics") or roots or [h for h in exits if h.exit_code == 17] or [None])[
+                0
+            ]
+        elif roots:
+            first = roots[0]
+            cls = first.cls
+            if cls == "preempted":
+                reasoned = [h for h in by_class["preempted"] if "reasoned" in h.tags]
+                first = reasoned[0] if reasoned else first
+        elif cascades:
+            cls, first = "hang", cascades[0]
+            exited = next((h for h in cascades if "task-exit" in h.tags), None)
+            timeout = next((h for h in cascades if "timeout" in h.tags), None)
+            if (
+                exited is not None
+                and "single" in exited.tags
+                and (timeout is None or exited.order < timeout.order)
+            ):
+                first = exited
+                suspects.append(exited.nodes[0])
+        else:
+            cls, first = "unknown", None
+        if cls not in ("hang", "unknown"):
+            for h in by_class.get(cls, []):
+                for node in h.nodes:
+                    if node not in suspects:
+                        suspects.append(node)
+        if cls != "preempted":
+            for h in exits:
+                for node in h.nodes:
+                    if node not in suspects:
+                        suspects.append(node)
+        chosen = by_class.get(cls, []) if cls != "hang" else cascades
+        others = [h for h in roots if h.cls != cls] if cls != "hang" else []
+        evidence = sorted(
+            chosen[:EVIDENCE_CAP] + others[: max(0, EVIDENCE_CAP - len(chosen))], key=lambda h: h.order
+        )
+        anomaly = None
+        if cls == "numerics":
+            anomaly = next((h.anomaly for h in by_class.get("numerics", []) if h.anomaly is not None), None)
+        iterations = [f.iteration for f in self.files if f.iteration is not None]
+        return Triage(
+            cls=cls,
+            suspect_nodes=suspects,
+            first_error=None if first is None else first.to_line(first.at),
+            evidence=[h.to_line(h.at) for h in evidence],
+            reason=self._reason(cls, first, by_class, cascades, exit_code),
+            exit_code=exit_code,
+            megatron=megatron,
+            iteration=max(iterations) if iterations else None,
+            anomaly_iteration=anomaly,
+        )
+
+    def _reason(self, cls, first, by_class, cascades, exit_code) -> str:
+        where = f" (first at {first.file}:{first.line})" if first is not None else ""
+        count = len(by_class.get(cls, [])) if cls != "hang" else len(cascades)
+        lines = sum(f.lines for f in self.files)
+        if cls == "unknown":
+            return f"nothing recognised as a failure in {lines} lines of {len(self.files)} file(s)"
+        if cls == "hardware":
+            return (
+                f"GPU hardware evidence (critical XID, uncorrectable ECC, GPU off the bus){where}; "
+                "it outranks every other error, which a GPU fault commonly causes"
+            )
+        if cls == "numerics" and exit_code == 17 and not by_class.get("numerics"):
+            return "Megatron exited 17: its result validation failed (a rerun gave a different result)"
+        what = {
+            "network": "an InfiniBand/NCCL network failure",
+            "numerics": "a numerical failure (NaN/Inf, loss-scale collapse or a loss spike)",
+            "oom": "out of memory",
+            "software": "an exception or CUDA error with no hardware evidence anywhere",
+            "preempted": "the scheduler or the cloud ended the job "
+            "(time limit, preemption, cancellation, requeue)",
+        }
+        if cls == "hang":
+            return (
+                f"only consequences of a failure elsewhere ({count} lines: collective timeouts, closed "
+                f"connections, exited tasks){where}: a rank stopped without logging why"
+            )
+        return f"the earliest root-cause line is {what[cls]}{where}; {count} such line(s)"

@@ -1,0 +1,264 @@
+"""Reading the logs: each file a block of lines at a time, keeping only the evidence (the first
+root and cascade lines of each file, the progress lines that show a numerical anomaly)."""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tasks.recovery.triage.decide import Decide
+from tasks.recovery.triage.model import (
+    BLOCK,
+    OVERFLOW_SCALE_FLOOR,
+    OVERFLOWS_FOR_NUMERICS,
+    SPIKE_FACTOR,
+    SPIKE_WINDOW,
+    Hit,
+    keep_first,
+)
+from tasks.recovery.triage.patterns import (
+    CANCELLED,
+    EXPLICIT_ITER,
+    FRAME,
+    LOCAL_ITER,
+    MEGATRON_GRAD,
+    MEGATRON_ITER,
+    MEGATRON_LOSS,
+    MEGATRON_NANS,
+    MEGATRON_SKIPPED,
+    NANOGPT_ITER,
+    NODE_FAILURE,
+    NVRM_CONTINUATION,
+    OVERFLOW,
+    SRUN_EXIT,
+    as_number,
+    classify_line,
+    epoch_of,
+    is_finite,
+    median_of,
+    nodes_of,
+    root_of,
+    screens,
+    timestamp_of,
+)
+
+
+@dataclass
+class _File:
+    """What is kept of one file while it is read."""
+
+    index: int
+    name: str
+    roots: dict[str, list[Hit]] = field(default_factory=dict)
+    cascades: list[Hit] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    last_ts: tuple | None = None
+    first_ts: tuple | None = None
+    iteration: int | None = None
+    losses: deque = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))
+    overflows: list[Hit] = field(default_factory=list)
+    overflow_run: int = 0
+    overflow_scale: float | None = None
+    task_failed: bool = False  # a srun task exited non-zero or was killed
+    nvrm: list | None = None  # [hit-or-None, line number, text, joined text, ts] of an NVRM message
+    lines: int = 0
+    frame: int | None = None  # column of `File "..."` on the line before (a traceback frame)
+
+
+class Scan(Decide):
+    def __init__(self, layout: dict[int, str], critical: frozenset):
+        self.layout = layout
+        self.critical = critical
+        self.files: list[_File] = []
+        self.year: int | None = None  # of the first dated timestamp
+
+    def read(self, index: int, name: str, lines) -> None:
+        state = _File(index, name)
+        self.files.append(state)
+        block: list[str] = []
+        for text in lines:
+            block.append(text)
+            if len(block) == BLOCK:
+                self._block(state, block)
+                block = []
+        self._block(state, block)
+
+    def _block(self, f: _File, block: list[str]) -> None:
+        """Lines in blocks: most blocks of a big log hold no word of _SCREEN at all, and one
+        search of the block spares the per-line search."""
+        screen = screens("\n".join(block))
+        first = f.lines + 1
+        for offset, text in enumerate(block):
+            self._line(f, first + offset, text, screen and screens(text))
+        f.lines += len(block)
+
+    def _line(self, f: _File, number: int, text: str, screened: bool) -> None:
+        stamp = timestamp_of(text)
+        if stamp is not None:
+            f.last_ts = stamp
+            if f.first_ts is None:
+                f.first_ts = stamp
+            if self.year is None and stamp[0] is not None:
+                self.year = stamp[0]
+        if f.nvrm is not None and text[:1].isspace() and NVRM_CONTINUATION.match(text):
+            self._continue_nvrm(f, text)
+            return
+        # A traceback echoes the source of each frame (`raise RuntimeError("CUDA error: ...")`):
+        # code, not an error that happened; the exception line at the end is the evidence.
+        # Source lines are indented two columns past their frame's `File`.
+        column, frame = f.frame, FRAME.search(text)
+        f.frame = frame.start() if frame else None
+        if (
+            column is not None
+            and frame is None
+            and text[column : column + 2] == "  "
+            and text[column:].strip()
+        ):
+            return
+        progress = self._progress(f, text) if "iter" in text else None
+        if progress is not None and progress[0] == "ok":
+            f.nvrm = None
+            return  # a training progress line: evidence only when NaN or a spike
+        found = classify_line(text, self.critical) if screened else None
+        if progress is not None and (found is None or found[1] != "numerics"):
+            found = ("root", "numerics", frozenset({progress[0]}))
+        hit = None
+        if found is not None:
+            kind, cls, tags = found
+            if cls == "preempted" and f.task_failed and "reasoned" not in tags and "*** STEP " in text:
+                # srun --kill-on-bad-exit cancelling the step after a task failed: a consequence
+                kind, cls, tags = "cascade", "hang", frozenset()
+            hit = Hit(f.index, f.name, number, text, kind, cls, f.last_ts, tags=tags)
+            if kind == "root":
+                hit.nodes = self._root_nodes(text, cls, tags)
+                if cls == "numerics":
+                    hit.anomaly = self._anomaly(f, text, progress)
+                self._add_root(f, hit)
+            else:
+                exited = SRUN_EXIT.search(text)
+                if exited:
+                    hit.nodes = (exited["node"],)
+                    hit.exit_code = int(exited["code"]) if exited["code"] else None
+                    if exited["n"] == "task":
+                        hit.tags = hit.tags | {"single"}
+                    if "task-exit" in hit.tags:
+                        f.task_failed = True
+                f.counts["hang"] = f.counts.get("hang", 0) + 1
+                keep_first(f.cascades, hit)
+        elif "OVERFLOW!" in text and OVERFLOW.search(text):
+            self._overflow(f, number, text)
+        f.nvrm = [hit, number, text, text, f.last_ts] if "NVRM:" in text else None
+
+    def _root_nodes(self, text: str, cls: str, tags: frozenset) -> tuple[str, ...]:
+        if cls == "preempted":
+            if "node-failure" not in tags:
+                return ()
+            m = CANCELLED.search(text) or NODE_FAILURE.search(text)
+            return (m[1],)
+        return nodes_of(text, self.layout)
+
+    def _add_root(self, f: _File, hit: Hit) -> None:
+        f.counts[hit.cls] = f.counts.get(hit.cls, 0) + 1
+        keep_first(f.roots.setdefault(hit.cls, []), hit)
+
+    def _continue_nvrm(self, f: _File, text: str) -> None:
+        """A kernel message wrapped over several ``NVRM:`` lines ("The NVIDIA GPU 0000:b3:00.0 /
+        ... has / fallen off the bus"): classified whole, reported at its first line."""
+        head, number, first, joined, stamp = f.nvrm
+        joined = f"{joined} {text.strip()}"
+        f.nvrm[3] = joined
+        if head is not None:
+            return
+        found = root_of(joined, self.critical)
+        if found is not None and found[0] == "root":
+            hit = Hit(f.index, f.name, number, first, "root", found[1], stamp, tags=found[2])
+            hit.nodes = nodes_of(first, self.layout)
+            self._add_root(f, hit)
+            f.nvrm[0] = hit
+
+    def _progress(self, f: _File, text: str) -> tuple[str, int | None] | None:
+        """Training progress on this line: ("ok" | "nan" | "spike", iteration), or None."""
+        loss = grad = skipped = None
+        m = MEGATRON_ITER.search(text) if "|" in text else None
+        if m:
+            iteration = int(m[1])
+            lm = MEGATRON_LOSS.search(text)
+            gn = MEGATRON_GRAD.search(text)
+            sk = MEGATRON_SKIPPED.search(text)
+            loss = as_number(lm[1]) if lm else None
+            grad = as_number(gn[1]) if gn else None
+            skipped = int(sk[1]) if sk else None
+            nans = MEGATRON_NANS.search(text)
+            if nans and int(nans[1]) > 0:
+                grad = float("nan")  # Megatron counted a NaN iteration since its last line
+            lossy = lm is not None
+        else:
+            m = LOCAL_ITER.search(text) if " consumed " in text else None
+            if m:
+                iteration, loss, grad, lossy = int(m[1]), as_number(m[2]), as_number(m[3]), True
+            else:
+                m = NANOGPT_ITER.search(text)
+                if not m:
+                    return None
+                iteration, loss, lossy = int(m[1]), as_number(m[2]), True
+        f.iteration = iteration
+        bad = (lossy and loss is not None and not is_finite(loss)) or (
+            grad is not None and not is_finite(grad)
+        )
+        if bad:
+            return "nan", iteration
+        if not skipped:
+            f.overflow_run, f.overflows = 0, []
+        if is_finite(loss):
+            window = f.losses
+            spike = len(window) == SPIKE_WINDOW and loss > SPIKE_FACTOR * median_of(window)
+            window.append(loss)
+            if spike:
+                return "spike", iteration
+        return "ok", iteration
+
+    def _anomaly(self, f: _File, text: str, progress) -> int | None:
+        """The first iteration a numerical problem shows at: the one the line names, else the
+        last iteration this file logged before it (a wrapped iteration record, a check that
+        prints -1)."""
+        if progress is not None and progress[0] in ("nan", "spike"):
+            return progress[1]
+        m = EXPLICIT_ITER.search(text)
+        if m and int(m[1]) >= 0:
+            return int(m[1])
+        return f.iteration
+
+    def _overflow(self, f: _File, number: int, text: str) -> None:
+        """DeepSpeed's fp16 ``OVERFLOW! ... Skipping step``: normal now and then, and normal in a
+        row while DeepSpeed searches its initial loss scale down from 2^16..2^32. Five in a row
+        (the scale halving each time, no good step between) that take the scale down to
+        OVERFLOW_SCALE_FLOOR or below are a numerical problem."""
+        m = OVERFLOW.search(text)
+        attempted, reduced = as_number(m[1] or ""), as_number(m[2] or "")
+        if f.overflow_run and attempted is not None and attempted != f.overflow_scale:
+            f.overflow_run, f.overflows = 0, []  # the scale grew back: good steps in between
+        f.overflow_run += 1
+        f.overflow_scale = (
+            reduced if reduced is not None else attempted if attempted is not None else f.overflow_scale
+        )
+        hit = Hit(f.index, f.name, number, text, "root", "numerics", f.last_ts, tags=frozenset({"overflow"}))
+        hit.anomaly = f.iteration
+        low = f.overflow_scale is None or f.overflow_scale <= OVERFLOW_SCALE_FLOOR
+        if f.overflow_run < OVERFLOWS_FOR_NUMERICS or not low:
+            f.overflows.append(hit)
+            del f.overflows[:-OVERFLOWS_FOR_NUMERICS]
+            return
+        for pending in f.overflows:
+            self._add_root(f, pending)
+        f.overflows = []
+        self._add_root(f, hit)
+
+    # The decision.
+
+    def _epoch(self, stamp: tuple | None) -> float | None:
+        if stamp is None:
+            return None
+        if stamp[0] is not None or self.year is not None:
+            return epoch_of(stamp, stamp[0] or self.year)
+        now = time.time()
+        when = epoch_of(stamp, time.gmtime(now).tm_year)
+        return when if when <= now + 86400 else epoch_of(stamp, time.gmtime(now).tm_year - 1)
