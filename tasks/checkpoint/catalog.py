@@ -111,3 +111,9 @@ def catalog(save_dir: Path, options: VerifyOptions, pointer=_FROM_DISK) -> list[
         info.expired_pins = expired.get(iteration, [])
         infos.append(info)
     return infos
+
+
+def resumable(infos: list[CheckpointInfo]) -> list[CheckpointInfo]:
+    """The checkpoints a run may resume from, newest first: valid by a manifest of the very save
+    now on disk. What promotion may point at, and what a recovery chooses from."""
+    return sorted((i for i in infos if i.state is State.VALID and not i.stale), key=lambda i: -i.iteration)

@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 
 from tasks.checkpoint import layout
-from tasks.checkpoint.catalog import CheckpointInfo, catalog, describe
+from tasks.checkpoint.catalog import CheckpointInfo, catalog, describe, resumable
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.manifest import valid_for_this_save
 from tasks.checkpoint.pointer import (
@@ -149,7 +149,7 @@ def choose_target(
     """The iteration the pointer should name (None: no valid checkpoint left), and why."""
     pointer = read_pointer(save_dir)
     infos = {i.iteration: i for i in catalog(save_dir, options)}
-    valid = {i: info for i, info in infos.items() if info.state is State.VALID and not info.stale}
+    valid = {info.iteration: info for info in resumable(list(infos.values()))}
     if requested is not None:
         info = infos.get(requested)
         if info is None:

@@ -5,10 +5,14 @@ and apply them as the profile allows (tasks.health.actions), and tell which spar
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tasks.cluster import slurm
 from tasks.health.actions import DrainPlan, apply_drains, plan_drains, spare_readiness
 from tasks.health.run import HealthRun, NodeReport, resolve_nodes, run_health
+
+# sinfo's short states of a node held out of service (drained, draining, down).
+HELD_STATES = ("drain", "drng", "down")
 
 
 @dataclass
@@ -16,6 +20,7 @@ class Sweep:
     run: HealthRun
     plan: DrainPlan
     spares: dict[str, str]
+    returned: list[str] = field(default_factory=list)  # ready spares put back into service
 
     @property
     def exit_code(self) -> int:
@@ -37,11 +42,27 @@ def sweep(
     level: int | None = None,
     admit: bool = False,
     progress: Callable[[NodeReport], None] | None = None,
+    reason: str | None = None,
 ) -> Sweep:
-    """Check the profile's nodes (or ``only``), drain what the verdicts and the caps allow, and
-    judge the spares; ``admit`` runs the spare admission set on the nodes given."""
+    """Check the profile's nodes (or ``only``), drain what the verdicts and the caps allow (with
+    ``reason``, e.g. a recovery's incident, as Slurm's drain reason), and judge the spares;
+    ``admit`` runs the spare admission set on the nodes given and puts the ready ones that Slurm
+    holds out of service back into it."""
     names = resolve_nodes(settings, only)
     run = run_health(settings, names, level, admit, progress)
-    plan = apply_drains(plan_drains(run.reports, settings), settings)
+    plan = apply_drains(plan_drains(run.reports, settings, reason=reason), settings)
     spares = spare_readiness(run.reports, names if admit else settings.spares, run.level)
-    return Sweep(run, plan, spares)
+    return Sweep(run, plan, spares, return_to_service(spares, settings) if admit else [])
+
+
+def return_to_service(readiness: dict[str, str], settings) -> list[str]:
+    """Resume in Slurm the ready spares it holds out of service, when ckptops manages the nodes'
+    Slurm state (``health.drain.enabled``; otherwise nothing in Slurm is changed)."""
+    if not settings.drain.enabled:
+        return []
+    back = []
+    for node, verdict in readiness.items():
+        if verdict == "ready" and slurm.node_state(node) in HELD_STATES:
+            slurm.resume(node)
+            back.append(node)
+    return back

@@ -20,31 +20,23 @@ One recovery per job at a time, one incident per failure:
 - a relaunch that misses its progress deadline is cancelled before the incident stops.
 """
 
-import hashlib
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from tasks.checkpoint import layout
-from tasks.checkpoint.catalog import catalog
-from tasks.checkpoint.facts import checkpoint_facts
 from tasks.checkpoint.lock import job_lock
-from tasks.checkpoint.manifest import valid_for_this_save
 from tasks.checkpoint.pointer import read_pointer
-from tasks.checkpoint.promote import promote, reverify
-from tasks.checkpoint.state import State, VerifyOptions
+from tasks.checkpoint.state import State
 from tasks.cluster import process, slurm
-from tasks.errors import CkptopsError, Interrupted, LockTimeout, UsageError
-from tasks.health.actions import apply_drains, plan_drains, spare_readiness
-from tasks.health.run import run_health
+from tasks.errors import CkptopsError, LockTimeout, UsageError
 from tasks.recovery import job as jobs
+from tasks.recovery.guard import signal_name, signals_held, sigterm_ends_the_run, who
 from tasks.recovery.ledger import (
     ABORTED,
     COMPLETED,
@@ -54,25 +46,31 @@ from tasks.recovery.ledger import (
     WARNED,
     Incident,
     ledger_path,
-    lost_gpu_hours,
     new_id,
     read_ledger,
     record,
+)
+from tasks.recovery.phases import (
+    Detected,
+    Source,
+    account,
+    anomaly,
+    choose_checkpoint,
+    detect,
+    failed_attempt,
+    failure_key,
+    nodes_phase,
+    promote_pending,
+    read_records,
+    records_path,
+    reverify_checkpoint,
+    roll_back,
+    unusable,
 )
 from tasks.recovery.rules import Failure, Rule, fired, stop_rules
 from tasks.recovery.triage import Triage, triage
 from tasks.resume.records import Steps, load_steps
 from tasks.resume.validate import validate_resume
-from tasks.storage.local import open_regular
-
-
-@dataclass
-class Source:
-    """What failed: a Slurm job (its output files are read), log files, or both."""
-
-    slurm_job: str | None = None
-    logs: list[Path] = field(default_factory=list)
-    exit_code: int | None = None
 
 
 @dataclass
@@ -110,7 +108,6 @@ class Duplicate(CkptopsError):
 
 
 # sinfo's short states of a node that is out of service (drained, draining, down).
-_HELD_STATES = ("drain", "drng", "down")
 
 
 def plain_step(name: str, fn: Callable, *args, **kwargs):
@@ -121,263 +118,6 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-@dataclass
-class Detected:
-    """What is known of the failed job before reading its logs."""
-
-    logs: list[Path]
-    layout: dict[int, str]  # rank -> node
-    exit_code: int | None
-    nodes: list[str]
-    partition: str | None
-    attempt: str | None = None  # the Slurm job's start: its requeues and start time
-
-
-def detect(profile, source: Source) -> Detected:
-    """The logs to read, the rank -> node layout, the exit code, the job's nodes and partition."""
-    found = Detected(list(source.logs), {}, source.exit_code, [], None)
-    if source.slurm_job:
-        job = jobs.slurm_job(source.slurm_job)
-        found.layout, found.nodes, found.partition = job.layout(), job.nodes, job.partition
-        found.attempt = f"{job.restarts}:{job.start_time}"
-        if found.exit_code is None:
-            found.exit_code = job.exit_code
-        for path in (job.stdout, job.stderr):
-            if path is not None and path not in found.logs and path.exists():
-                found.logs.append(path)
-    if not found.logs:
-        raise UsageError("no logs to triage: name a Slurm job whose output still exists, or log files")
-    return found
-
-
-def failure_key(source: Source, tri: Triage, detected: Detected | None = None) -> str:
-    """One failure's identity. A Slurm job's id and its start (a requeued job fails again as
-    another attempt); else its logs' first error (file, line and text) and the logs' sizes (a
-    log appended to by a later run that fails the same way is another failure)."""
-    if source.slurm_job:
-        return f"slurm:{source.slurm_job}:{detected.attempt if detected else ''}"
-    digest = hashlib.sha256()
-    first = tri.first_error
-    if first is not None:
-        digest.update(f"{Path(first.file).resolve()}\0{first.line}\0{first.text}\0".encode())
-    for path in sorted(Path(p).resolve() for p in source.logs):
-        digest.update(f"{path}\0{path.stat().st_size}\0".encode())
-    return f"logs:{digest.hexdigest()[:16]}"
-
-
-def promote_pending(profile) -> tuple[int | None, str]:
-    """Verify the complete checkpoints nobody verified yet (the job may have died right after a
-    save) and promote as verify-and-promote would; the promoted iteration and a note."""
-    try:
-        report = promote(
-            profile.job.save_dir, VerifyOptions.from_profile(profile), profile.verify.lock_timeout_seconds
-        )
-    except CkptopsError as e:
-        return read_pointer(profile.job.save_dir), f"promotion before choosing failed: {e}"
-    return report.current, report.summary()
-
-
-def choose_checkpoint(
-    profile, failure_iteration: int | None, before: int | None, passed_over: tuple[int, ...] = ()
-) -> tuple[int | None, list[int]]:
-    """The newest verified checkpoint at or before the failure (and before ``before``, the start
-    of a numerical anomaly), not one of ``passed_over``. Never Megatron's tracker: the promotion
-    pointer and the manifests decide. Returns it and every candidate, newest first."""
-    save_dir = profile.job.save_dir
-    options = VerifyOptions.from_profile(profile)
-    candidates = []
-    for info in catalog(save_dir, options):
-        if info.state is not State.VALID or info.stale or info.iteration in passed_over:
-            continue
-        if failure_iteration is not None and info.iteration > failure_iteration:
-            continue
-        if before is not None and info.iteration >= before:
-            continue
-        if valid_for_this_save(save_dir / layout.iter_dir_name(info.iteration), info.iteration) is None:
-            continue
-        candidates.append(info.iteration)
-    if not candidates:
-        return None, []
-    pointer = read_pointer(save_dir)
-    chosen = pointer if pointer in candidates else max(candidates)
-    return chosen, sorted(candidates, reverse=True)
-
-
-def unusable(profile) -> str:
-    """Why no checkpoint can be resumed from: each one and its one-line state."""
-    infos = catalog(profile.job.save_dir, VerifyOptions.from_profile(profile))
-    if not infos:
-        return f"{profile.job.save_dir} holds no checkpoint"
-    return "; ".join(f"{layout.iter_dir_name(i.iteration)} {i.state}: {i.reason}" for i in reversed(infos))
-
-
-def reverify_checkpoint(profile, iteration: int) -> dict:
-    """Verify the chosen checkpoint again before it is relaunched from (every byte with the
-    profile's engine, or its manifest's save identity with ``recovery.reverify: manifest``); a
-    failure marks it invalid and moves the pointer as promotion would. What was found."""
-    mode = profile.recovery.reverify
-    started = time.monotonic()
-    result, report = reverify(
-        profile.job.save_dir,
-        VerifyOptions.from_profile(profile),
-        iteration,
-        profile.verify.lock_timeout_seconds,
-        full=mode == "full",
-    )
-    return {
-        "iteration": iteration,
-        "mode": mode,
-        "engine": profile.verify.engine if mode == "full" else None,
-        "outcome": "pass" if result.ok else "fail",
-        "state": str(result.state),
-        "reason": result.reason,
-        "seconds": round(time.monotonic() - started, 3),
-        "bytes": result.bytes_read,
-        "pointer": report.current,
-    }
-
-
-def nodes_phase(profile, incident: Incident, suspects: list[str], job_nodes: list[str]):
-    """Health-check the suspects; drain the confirmed bad (reason names the incident), exclude
-    the rest of the suspects; admit spares to give the job its node count back."""
-    health = profile.health
-    if job_nodes:
-        suspects = [n for n in suspects if n in job_nodes] or suspects
-    drained, exclude, admitted = [], list(suspects), []
-    if not (health and suspects):
-        return drained, exclude, admitted, "no health checks (no suspects or no health section)"
-    run = run_health(health, suspects)
-    bad = [r for r in run.reports if r.verdict.failed]
-    plan = plan_drains(bad, health, reason=f"ckptops {incident.id} {incident.cls}")
-    apply_drains(plan, health)
-    drained = list(plan.drained)
-    note = "; ".join(f"{r.node} {r.verdict.value}: {r.summary}" for r in run.reports)
-    if plan.page:
-        note += f"; PAGE: {plan.page}"
-    removed = len({*drained, *exclude})
-    if health.spares and removed and job_nodes:
-        admitted = _admit_spares(health, removed, exclude + drained)
-        if admitted:
-            note += f"; spares admitted: {', '.join(admitted)}"
-    return drained, exclude, admitted, note
-
-
-def _admit_spares(health, wanted: int, avoid: list[str]) -> list[str]:
-    """Run the admission set on spares held out of service (drained or down) and resume the
-    ready ones in Slurm. A spare that is already in service needs no admitting."""
-    held = [s for s in health.spares if s not in avoid and slurm.node_state(s) in _HELD_STATES]
-    candidates = held[:wanted]
-    if not candidates:
-        return []
-    run = run_health(health, candidates, admit=True)
-    ready = [
-        node
-        for node, verdict in spare_readiness(run.reports, candidates, run.level).items()
-        if verdict == "ready"
-    ]
-    for node in ready:
-        slurm.resume(node)
-    return ready
-
-
-def _failed_attempt(steps: Steps | None, slurm_job: str | None) -> Steps | None:
-    """The failed attempt's records: its rows (a Slurm job's attempt id is its job id), else the
-    last attempt's; None without records."""
-    if steps is None or not len(steps):
-        return None
-    if steps.attempt.size != len(steps):
-        return steps  # a log: no attempt ids
-    ours = steps.attempt == str(slurm_job) if slurm_job else np.zeros(len(steps), dtype=bool)
-    return steps.take(np.nonzero(ours if ours.any() else steps.attempt == steps.attempt[-1])[0])
-
-
-def _anomaly(tri: Triage, steps) -> int | None:
-    if tri.anomaly_iteration is not None:
-        return tri.anomaly_iteration
-    if steps is not None and "nonfinite" in steps.columns:
-        bad = np.nonzero(steps.columns["nonfinite"] > 0)[0]
-        if bad.size:
-            return int(steps.iteration[bad[0]])
-    return tri.iteration
-
-
-def _records(profile) -> Path | None:
-    return profile.recovery.step_records if profile.recovery else None
-
-
-def _read_records(records: Path | None) -> Steps | None:
-    """The job's step records: a configured path must be a file (nothing is relaunched that
-    could never be watched or validated); one without a record yet holds no steps."""
-    if records is None:
-        return None
-    try:
-        open_regular(records).close()
-    except UsageError as e:
-        raise UsageError(
-            f"recovery.step_records: {e}; a relaunch could neither be watched nor validated"
-        ) from None
-    if Path(records).stat().st_size == 0:
-        return None
-    return load_steps(records)
-
-
-def _who(owner: dict | None) -> str:
-    if not owner:
-        return "a recovery run"
-    return f"the recovery run (pid {owner.get('pid')} on {owner.get('host')})"
-
-
-@contextmanager
-def _sigterm_ends_the_run():
-    """SIGTERM (what ``timeout``, systemd and Prefect send) raises ``Interrupted`` in the main
-    thread, so the incident is closed on the way out; SIGINT already raises KeyboardInterrupt.
-    Left alone where someone else handles SIGTERM (Prefect's flow engine raises its own
-    TerminationSignal, a BaseException too) or off the main thread."""
-    if threading.current_thread() is not threading.main_thread() or (
-        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    ):
-        yield
-        return
-
-    def _raise(signum, frame):
-        raise Interrupted(signum)
-
-    signal.signal(signal.SIGTERM, _raise)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-@contextmanager
-def _signals_held():
-    """SIGTERM and SIGINT wait while a relaunch is submitted and recorded: the job and the
-    ledger line naming it go together. A signal that came meanwhile is delivered after, to the
-    handler that was in place (ours, Prefect's, or the default)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    for number in previous:
-        signal.signal(number, lambda signum, frame: pending.append(signum))
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-        for number in pending:
-            signal.raise_signal(number)
-
-
-def _signal_name(error: BaseException) -> str:
-    number = getattr(error, "signum", None) or getattr(error, "signal", None)
-    if isinstance(number, int):
-        return signal.Signals(number).name
-    return "SIGINT" if isinstance(error, KeyboardInterrupt) else type(error).__name__
-
-
-# The states in which a relaunch can be adopted (watched to its resume): not one that ends.
 _ADOPTABLE = ("RUNNING", "PENDING", "CONFIGURING", "REQUEUED", "SUSPENDED")
 _LOCK_POLL_SECONDS = 0.5
 
@@ -391,7 +131,7 @@ class _Recovery:
         self.approve, self.step, self.warn, self.retry = approve, step, warn, retry
         self.incident = Incident(new_id(), profile.job.name, trigger, source.slurm_job, flow_run=flow_run)
         self.phase = "detect"
-        self.records = _records(profile)
+        self.records = records_path(profile)
         self.steps: Steps | None = None
         self.failed: Steps | None = None
         self.detected: Detected | None = None
@@ -457,7 +197,7 @@ class _Recovery:
         except BaseException as e:
             if not isinstance(e, Exception):  # a signal: SIGTERM, SIGINT, Prefect's cancellation
                 self._stop(
-                    f"interrupted by {_signal_name(e)} during {self.phase}; {self._done()}", INTERRUPTED
+                    f"interrupted by {signal_name(e)} during {self.phase}; {self._done()}", INTERRUPTED
                 )
                 e.incident = self.incident
             raise
@@ -493,7 +233,7 @@ class _Recovery:
                 if other.running and other.failure_key == ours:
                     raise Duplicate(
                         f"incident {other.id} is recovering this failure ({ours}) in "
-                        f"{_who(other.owner)}; nothing relaunched",
+                        f"{who(other.owner)}; nothing relaunched",
                         other,
                     )
             time.sleep(_LOCK_POLL_SECONDS)
@@ -532,7 +272,7 @@ class _Recovery:
                     ended = (
                         f"its relaunched job {job} is no longer running" if job else "nothing was relaunched"
                     )
-                old.outcome, old.reason = INTERRUPTED, f"{_who(old.owner)} was killed; {ended}"
+                old.outcome, old.reason = INTERRUPTED, f"{who(old.owner)} was killed; {ended}"
                 record(self.save_dir, old)
         return adoptable
 
@@ -558,16 +298,16 @@ class _Recovery:
 
     def _adopt(self, old: Incident, started) -> Incident:
         """Watch and validate the job a killed recovery relaunched, as that recovery would have."""
-        note = f"adopted after {_who(old.owner)} ended; "
+        note = f"adopted after {who(old.owner)} ended; "
         self.incident = old
         old.outcome, old.owner = RUNNING, process.identity()
         self._save()
 
         def watch() -> None:
-            steps = _read_records(self.records)
+            steps = read_records(self.records)
             before = old.records_before or 0
             self.failed = (
-                _failed_attempt(steps.take(np.arange(min(before, len(steps)))), old.failed_job)
+                failed_attempt(steps.take(np.arange(min(before, len(steps)))), old.failed_job)
                 if steps
                 else None
             )
@@ -600,8 +340,8 @@ class _Recovery:
 
     def _phases(self) -> None:
         incident, settings = self.incident, self.settings
-        self.steps = self._do("step-records", _read_records, self.records)
-        self.failed = _failed_attempt(self.steps, self.source.slurm_job)
+        self.steps = self._do("step-records", read_records, self.records)
+        self.failed = failed_attempt(self.steps, self.source.slurm_job)
         if self.failed is not None:
             incident.failure_iteration = int(self.failed.iteration[-1])
             incident.mark("last_progress", float(self.failed.time[-1]))
@@ -658,7 +398,7 @@ class _Recovery:
     def _choose(self) -> tuple[int | None, list[int]]:
         """The checkpoint to resume from, verified again: one that no longer verifies is marked
         invalid (the pointer moves off it) and the next is chosen."""
-        before = _anomaly(self.tri, self.steps) if self.tri.cls == "numerics" else None
+        before = anomaly(self.tri, self.steps) if self.tri.cls == "numerics" else None
         while True:
             failed = tuple(r["iteration"] for r in self.incident.reverified if r["outcome"] != "pass")
             chosen, choices = self._do(
@@ -745,7 +485,7 @@ class _Recovery:
         if read_pointer(self.save_dir) != chosen:
             # A rollback (numerics, or the approver's pick) goes through the pointer, with a hold,
             # as an operator's would: the pointer stays the one record of what the job resumed from.
-            self._do("roll-back-pointer", _roll_back, self.profile, chosen)
+            self._do("roll-back-pointer", roll_back, self.profile, chosen)
         running = self._do("already-running", self._running_copy)
         if running:
             raise CkptopsError(f"{running}: not relaunching a second copy")
@@ -754,7 +494,7 @@ class _Recovery:
         # The intent first; then the job and the line naming it, with signals held in between.
         incident.relaunch_token = incident.id
         self._save()
-        with _signals_held():
+        with signals_held():
             if settings.launcher == "slurm":
                 new = self._do(
                     "relaunch",
@@ -838,7 +578,7 @@ class _Recovery:
         )
         incident.mark("validated")
         incident.validation = result.line()
-        _account(incident, self.failed, checkpoint_dir)
+        account(incident, self.failed, checkpoint_dir)
         if result.ok:
             self._stop(f"resumed from {incident.checkpoint} as {new}; {result.line()}", COMPLETED)
         elif settings.on_rejected == "warn":
@@ -865,33 +605,5 @@ def recover(
     (the flow emits an event); ``warn`` gets the ledger lines that could not be used. Raises
     ``Duplicate`` when another recovery has this failure in hand or has handled it (``retry``:
     recover a failure again whose recovery relaunched nothing, after an approver's no)."""
-    with _sigterm_ends_the_run():
+    with sigterm_ends_the_run():
         return _Recovery(profile, source, trigger, approve, step, flow_run, warn, retry).run(started)
-
-
-def _roll_back(profile, iteration: int) -> None:
-    promote(
-        profile.job.save_dir,
-        VerifyOptions.from_profile(profile),
-        profile.verify.lock_timeout_seconds,
-        requested=iteration,
-    )
-
-
-def _account(incident: Incident, steps, checkpoint_dir: Path) -> None:
-    """Recomputed work and lost GPU-hours, from the records before the failure."""
-    if incident.failure_iteration is None or incident.checkpoint is None:
-        return
-    recomputed = max(0, incident.failure_iteration - incident.checkpoint)
-    incident.recomputed_iterations = recomputed
-    facts = checkpoint_facts(checkpoint_dir)
-    per_step = facts.global_batch_size * (facts.seq_length or 0)
-    incident.recomputed_tokens = recomputed * per_step if per_step else None
-    step_seconds = 0.0
-    if steps is not None and "step_seconds" in steps.columns:
-        finite = steps.columns["step_seconds"][np.isfinite(steps.columns["step_seconds"])]
-        step_seconds = float(np.median(finite)) if finite.size else 0.0
-    t = incident.times
-    start = t.get("first_error") or t.get("last_progress") or t.get("detected")
-    downtime = (t.get("first_resumed_step") or time.time()) - start if start is not None else 0.0
-    incident.lost_gpu_hours = round(lost_gpu_hours(incident.gpus or 0, downtime, recomputed, step_seconds), 4)
