@@ -28,9 +28,10 @@ from tasks.checkpoint import layout
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.manifest import CorruptManifest, Manifest, now_iso, record_archive_status
 from tasks.checkpoint.pins import pinned
-from tasks.checkpoint.pointer import promoted
+from tasks.checkpoint.pointer import promoted, read_pointer
 from tasks.errors import CkptopsError, UsageError
 from tasks.storage.archive import AccessDenied, ArchiveStore, ArchiveUnavailable
+from tasks.storage.local import list_files
 
 POINTER_OBJECT = "latest_committed_iteration.txt"
 
@@ -179,6 +180,15 @@ def apply_archive_retention(store: ArchiveStore, job: str, keep: int) -> list[in
         if iteration is not None and newest is not None and iteration < newest and iteration not in committed:
             store.remove(entry_key(job, iteration), recursive=True)
     return deleted
+
+
+def progress_total(save_dir: Path) -> int:
+    """What a copy's progress counts up to: the promoted checkpoint's bytes twice (each file is
+    uploaded, then read back); 0 when nothing is promoted."""
+    iteration = read_pointer(save_dir)
+    if iteration is None:
+        return 0
+    return 2 * sum(st.st_size for st in list_files(Path(save_dir) / layout.iter_dir_name(iteration)).values())
 
 
 def archive_checkpoint(

@@ -1,17 +1,19 @@
 """Goodput as the CLI and the flow both compute it: the job's ledger from its records, save
 times and incidents, and the interval advice from the measured C, M and R (each overridable),
-with the job's current interval from its checkpoint's args; the per-day chart."""
+with the job's current interval from its checkpoint's args; the per-day chart; a simulation
+beside the closed forms and the job's measured recoveries."""
 
 import base64
 import io
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.pointer import read_pointer
-from tasks.errors import UsageError
-from tasks.goodput.advice import Advice, advise
+from tasks.errors import UsageError, unreadable
+from tasks.goodput.advice import Advice, advise, ettr, ettr_exact
 from tasks.goodput.measure import (
     CAUSES,
     Figure,
@@ -22,12 +24,16 @@ from tasks.goodput.measure import (
     save_times_from_log,
     save_times_from_records,
 )
+from tasks.goodput.simulate import Simulation, restart_for, save_cost_for, simulate
+from tasks.profile import load_profile
 from tasks.recovery.ledger import read_ledger
 from tasks.resume.records import Steps, load_steps
 from tasks.storage.local import read_lines
 
 # An advised interval this far from the job's own is worth a line in the summary.
 INTERVAL_GAP = 0.25
+# The ETTR a simulation says what it would take to reach (the JSON keys name it: *_for_97).
+TARGET_ETTR = 0.97
 
 
 def _steps(profile) -> Steps | None:
@@ -51,7 +57,7 @@ def _save_times(profile, steps: Steps | None, log: Path | None, save_interval: i
         try:
             found = save_times_from_log(read_lines(log))
         except OSError as e:
-            raise UsageError(f"{log}: {e.strerror or e}") from None
+            raise unreadable(log, e) from None
         if found:
             return found, f"save timers in {log}"
     if steps is not None and steps.kind == "records":
@@ -97,9 +103,11 @@ def advice(
     mtbf_hours: float | None = None,
     restart_minutes: float | None = None,
     interval_minutes: float | None = None,
+    gpus: int | None = None,
 ) -> Advice:
     """The advice from the given values, else the measured ones; a value neither given nor
-    measured is a usage error naming the option."""
+    measured is a usage error naming the option. ``gpus`` defaults to recovery.gpus, else the
+    job's world size."""
     sources: dict[str, str] = {}
 
     def pick(given, figure_seconds, figure_source, option, scale):
@@ -120,9 +128,10 @@ def advice(
         t, sources["interval"] = interval_minutes * 60, "given"
     else:
         t, sources["interval"] = measured.interval.seconds, measured.interval.source
-    gpus = (
-        profile.recovery.gpus if profile.recovery and profile.recovery.gpus else None
-    ) or profile.job.layout.world_size
+    if gpus is None:
+        gpus = (
+            profile.recovery.gpus if profile.recovery and profile.recovery.gpus else None
+        ) or profile.job.layout.world_size
     return advise(
         c,
         m,
@@ -149,6 +158,98 @@ def interval_note(found: Advice) -> str | None:
     return (
         f"the advised interval ({found.daly_minutes:.1f} min) differs from the job's "
         f"({found.interval_seconds / 60:.1f} min) by {gap:.0%}: change --save-interval"
+    )
+
+
+@dataclass
+class SimulationReport:
+    """A simulated ETTR beside the closed forms (which see only the blocking part of a save),
+    what the job's measured recovery time would give, and what ETTR >= TARGET_ETTR would take."""
+
+    simulation: Simulation
+    first_order: float
+    exact: float
+    measured_restart: Figure | None  # None: the job's ledger has no recovery
+    with_measured: Simulation | None
+    save_for_target: float | None
+    restart_for_target: float | None
+
+    def to_dict(self) -> dict:
+        measured = self.measured_restart
+        return {
+            **self.simulation.to_dict(),
+            "ettr_first_order": self.first_order,
+            "ettr_exact": self.exact,
+            "measured_restart_seconds": measured.seconds if measured else None,
+            "measured_restart_source": measured.source if measured else "not measured",
+            "ettr_with_measured_restart": self.with_measured.ettr if self.with_measured else None,
+            "save_seconds_for_97": self.save_for_target,
+            "restart_seconds_for_97": self.restart_for_target,
+        }
+
+    def lines(self) -> list[str]:
+        run = self.simulation
+        low, high = run.ettr_ci
+        lines = [
+            f"ETTR {run.ettr:.2%} (95% CI {low:.2%} to {high:.2%}, {run.runs} runs of {run.days:g} days, "
+            f"{run.failures_per_run:.1f} failures a run); closed forms: first order {self.first_order:.2%}, "
+            f"exact {self.exact:.2%}; {run.gpu_hours_lost:,.0f} GPU-hours lost a run at {run.gpus} GPUs"
+        ]
+        if self.with_measured and self.measured_restart:
+            lines.append(
+                f"with the measured recovery time ({self.measured_restart.seconds / 60:.1f} min, "
+                f"{self.measured_restart.source}): ETTR {self.with_measured.ettr:.2%}"
+            )
+        lines.append(
+            f"ETTR >= {TARGET_ETTR:.0%} at Daly's interval needs "
+            + (
+                f"a save cost of at most {self.save_for_target:.0f} s at this recovery time"
+                if self.save_for_target
+                else "faster recoveries: no save cost is enough"
+            )
+            + (
+                f", or recoveries within {self.restart_for_target / 60:.1f} min at this save cost"
+                if self.restart_for_target is not None
+                else ""
+            )
+        )
+        return lines
+
+
+def _measured_restart(profile: str | None) -> Figure | None:
+    """The median measured recovery time of the profile's job, when its ledger has one."""
+    found = ledger(load_profile(profile)).restart_seconds
+    return found if found.seconds is not None else None
+
+
+def simulation_report(
+    profile: str | None,
+    gpus: int,
+    days: float,
+    mtbf_hours: float,
+    save_seconds: float,
+    interval_minutes: float,
+    recover_minutes: float,
+    blocking_seconds: float | None = None,
+    runs: int = 200,
+    seed: int = 0,
+) -> SimulationReport:
+    """Simulate the given job, then again with the recovery time the profile's job measured (the
+    profile is read only once the inputs have passed the simulation's checks)."""
+    m, c, t, r = mtbf_hours * 3600, save_seconds, interval_minutes * 60, recover_minutes * 60
+    result = simulate(gpus, days, m, c, t, r, seed, runs, blocking_seconds)
+    measured = _measured_restart(profile)
+    with_measured = (
+        simulate(gpus, days, m, c, t, measured.seconds, seed, runs, blocking_seconds) if measured else None
+    )
+    return SimulationReport(
+        result,
+        ettr(result.blocking_seconds, m, r, t),
+        ettr_exact(result.blocking_seconds, m, r, t),
+        measured,
+        with_measured,
+        save_cost_for(TARGET_ETTR, m, r),
+        restart_for(TARGET_ETTR, m, c),
     )
 
 

@@ -1,0 +1,261 @@
+"""``ckptops verify | promote | status | retain | pin | unpin``: the checkpoints of one save
+directory, their verification, the pointer to the one to resume from, and what is kept."""
+
+import json
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tasks import render
+from tasks.cli.common import ANY_SAVE_DIR, JsonOpt, ProfileOpt, byte_progress, err, expected_errors, out
+from tasks.errors import Malformed, UsageError
+from tasks.profile import Profile, load_profile
+
+commands = typer.Typer()
+
+
+def _shard_lines(statuses, events: list[str]) -> None:
+    """The Slurm engine's news, one line each on stderr (with --json too: stdout stays JSON): a
+    shard done (where, how fast), failed, or retried elsewhere."""
+    for line in events:
+        err.print(line, markup=False, highlight=False)
+
+
+def _dir_bytes(path: Path) -> int:
+    from tasks.storage.local import list_files
+
+    return sum(st.st_size for st in list_files(path).values())
+
+
+def _save_dir(profile: Profile, given: Path | None) -> Path:
+    return (given or profile.job.save_dir).resolve()
+
+
+def _options(profile: Profile, save_dir: Path, **overrides):
+    from tasks.checkpoint.state import VerifyOptions
+
+    return VerifyOptions.from_profile(profile, save_dir, **overrides)
+
+
+@commands.command()
+def verify(
+    path: Annotated[Path, typer.Argument(help="a checkpoint directory, iter_NNNNNNN")],
+    as_json: JsonOpt = False,
+    profile: ProfileOpt = None,
+    read_only: Annotated[bool, typer.Option("--read-only", help="do not write manifest.json")] = False,
+    engine: Annotated[
+        str | None,
+        typer.Option("--engine", help="local: read here; slurm: shards over nodes (default: the profile's)"),
+    ] = None,
+    nodes: Annotated[
+        int | None, typer.Option("--nodes", min=1, help="nodes for the slurm engine (default: the profile's)")
+    ] = None,
+):
+    """Verify one checkpoint: exit 0 valid, 1 invalid or still in progress, 2 unreadable input."""
+    with expected_errors():
+        from tasks.checkpoint.lock import job_lock
+        from tasks.checkpoint.verify import checkpoint_path, verify_checkpoint
+
+        prof = load_profile(profile)
+        if engine not in (None, "local", "slurm"):
+            raise UsageError(f"--engine {engine}: not local or slurm")
+        directory = checkpoint_path(path)
+        slurm = prof.verify.slurm
+        options = _options(
+            prof,
+            directory.parent,
+            write_manifest=not read_only,
+            engine=engine or prof.verify.engine,
+            slurm=slurm.model_copy(update={"nodes": nodes}) if nodes else slurm,
+        )
+        # Writing the manifest takes the job lock: a promotion re-reads manifests under it, and
+        # retention may be removing this very directory.
+        lock = nullcontext() if read_only else job_lock(directory.parent, prof.verify.lock_timeout_seconds)
+        with lock, byte_progress(f"verify {path.name}", _dir_bytes(directory), not as_json) as progress:
+            result = verify_checkpoint(directory, options, progress, watch=_shard_lines)
+    if as_json:
+        out.print_json(
+            json.dumps(
+                {
+                    "directory": str(result.directory),
+                    "iteration": result.iteration,
+                    "state": result.state.value,
+                    "reason": result.reason,
+                    "bytes_read": result.bytes_read,
+                    "seconds": round(result.seconds, 3),
+                    "checks": [asdict(c) for c in result.checks],
+                    "shards": result.shards,
+                }
+            )
+        )
+    else:
+        stats = (
+            f" ({result.bytes_read / 1e6:.1f} MB in {result.seconds:.2f}s, {result.throughput_gbps:.2f} GB/s)"
+        )
+        out.print(result.line() + (stats if result.ok else ""), markup=False)
+    raise typer.Exit(0 if result.ok else 1)
+
+
+@commands.command()
+def promote(
+    save_dir: Annotated[Path | None, typer.Argument(help=ANY_SAVE_DIR)] = None,
+    iteration: Annotated[
+        int | None,
+        typer.Option(
+            "--iteration", "-i", min=0, help="promote this iteration (verified valid) instead of the newest"
+        ),
+    ] = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Verify new complete checkpoints, oldest first, and point to the newest that passed (or to N)."""
+    with expected_errors():
+        from tasks.checkpoint.promote import promote as run_promote
+
+        prof = load_profile(profile)
+        directory = _save_dir(prof, save_dir)
+        options = _options(prof, directory)
+
+        def report(result):
+            if not as_json:
+                out.print(result.line(), markup=False)
+
+        report_ = run_promote(
+            directory, options, prof.verify.lock_timeout_seconds, iteration, on_verified=report
+        )
+    if as_json:
+        out.print_json(
+            json.dumps(
+                {
+                    "previous": report_.previous,
+                    "current": report_.current,
+                    "changed": report_.changed,
+                    "message": report_.message,
+                    "verified": [
+                        {"iteration": v.iteration, "state": v.state.value, "reason": v.reason}
+                        for v in report_.verifications
+                    ],
+                }
+            )
+        )
+    else:
+        arrow = (
+            f"{report_.previous} -> {report_.current}" if report_.changed else f"stays at {report_.current}"
+        )
+        out.print(f"latest verified: {arrow} ({report_.message})", markup=False)
+    if report_.cleared:
+        err.print(f"ckptops: {directory}: pointer removed, no valid checkpoint to resume from", markup=False)
+    raise typer.Exit(0 if report_.ok else 1)
+
+
+@commands.command()
+def status(
+    save_dir: Annotated[Path | None, typer.Argument(help=ANY_SAVE_DIR)] = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Every checkpoint with its state, size, verification time and promotion; and an ALERT line
+    (exit 1) when the newest complete checkpoint has waited past verify.alert_after_seconds
+    without being promoted."""
+    with expected_errors():
+        from tasks.checkpoint.catalog import catalog
+        from tasks.checkpoint.overdue import overdue
+        from tasks.checkpoint.pointer import read_pointer
+
+        prof = load_profile(profile)
+        directory = _save_dir(prof, save_dir)
+        # A garbled pointer must not hide the checkpoints: list them, and say what is wrong.
+        try:
+            pointer, problem = read_pointer(directory), None
+        except Malformed as e:
+            pointer, problem = None, str(e)
+        infos = catalog(directory, _options(prof, directory), pointer=pointer)
+        own = directory.resolve() == prof.job.save_dir.resolve()
+        late = overdue(directory, infos, prof.verify.alert_after_seconds if own else None)
+    if as_json:
+        out.print_json(json.dumps([i.to_dict() for i in infos]))
+    else:
+        render.status(out, directory, infos, problem)
+    if late is not None:
+        (err if as_json else out).print(late.line(), markup=False)
+    if prof.drill and not as_json:
+        from tasks.restore.scratch import stale_scratch
+
+        for path, why in stale_scratch(prof.drill.scratch_dir):
+            out.print(f"stale drill scratch: {path} ({why}); the next drill removes it", markup=False)
+    problems = [problem] * bool(problem) + [i.manifest_error for i in infos if i.manifest_error]
+    for line in problems:
+        err.print(f"ckptops: {line}", markup=False)
+    if problems:
+        raise typer.Exit(Malformed.exit_code)
+    if late is not None:
+        raise typer.Exit(1)
+
+
+@commands.command()
+def retain(
+    save_dir: Annotated[Path | None, typer.Argument(help=ANY_SAVE_DIR)] = None,
+    keep: Annotated[
+        int | None, typer.Option("--keep", help="verified checkpoints to keep [default: the profile's]")
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="show the plan, delete nothing")] = False,
+    profile: ProfileOpt = None,
+):
+    """Delete verified checkpoints older than the newest K (never the promoted, newer or pinned)."""
+    with expected_errors():
+        from tasks.checkpoint.retention import retain as run_retain
+
+        prof = load_profile(profile)
+        directory = _save_dir(prof, save_dir)
+        keep_verified = keep if keep is not None else prof.retention.keep_verified
+        if keep_verified < 2:
+            raise UsageError("--keep: at least 2 (the newest may still be in use)")
+        plan, deleted = run_retain(
+            directory, _options(prof, directory), keep_verified, prof.verify.lock_timeout_seconds, dry_run
+        )
+    verb = "would delete" if dry_run else "deleted"
+    targets = plan.delete if dry_run else deleted
+    out.print(f"{verb}: {', '.join(map(str, targets)) or 'nothing'}", markup=False)
+    for iteration, why in sorted(plan.kept.items()):
+        out.print(f"kept {iteration}: {why}", markup=False)
+    if plan.failed:
+        err.print(f"ckptops: failed checkpoints kept for inspection: {', '.join(map(str, plan.failed))}")
+
+
+@commands.command()
+def pin(
+    iteration: Annotated[int, typer.Argument(min=0)],
+    reason: Annotated[str, typer.Option("--reason", help="why it must be kept")],
+    save_dir: Annotated[Path | None, typer.Option("--save-dir")] = None,
+    holder: Annotated[str, typer.Option("--holder")] = "operator",
+    profile: ProfileOpt = None,
+):
+    """Keep a checkpoint whatever retention says."""
+    with expected_errors():
+        from tasks.checkpoint.layout import iter_dir_name
+        from tasks.checkpoint.pins import pin as do_pin
+
+        directory = _save_dir(load_profile(profile), save_dir)
+        if directory.is_dir() and not (directory / iter_dir_name(iteration)).is_dir():
+            raise UsageError(f"{directory / iter_dir_name(iteration)}: no such checkpoint to pin")
+        path = do_pin(directory, iteration, holder, reason)
+    out.print(f"pinned {iteration} ({path.name})", markup=False)
+
+
+@commands.command()
+def unpin(
+    iteration: Annotated[int, typer.Argument()],
+    save_dir: Annotated[Path | None, typer.Option("--save-dir")] = None,
+    holder: Annotated[str, typer.Option("--holder")] = "operator",
+    profile: ProfileOpt = None,
+):
+    """Remove a pin."""
+    with expected_errors():
+        from tasks.checkpoint.pins import unpin as do_unpin
+
+        removed = do_unpin(_save_dir(load_profile(profile), save_dir), iteration, holder)
+    out.print(f"{'unpinned' if removed else 'was not pinned by ' + holder}: {iteration}", markup=False)
+    raise typer.Exit(0 if removed else 1)

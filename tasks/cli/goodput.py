@@ -1,0 +1,134 @@
+"""``ckptops goodput [advise | simulate]``: the job's effective training time, the checkpoint
+interval that would lose least, and a simulation of the job's wall clock."""
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tasks.cli.common import JsonOpt, ProfileOpt, expected_errors, out, warn
+from tasks.errors import UsageError
+from tasks.profile import load_profile
+
+commands = typer.Typer(help="Effective training time and checkpoint-interval advice.")
+
+
+def _since(value: str | None) -> float | None:
+    if value is None:
+        return None
+    from datetime import UTC, datetime
+
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise UsageError(f"--since {value!r}: not a date (YYYY-MM-DD or an ISO time)") from None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
+@commands.callback(invoke_without_command=True)
+def goodput(
+    ctx: typer.Context,
+    since: Annotated[str | None, typer.Option("--since", help="from this date or time (UTC)")] = None,
+    log: Annotated[
+        Path | None, typer.Option("--log", help="the job's Megatron-LM log, for its save-checkpoint timers")
+    ] = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+):
+    """The job's goodput ledger: wall time, productive time on the surviving lineage, time lost
+    per cause, ETTR, incidents and MTBF; every figure with its source."""
+    if ctx.invoked_subcommand is not None:
+        return
+    with expected_errors():
+        from tasks.goodput.report import ledger, ledger_lines
+
+        found = ledger(load_profile(profile), _since(since), log, warn)
+    if as_json:
+        out.print_json(json.dumps(found.to_dict()))
+        return
+    for line in ledger_lines(found):
+        out.print(line, markup=False)
+
+
+@commands.command("advise")
+def goodput_advise(
+    save_seconds: Annotated[
+        float | None, typer.Option("--save-seconds", help="C [default: measured]")
+    ] = None,
+    mtbf_hours: Annotated[float | None, typer.Option("--mtbf-hours", help="M [default: measured]")] = None,
+    restart_minutes: Annotated[
+        float | None, typer.Option("--restart-minutes", help="R [default: measured]")
+    ] = None,
+    interval_minutes: Annotated[
+        float | None, typer.Option("--interval-minutes", help="the current interval [default: the job's]")
+    ] = None,
+    gpus: Annotated[
+        int | None, typer.Option("--gpus", help="[default: recovery.gpus or the world size]")
+    ] = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Young's and Daly's checkpoint intervals, the expected ETTR now and at the advised interval,
+    and the GPU-hours a day the change would save."""
+    with expected_errors():
+        from tasks.goodput.report import advice, interval_note, ledger
+
+        prof = load_profile(profile)
+        found = advice(
+            prof, ledger(prof, warn=warn), save_seconds, mtbf_hours, restart_minutes, interval_minutes, gpus
+        )
+    if as_json:
+        out.print_json(json.dumps(found.to_dict()))
+        return
+    for line in found.lines():
+        out.print(line, markup=False)
+    note = interval_note(found)
+    if note:
+        out.print(note, markup=False)
+
+
+@commands.command("simulate")
+def goodput_simulate(
+    gpus: Annotated[int, typer.Option("--gpus")],
+    days: Annotated[float, typer.Option("--days")],
+    mtbf_hours: Annotated[float, typer.Option("--mtbf-hours")],
+    save_seconds: Annotated[
+        float, typer.Option("--save-seconds", help="C: until the checkpoint is persisted")
+    ],
+    interval_minutes: Annotated[float, typer.Option("--interval-minutes")],
+    recover_minutes: Annotated[float, typer.Option("--recover-minutes")],
+    blocking_seconds: Annotated[
+        float | None,
+        typer.Option(
+            "--blocking-seconds", help="async saves: the part that holds training [default: all of C]"
+        ),
+    ] = None,
+    runs: Annotated[int, typer.Option("--runs", help="repeated runs for the confidence interval")] = 200,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Simulate the job's wall clock (exponential failures, saves, lost work, recoveries): ETTR
+    with a 95% confidence interval, beside the first-order and exact closed forms; what the
+    measured recoveries would give; what ETTR >= 97% would take."""
+    with expected_errors():
+        from tasks.goodput.report import simulation_report
+
+        report = simulation_report(
+            profile,
+            gpus,
+            days,
+            mtbf_hours,
+            save_seconds,
+            interval_minutes,
+            recover_minutes,
+            blocking_seconds,
+            runs,
+            seed,
+        )
+    if as_json:
+        out.print_json(json.dumps(report.to_dict()))
+        return
+    for line in report.lines():
+        out.print(line, markup=False)

@@ -1,0 +1,94 @@
+"""``ckptops health run | classify``: node health checks across the cluster, and the verdict on
+one saved tool output."""
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tasks import render
+from tasks.cli.common import JsonOpt, ProfileOpt, err, expected_errors, out
+from tasks.errors import UsageError
+from tasks.profile import load_profile
+
+commands = typer.Typer(no_args_is_help=True, help="Node health: DCGM, GPU basics, nccl-tests.")
+
+
+@commands.command("run")
+def health_run(
+    profile: ProfileOpt = None,
+    nodes: Annotated[
+        str | None, typer.Option("--nodes", help="comma-separated node names [default: the profile's]")
+    ] = None,
+    level: Annotated[
+        int | None, typer.Option("--level", min=1, max=4, help="DCGM diag level [default: the profile's]")
+    ] = None,
+    admit: Annotated[
+        bool, typer.Option("--admit", help="run the spare admission set (r3, NCCL, pair test)")
+    ] = False,
+    as_json: JsonOpt = False,
+):
+    """Check nodes in parallel; print a verdict per node; drain (or plan drains) as the profile says."""
+    with expected_errors():
+        from tasks.health.sweep import sweep
+
+        prof = load_profile(profile)
+        if prof.health is None:
+            raise UsageError(f"{prof.source}: no health section")
+        done = sweep(
+            prof.health,
+            nodes.split(",") if nodes else None,
+            level,
+            admit,
+            progress=None if as_json else lambda r: err.print(f"  {r.node}: {r.verdict.value}", markup=False),
+        )
+    if as_json:
+        plan = done.plan
+        out.print_json(
+            json.dumps(
+                {
+                    "nodes": [r.to_dict() for r in done.run.reports],
+                    "drain": plan.drain,
+                    "drained": plan.drained,
+                    "held": plan.held,
+                    "rerun": plan.rerun,
+                    "page": plan.page,
+                    "spares": done.spares,
+                }
+            )
+        )
+    else:
+        render.health(out, done)
+    raise typer.Exit(done.exit_code)
+
+
+@commands.command("classify")
+def health_classify(
+    tool: Annotated[str, typer.Argument(help="dcgm or nccl")],
+    file: Annotated[Path, typer.Argument(help="a saved raw output")],
+    exit_code: Annotated[
+        int | None, typer.Option("--exit-code", help="the tool's exit code, if known")
+    ] = None,
+    level: Annotated[
+        int | None, typer.Option("--level", help="dcgm: the level it ran at (checks the test set)")
+    ] = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Classify one saved dcgmi diag or all_reduce_perf output; the verdict word comes first.
+
+    nccl: the busbw gates are the profile's (health.nccl for one node, health.pairs for several,
+    told apart by the host names in the output's rank table; a profile without a health section
+    has the schema's defaults)."""
+    with expected_errors():
+        from tasks.health.classify import classify_file
+
+        verdict = classify_file(tool, file, exit_code, level, load_profile(profile).health)
+    if as_json:
+        out.print_json(json.dumps(verdict.to_dict()))
+    else:
+        out.print(f"{verdict.outcome.value} {verdict.detail}", markup=False)
+        for item in verdict.evidence[1:]:
+            out.print(f"  {item.detail}", markup=False)
+    raise typer.Exit(verdict.outcome.exit_code)
