@@ -27,7 +27,6 @@ the job.
 
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from pathlib import Path
 from rich.console import Console
 
 from tasks.checkpoint.layout import HISTORY
-from tasks.cluster.process import capture
+from tasks.cluster.process import capture, start
 from tasks.errors import CkptopsError
 from tasks.prefect_server import server_env, start_server
 from tasks.profile import PROFILES_ENV, load_profile
@@ -104,15 +103,13 @@ def _worker(home: Path, env: dict) -> tuple[int, bool, list[str]]:
     if pid:
         return pid, False, []
     crashed = crash_orphans(POOL, "the demo's worker that ran it is gone (crashed by the next make demo)")
-    with open(home / "worker.log", "ab") as log:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--limit", "4"],
-            cwd=ROOT,
-            env={**env, "PREFECT_WORKER_QUERY_SECONDS": WORKER_POLL_SECONDS},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    worker = start(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--limit", "4"],
+        home / "worker.log",
+        {**env, "PREFECT_WORKER_QUERY_SECONDS": WORKER_POLL_SECONDS},
+        ROOT,
+        append=True,
+    )
     pid_file.write_text(str(worker.pid))
     return worker.pid, True, crashed
 

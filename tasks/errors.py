@@ -1,7 +1,14 @@
-"""The error types every layer shares.
+"""The error types every layer shares, by what they are:
 
-A ``CkptopsError`` is an expected failure: its message is one line naming the file, node, key or
-check at fault, and the CLI prints it without a traceback. Anything else is a bug.
+- ``CkptopsError``: an expected failure (a check or a step failed), exit 1;
+- ``UsageError``: bad input from the caller (a path that is not there, a bad value), exit 2;
+- ``Unreadable``: the environment kept ckptops from reading or writing (permissions, I/O), exit
+  2; made from an ``OSError`` in one place, ``unreadable()``;
+- ``Malformed``: a file ckptops reads is there but not what it should be, exit 2;
+- anything else is a fault in ckptops, and shows as one (a traceback).
+
+Each message is one line naming the file, node, key or check at fault, and the CLI prints it
+without a traceback.
 """
 
 
@@ -17,12 +24,15 @@ class UsageError(CkptopsError):
     exit_code = 2
 
 
-class Unreadable(UsageError):
+class Unreadable(CkptopsError):
     """The environment kept us from reading or writing (permissions, I/O errors).
 
     Kept apart from a failed check on purpose: a permission problem or a flaky mount says nothing
-    about the checkpoint, so it must never be recorded as the checkpoint being invalid.
+    about the checkpoint, so it must never be recorded as the checkpoint being invalid. Nor is it
+    the caller's mistake: it is not a ``UsageError``.
     """
+
+    exit_code = 2
 
 
 class Malformed(CkptopsError):

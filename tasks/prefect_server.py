@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from tasks.cluster.process import start
 from tasks.errors import CkptopsError
 
 QUIET = {
@@ -60,24 +61,8 @@ def start_server(
     env.setdefault("PREFECT_UI_API_URL", api_url)
     # The links the server's automations put in notifications ({{ flow_run|ui_url }}).
     env.setdefault("PREFECT_UI_URL", api_url.rstrip("/").removesuffix("/api"))
-    with open(log, "ab") as sink:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "prefect",
-                "server",
-                "start",
-                "--host",
-                parts.hostname,
-                "--port",
-                str(parts.port or 4200),
-            ],
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+    argv = [sys.executable, "-m", "prefect", "server", "start", "--host", parts.hostname]
+    process = start(argv + ["--port", str(parts.port or 4200)], log, env, append=True)
     deadline = time.monotonic() + timeout_seconds
     while not healthy(api_url):
         if process.poll() is not None:

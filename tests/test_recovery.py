@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.errors import UsageError
+from tasks.errors import Unreadable, UsageError
 from tasks.profile import Recovery
 from tasks.recovery import job as jobs
 from tasks.recovery.ledger import Incident, incidents, ledger_path, lost_gpu_hours, record
@@ -126,7 +126,7 @@ def test_a_relaunch_that_could_start_from_random_weights_or_a_non_persistent_che
     )
     with pytest.raises(jobs.RelaunchRefused, match="--non-persistent-ckpt-type"):
         jobs.check_script(local.script)
-    with pytest.raises(UsageError, match=str(tmp_path / "absent")):
+    with pytest.raises(Unreadable, match=str(tmp_path / "absent")):
         jobs.check_script(tmp_path / "absent")
 
 

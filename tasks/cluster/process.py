@@ -95,11 +95,14 @@ def gone(holder: dict) -> str | None:
     return None
 
 
-def start(argv: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
-    """Start ``argv`` in a session of its own, stdout and stderr into ``log``."""
+def start(
+    argv: list[str], log: Path, env: dict | None = None, cwd: Path | None = None, append: bool = False
+) -> subprocess.Popen:
+    """Start ``argv`` in a session of its own, stdout and stderr into ``log`` (after what it
+    holds, with ``append``). Every process ckptops starts and leaves running starts here."""
     log = Path(log)
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as sink:
+    with open(log, "ab" if append else "wb") as sink:
         return subprocess.Popen(
             argv, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
         )

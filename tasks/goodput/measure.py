@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from tasks.checkpoint import layout
-from tasks.errors import UsageError
+from tasks.errors import Unreadable, UsageError
 from tasks.recovery.ledger import COMPLETED, Incident
 from tasks.resume.records import Steps
 
@@ -258,5 +258,5 @@ def job_save_interval(directory: Path) -> int | None:
 
     try:
         return checkpoint_facts(directory).save_interval
-    except UsageError:
+    except (UsageError, Unreadable):
         return None

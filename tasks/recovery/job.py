@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.cluster import process, slurm
-from tasks.errors import CkptopsError, UsageError, unreadable
+from tasks.errors import CkptopsError, Unreadable, UsageError, unreadable
 from tasks.resume.records import Steps, load_steps
 
 _POLL_SECONDS = 2.0
@@ -308,7 +308,7 @@ def wait_progress(
 def _progress(records: Path, before: int) -> Progress:
     try:
         found: Steps = load_steps(records)
-    except UsageError:
+    except (UsageError, Unreadable):  # not written yet, or torn while the job writes it
         return Progress(0, None, None)
     new = len(found) - before
     if new <= 0:

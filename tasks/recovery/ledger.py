@@ -23,7 +23,7 @@ from typing import TypedDict
 import pydantic
 
 from tasks.checkpoint.layout import HISTORY
-from tasks.errors import UsageError
+from tasks.errors import unreadable
 from tasks.storage.local import append_jsonl, clip, read_lines
 
 INCIDENTS = "incidents.jsonl"
@@ -243,7 +243,7 @@ def read_ledger(save_dir: Path) -> Ledger:
                 continue
             found[incident.id] = incident  # a later line of an id replaces it in its place
     except OSError as e:
-        raise UsageError(f"{path}: {e.strerror or e}") from None
+        raise unreadable(path, e) from None
     return Ledger(list(found.values()), problems)
 
 

@@ -19,7 +19,7 @@ from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.promote import promote, reverify
 from tasks.checkpoint.state import VerifyOptions
 from tasks.cluster import slurm
-from tasks.errors import CkptopsError, UsageError
+from tasks.errors import CkptopsError, Unreadable, UsageError
 from tasks.health.sweep import HELD_STATES, sweep
 from tasks.recovery import job as jobs
 from tasks.recovery.ledger import Incident, lost_gpu_hours
@@ -205,8 +205,8 @@ def read_records(records: Path | None) -> Steps | None:
         return None
     try:
         open_regular(records).close()
-    except UsageError as e:
-        raise UsageError(
+    except (UsageError, Unreadable) as e:
+        raise type(e)(
             f"recovery.step_records: {e}; a relaunch could neither be watched nor validated"
         ) from None
     if Path(records).stat().st_size == 0:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.errors import UsageError
+from tasks.errors import UsageError, unreadable
 from tasks.storage.local import read_lines
 
 _COLUMNS = (
@@ -254,7 +254,7 @@ def load_steps(path: Path) -> Steps:
             return _load_records(path)
         steps = parse_megatron_log(path, read_lines(path))
     except OSError as e:
-        raise UsageError(f"{path}: {e.strerror or e}") from None
+        raise unreadable(path, e) from None
     if not len(steps):
         raise UsageError(f"{path}: neither step records nor Megatron-LM log lines")
     return steps
