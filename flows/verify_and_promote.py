@@ -46,7 +46,7 @@ def verify_and_promote(
     slot_timeout = max(prof.verify.lock_timeout_seconds, _MIN_SLOT_WAIT_SECONDS)
     with (
         concurrency(limit, occupy=1, strict=True, timeout_seconds=slot_timeout),
-        job_lock(save_dir, prof.verify.lock_timeout_seconds),
+        job_lock(save_dir, prof.verify.lock_timeout_seconds) as held,
     ):
         poll = prof.verify.poll_seconds
         # With overlap_save the waiting happens inside the verify step, which reads files early.
@@ -54,7 +54,9 @@ def verify_and_promote(
             save_dir,
             options,
             iteration,
-            verify=lambda it: verify_one(save_dir, it, options, wait if options.overlap_save else 0, poll),
+            verify=lambda it: verify_one(
+                save_dir, it, options, held, wait if options.overlap_save else 0, poll
+            ),
             wait=None
             if options.overlap_save
             else lambda it: wait_for_save(save_dir, it, options, wait, poll),

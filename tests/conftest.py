@@ -45,6 +45,15 @@ def iter_dir(save_dir: Path, iteration: int) -> Path:
     return save_dir / f"iter_{iteration:07d}"
 
 
+def verify_and_record_here(directory: Path, options: VerifyOptions, **kwargs):
+    """Verify a checkpoint and record its manifest, as promotion does: under its job lock."""
+    from tasks.checkpoint.lock import job_lock
+    from tasks.checkpoint.verify import verify_and_record
+
+    with job_lock(Path(directory).parent, 30) as held:
+        return verify_and_record(directory, options, held, **kwargs)
+
+
 def flip_byte(path: Path, offset: int) -> None:
     """Flip one bit the way bit rot does: the content changes, the file's times do not."""
     before = path.stat()

@@ -16,6 +16,7 @@ from tasks.archive.copy import (
     apply_archive_retention,
     archive_checkpoint,
     committed_iterations,
+    copies,
     newest_committed,
 )
 from tasks.checkpoint.manifest import read_manifest
@@ -55,7 +56,10 @@ def test_archive_commits_manifest_last_and_records_status(archived_profile, save
     manifest = read_manifest(iter_dir(save_dir, 24))
     for entry in manifest.files:
         assert store.hash_object(f"test-job/iter_0000024/{entry.path}") == (entry.size, entry.hash)
-    assert manifest.archive["url"] == result.location and "read back" in manifest.archive["verified"]
+    # The copy is the archive's own record; the shared-store manifest stays the verifier's.
+    (copy,) = copies(save_dir)
+    assert copy["iteration"] == 24 and copy["url"] == result.location and "read back" in copy["verified"]
+    assert manifest.archive is None
     again = archive_checkpoint(save_dir, archived_profile)
     assert not again.committed and again.message == "iteration 24 is already archived"
 

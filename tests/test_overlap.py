@@ -12,10 +12,9 @@ import pytest
 from tasks.checkpoint.dcp import build_index, load_dcp_metadata
 from tasks.checkpoint.prescan import Prescan, walk_records
 from tasks.checkpoint.state import State, wait_until_complete
-from tasks.checkpoint.verify import verify_checkpoint
 from tasks.errors import UsageError
 from tasks.profile import load_profile
-from tests.conftest import iter_dir
+from tests.conftest import iter_dir, verify_and_record_here
 
 DATA = ["__0_0.distcp", "__1_0.distcp"]
 
@@ -59,15 +58,15 @@ def test_files_read_while_the_save_goes_on_give_the_verdict_without_a_second_rea
     assert prescan.step() == [DATA[0]]
     assert prescan.step() == []  # read once
     # Read, but never judged: no metadata.json yet.
-    assert verify_checkpoint(target, options, prescan=prescan).state is State.IN_PROGRESS
+    assert verify_and_record_here(target, options, prescan=prescan).state is State.IN_PROGRESS
     write(DATA[1])
     for name in ("common.pt", ".metadata", "integrity.json", "metadata.json"):
         if (source / name).exists():
             write(name)
-    result = verify_checkpoint(target, options, prescan=prescan)
+    result = verify_and_record_here(target, options, prescan=prescan)
     assert result.ok, result.reason
     assert result.read_early == [DATA[0]]  # the second came after the last step: read at the end
-    plain = verify_checkpoint(
+    plain = verify_and_record_here(
         iter_dir(shutil.copytree(target.parent, target.parent.with_name("c")), 4), options
     )
     assert plain.manifest.files == result.manifest.files
@@ -101,7 +100,7 @@ def test_a_file_rewritten_after_its_early_reading_is_read_again(saving, options)
     for name in ("common.pt", ".metadata", "integrity.json", "metadata.json"):
         if (source / name).exists():
             write(name)
-    result = verify_checkpoint(target, options, prescan=prescan)
+    result = verify_and_record_here(target, options, prescan=prescan)
     assert result.read_early == [DATA[1]]
     assert result.state is State.INVALID and result.reason.startswith(f"{DATA[0]}: ")
 

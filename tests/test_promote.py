@@ -14,9 +14,8 @@ from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.pointer import pointer_during, read_hold, read_pointer, write_pointer
 from tasks.checkpoint.promote import promote
 from tasks.checkpoint.state import State
-from tasks.checkpoint.verify import verify_checkpoint
 from tasks.errors import CkptopsError, UsageError
-from tests.conftest import ROOT, flip_byte, iter_dir
+from tests.conftest import ROOT, flip_byte, iter_dir, verify_and_record_here
 from tests.test_verify import tensor_data_offset
 
 CHILD = ROOT / "tests" / "helpers" / "promote_child.py"
@@ -179,7 +178,7 @@ def test_pointer_is_removed_when_nothing_valid_is_left(save_dir, options):
     for iteration in (4, 8, 12, 16, 20, 24):
         directory = iter_dir(save_dir, iteration)
         flip_byte(directory / "__0_0.distcp", tensor_data_offset(directory, "__0_0.distcp"))
-        assert verify_checkpoint(directory, options).state is State.INVALID
+        assert verify_and_record_here(directory, options).state is State.INVALID
     report = promote(save_dir, options, 10)
     assert report.cleared and read_pointer(save_dir) is None
     assert report.message.startswith("no valid checkpoint left: iter_0000024 is now invalid")
@@ -242,7 +241,7 @@ def test_pointer_leaves_a_checkpoint_found_invalid_on_reverification(save_dir, o
     promote(save_dir, options, 10)
     directory = iter_dir(save_dir, 24)
     flip_byte(directory / "__1_0.distcp", tensor_data_offset(directory, "__1_0.distcp"))
-    assert verify_checkpoint(directory, options).state is State.INVALID
+    assert verify_and_record_here(directory, options).state is State.INVALID
     report = promote(save_dir, options, 10)
     assert report.current == 20 and "iter_0000024" in report.message and "invalid" in report.message
 

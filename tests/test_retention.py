@@ -6,8 +6,7 @@ from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.promote import promote
 from tasks.checkpoint.retention import plan_retention, retain
 from tasks.checkpoint.state import State
-from tasks.checkpoint.verify import verify_checkpoint
-from tests.conftest import exited_process_identity, flip_byte, iter_dir
+from tests.conftest import exited_process_identity, flip_byte, iter_dir, verify_and_record_here
 from tests.test_verify import tensor_data_offset
 
 
@@ -37,7 +36,7 @@ def test_keep_three_of_six_with_one_failed_and_one_in_progress(save_dir, options
 
 def test_nothing_is_deleted_before_a_first_promotion(save_dir, options):
     for it in (4, 8, 12, 16, 20, 24):
-        assert verify_checkpoint(iter_dir(save_dir, it), options).state is State.VALID
+        assert verify_and_record_here(iter_dir(save_dir, it), options).state is State.VALID
     plan, deleted = retain(save_dir, options, keep_verified=2, lock_timeout_seconds=10)
     assert deleted == [] and remaining(save_dir) == [4, 8, 12, 16, 20, 24]
     assert set(plan.kept.values()) == {"nothing promoted yet"}

@@ -15,9 +15,8 @@ from tasks.checkpoint.dcp import Record, build_index, load_dcp_metadata, read_re
 from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.scan import plan_crc_ranges, scan_file
 from tasks.checkpoint.state import State
-from tasks.checkpoint.verify import verify_checkpoint
 from tasks.errors import Unreadable, UsageError
-from tests.conftest import flip_byte, iter_dir
+from tests.conftest import flip_byte, iter_dir, verify_and_record_here
 
 
 def tensor_data_offset(directory: Path, name: str) -> int:
@@ -38,7 +37,7 @@ def tensor_data_offset(directory: Path, name: str) -> int:
 
 def test_real_checkpoint_is_valid_and_manifest_records_it(save_dir, options):
     directory = iter_dir(save_dir, 8)
-    result = verify_checkpoint(directory, options)
+    result = verify_and_record_here(directory, options)
     assert result.state is State.VALID, result.reason
     manifest = read_manifest(directory)
     assert manifest.valid and manifest.iteration == 8 and manifest.job == "test"
@@ -79,7 +78,7 @@ def settle(directory: Path) -> None:
 
 
 def _reason(directory, options):
-    result = verify_checkpoint(directory, options)
+    result = verify_and_record_here(directory, options)
     assert result.state is State.INVALID, result.line()
     assert "\n" not in result.reason
     return result
@@ -131,7 +130,7 @@ def test_missing_metadata_json_on_finished_job_is_invalid(save_dir, options):
 def test_missing_metadata_json_on_newest_is_in_progress_and_writes_nothing(save_dir, options):
     directory = iter_dir(save_dir, 24)
     (directory / "metadata.json").unlink()
-    result = verify_checkpoint(directory, options)
+    result = verify_and_record_here(directory, options)
     assert result.state is State.IN_PROGRESS and "metadata.json" in result.reason
     assert not (directory / "manifest.json").exists()
 
@@ -157,7 +156,7 @@ def test_garbled_metadata_json(save_dir, options):
 def test_garbled_metadata_json_just_written_is_in_progress(save_dir, options):
     directory = iter_dir(save_dir, 8)
     (directory / "metadata.json").write_text('{"sharded_back')  # Megatron's plain open('w'), mid-write
-    result = verify_checkpoint(directory, options)
+    result = verify_and_record_here(directory, options)
     assert result.state is State.IN_PROGRESS and result.reason == "metadata.json: still being written"
 
 
@@ -239,7 +238,7 @@ def test_iteration_not_matching_directory(save_dir, options):
 
 def test_reverification_catches_flip_against_manifest(save_dir, options):
     directory = iter_dir(save_dir, 8)
-    first = verify_checkpoint(directory, options)
+    first = verify_and_record_here(directory, options)
     assert first.state is State.VALID
     reference = read_manifest(directory)
     flip_byte(directory / "__0_0.distcp", tensor_data_offset(directory, "__0_0.distcp"))
@@ -254,7 +253,7 @@ def test_reverification_catches_flip_against_manifest(save_dir, options):
 def test_flip_outside_crc_coverage_found_by_manifest(save_dir, options):
     """A flip in a zip header's padding escapes the record CRCs; the manifest hash catches it."""
     directory = iter_dir(save_dir, 8)
-    assert verify_checkpoint(directory, options).state is State.VALID
+    assert verify_and_record_here(directory, options).state is State.VALID
     index = build_index(load_dcp_metadata(directory / ".metadata"))
     record = index.files["__1_0.distcp"][0]
     fd = os.open(directory / "__1_0.distcp", os.O_RDONLY)
@@ -280,7 +279,7 @@ def test_file_changing_during_read_is_in_progress(save_dir, options):
                 f.write(b"\0")
             touched.append(True)
 
-    result = verify_checkpoint(directory, options, progress=writer_still_at_work)
+    result = verify_and_record_here(directory, options, progress=writer_still_at_work)
     assert result.state is State.IN_PROGRESS and "changed while being read" in result.reason
     assert not (directory / "manifest.json").exists()
 
@@ -289,7 +288,7 @@ def test_resave_into_existing_directory_is_in_progress(save_dir, options):
     directory = iter_dir(save_dir, 8)
     settle(directory)
     os.utime(directory / "__1_0.distcp")  # a shard rewritten now, a minute after metadata.json
-    result = verify_checkpoint(directory, options)
+    result = verify_and_record_here(directory, options)
     assert result.state is State.IN_PROGRESS and "being re-saved" in result.reason
 
 
@@ -312,23 +311,23 @@ def test_expected_integrity_json_not_yet_written_is_in_progress(save_dir, option
 
     directory = iter_dir(save_dir, 8)
     (directory / "integrity.json").unlink()
-    result = verify_checkpoint(directory, replace(options, writes_integrity_json=True))
+    result = verify_and_record_here(directory, replace(options, writes_integrity_json=True))
     assert result.state is State.IN_PROGRESS and "integrity.json" in result.reason
 
 
 def test_not_a_checkpoint_directory_is_a_usage_error(save_dir, options):
     with pytest.raises(UsageError, match="not a checkpoint directory"):
-        verify_checkpoint(save_dir, options)
+        verify_and_record_here(save_dir, options)
     with pytest.raises(UsageError, match="no such checkpoint directory"):
-        verify_checkpoint(save_dir / "iter_0000999", options)
+        verify_and_record_here(save_dir / "iter_0000999", options)
     with pytest.raises(UsageError, match="not a checkpoint directory"):
-        verify_checkpoint(save_dir / "iter_00000008", options)  # Megatron would never load it
+        verify_and_record_here(save_dir / "iter_00000008", options)  # Megatron would never load it
 
 
 def test_symlinked_checkpoint_is_refused_not_followed(save_dir, options):
     (save_dir / "iter_0000099").symlink_to(iter_dir(save_dir, 4))
     with pytest.raises(UsageError, match="iter_0000099: is a symlink"):
-        verify_checkpoint(save_dir / "iter_0000099", options)
+        verify_and_record_here(save_dir / "iter_0000099", options)
 
 
 def test_unreadable_file_is_an_environment_error_not_a_verdict(save_dir, options, monkeypatch):
@@ -344,14 +343,14 @@ def test_unreadable_file_is_an_environment_error_not_a_verdict(save_dir, options
 
     monkeypatch.setattr(scan.os, "open", denied)
     with pytest.raises(Unreadable, match="__1_0.distcp: Permission denied") as caught:
-        verify_checkpoint(directory, options)
+        verify_and_record_here(directory, options)
     assert caught.value.exit_code == 2
     assert not (directory / "manifest.json").exists()
 
 
 def test_unreadable_manifest_is_kept_as_evidence(save_dir, options):
     directory = iter_dir(save_dir, 8)
-    assert verify_checkpoint(directory, options).state is State.VALID
+    assert verify_and_record_here(directory, options).state is State.VALID
     garbled = b'{"schema_version": 1, "files": [{"pa'
     (directory / "manifest.json").write_bytes(garbled)
     for _ in range(2):  # a second run must not accept what the first could not check
@@ -361,7 +360,7 @@ def test_unreadable_manifest_is_kept_as_evidence(save_dir, options):
 
 
 def test_manifest_of_another_iteration_is_not_a_reference(save_dir, options):
-    verify_checkpoint(iter_dir(save_dir, 4), options)
+    verify_and_record_here(iter_dir(save_dir, 4), options)
     shutil.copy(iter_dir(save_dir, 4) / "manifest.json", iter_dir(save_dir, 8) / "manifest.json")
     result = _reason(iter_dir(save_dir, 8), options)
     assert "manifest.json: describes iteration 4, not 8 [manifest]" in result.reason
@@ -369,26 +368,26 @@ def test_manifest_of_another_iteration_is_not_a_reference(save_dir, options):
 
 def test_manifest_hashed_another_way_is_not_a_reference(save_dir, options):
     directory = iter_dir(save_dir, 8)
-    assert verify_checkpoint(directory, options).state is State.VALID
+    assert verify_and_record_here(directory, options).state is State.VALID
     data = json.loads((directory / "manifest.json").read_text())
     data["hash_algorithm"] = "blake3"
     data["files"] = [dict(f, hash="0" * 64) for f in data["files"]]
     (directory / "manifest.json").write_text(json.dumps(data))
-    result = verify_checkpoint(directory, options)
+    result = verify_and_record_here(directory, options)
     assert result.state is State.VALID and not any(c.name == "manifest" for c in result.checks)
     assert read_manifest(directory).hash_algorithm == "xxh3-128"
 
 
 def test_resave_after_verification_is_judged_afresh(save_dir, options):
     directory = iter_dir(save_dir, 8)
-    first = verify_checkpoint(directory, options)
+    first = verify_and_record_here(directory, options)
     assert first.state is State.VALID
     metadata = directory / "metadata.json"
     before = metadata.stat().st_mtime_ns
     metadata.write_bytes(metadata.read_bytes())  # Megatron re-saving: the same bytes, a new save
     os.utime(metadata, ns=(before + 10**9, before + 10**9))  # a save's time is later than the one before
     settle(directory)
-    again = verify_checkpoint(directory, options)
+    again = verify_and_record_here(directory, options)
     assert again.state is State.VALID
     manifest = read_manifest(directory)
     assert manifest.save_identity != first.manifest.save_identity
@@ -402,10 +401,10 @@ def test_megatron_integrity_json_written_after_our_manifest(save_dir, options):
 
     directory = iter_dir(save_dir, 8)
     (directory / "integrity.json").unlink()
-    assert verify_checkpoint(directory, options).state is State.VALID
+    assert verify_and_record_here(directory, options).state is State.VALID
     save_integrity_manifest(str(directory))
     assert "manifest.json" in json.loads((directory / "integrity.json").read_text())["files"]
-    result = verify_checkpoint(directory, options)
+    result = verify_and_record_here(directory, options)
     assert result.state is State.VALID, result.reason
     assert any(c.name == "manifest" and "integrity.json added since" in c.detail for c in result.checks)
 

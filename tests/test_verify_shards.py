@@ -25,10 +25,9 @@ from tasks.checkpoint.shards import (
 )
 from tasks.checkpoint.slurm_engine import time_limit_seconds
 from tasks.checkpoint.state import State
-from tasks.checkpoint.verify import verify_checkpoint
 from tasks.errors import Malformed
 from tasks.storage.digest import FileHash, combine, comparable
-from tests.conftest import flip_byte, iter_dir
+from tests.conftest import flip_byte, iter_dir, verify_and_record_here
 
 MB = 1 << 20
 
@@ -222,11 +221,11 @@ def test_slurm_time_limits_parse_as_slurm_reads_them():
 
 def test_an_old_manifest_of_whole_file_hashes_stays_the_reference(medium_save_dir, options):
     directory = iter_dir(medium_save_dir, 4)
-    first = verify_checkpoint(directory, replace(options, segment_bytes=None))  # as before segments
+    first = verify_and_record_here(directory, replace(options, segment_bytes=None))  # as before segments
     assert first.ok and first.manifest.hash_segment_bytes is None
     # Files of 20 MB in 1 MB segments: the reference's whole-file hashes are taken its way.
-    again = verify_checkpoint(directory, replace(options, segment_bytes=MB))
+    again = verify_and_record_here(directory, replace(options, segment_bytes=MB))
     assert again.ok and again.manifest.verified_at == first.manifest.verified_at
     assert read_manifest(directory).files == first.manifest.files
     flip_byte(directory / "__0_0.distcp", 100)
-    assert verify_checkpoint(directory, replace(options, segment_bytes=MB)).state is State.INVALID
+    assert verify_and_record_here(directory, replace(options, segment_bytes=MB)).state is State.INVALID

@@ -56,7 +56,7 @@ def write_profile(tmp_path: Path, save_dir: Path, layout: str = "data_parallel: 
 
 def verify_with(engine: str, directory: Path, profile: Path):
     prof = load_profile(profile)
-    options = VerifyOptions.from_profile(prof, directory.parent, engine=engine, write_manifest=False)
+    options = VerifyOptions.from_profile(prof, directory.parent, engine=engine)
     return verify_checkpoint(directory, options)
 
 

@@ -9,7 +9,8 @@ Object stores have no rename, so an archive entry is committed by its manifest, 
     3. write ``<job>/iter_NNNNNNN/manifest.json``: the commit marker. A prefix without it does
        not exist for readers, however many objects it holds;
     4. update the archive's pointer object ``<job>/latest_committed_iteration.txt``;
-    5. record the copy in the shared-store manifest, then apply archive retention.
+    5. record the copy in the archive's own log beside the job (``.ckptops-history/archive.jsonl``;
+       the shared-store manifest is the verifier's alone), then apply archive retention.
 
 Archive layout: ``<archive url>/<job>/iter_NNNNNNN/{files..., manifest.json}``.
 """
@@ -26,14 +27,15 @@ from pathlib import Path
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.lock import job_lock
-from tasks.checkpoint.manifest import CorruptManifest, Manifest, now_iso, record_archive_status
+from tasks.checkpoint.manifest import CorruptManifest, Manifest, now_iso
 from tasks.checkpoint.pins import pinned
 from tasks.checkpoint.pointer import promoted, read_pointer
 from tasks.errors import CkptopsError, UsageError
 from tasks.storage.archive import AccessDenied, ArchiveStore, ArchiveUnavailable
-from tasks.storage.local import list_files
+from tasks.storage.local import append_jsonl, list_files, read_jsonl
 
 POINTER_OBJECT = "latest_committed_iteration.txt"
+COPIES = "archive.jsonl"
 
 
 @dataclass
@@ -182,6 +184,16 @@ def apply_archive_retention(store: ArchiveStore, job: str, keep: int) -> list[in
     return deleted
 
 
+def copies_path(save_dir: Path) -> Path:
+    return Path(save_dir) / layout.HISTORY / COPIES
+
+
+def copies(save_dir: Path) -> list[dict]:
+    """Every committed copy of the job's checkpoints, oldest first: iteration, where, when, how
+    it was checked, from where (the archive's own log; the archive itself is the authority)."""
+    return [entry for entry in read_jsonl(copies_path(save_dir)) if isinstance(entry, dict)]
+
+
 def progress_total(save_dir: Path) -> int:
     """What a copy's progress counts up to: the promoted checkpoint's bytes twice (each file is
     uploaded, then read back); 0 when nothing is promoted."""
@@ -250,8 +262,7 @@ def archive_checkpoint(
                     )
             status = _commit(store, job, manifest, directory)
         seconds = time.monotonic() - started
-        with job_lock(save_dir, profile.verify.lock_timeout_seconds):
-            record_archive_status(directory, status)
+        append_jsonl(copies_path(save_dir), {"iteration": iteration, **status})
         deleted = apply_archive_retention(store, job, profile.archive.keep)
         message = (
             "committed"

@@ -20,12 +20,13 @@ from prefect.artifacts import (
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.catalog import catalog
+from tasks.checkpoint.lock import Held
 from tasks.checkpoint.overdue import caught_up
 from tasks.checkpoint.prescan import wait_and_verify
 from tasks.checkpoint.promote import PromotionReport, apply_promotion
 from tasks.checkpoint.retention import RetentionPlan, apply_retention
 from tasks.checkpoint.state import Completeness, State, VerifyOptions, wait_until_complete
-from tasks.checkpoint.verify import Verification, verify_checkpoint
+from tasks.checkpoint.verify import Verification, verify_and_record
 from tasks.profile import Profile
 from tasks.storage.local import list_files
 from tasks.watchdog import announce_promotion, refresh_alarm
@@ -89,10 +90,16 @@ class _ByteCounter:
 
 @task(name="verify-checkpoint", task_run_name="verify-{iteration}")
 def verify_one(
-    save_dir: Path, iteration: int, options: VerifyOptions, wait_seconds: float = 0, poll_seconds: float = 1
+    save_dir: Path,
+    iteration: int,
+    options: VerifyOptions,
+    held: Held,
+    wait_seconds: float = 0,
+    poll_seconds: float = 1,
 ) -> Verification:
-    """Verify one checkpoint while a progress artifact follows it in the UI; with ``wait_seconds``
-    (``overlap_save``), wait for its save first, reading its data files as they settle.
+    """Verify one checkpoint and record the verdict (``held``: the job lock) while a progress
+    artifact follows it in the UI; with ``wait_seconds`` (``overlap_save``), wait for its save
+    first, reading its data files as they settle.
 
     The verification runs in a helper thread; this (the task's) thread owns the Prefect context
     and updates the artifact once a second, so the hashing threads never wait on the API.
@@ -109,10 +116,10 @@ def verify_one(
     with ThreadPoolExecutor(max_workers=1) as pool:
         if wait_seconds:
             future = pool.submit(
-                wait_and_verify, directory, options, wait_seconds, poll_seconds, counter, counter.watch
+                wait_and_verify, directory, options, held, wait_seconds, poll_seconds, counter, counter.watch
             )
         else:
-            future = pool.submit(verify_checkpoint, directory, options, counter, watch=counter.watch)
+            future = pool.submit(verify_and_record, directory, options, held, counter, watch=counter.watch)
         while True:
             finished = wait([future], timeout=_PROGRESS_EVERY_SECONDS).done
             update_progress_artifact(artifact, progress=min(100.0, 100.0 * counter.done / total))

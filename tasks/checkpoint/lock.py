@@ -11,6 +11,7 @@ import os
 import socket
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.checkpoint.layout import LOCK
@@ -27,10 +28,23 @@ def _holder(fd: int) -> str:
         return "an unknown holder"
 
 
+@dataclass(frozen=True)
+class Held:
+    """Proof that a lock is held (what ``job_lock`` yields): functions that must run under a
+    save directory's lock take one."""
+
+    save_dir: Path
+    name: str
+
+    def covers(self, directory: Path) -> bool:
+        """Whether this is the job lock of the save directory ``directory`` is in."""
+        return self.name == LOCK and Path(directory).parent.resolve() == Path(self.save_dir).resolve()
+
+
 @contextmanager
 def job_lock(save_dir: Path, timeout_seconds: float, name: str = LOCK):
-    """Hold the save directory's lock (or another lock file ``name`` in it); raise LockTimeout
-    naming the holder after the timeout."""
+    """Hold the save directory's lock (or another lock file ``name`` in it) and yield ``Held``;
+    raise LockTimeout naming the holder after the timeout."""
     path = Path(save_dir) / name
     if not Path(save_dir).is_dir():
         raise UsageError(f"{save_dir}: no such save directory")
@@ -57,6 +71,6 @@ def job_lock(save_dir: Path, timeout_seconds: float, name: str = LOCK):
         }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(stamp).encode(), 0)
-        yield
+        yield Held(Path(save_dir), name)
     finally:
         os.close(fd)  # closing the descriptor releases the flock

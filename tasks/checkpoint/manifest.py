@@ -1,8 +1,9 @@
 """The manifest: what a verified checkpoint is, written into it as ``manifest.json``.
 
-The verifier owns this file and is its only writer. Its ``files`` are the reference every later
-re-verification, copy and restore compares against; they are taken from the first verification
-that passed and never replaced afterwards (a failing re-verification changes ``status`` and
+The verifier owns this file and is its only writer (``verify.verify_and_record``). Its ``files``
+are the reference every later re-verification, copy and restore compares against; they are taken
+from the first verification that passed and never replaced afterwards (a failing re-verification
+changes ``status`` and
 ``checks`` but keeps the reference, so the evidence of what the bytes should be survives).
 """
 
@@ -18,7 +19,7 @@ import pydantic
 from tasks import __version__
 from tasks.checkpoint.layout import CORE_FILES, MANIFEST
 from tasks.checkpoint.state import State
-from tasks.errors import CkptopsError, Malformed, unreadable
+from tasks.errors import Malformed, unreadable
 from tasks.outcome import Check
 from tasks.storage.local import atomic_write, list_files, read_json_state
 
@@ -151,13 +152,3 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
         atomic_write(path, manifest.to_json().encode())
     except OSError as e:
         raise unreadable(path, e) from None
-
-
-def record_archive_status(directory: Path, status: dict) -> None:
-    """Note in the shared-store manifest where and when the checkpoint was archived (the caller
-    holds the job lock, so this read-modify-write cannot interleave with a verification)."""
-    manifest = read_manifest(directory)
-    if manifest is None:
-        raise CkptopsError(f"{Path(directory) / MANIFEST}: missing, cannot record the archive copy")
-    manifest.archive = status
-    write_manifest(directory, manifest)

@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 
 from tasks.checkpoint import layout
+from tasks.checkpoint.lock import Held
 from tasks.checkpoint.scan import FileScan, Record, scan_file, stat_key
 from tasks.checkpoint.state import VerifyOptions, wait_until_complete
-from tasks.checkpoint.verify import Verification, verify_checkpoint
+from tasks.checkpoint.verify import Verification, verify_and_record
 
 _EOCD = b"PK\x05\x06"
 _EOCD_SIZE = 22
@@ -138,13 +139,15 @@ class Prescan:
 def wait_and_verify(
     directory: Path,
     options: VerifyOptions,
+    held: Held,
     timeout_seconds: float,
     poll_seconds: float,
     progress=None,
     watch=None,
 ) -> Verification:
-    """Wait for a save to finish, reading its data files as they settle, then verify it: the
-    verdict comes seconds after the last file instead of a whole read later."""
+    """Wait for a save to finish, reading its data files as they settle, then verify it and
+    record the verdict (under ``held``, the job lock): the verdict comes seconds after the last
+    file instead of a whole read later."""
     prescan = Prescan(directory, options.settle_seconds, options.segment_bytes, options.writes_integrity_json)
     wait_until_complete(directory, options, timeout_seconds, poll_seconds, prescan.step)
-    return verify_checkpoint(directory, options, progress, watch=watch, prescan=prescan)
+    return verify_and_record(directory, options, held, progress, watch=watch, prescan=prescan)

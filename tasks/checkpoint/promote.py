@@ -35,7 +35,7 @@ from tasks.checkpoint.pointer import (
     write_pointer,
 )
 from tasks.checkpoint.state import Completeness, State, VerifyOptions
-from tasks.checkpoint.verify import Verification, verify_checkpoint
+from tasks.checkpoint.verify import Verification, verify_and_record
 from tasks.errors import CkptopsError, UsageError
 
 
@@ -105,15 +105,15 @@ def pending(save_dir: Path, options: VerifyOptions) -> list[int]:
 def verify_pending(
     save_dir: Path,
     options: VerifyOptions,
-    requested: int | None = None,
-    verify: Callable[[int], Verification] | None = None,
+    requested: int | None,
+    verify: Callable[[int], Verification],
     wait: Callable[[int], Completeness] | None = None,
     on_verified: Callable[[Verification], None] | None = None,
 ) -> list[Verification]:
-    """Verify what needs it (only ``requested``, if given), oldest first. ``wait`` may hold a
+    """Verify what needs it (only ``requested``, if given), oldest first, with ``verify`` (which
+    records the verdict: ``verify_and_record`` under the job lock). ``wait`` may hold a
     checkpoint still being saved until it finishes; one still in progress is skipped."""
     save_dir = Path(save_dir)
-    verify = verify or (lambda it: verify_checkpoint(save_dir / layout.iter_dir_name(it), options))
     if requested is None:
         todo = pending(save_dir, options)
     else:
@@ -260,8 +260,11 @@ def promote(
 ) -> PromotionReport:
     """Verify pending checkpoints (or the requested one) oldest first, then promote."""
     save_dir = Path(save_dir)
-    with job_lock(save_dir, lock_timeout_seconds):
-        verify = lambda it: verify_checkpoint(save_dir / layout.iter_dir_name(it), options, progress)  # noqa: E731
+    with job_lock(save_dir, lock_timeout_seconds) as held:
+
+        def verify(iteration: int) -> Verification:
+            return verify_and_record(save_dir / layout.iter_dir_name(iteration), options, held, progress)
+
         verifications = verify_pending(save_dir, options, requested, verify=verify, on_verified=on_verified)
         report = apply_promotion(save_dir, options, requested)
         report.verifications = verifications
@@ -282,9 +285,9 @@ def reverify(
     sizes and times of its files) is compared with the manifest."""
     save_dir = Path(save_dir)
     directory = save_dir / layout.iter_dir_name(iteration)
-    with job_lock(save_dir, lock_timeout_seconds):
+    with job_lock(save_dir, lock_timeout_seconds) as held:
         if full:
-            result = verify_checkpoint(directory, options)
+            result = verify_and_record(directory, options, held)
         elif valid_for_this_save(directory, iteration) is not None:
             result = Verification(directory, iteration, State.VALID, "the manifest matches the save on disk")
         else:

@@ -36,7 +36,6 @@ class VerifyOptions:
     abandon_after_seconds: float = 6 * 3600
     settle_seconds: float = 30.0
     threads: int = 0
-    write_manifest: bool = True
     layout: tuple[int, int, int] | None = None  # (tensor, pipeline, data) parallel, if known
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     engine: str = "local"  # or "slurm": the bytes are read by shard tasks on nodes (slurm_engine)

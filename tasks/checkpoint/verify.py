@@ -26,6 +26,7 @@ from pathlib import Path
 from tasks import __version__
 from tasks.checkpoint import layout
 from tasks.checkpoint.dcp import CheckFailed, DcpIndex, build_index, load_common_state, load_dcp_metadata
+from tasks.checkpoint.lock import Held, job_lock
 from tasks.checkpoint.manifest import (
     HASH_ALGORITHM,
     CorruptManifest,
@@ -38,7 +39,7 @@ from tasks.checkpoint.manifest import (
 )
 from tasks.checkpoint.scan import FileScan, scan_files
 from tasks.checkpoint.state import State, VerifyOptions, completeness
-from tasks.errors import UsageError, unreadable
+from tasks.errors import CkptopsError, UsageError, unreadable
 from tasks.outcome import Check, failed, passed
 from tasks.storage.digest import comparable
 from tasks.storage.local import list_files
@@ -56,6 +57,9 @@ class Verification:
     seconds: float = 0.0
     shards: list[dict] = field(default_factory=list)  # the Slurm engine's: which nodes read what
     read_early: list[str] = field(default_factory=list)  # read while the save was still going
+    # False when the directory's manifest cannot be trusted: it is kept as evidence, never
+    # replaced (a corruption it would have caught could be accepted as the new reference).
+    recordable: bool = True
 
     @property
     def ok(self) -> bool:
@@ -477,7 +481,6 @@ class _Verifier:
             verified_at=reference.verified_at if reference else (checked_at if valid else None),
             checked_at=checked_at,
             save_identity=reference.save_identity if reference else save_identity(self.files),
-            archive=reference.archive if reference else None,
             hash_segment_bytes=reference.hash_segment_bytes if reference else self.segment_bytes,
             verifier=self._verifier(),
         )
@@ -539,7 +542,7 @@ def verify_checkpoint(
     watch: Callable | None = None,
     prescan=None,
 ) -> Verification:
-    """Verify one checkpoint directory and (unless it is still in progress) write its manifest.
+    """Verify one checkpoint directory; ``verify_and_record`` records the verdict.
 
     ``reference`` compares the bytes with a given manifest instead of the directory's own: a
     restored copy is checked against the manifest of what was archived or copied. ``watch``
@@ -577,8 +580,6 @@ def verify_checkpoint(
             read_early=verifier.read_early,
         )
     manifest = verifier.manifest()
-    if options.write_manifest and not verifier.manifest_unreadable:
-        write_manifest(directory, manifest)
     return Verification(
         directory,
         iteration,
@@ -590,4 +591,54 @@ def verify_checkpoint(
         seconds,
         verifier.shards,
         verifier.read_early,
+        recordable=not verifier.manifest_unreadable,
     )
+
+
+def verify_and_record(
+    directory: Path,
+    options: VerifyOptions,
+    held: Held,
+    progress: Callable[[int], None] | None = None,
+    watch: Callable | None = None,
+    prescan=None,
+) -> Verification:
+    """Verify a checkpoint of the job and record the verdict in its manifest: the one writer of
+    manifests. ``held``: its save directory's job lock, which promotion re-reads manifests under
+    and retention deletes under. A checkpoint still in progress, or one whose manifest cannot be
+    trusted, gets no new manifest."""
+    if not held.covers(directory):
+        raise CkptopsError(f"{directory}: recording its manifest needs its save directory's job lock")
+    result = verify_checkpoint(directory, options, progress, watch=watch, prescan=prescan)
+    if result.manifest is not None and result.recordable:
+        write_manifest(result.directory, result.manifest)
+    return result
+
+
+def verify_with_profile(
+    profile,
+    directory: Path,
+    read_only: bool = False,
+    engine: str | None = None,
+    nodes: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    watch: Callable | None = None,
+) -> Verification:
+    """One checkpoint verified as ``ckptops verify`` does: with the profile's settings (``engine``
+    and ``nodes`` instead of its engine's, if given) and, unless ``read_only``, the verdict
+    recorded under the job lock (a promotion re-reads manifests under it, and retention may be
+    removing this very directory)."""
+    if engine not in (None, "local", "slurm"):
+        raise UsageError(f"--engine {engine}: not local or slurm")
+    directory = checkpoint_path(directory)
+    slurm = profile.verify.slurm
+    options = VerifyOptions.from_profile(
+        profile,
+        directory.parent,
+        engine=engine or profile.verify.engine,
+        slurm=slurm.model_copy(update={"nodes": nodes}) if nodes else slurm,
+    )
+    if read_only:
+        return verify_checkpoint(directory, options, progress, watch=watch)
+    with job_lock(directory.parent, profile.verify.lock_timeout_seconds) as held:
+        return verify_and_record(directory, options, held, progress, watch=watch)

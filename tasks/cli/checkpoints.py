@@ -2,7 +2,6 @@
 directory, their verification, the pointer to the one to resume from, and what is kept."""
 
 import json
-from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
@@ -56,26 +55,12 @@ def verify(
 ):
     """Verify one checkpoint: exit 0 valid, 1 invalid or still in progress, 2 unreadable input."""
     with expected_errors():
-        from tasks.checkpoint.lock import job_lock
-        from tasks.checkpoint.verify import checkpoint_path, verify_checkpoint
+        from tasks.checkpoint.verify import checkpoint_path, verify_with_profile
 
         prof = load_profile(profile)
-        if engine not in (None, "local", "slurm"):
-            raise UsageError(f"--engine {engine}: not local or slurm")
         directory = checkpoint_path(path)
-        slurm = prof.verify.slurm
-        options = _options(
-            prof,
-            directory.parent,
-            write_manifest=not read_only,
-            engine=engine or prof.verify.engine,
-            slurm=slurm.model_copy(update={"nodes": nodes}) if nodes else slurm,
-        )
-        # Writing the manifest takes the job lock: a promotion re-reads manifests under it, and
-        # retention may be removing this very directory.
-        lock = nullcontext() if read_only else job_lock(directory.parent, prof.verify.lock_timeout_seconds)
-        with lock, byte_progress(f"verify {path.name}", _dir_bytes(directory), not as_json) as progress:
-            result = verify_checkpoint(directory, options, progress, watch=_shard_lines)
+        with byte_progress(f"verify {path.name}", _dir_bytes(directory), not as_json) as progress:
+            result = verify_with_profile(prof, directory, read_only, engine, nodes, progress, _shard_lines)
     if as_json:
         out.print_json(
             json.dumps(
@@ -174,7 +159,10 @@ def status(
             pointer, problem = None, str(e)
         infos = catalog(directory, _options(prof, directory), pointer=pointer)
         own = directory.resolve() == prof.job.save_dir.resolve()
-        late = overdue(directory, infos, prof.verify.alert_after_seconds if own else None)
+        # With a garbled pointer what is promoted is unknown: that problem is reported instead.
+        late = (
+            None if problem else overdue(directory, infos, prof.verify.alert_after_seconds if own else None)
+        )
     if as_json:
         out.print_json(json.dumps([i.to_dict() for i in infos]))
     else:

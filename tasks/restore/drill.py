@@ -195,10 +195,9 @@ class _Drill:
 
     def _verify(self, manifest: Manifest) -> None:
         directory = self._restored_dir(manifest)
+        # The scratch copy is checked against the manifest it was copied by, never recorded.
         options = VerifyOptions(
-            job=self.profile.job.name,
-            write_manifest=False,
-            megatron_core_version=self.profile.job.megatron_core_version,
+            job=self.profile.job.name, megatron_core_version=self.profile.job.megatron_core_version
         )
         results = {}
 

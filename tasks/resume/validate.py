@@ -42,14 +42,14 @@ def verify_if_never_verified(directory: Path, profile) -> bool:
     """Verify a checkpoint that has no manifest, as promote would (under the job lock, writing its
     manifest); True if it did. A resume may have started from a save ckptops had not reached yet."""
     from tasks.checkpoint.lock import job_lock
-    from tasks.checkpoint.verify import verify_checkpoint
+    from tasks.checkpoint.verify import verify_and_record
 
     if read_manifest(directory) is not None:
         return False
-    with job_lock(directory.parent, profile.verify.lock_timeout_seconds):
+    with job_lock(directory.parent, profile.verify.lock_timeout_seconds) as held:
         if read_manifest(directory) is not None:  # verified by a promotion while we waited
             return False
-        verify_checkpoint(directory, VerifyOptions.from_profile(profile, directory.parent))
+        verify_and_record(directory, VerifyOptions.from_profile(profile, directory.parent), held)
     return read_manifest(directory) is not None
 
 

@@ -83,7 +83,7 @@ def main() -> int:
     size = sum(os.path.getsize(f) for f in files)
     (large / "manifest.json").unlink(missing_ok=True)
     shell(["cat", *files])()  # warm the page cache
-    options = VerifyOptions(job="bench", write_manifest=False)
+    options = VerifyOptions(job="bench")
     cores = os.cpu_count()
 
     rows = []

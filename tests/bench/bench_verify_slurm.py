@@ -64,9 +64,7 @@ def verify(directory: Path, engine: str, nodes: int = 1, cold: bool = False):
     settings = SlurmVerify(
         nodes=nodes, partition="debug", time_limit="00:20:00", drop_cache=cold, straggler_min_seconds=600
     )
-    options = VerifyOptions(
-        job="bench", write_manifest=False, segment_bytes=SEGMENT, engine=engine, slurm=settings
-    )
+    options = VerifyOptions(job="bench", segment_bytes=SEGMENT, engine=engine, slurm=settings)
 
     def run():
         result = verify_checkpoint(directory, options)
