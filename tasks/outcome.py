@@ -3,8 +3,9 @@ node health.
 
 A ``Check`` names what was checked and its outcome, with what was expected and observed, a
 one-line detail and the file at fault. Verification, drills and resume validation decide with
-``Outcome``; node health decides with ``Verdict``, the words an operator drains by (after Meta
-GCM's one exit-code type), and extends ``Check`` with its evidence (tasks.health.verdict).
+``Outcome``; every check, a node-health one too, carries one. Node health says more in its
+``Verdict``, the words an operator drains by (after Meta GCM's one exit-code type), which a
+health check keeps beside its outcome with its evidence (tasks.health.verdict).
 """
 
 from dataclasses import dataclass, fields
@@ -37,6 +38,14 @@ class Verdict(StrEnum):
         return self in (Verdict.FAIL_CONFIG, Verdict.FAIL_HARDWARE)
 
     @property
+    def outcome(self) -> Outcome:
+        """What the verdict means as every other check says it: a tool error or a suspect is not
+        a pass, and not a fail either."""
+        if self in (Verdict.PASS, Verdict.WARN):
+            return Outcome(self.value.lower())
+        return Outcome.FAIL if self.failed else Outcome.UNCHECKED
+
+    @property
     def exit_code(self) -> int:
         """0 when the node may run jobs (PASS, WARN), 1 when it may not or we could not tell."""
         return 0 if self in (Verdict.PASS, Verdict.WARN) else 1
@@ -49,7 +58,7 @@ def worst(verdicts) -> Verdict:
 @dataclass
 class Check:
     name: str
-    outcome: Outcome | Verdict
+    outcome: Outcome
     detail: str = ""
     expected: str = ""
     observed: str = ""
@@ -58,11 +67,11 @@ class Check:
     @property
     def ok(self) -> bool:
         """Nothing against it: passed, or passed with a warning."""
-        return self.outcome in (Outcome.PASS, Outcome.WARN, Verdict.PASS, Verdict.WARN)
+        return self.outcome in (Outcome.PASS, Outcome.WARN)
 
     @property
     def failed(self) -> bool:
-        return self.outcome is Outcome.FAIL or (isinstance(self.outcome, Verdict) and self.outcome.failed)
+        return self.outcome is Outcome.FAIL
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(Check)} | {"outcome": self.outcome.value}

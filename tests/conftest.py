@@ -18,6 +18,9 @@ from infra.local_job.launch import run_local_job
 from tasks.checkpoint.state import VerifyOptions
 
 ROOT = Path(__file__).resolve().parent.parent
+# A Prefect call that finds no server (a thread without the run's context, a test without the
+# prefect_api fixture) fails instead of starting a temporary server of its own.
+os.environ["PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"] = "false"
 ITERATIONS = [4, 8, 12, 16, 20, 24]
 
 

@@ -31,14 +31,14 @@ def read(name: str) -> str:
 
 def test_dcgm4_persistence_mode_is_a_config_failure_not_hardware():
     verdict = classify_diag(read("dcgm4_diag_r1_gb10_fail.json"), 226, level=1)
-    assert verdict.outcome is Verdict.FAIL_CONFIG
+    assert verdict.verdict is Verdict.FAIL_CONFIG
     first = verdict.evidence[0]
     assert (first.test, first.gpu, first.error_id, first.severity) == ("software", 0, 29, "CONFIG")
 
 
 def test_dcgm4_pcie_entityless_internal_error_is_a_tool_error():
     verdict = classify_diag(read("dcgm4_diag_r2_text_pcie_internal_error_issue253.txt"), 226, level=2)
-    assert verdict.outcome is Verdict.TOOL_ERROR
+    assert verdict.verdict is Verdict.TOOL_ERROR
     assert verdict.detail.startswith("pcie failed with no GPU to blame") and "exclusive" in verdict.detail
 
 
@@ -47,7 +47,7 @@ def test_dcgm4_pcie_entityless_internal_error_is_a_tool_error():
 )
 def test_dcgm_text_passes(name, level):
     verdict = classify_diag(read(name), 0, level)
-    assert verdict.outcome is Verdict.PASS, [e.detail for e in verdict.evidence]
+    assert verdict.verdict is Verdict.PASS, [e.detail for e in verdict.evidence]
 
 
 def test_dcgm4_r3_fragment_wrapped_into_a_document_passes_its_one_test():
@@ -57,7 +57,7 @@ def test_dcgm4_r3_fragment_wrapped_into_a_document_passes_its_one_test():
     )
     # One test of r3's seven: it passed, but without the level nothing says the set is whole.
     verdict = classify_diag(document, 0)
-    assert verdict.outcome is Verdict.WARN and verdict.detail.startswith(
+    assert verdict.verdict is Verdict.WARN and verdict.detail.startswith(
         "1 tests passed on every GPU, but no --level"
     )
 
@@ -72,19 +72,19 @@ def test_nccl_two_nodes_ib_passes_on_peak_not_average():
     run = parse_allreduce(read("nccl_allreduce_2node_16xH100_ib400_issue309.txt"))
     assert run.average_busbw == 139.56 and len(run.rank_ids) == 16
     verdict = classify_allreduce(read("nccl_allreduce_2node_16xH100_ib400_issue309.txt"), 0, gates(360, 330))
-    assert verdict.outcome is Verdict.PASS and verdict.evidence[0].value == 469.21
+    assert verdict.verdict is Verdict.PASS and verdict.evidence[0].value == 469.21
 
 
 def test_nccl_gates_are_per_fabric():
     text = read("nccl_allreduce_2node_16xH100_gcp_a3mega.txt")
-    assert classify_allreduce(text, 0, gates(330, 300)).outcome is Verdict.PASS  # that fabric's gate
+    assert classify_allreduce(text, 0, gates(330, 300)).verdict is Verdict.PASS  # that fabric's gate
     failed = classify_allreduce(text, 0, gates(360, 350))  # a 400G IB gate
-    assert failed.outcome is Verdict.FAIL_HARDWARE and failed.evidence[0].value == 338.82
+    assert failed.verdict is Verdict.FAIL_HARDWARE and failed.evidence[0].value == 338.82
 
 
 def test_nccl_old_format_passes():
     verdict = classify_allreduce(read("nccl_allreduce_2node_dgxh100_g8_oldformat.txt"), 0, gates(360, 330))
-    assert verdict.outcome is Verdict.PASS and verdict.evidence[0].value == 472.35
+    assert verdict.verdict is Verdict.PASS and verdict.evidence[0].value == 472.35
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ def test_nccl_old_format_passes():
 )
 def test_nccl_failures_to_run_are_tool_errors(name):
     verdict = classify_allreduce(read(name), 3, gates(360, 330))
-    assert verdict.outcome is Verdict.TOOL_ERROR and verdict.detail.startswith("the test could not run")
+    assert verdict.verdict is Verdict.TOOL_ERROR and verdict.detail.startswith("the test could not run")
 
 
 # Synthetic cases (labelled synthetic_ in their names).
@@ -148,7 +148,7 @@ def test_nccl_failures_to_run_are_tool_errors(name):
 )
 def test_dcgm_branches(name, exit_code, level, expected, fragment):
     verdict = classify_diag(read(name), exit_code, level)
-    assert verdict.outcome is expected
+    assert verdict.verdict is expected
     assert any(fragment in e.detail for e in verdict.evidence), [e.detail for e in verdict.evidence]
 
 
@@ -157,7 +157,7 @@ def test_dcgm_branches(name, exit_code, level, expected, fragment):
 )
 def test_dcgm_empty_output_with_an_error_exit_is_a_tool_error(exit_code, meaning):
     verdict = classify_diag("", exit_code, 1)
-    assert verdict.outcome is Verdict.TOOL_ERROR and meaning in verdict.detail
+    assert verdict.verdict is Verdict.TOOL_ERROR and meaning in verdict.detail
 
 
 def test_dcgm_nothing_printed_with_exit_0_is_a_tool_error():
@@ -176,7 +176,7 @@ def test_dcgm_nothing_printed_with_exit_0_is_a_tool_error():
 )
 def test_nccl_branches(name, expected, fragment):
     verdict = classify_allreduce(read(name), 0, gates(431, 410))
-    assert verdict.outcome is expected and fragment in verdict.detail
+    assert verdict.verdict is expected and fragment in verdict.detail
 
 
 def test_a_finished_table_is_judged_even_when_nccl_warned():
@@ -186,19 +186,19 @@ def test_a_finished_table_is_judged_even_when_nccl_warned():
         "node:1:2 [0] NCCL WARN NET/IB : port 1 degraded\nNCCL version 2.26.2+cuda12.8",
     )
     verdict = classify_allreduce(warned, 0, gates(500, 480))  # synthetic: the real run plus one WARN line
-    assert verdict.outcome is Verdict.FAIL_HARDWARE and "NCCL WARN NET/IB" in verdict.detail
+    assert verdict.verdict is Verdict.FAIL_HARDWARE and "NCCL WARN NET/IB" in verdict.detail
 
 
 def test_non_mpi_build_under_mpirun_with_several_processes():
     # Synthetic: the non-MPI file as 8 independent processes would print it, "Rank 0" each time.
     text = read("synthetic_nccl_nonmpi.txt")
     many = text.replace("#  Rank  0", "\n".join(["#  Rank  0"] * 8), 1)
-    assert classify_allreduce(many, 0, gates(431, 410)).outcome is Verdict.FAIL_CONFIG
+    assert classify_allreduce(many, 0, gates(431, 410)).verdict is Verdict.FAIL_CONFIG
 
 
 def test_nccl_exit_7_means_wrong_values():
     assert (
-        classify_allreduce(read("nccl_allreduce_2node_dgxh100_g8_oldformat.txt"), 7, gates(360, 330)).outcome
+        classify_allreduce(read("nccl_allreduce_2node_dgxh100_g8_oldformat.txt"), 7, gates(360, 330)).verdict
         is Verdict.FAIL_HARDWARE
     )
 
@@ -236,7 +236,7 @@ def test_classify_cli_prints_the_verdict_word_first():
         text=True,
         timeout=120,
     )
-    assert passing.returncode == 0 and json.loads(passing.stdout)["outcome"] == "PASS"
+    assert passing.returncode == 0 and json.loads(passing.stdout)["verdict"] == "PASS"
     missing = subprocess.run(
         [str(CKPTOPS), "health", "classify", "dcgm", "/nonexistent"],
         capture_output=True,
@@ -260,7 +260,7 @@ def test_dcgm_diag_through_pydcgm_where_the_bindings_import(monkeypatch, tmp_pat
         sys.modules.pop(name, None)
     settings = Health(nodes=["localhost"], transport="local", raw_dir=tmp_path)
     verdict = dcgm_diag.run(Context("localhost", LocalHost(), settings, 1, tmp_path))
-    assert verdict.outcome is Verdict.FAIL_CONFIG
+    assert verdict.verdict is Verdict.FAIL_CONFIG
     first = verdict.evidence[0]
     assert (first.test, first.gpu, first.error_id, first.severity) == ("software", 0, 29, "CONFIG")
     import DcgmDiag
@@ -286,7 +286,7 @@ def test_nccl_busbw_that_is_not_a_number_is_a_tool_error(cell, expected):
     tokens[7] = cell
     lines[row] = "  ".join(tokens)
     verdict = classify_allreduce("\n".join(lines), 0, gates(360, 330))
-    assert verdict.outcome is Verdict.TOOL_ERROR and expected in verdict.detail
+    assert verdict.verdict is Verdict.TOOL_ERROR and expected in verdict.detail
 
 
 def test_nccl_wrong_count_that_is_not_a_number_is_a_tool_error():
@@ -296,7 +296,7 @@ def test_nccl_wrong_count_that_is_not_a_number_is_a_tool_error():
     tokens[8] = "nan"
     lines[row] = "  ".join(tokens)
     verdict = classify_allreduce("\n".join(lines), 0, gates(360, 330))
-    assert verdict.outcome is Verdict.TOOL_ERROR and "do not parse" in verdict.detail
+    assert verdict.verdict is Verdict.TOOL_ERROR and "do not parse" in verdict.detail
 
 
 def _pass_document() -> dict:
@@ -312,7 +312,7 @@ def test_dcgm_results_that_never_ran_are_tool_errors_never_pass(status):
     else:
         entry["status"] = status
     verdict = classify_diag(json.dumps(document), 0, 1)
-    assert verdict.outcome is Verdict.TOOL_ERROR
+    assert verdict.verdict is Verdict.TOOL_ERROR
     quoted = "missing" if status is None else repr(status)
     assert f"software on GPU 2: status {quoted} is not a result" in verdict.detail
 
@@ -320,9 +320,9 @@ def test_dcgm_results_that_never_ran_are_tool_errors_never_pass(status):
 def test_dcgm_text_rows_that_are_not_results_are_not_tests_and_no_level_is_no_pass():
     text = read("dcgm4_diag_r3_text_pass_docs.txt") + "\n| stray | text |\n| Memory | NotRun |\n"
     verdict = classify_diag(text, 0, 3)
-    assert verdict.outcome is Verdict.TOOL_ERROR and "memory: status 'NotRun'" in verdict.detail
+    assert verdict.verdict is Verdict.TOOL_ERROR and "memory: status 'NotRun'" in verdict.detail
     unsure = classify_diag(read("dcgm4_diag_r3_text_pass_docs.txt"), 0, None)
-    assert unsure.outcome is Verdict.WARN and "no --level" in unsure.detail
+    assert unsure.verdict is Verdict.WARN and "no --level" in unsure.detail
 
 
 @pytest.mark.parametrize(
@@ -349,7 +349,7 @@ def test_dcgm_json_of_unexpected_shapes_is_one_line_naming_the_field(mangle, whe
     document = _pass_document()
     mangle(document)
     verdict = classify_diag(json.dumps(document), 0, 1)
-    assert verdict.outcome is Verdict.TOOL_ERROR and where in verdict.detail
+    assert verdict.verdict is Verdict.TOOL_ERROR and where in verdict.detail
     path = tmp_path / "diag.json"
     path.write_text(json.dumps(document))
     done = subprocess.run(

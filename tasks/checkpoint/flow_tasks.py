@@ -5,6 +5,7 @@ Prefect's task-run bookkeeping (20-45 ms each, a SQLite database behind it) woul
 the hashing. Files are parallelised inside ``verify_checkpoint`` with threads instead.
 """
 
+import contextvars
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -116,10 +117,26 @@ def verify_one(
     with ThreadPoolExecutor(max_workers=1) as pool:
         if wait_seconds:
             future = pool.submit(
-                wait_and_verify, directory, options, held, wait_seconds, poll_seconds, counter, counter.watch
+                contextvars.copy_context().run,
+                wait_and_verify,
+                directory,
+                options,
+                held,
+                wait_seconds,
+                poll_seconds,
+                counter,
+                counter.watch,
             )
         else:
-            future = pool.submit(verify_and_record, directory, options, held, counter, watch=counter.watch)
+            future = pool.submit(
+                contextvars.copy_context().run,
+                verify_and_record,
+                directory,
+                options,
+                held,
+                counter,
+                watch=counter.watch,
+            )
         while True:
             finished = wait([future], timeout=_PROGRESS_EVERY_SECONDS).done
             update_progress_artifact(artifact, progress=min(100.0, 100.0 * counter.done / total))

@@ -84,11 +84,11 @@ def health_classify(
     with expected_errors():
         from tasks.health.classify import classify_file
 
-        verdict = classify_file(tool, file, exit_code, level, load_profile(profile).health)
+        check = classify_file(tool, file, exit_code, level, load_profile(profile).health)
     if as_json:
-        out.print_json(json.dumps(verdict.to_dict()))
+        out.print_json(json.dumps(check.to_dict()))
     else:
-        out.print(f"{verdict.outcome.value} {verdict.detail}", markup=False)
-        for item in verdict.evidence[1:]:
+        out.print(f"{check.verdict.value} {check.detail}", markup=False)
+        for item in check.evidence[1:]:
             out.print(f"  {item.detail}", markup=False)
-    raise typer.Exit(verdict.outcome.exit_code)
+    raise typer.Exit(check.verdict.exit_code)

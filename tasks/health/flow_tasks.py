@@ -1,5 +1,6 @@
 """Thin Prefect wrappers for node health, and the per-node table the UI shows."""
 
+import contextvars
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -22,7 +23,8 @@ _PROGRESS_EVERY_SECONDS = 1.0
 def sweep_task(settings, only: list[str] | None, level: int | None, admit: bool) -> Sweep:
     """The whole sweep in one task (never a task per node on a large fleet), with a progress
     artifact: the sweep runs in a helper thread while this (the task's) thread, which owns the
-    Prefect context, updates the artifact as nodes finish."""
+    Prefect context, updates the artifact as nodes finish. The helper runs in a copy of that
+    context: a Secret block it loads comes from this run's server, never a temporary one."""
     total = max(1, len(resolve_nodes(settings, only)))
     artifact = create_progress_artifact(progress=0.0, description=f"checking {total} nodes")
     done, lock = [0], threading.Lock()
@@ -33,7 +35,7 @@ def sweep_task(settings, only: list[str] | None, level: int | None, admit: bool)
         print(f"{report.node}: {report.verdict.value} {report.summary}")
 
     with ThreadPoolExecutor(max_workers=1) as pool:
-        future = pool.submit(sweep, settings, only, level, admit, finished)
+        future = pool.submit(contextvars.copy_context().run, sweep, settings, only, level, admit, finished)
         while not wait([future], timeout=_PROGRESS_EVERY_SECONDS).done:
             update_progress_artifact(artifact, progress=100.0 * done[0] / total)
     update_progress_artifact(artifact, progress=100.0)

@@ -43,8 +43,8 @@ class NodeReport:
 
     @property
     def worst_check(self) -> HealthCheck | None:
-        failing = [c for c in self.checks if c.outcome is not Verdict.PASS]
-        return max(failing, key=lambda c: c.outcome.rank) if failing else None
+        failing = [c for c in self.checks if c.verdict is not Verdict.PASS]
+        return max(failing, key=lambda c: c.verdict.rank) if failing else None
 
     @property
     def summary(self) -> str:
@@ -126,7 +126,7 @@ def _append_history(raw_dir: Path, report: NodeReport) -> None:
         "verdict": report.verdict.value,
         "summary": report.summary,
         "checks": [
-            {"check": c.name, "verdict": c.outcome.value, "summary": c.detail, "raw": c.raw}
+            {"check": c.name, "verdict": c.verdict.value, "summary": c.detail, "raw": c.raw}
             for c in report.checks
         ],
     }
@@ -152,7 +152,7 @@ def _below_gate(name: str, outcome: HealthCheck) -> bool:
     """Bandwidth under the gate (an nccl check), not any other failure with a threshold."""
     return (
         name.startswith("nccl")
-        and outcome.outcome is Verdict.FAIL_HARDWARE
+        and outcome.verdict is Verdict.FAIL_HARDWARE
         and any(e.gate is not None for e in outcome.evidence)
     )
 
@@ -164,20 +164,20 @@ def _run_check(name: str, run: Callable[[Context], HealthCheck], ctx: Context) -
     first = _attempt(name, run, ctx)
     if _below_gate(name, first):
         second = _attempt(name, run, ctx)
-        if second.outcome is Verdict.TOOL_ERROR:  # one slow run is not enough to drain on
-            first.outcome, first.attempts = Verdict.SUSPECT, 2
+        if second.verdict is Verdict.TOOL_ERROR:  # one slow run is not enough to drain on
+            first.verdict, first.attempts = Verdict.SUSPECT, 2
             first.annotate(f" (the retry could not run: {second.detail})")
             return first
         second.attempts = 2
-        if second.outcome is Verdict.FAIL_HARDWARE:
+        if second.verdict is Verdict.FAIL_HARDWARE:
             second.annotate(" (again after a retry)")
         return second
-    if first.outcome is not Verdict.TOOL_ERROR:
+    if first.verdict is not Verdict.TOOL_ERROR:
         return first
     second = _attempt(name, run, ctx)
     second.attempts = 2
-    if second.outcome is Verdict.TOOL_ERROR:
-        second.outcome = Verdict.SUSPECT
+    if second.verdict is Verdict.TOOL_ERROR:
+        second.verdict = Verdict.SUSPECT
         second.annotate(" (again after a retry)")
         for item in second.evidence[1:]:
             item.detail = f"{item.detail} (again after a retry)"
@@ -220,7 +220,7 @@ def check_node(
                 report.checks.append(outcome)
                 if gpu_count.no_gpus(outcome):
                     break  # nothing else can run on a node without GPUs or GPU tools
-    report.verdict = worst(c.outcome for c in report.checks)
+    report.verdict = worst(c.verdict for c in report.checks)
     report.seconds = time.monotonic() - started
     _append_history(settings.raw_dir, report)
     return report
@@ -288,7 +288,7 @@ def run_health(
             and report.verdict is not Verdict.SUSPECT
         ):
             report.checks.append(pair_test(node, settings.pairs.known_good, settings, key_text))
-            report.verdict = worst(c.outcome for c in report.checks)
+            report.verdict = worst(c.verdict for c in report.checks)
         if progress:
             progress(report)
         return report

@@ -23,14 +23,20 @@ class Evidence:
 
 @dataclass
 class HealthCheck(Check):
-    """A node-health check: the shared ``Check`` (outcome: a ``Verdict``; detail: the first
-    evidence line) with all its evidence and how it ran."""
+    """A node-health check: the shared ``Check`` (detail: the first evidence line) with its
+    ``Verdict``, all its evidence and how it ran. Its outcome follows its verdict."""
 
+    verdict: Verdict = Verdict.PASS
     evidence: list[Evidence] = field(default_factory=list)
     exit_code: int | None = None
     seconds: float = 0.0
     raw: str | None = None  # where the raw output was kept
     attempts: int = 1
+
+    def __setattr__(self, name, value) -> None:
+        super().__setattr__(name, value)
+        if name == "verdict":
+            super().__setattr__("outcome", value.outcome)
 
     def annotate(self, text: str) -> None:
         """Add to what the check says (its detail and its first evidence line)."""
@@ -40,11 +46,15 @@ class HealthCheck(Check):
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        data["outcome"] = self.outcome.value
-        return data
+        return data | {"outcome": self.outcome.value, "verdict": self.verdict.value}
 
 
 def result(check: str, verdict: Verdict, *evidence: Evidence, exit_code: int | None = None) -> HealthCheck:
     return HealthCheck(
-        check, verdict, evidence[0].detail if evidence else "", evidence=list(evidence), exit_code=exit_code
+        check,
+        verdict.outcome,
+        evidence[0].detail if evidence else "",
+        verdict=verdict,
+        evidence=list(evidence),
+        exit_code=exit_code,
     )

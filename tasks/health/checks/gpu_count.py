@@ -53,4 +53,4 @@ def run(ctx: Context) -> HealthCheck:
 
 
 def no_gpus(check: HealthCheck) -> bool:
-    return check.name == NAME and check.outcome is Verdict.FAIL_CONFIG
+    return check.name == NAME and check.verdict is Verdict.FAIL_CONFIG
