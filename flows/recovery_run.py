@@ -16,7 +16,7 @@ from prefect.states import Cancelled, Completed, Failed
 from tasks.notify import send
 from tasks.profile import load_profile
 from tasks.recovery.flow_tasks import announce, ask_in_ui, flow_step, publish_incident
-from tasks.recovery.ledger import COMPLETED
+from tasks.recovery.ledger import IncidentOutcome
 from tasks.recovery.run import Duplicate, Source, recover
 
 
@@ -59,7 +59,7 @@ def recovery_run(
     publish_incident(prof.job.save_dir, incident)
     message = f"{incident.id} {incident.cls}: {incident.outcome}: {incident.reason}"
     print(message)
-    if incident.outcome == COMPLETED:
+    if incident.outcome == IncidentOutcome.COMPLETED:
         return Completed(message=message)
     unsent = send(prof, f"recovery {incident.outcome}", message)
     return Failed(message=message + (f"; {unsent}" if unsent else ""))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tasks.errors import Unreadable, UsageError
-from tasks.recovery.triage import CLASSES, CRITICAL_XIDS, triage
+from tasks.recovery.triage import CRITICAL_XIDS, FailureClass, triage
 
 DATA = Path(__file__).parent / "data" / "triage"
 
@@ -422,7 +422,7 @@ def test_the_table_covers_every_fixture_on_disk():
     }
     assert on_disk == {row[0] for row in FIXTURES}
     assert len({row[0] for row in FIXTURES}) == len(FIXTURES)
-    counts = {cls: sum(1 for row in FIXTURES if row[0].startswith(cls + "/")) for cls in CLASSES}
+    counts = {cls: sum(1 for row in FIXTURES if row[0].startswith(cls + "/")) for cls in FailureClass}
     assert counts["unknown"] >= 5
     assert sum(1 for row in FIXTURES if row[0].startswith("multirank/")) >= 3
 

@@ -23,6 +23,7 @@ from tasks.cli.common import (
 )
 from tasks.errors import Interrupted, UsageError
 from tasks.profile import load_profile
+from tasks.recovery.triage.model import FailureClass
 
 commands = typer.Typer()
 
@@ -50,7 +51,7 @@ def triage(
         out.print(found.line(), markup=False)
         for line in found.evidence[:10]:
             out.print(f"  {line.file}:{line.line}: {line.text[:200]}", markup=False)
-    raise typer.Exit(1 if found.cls == "unknown" else 0)
+    raise typer.Exit(1 if found.cls == FailureClass.UNKNOWN else 0)
 
 
 def _ask_on_terminal(approve: bool, timeout_seconds: float):
@@ -107,7 +108,7 @@ def recover(
     if not slurm_job and not logs:
         fail(UsageError("name what failed: --slurm-job ID or --logs FILE..."))
     with expected_errors():
-        from tasks.recovery.ledger import COMPLETED
+        from tasks.recovery.ledger import IncidentOutcome
         from tasks.recovery.run import Source
         from tasks.recovery.run import recover as run_recovery
 
@@ -137,7 +138,7 @@ def recover(
                 err.print(f"ckptops: interrupted by {signal.Signals(signum).name}", markup=False)
             raise typer.Exit(128 + signum) from None
     _print_incident(incident, as_json)
-    raise typer.Exit(0 if incident.outcome == COMPLETED else 1)
+    raise typer.Exit(0 if incident.outcome == IncidentOutcome.COMPLETED else 1)
 
 
 def _print_incident(incident, as_json: bool) -> None:

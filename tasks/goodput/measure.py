@@ -23,7 +23,7 @@ import numpy as np
 
 from tasks.checkpoint import layout
 from tasks.errors import Unreadable, UsageError
-from tasks.recovery.ledger import COMPLETED, Incident
+from tasks.recovery.ledger import Incident, IncidentOutcome
 from tasks.resume.records import Steps
 
 # Megatron-LM's timers: "    save-checkpoint ...............: (2561.08, 2561.37)" (min, max in ms).
@@ -138,7 +138,7 @@ def incident_losses(incident: Incident, step_seconds: float | None) -> dict[str,
         if incident.recomputed_iterations is not None and step_seconds is not None
         else None
     )
-    failed_validation = incident.validation is not None and incident.outcome != COMPLETED
+    failed_validation = incident.validation is not None and incident.outcome != IncidentOutcome.COMPLETED
     return {
         "detection": _span(incident, onset, "detected"),
         "triage and approval": _span(incident, "detected", "approved"),

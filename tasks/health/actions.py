@@ -12,6 +12,7 @@ With draining off, the same decisions make a drain plan for a human.
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from tasks.cluster import slurm
@@ -90,6 +91,13 @@ def apply_drains(plan: DrainPlan, settings, now: float | None = None) -> DrainPl
     return plan
 
 
+class Readiness(StrEnum):
+    """A spare's answer: ``ready``, or ``not ready: <why>``."""
+
+    READY = "ready"
+    NOT_READY = "not ready"
+
+
 def spare_readiness(reports: list[NodeReport], spares: list[str], level: int) -> dict[str, str]:
     """A spare is ready only if its admission run (r3, single-node NCCL, pair test) all passed."""
     ready = {}
@@ -101,9 +109,9 @@ def spare_readiness(reports: list[NodeReport], spares: list[str], level: int) ->
             level >= 3 and {"dcgm-diag", "nccl"} <= names and any(n.startswith("nccl-pair-") for n in names)
         )
         if not complete:
-            ready[report.node] = "not ready: the admission set did not run completely"
+            ready[report.node] = f"{Readiness.NOT_READY}: the admission set did not run completely"
         elif report.verdict in (Verdict.PASS, Verdict.WARN):
-            ready[report.node] = "ready"
+            ready[report.node] = Readiness.READY
         else:
-            ready[report.node] = f"not ready: {report.summary}"
+            ready[report.node] = f"{Readiness.NOT_READY}: {report.summary}"
     return ready

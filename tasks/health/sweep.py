@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tasks.cluster import slurm
-from tasks.health.actions import DrainPlan, apply_drains, plan_drains, spare_readiness
+from tasks.health.actions import DrainPlan, Readiness, apply_drains, plan_drains, spare_readiness
 from tasks.health.run import HealthRun, NodeReport, resolve_nodes, run_health
 
 # sinfo's short states of a node held out of service (drained, draining, down).
@@ -62,7 +62,7 @@ def return_to_service(readiness: dict[str, str], settings) -> list[str]:
         return []
     back = []
     for node, verdict in readiness.items():
-        if verdict == "ready" and slurm.node_state(node) in HELD_STATES:
+        if verdict == Readiness.READY and slurm.node_state(node) in HELD_STATES:
             slurm.resume(node)
             back.append(node)
     return back

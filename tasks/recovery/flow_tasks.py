@@ -11,7 +11,7 @@ from prefect.exceptions import FlowPauseTimeout
 from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
 
-from tasks.recovery.ledger import COMPLETED, Incident, incidents
+from tasks.recovery.ledger import Incident, IncidentOutcome, incidents
 from tasks.recovery.report import incident_rows, incidents_markdown, plan_markdown
 from tasks.recovery.run import Decision, Plan
 
@@ -75,7 +75,7 @@ def publish_incident(save_dir, incident: Incident) -> None:
         description=f"{incident.id}: {incident.outcome}",
     )
     emit_event(
-        event=COMPLETED_EVENT if incident.outcome == COMPLETED else STOPPED,
+        event=COMPLETED_EVENT if incident.outcome == IncidentOutcome.COMPLETED else STOPPED,
         resource={"prefect.resource.id": f"ckptops.job.{incident.job}"},
         payload={
             "incident": incident.id,

@@ -17,6 +17,7 @@ import math
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import TypedDict
 
@@ -24,6 +25,7 @@ import pydantic
 
 from tasks.checkpoint.layout import HISTORY
 from tasks.errors import unreadable
+from tasks.recovery.triage.model import FailureClass
 from tasks.storage.local import append_jsonl, clip, read_lines
 
 INCIDENTS = "incidents.jsonl"
@@ -44,13 +46,17 @@ PHASES = (
     "validated",
 )
 
-# How an incident ended (or that it has not yet).
-RUNNING = "running"  # its recovery is at work (or was killed: the next recovery resolves it)
-COMPLETED = "completed"  # relaunched and the resume validated
-WARNED = "warned"  # relaunched; validation rejected it but the profile only warns
-STOPPED = "stopped"  # a human must act: a stop rule, no checkpoint, a failed relaunch, a rejected resume
-ABORTED = "aborted"  # the approver said no, or nobody answered in time
-INTERRUPTED = "interrupted"  # its recovery was ended by a signal (or killed) before it finished
+
+class IncidentOutcome(StrEnum):
+    """How an incident ended (or that it has not yet)."""
+
+    RUNNING = "running"  # its recovery is at work (or was killed: the next recovery resolves it)
+    COMPLETED = "completed"  # relaunched and the resume validated
+    WARNED = "warned"  # relaunched; validation rejected it but the profile only warns
+    STOPPED = "stopped"  # a human must act: a stop rule, no checkpoint, a failed relaunch, a rejected resume
+    ABORTED = "aborted"  # the approver said no, or nobody answered in time
+    INTERRUPTED = "interrupted"  # its recovery was ended by a signal (or killed) before it finished
+
 
 # Text fields are kept to this many characters (a first error of 200 MB is not kept whole).
 TEXT_LIMIT = 4096
@@ -106,7 +112,7 @@ class Incident:
     trigger: str  # "manual", "event" or "cli"
     failed_job: str | None = None  # the Slurm job id, or the log paths' first file
     times: dict[str, float] = field(default_factory=dict)
-    cls: str | None = None
+    cls: FailureClass | None = None
     exit_code: int | None = None
     first_error: FirstError | None = None
     suspect_nodes: list[str] = field(default_factory=list)
@@ -125,7 +131,7 @@ class Incident:
     stop_rule: str | None = None
     relaunched_job: str | None = None
     validation: str | None = None
-    outcome: str | None = None
+    outcome: IncidentOutcome | None = None
     reason: str | None = None
     flow_run: str | None = None
     # What failed, as one key: the Slurm job and its exit, or the logs' first error. A second
@@ -151,7 +157,7 @@ class Incident:
 
     @property
     def running(self) -> bool:
-        return self.outcome == RUNNING
+        return self.outcome == IncidentOutcome.RUNNING
 
     def to_dict(self) -> dict:
         """The incident as a ledger line: strict JSON (a figure that is not a number is null),

@@ -17,6 +17,7 @@ an incident of this very failure (its key) is a retry of it, never a recurrence.
 from dataclasses import asdict, dataclass
 
 from tasks.recovery.ledger import Incident
+from tasks.recovery.triage.model import FailureClass
 
 # How many times the same failure at the same place is retried before a human looks.
 SAME_FAILURE_RETRIES = 1
@@ -68,7 +69,7 @@ def stop_rules(failure: Failure, history: list[Incident], max_per_hour: int) -> 
     ]
     hour = [i for i in attempts if failure.at - i.times.get("detected", 0) < 3600]
     stuck = recent
-    reproduced = [i for i in recent if i.cls == "numerics"]
+    reproduced = [i for i in recent if i.cls == FailureClass.NUMERICS]
     return [
         Rule(
             "same-failure-again",
@@ -96,16 +97,16 @@ def stop_rules(failure: Failure, history: list[Incident], max_per_hour: int) -> 
         ),
         Rule(
             "numerics-reproduced",
-            failure.cls == "numerics" and bool(reproduced),
+            failure.cls == FailureClass.NUMERICS and bool(reproduced),
             f"numerics again after the resume of {reproduced[-1].id}: the data or the code, not a node"
-            if failure.cls == "numerics" and reproduced
+            if failure.cls == FailureClass.NUMERICS and reproduced
             else "no numerics failure after a resume",
         ),
         Rule(
             "out-of-memory",
-            failure.cls == "oom",
+            failure.cls == FailureClass.OOM,
             "out of memory comes back on any node: the job's memory use must change"
-            if failure.cls == "oom"
+            if failure.cls == FailureClass.OOM
             else "not an out-of-memory failure",
         ),
         Rule(

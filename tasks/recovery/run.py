@@ -38,13 +38,8 @@ from tasks.errors import CkptopsError, LockTimeout, UsageError
 from tasks.recovery import job as jobs
 from tasks.recovery.guard import signal_name, signals_held, sigterm_ends_the_run, who
 from tasks.recovery.ledger import (
-    ABORTED,
-    COMPLETED,
-    INTERRUPTED,
-    RUNNING,
-    STOPPED,
-    WARNED,
     Incident,
+    IncidentOutcome,
     ledger_path,
     new_id,
     read_ledger,
@@ -69,6 +64,7 @@ from tasks.recovery.phases import (
 )
 from tasks.recovery.rules import Failure, Rule, fired, stop_rules
 from tasks.recovery.triage import Triage, triage
+from tasks.recovery.triage.model import FailureClass
 from tasks.resume.records import Steps, load_steps
 from tasks.resume.validate import validate_resume
 
@@ -149,7 +145,7 @@ class _Recovery:
         self.phase = name
         return self.step(name, fn, *args, **kwargs)
 
-    def _stop(self, reason: str, outcome: str = STOPPED) -> None:
+    def _stop(self, reason: str, outcome: IncidentOutcome = IncidentOutcome.STOPPED) -> None:
         self.incident.outcome, self.incident.reason = outcome, reason
 
     # The run as a whole.
@@ -174,7 +170,7 @@ class _Recovery:
             if adoptable is not None:
                 return self._adopt(adoptable, started)
             self._refuse_duplicate()
-            incident.outcome, incident.owner = RUNNING, process.identity()
+            incident.outcome, incident.owner = IncidentOutcome.RUNNING, process.identity()
             self._save()
             self._guarded(self._phases, started)
         return self.incident
@@ -197,12 +193,13 @@ class _Recovery:
         except BaseException as e:
             if not isinstance(e, Exception):  # a signal: SIGTERM, SIGINT, Prefect's cancellation
                 self._stop(
-                    f"interrupted by {signal_name(e)} during {self.phase}; {self._done()}", INTERRUPTED
+                    f"interrupted by {signal_name(e)} during {self.phase}; {self._done()}",
+                    IncidentOutcome.INTERRUPTED,
                 )
                 e.incident = self.incident
             raise
         finally:
-            if self.incident.outcome == RUNNING:
+            if self.incident.outcome == IncidentOutcome.RUNNING:
                 self._stop(f"the recovery run failed during {self.phase} (a fault in ckptops)")
             try:
                 self._save()
@@ -247,7 +244,10 @@ class _Recovery:
             self.warn(problem)
         adoptable = None
         for old in ledger.incidents:
-            if old.job != self.incident.job or old.outcome not in (RUNNING, INTERRUPTED):
+            if old.job != self.incident.job or old.outcome not in (
+                IncidentOutcome.RUNNING,
+                IncidentOutcome.INTERRUPTED,
+            ):
                 continue
             if old.running and old.relaunch_token and not old.relaunched_job:
                 # Killed between submitting the relaunch and recording it: found by its token.
@@ -272,7 +272,7 @@ class _Recovery:
                     ended = (
                         f"its relaunched job {job} is no longer running" if job else "nothing was relaunched"
                     )
-                old.outcome, old.reason = INTERRUPTED, f"{who(old.owner)} was killed; {ended}"
+                old.outcome, old.reason = IncidentOutcome.INTERRUPTED, f"{who(old.owner)} was killed; {ended}"
                 record(self.save_dir, old)
         return adoptable
 
@@ -282,7 +282,9 @@ class _Recovery:
         and one that relaunched is never repeated."""
         ours = self.incident.failure_key
         for other in read_ledger(self.save_dir).incidents:
-            if other.failure_key != ours or (other.outcome == INTERRUPTED and not other.relaunched_job):
+            if other.failure_key != ours or (
+                other.outcome == IncidentOutcome.INTERRUPTED and not other.relaunched_job
+            ):
                 continue
             if other.relaunched_job or not self.retry:
                 raise Duplicate(
@@ -300,7 +302,7 @@ class _Recovery:
         """Watch and validate the job a killed recovery relaunched, as that recovery would have."""
         note = f"adopted after {who(old.owner)} ended; "
         self.incident = old
-        old.outcome, old.owner = RUNNING, process.identity()
+        old.outcome, old.owner = IncidentOutcome.RUNNING, process.identity()
         self._save()
 
         def watch() -> None:
@@ -398,7 +400,7 @@ class _Recovery:
     def _choose(self) -> tuple[int | None, list[int]]:
         """The checkpoint to resume from, verified again: one that no longer verifies is marked
         invalid (the pointer moves off it) and the next is chosen."""
-        before = anomaly(self.tri, self.steps) if self.tri.cls == "numerics" else None
+        before = anomaly(self.tri, self.steps) if self.tri.cls == FailureClass.NUMERICS else None
         while True:
             failed = tuple(r["iteration"] for r in self.incident.reverified if r["outcome"] != "pass")
             chosen, choices = self._do(
@@ -466,7 +468,7 @@ class _Recovery:
             decision = self.approve(plan)
         if not decision.approve:
             note = f": {decision.note}" if decision.note else ""
-            self._stop(f"not approved ({decision.by}){note}", ABORTED)
+            self._stop(f"not approved ({decision.by}){note}", IncidentOutcome.ABORTED)
             return None
         incident.mark("approved")
         if decision.checkpoint is not None and decision.checkpoint != chosen:
@@ -580,10 +582,13 @@ class _Recovery:
         incident.validation = result.line()
         account(incident, self.failed, checkpoint_dir)
         if result.ok:
-            self._stop(f"resumed from {incident.checkpoint} as {new}; {result.line()}", COMPLETED)
+            self._stop(
+                f"resumed from {incident.checkpoint} as {new}; {result.line()}", IncidentOutcome.COMPLETED
+            )
         elif settings.on_rejected == "warn":
             self._stop(
-                f"resume rejected, job left running (recovery.on_rejected: warn): {result.line()}", WARNED
+                f"resume rejected, job left running (recovery.on_rejected: warn): {result.line()}",
+                IncidentOutcome.WARNED,
             )
         else:
             self._stop(f"resume rejected, {jobs.cancel(new, holder)}: {result.line()}")

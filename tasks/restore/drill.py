@@ -31,13 +31,11 @@ from tasks.checkpoint.state import State, VerifyOptions
 from tasks.checkpoint.verify import verify_checkpoint
 from tasks.errors import CkptopsError, UsageError
 from tasks.outcome import Check, Outcome
-from tasks.restore.history import append_drill, drill_files
+from tasks.restore.history import DrillSource, append_drill, drill_files
 from tasks.restore.launch import drill_layout, run_loader
 from tasks.restore.report import LoadReport
 from tasks.restore.scratch import clear_stale_scratch, make_scratch
 from tasks.storage.archive import ArchiveStore
-
-SOURCES = ("shared", "archive")
 
 
 @dataclass
@@ -54,7 +52,7 @@ class Phase:
 @dataclass
 class DrillReport:
     job: str
-    source: str
+    source: DrillSource
     started_at: str
     ok: bool = False
     reason: str = ""
@@ -92,11 +90,12 @@ class DrillReport:
 
 class _Drill:
     def __init__(self, profile, source: str, progress: Callable[[int], None] | None):
-        if source not in SOURCES:
-            raise UsageError(f"--source {source!r}: use shared or archive")
+        if source not in tuple(DrillSource):
+            raise UsageError(f"--source {source!r}: use {' or '.join(DrillSource)}")
+        source = DrillSource(source)
         if profile.drill is None:
             raise UsageError(f"{profile.source}: no drill section")
-        if source == "archive" and profile.archive is None:
+        if source is DrillSource.ARCHIVE and profile.archive is None:
             raise UsageError(f"{profile.source}: no archive section, no archive to drill from")
         self.profile, self.source, self.progress = profile, source, progress
         self.save_dir = profile.job.save_dir
@@ -138,7 +137,7 @@ class _Drill:
     def _restore(self) -> Manifest:
         target = make_scratch(self.scratch) / "restore"
         target.mkdir()
-        if self.source == "shared":
+        if self.source is DrillSource.SHARED:
             return self._copy_shared(target)
         return self._download(target)
 

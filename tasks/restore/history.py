@@ -10,10 +10,19 @@ window at production size.
 import base64
 import io
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from tasks.checkpoint.layout import HISTORY
 from tasks.storage.local import append_jsonl, read_jsonl
+
+
+class DrillSource(StrEnum):
+    """Where a drill restores from: the shared store the job saves to, or the archive's copy."""
+
+    SHARED = "shared"
+    ARCHIVE = "archive"
+
 
 DRILLS = "drills.jsonl"
 
@@ -77,7 +86,7 @@ def estimate(drills: list[dict], size_bytes: int) -> dict[str, Estimate]:
     newest drill that ran all three phases (passed or over budget: its speeds are the current
     ones) scaled to that size (size / measured throughput), summed."""
     predicted = {}
-    for source in ("shared", "archive"):
+    for source in DrillSource:
         complete = [d for d in drills if d["source"] == source and len(d.get("phases", [])) == 3]
         if not complete:
             continue
@@ -139,7 +148,7 @@ def trend_png(drills: list[dict]) -> bytes:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 3.5), dpi=100)
-    colours = {"shared": "tab:blue", "archive": "tab:orange"}
+    colours = {DrillSource.SHARED: "tab:blue", DrillSource.ARCHIVE: "tab:orange"}
     for source, colour in colours.items():
         points = [(i, d) for i, d in enumerate(drills) if d["source"] == source]
         if not points:

@@ -42,11 +42,11 @@ from pathlib import Path
 
 from tasks.errors import UsageError, unreadable
 from tasks.health.xids import CRITICAL_XIDS
-from tasks.recovery.triage.model import CLASSES, LINE_BYTES, Line, Triage
+from tasks.recovery.triage.model import LINE_BYTES, FailureClass, Line, Triage
 from tasks.recovery.triage.scan import Scan
 from tasks.storage.local import read_lines
 
-__all__ = ["CLASSES", "CRITICAL_XIDS", "Line", "Triage", "triage"]
+__all__ = ["CRITICAL_XIDS", "FailureClass", "Line", "Triage", "triage"]
 
 
 def triage(

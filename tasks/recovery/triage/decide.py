@@ -1,7 +1,7 @@
 """The decision, once every file is read: the lines placed in time across files, the class
 that wins, its suspects, first error and reason (the rules in the package's docstring)."""
 
-from tasks.recovery.triage.model import EVIDENCE_CAP, MEGATRON, Hit, Triage
+from tasks.recovery.triage.model import EVIDENCE_CAP, MEGATRON, FailureClass, Hit, Triage
 
 
 class Decide:
@@ -37,20 +37,23 @@ class Decide:
             by_class.setdefault(h.cls, []).append(h)
         suspects: list[str] = []
         if "hardware" in by_class:
-            cls, first = "hardware", by_class["hardware"][0]
+            cls, first = FailureClass.HARDWARE, by_class[FailureClass.HARDWARE][0]
         elif exit_code == 17:
-            cls = "numerics"
-            first = (by_class.get("numerics") or roots or [h for h in exits if h.exit_code == 17] or [None])[
-                0
-            ]
+            cls = FailureClass.NUMERICS
+            first = (
+                by_class.get(FailureClass.NUMERICS)
+                or roots
+                or [h for h in exits if h.exit_code == 17]
+                or [None]
+            )[0]
         elif roots:
             first = roots[0]
             cls = first.cls
-            if cls == "preempted":
-                reasoned = [h for h in by_class["preempted"] if "reasoned" in h.tags]
+            if cls == FailureClass.PREEMPTED:
+                reasoned = [h for h in by_class[FailureClass.PREEMPTED] if "reasoned" in h.tags]
                 first = reasoned[0] if reasoned else first
         elif cascades:
-            cls, first = "hang", cascades[0]
+            cls, first = FailureClass.HANG, cascades[0]
             exited = next((h for h in cascades if "task-exit" in h.tags), None)
             timeout = next((h for h in cascades if "timeout" in h.tags), None)
             if (
@@ -61,25 +64,27 @@ class Decide:
                 first = exited
                 suspects.append(exited.nodes[0])
         else:
-            cls, first = "unknown", None
-        if cls not in ("hang", "unknown"):
+            cls, first = FailureClass.UNKNOWN, None
+        if cls not in (FailureClass.HANG, FailureClass.UNKNOWN):
             for h in by_class.get(cls, []):
                 for node in h.nodes:
                     if node not in suspects:
                         suspects.append(node)
-        if cls != "preempted":
+        if cls != FailureClass.PREEMPTED:
             for h in exits:
                 for node in h.nodes:
                     if node not in suspects:
                         suspects.append(node)
-        chosen = by_class.get(cls, []) if cls != "hang" else cascades
-        others = [h for h in roots if h.cls != cls] if cls != "hang" else []
+        chosen = by_class.get(cls, []) if cls != FailureClass.HANG else cascades
+        others = [h for h in roots if h.cls != cls] if cls != FailureClass.HANG else []
         evidence = sorted(
             chosen[:EVIDENCE_CAP] + others[: max(0, EVIDENCE_CAP - len(chosen))], key=lambda h: h.order
         )
         anomaly = None
-        if cls == "numerics":
-            anomaly = next((h.anomaly for h in by_class.get("numerics", []) if h.anomaly is not None), None)
+        if cls == FailureClass.NUMERICS:
+            anomaly = next(
+                (h.anomaly for h in by_class.get(FailureClass.NUMERICS, []) if h.anomaly is not None), None
+            )
         iterations = [f.iteration for f in self.files if f.iteration is not None]
         return Triage(
             cls=cls,
@@ -95,16 +100,16 @@ class Decide:
 
     def _reason(self, cls, first, by_class, cascades, exit_code) -> str:
         where = f" (first at {first.file}:{first.line})" if first is not None else ""
-        count = len(by_class.get(cls, [])) if cls != "hang" else len(cascades)
+        count = len(by_class.get(cls, [])) if cls != FailureClass.HANG else len(cascades)
         lines = sum(f.lines for f in self.files)
-        if cls == "unknown":
+        if cls == FailureClass.UNKNOWN:
             return f"nothing recognised as a failure in {lines} lines of {len(self.files)} file(s)"
-        if cls == "hardware":
+        if cls == FailureClass.HARDWARE:
             return (
                 f"GPU hardware evidence (critical XID, uncorrectable ECC, GPU off the bus){where}; "
                 "it outranks every other error, which a GPU fault commonly causes"
             )
-        if cls == "numerics" and exit_code == 17 and not by_class.get("numerics"):
+        if cls == FailureClass.NUMERICS and exit_code == 17 and not by_class.get(FailureClass.NUMERICS):
             return "Megatron exited 17: its result validation failed (a rerun gave a different result)"
         what = {
             "network": "an InfiniBand/NCCL network failure",
@@ -114,7 +119,7 @@ class Decide:
             "preempted": "the scheduler or the cloud ended the job "
             "(time limit, preemption, cancellation, requeue)",
         }
-        if cls == "hang":
+        if cls == FailureClass.HANG:
             return (
                 f"only consequences of a failure elsewhere ({count} lines: collective timeouts, closed "
                 f"connections, exited tasks){where}: a rank stopped without logging why"

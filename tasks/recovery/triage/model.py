@@ -2,8 +2,21 @@
 
 import bisect
 from dataclasses import dataclass
+from enum import StrEnum
 
-CLASSES = ("hardware", "network", "numerics", "oom", "software", "hang", "preempted", "unknown")
+
+class FailureClass(StrEnum):
+    """What a failure was, in the words the ledger, the stop rules and auto-approval use."""
+
+    HARDWARE = "hardware"
+    NETWORK = "network"
+    NUMERICS = "numerics"
+    OOM = "oom"
+    SOFTWARE = "software"
+    HANG = "hang"
+    PREEMPTED = "preempted"
+    UNKNOWN = "unknown"
+
 
 APPLICATION_XIDS = frozenset({13, 31, 43})  # an application fault: evidence for software
 EVIDENCE_CAP = 50
@@ -25,7 +38,7 @@ class Line:
     line: int  # 1-based
     text: str  # without the trailing newline
     kind: str  # "root", "cascade" or "info"
-    cls: str  # the class this line is evidence for ("hang" for cascades)
+    cls: str  # the class this line is evidence for (FailureClass.HANG for cascades)
     at: float | None  # its timestamp (own or inherited from above), epoch seconds
     nodes: tuple[str, ...] = ()  # the nodes this line names as suspects
 

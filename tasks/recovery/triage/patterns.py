@@ -4,7 +4,7 @@ evidence for (root) or a consequence of (cascade)."""
 import calendar
 import re
 
-from tasks.recovery.triage.model import APPLICATION_XIDS
+from tasks.recovery.triage.model import APPLICATION_XIDS, FailureClass
 
 FRAME = re.compile(r'\bFile "[^"]+", line \d+')
 
@@ -216,7 +216,7 @@ def classify_line(text: str, critical: frozenset) -> tuple[str, str, frozenset] 
         own = _SOFTWARE.search(wrapped[1]) or _CUDA_FAILURE.search(wrapped[1])
         if _CASCADE.search(wrapped[1]) or own is None:
             tags = {"timeout"} if _TIMEOUT.search(wrapped[1]) else set()
-            return "cascade", "hang", frozenset(tags)
+            return "cascade", FailureClass.HANG, frozenset(tags)
     found = root_of(text, critical)
     if found is not None:
         return found
@@ -224,13 +224,13 @@ def classify_line(text: str, critical: frozenset) -> tuple[str, str, frozenset] 
     if exited:
         failed = exited["code"] not in (None, "0") or exited[0].endswith("Killed")
         tags = {"task-exit"} if failed else set()
-        return "cascade", "hang", frozenset(tags)
+        return "cascade", FailureClass.HANG, frozenset(tags)
     if _CUDA_FAILURE.search(text):
-        return "root", "software", frozenset()
+        return "root", FailureClass.SOFTWARE, frozenset()
     if _CASCADE.search(text) or _NCCL_SYSTEM.search(text):
-        return "cascade", "hang", frozenset({"timeout"} if _TIMEOUT.search(text) else ())
+        return "cascade", FailureClass.HANG, frozenset({"timeout"} if _TIMEOUT.search(text) else ())
     if _SOFTWARE.search(text):
-        return "root", "software", frozenset()
+        return "root", FailureClass.SOFTWARE, frozenset()
     return None
 
 
@@ -240,30 +240,30 @@ def root_of(text: str, critical: frozenset) -> tuple[str, str, frozenset] | None
     if m:
         xids = {int(m[1])} | {int(c) for c in _XID_CAUSE.findall(text)}
         if xids & critical:
-            return "root", "hardware", frozenset({"xid"})
+            return "root", FailureClass.HARDWARE, frozenset({"xid"})
         if xids & APPLICATION_XIDS:
-            return "root", "software", frozenset({"xid"})
+            return "root", FailureClass.SOFTWARE, frozenset({"xid"})
         return None
     if _HARDWARE.search(text):
-        return "root", "hardware", frozenset()
+        return "root", FailureClass.HARDWARE, frozenset()
     if _OOM.search(text):
-        return "root", "oom", frozenset()
+        return "root", FailureClass.OOM, frozenset()
     event = _IB_ASYNC.search(text)
     if event:
-        return None if _IB_BENIGN.search(event[1]) else ("root", "network", frozenset())
+        return None if _IB_BENIGN.search(event[1]) else ("root", FailureClass.NETWORK, frozenset())
     if _NETWORK.search(text) or (_NCCL_SYSTEM.search(text) and "NET/" in text):
-        return "root", "network", frozenset()
+        return "root", FailureClass.NETWORK, frozenset()
     if _NUMERICS.search(text):
-        return "root", "numerics", frozenset()
+        return "root", FailureClass.NUMERICS, frozenset()
     cancelled = CANCELLED.search(text)
     if cancelled:
         why = cancelled["why"] or ""
         tags = {"reasoned"} if why else set()
         if why == "NODE FAILURE":
             tags.add("node-failure")
-        return "root", "preempted", frozenset(tags)
+        return "root", FailureClass.PREEMPTED, frozenset(tags)
     if NODE_FAILURE.search(text):
-        return "root", "preempted", frozenset({"reasoned", "node-failure"})
+        return "root", FailureClass.PREEMPTED, frozenset({"reasoned", "node-failure"})
     if _PREEMPTED.search(text):
-        return "root", "preempted", frozenset()
+        return "root", FailureClass.PREEMPTED, frozenset()
     return None

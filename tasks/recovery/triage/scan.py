@@ -12,6 +12,7 @@ from tasks.recovery.triage.model import (
     OVERFLOWS_FOR_NUMERICS,
     SPIKE_FACTOR,
     SPIKE_WINDOW,
+    FailureClass,
     Hit,
     keep_first,
 )
@@ -119,18 +120,23 @@ class Scan(Decide):
             f.nvrm = None
             return  # a training progress line: evidence only when NaN or a spike
         found = classify_line(text, self.critical) if screened else None
-        if progress is not None and (found is None or found[1] != "numerics"):
-            found = ("root", "numerics", frozenset({progress[0]}))
+        if progress is not None and (found is None or found[1] != FailureClass.NUMERICS):
+            found = ("root", FailureClass.NUMERICS, frozenset({progress[0]}))
         hit = None
         if found is not None:
             kind, cls, tags = found
-            if cls == "preempted" and f.task_failed and "reasoned" not in tags and "*** STEP " in text:
+            if (
+                cls == FailureClass.PREEMPTED
+                and f.task_failed
+                and "reasoned" not in tags
+                and "*** STEP " in text
+            ):
                 # srun --kill-on-bad-exit cancelling the step after a task failed: a consequence
-                kind, cls, tags = "cascade", "hang", frozenset()
+                kind, cls, tags = "cascade", FailureClass.HANG, frozenset()
             hit = Hit(f.index, f.name, number, text, kind, cls, f.last_ts, tags=tags)
             if kind == "root":
                 hit.nodes = self._root_nodes(text, cls, tags)
-                if cls == "numerics":
+                if cls == FailureClass.NUMERICS:
                     hit.anomaly = self._anomaly(f, text, progress)
                 self._add_root(f, hit)
             else:
@@ -142,14 +148,14 @@ class Scan(Decide):
                         hit.tags = hit.tags | {"single"}
                     if "task-exit" in hit.tags:
                         f.task_failed = True
-                f.counts["hang"] = f.counts.get("hang", 0) + 1
+                f.counts[FailureClass.HANG] = f.counts.get(FailureClass.HANG, 0) + 1
                 keep_first(f.cascades, hit)
         elif "OVERFLOW!" in text and OVERFLOW.search(text):
             self._overflow(f, number, text)
         f.nvrm = [hit, number, text, text, f.last_ts] if "NVRM:" in text else None
 
     def _root_nodes(self, text: str, cls: str, tags: frozenset) -> tuple[str, ...]:
-        if cls == "preempted":
+        if cls == FailureClass.PREEMPTED:
             if "node-failure" not in tags:
                 return ()
             m = CANCELLED.search(text) or NODE_FAILURE.search(text)
@@ -240,7 +246,16 @@ class Scan(Decide):
         f.overflow_scale = (
             reduced if reduced is not None else attempted if attempted is not None else f.overflow_scale
         )
-        hit = Hit(f.index, f.name, number, text, "root", "numerics", f.last_ts, tags=frozenset({"overflow"}))
+        hit = Hit(
+            f.index,
+            f.name,
+            number,
+            text,
+            "root",
+            FailureClass.NUMERICS,
+            f.last_ts,
+            tags=frozenset({"overflow"}),
+        )
         hit.anomaly = f.iteration
         low = f.overflow_scale is None or f.overflow_scale <= OVERFLOW_SCALE_FLOOR
         if f.overflow_run < OVERFLOWS_FOR_NUMERICS or not low:
