@@ -34,7 +34,7 @@ class Verdict(StrEnum):
         return list(Verdict).index(self)
 
     @property
-    def failed(self) -> bool:
+    def is_failure(self) -> bool:
         return self in (Verdict.FAIL_CONFIG, Verdict.FAIL_HARDWARE)
 
     @property
@@ -43,7 +43,7 @@ class Verdict(StrEnum):
         a pass, and not a fail either."""
         if self in (Verdict.PASS, Verdict.WARN):
             return Outcome(self.value.lower())
-        return Outcome.FAIL if self.failed else Outcome.UNCHECKED
+        return Outcome.FAIL if self.is_failure else Outcome.UNCHECKED
 
     @property
     def exit_code(self) -> int:

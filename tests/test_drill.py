@@ -15,7 +15,7 @@ from tasks.errors import UsageError
 from tasks.profile import load_profile
 from tasks.restore.drill import run_drill
 from tasks.restore.history import estimate, read_drills
-from tasks.restore.launch import DrillLayout, render_sbatch
+from tasks.restore.launch import LoaderShape, render_sbatch
 from tests.conftest import ROOT, exited_process_identity, variant_profile, write_job_profile
 
 pytestmark = pytest.mark.slow
@@ -279,7 +279,7 @@ def test_production_drill_allocation_script(tmp_path):
         str(tmp_path / "r.json"),
     ]
     script = render_sbatch(
-        slurm, DrillLayout(8, 8, 64), arguments, tmp_path / "job.log", "ckptops-drill-gpt-500b"
+        slurm, LoaderShape(8, 8, 64), arguments, tmp_path / "job.log", "ckptops-drill-gpt-500b"
     )
     for directive in (
         "--partition=drill",

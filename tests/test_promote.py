@@ -62,7 +62,7 @@ def test_kill_during_a_whole_promotion_then_rerun(save_dir, options):
         assert read_pointer(save_dir) == pointer
         report = promote(save_dir, options, 10)
         assert report.current == 24 and read_pointer(save_dir) == 24
-        assert not report.failed
+        assert not report.invalid
         for path in save_dir.glob("iter_*/manifest.json"):
             assert read_manifest(path.parent).valid
         (save_dir / POINTER).unlink()
@@ -160,14 +160,14 @@ def test_newest_failed_checkpoint_is_not_promoted(save_dir, options):
     directory = iter_dir(save_dir, 24)
     flip_byte(directory / "__0_0.distcp", tensor_data_offset(directory, "__0_0.distcp"))
     report = promote(save_dir, options, 10)
-    assert [v.iteration for v in report.failed] == [24]
+    assert [v.iteration for v in report.invalid] == [24]
     assert report.current == 20 and read_pointer(save_dir) == 20
 
 
 def test_in_progress_checkpoint_is_neither_failed_nor_promoted(save_dir, options):
     (iter_dir(save_dir, 24) / "metadata.json").unlink()
     report = promote(save_dir, options, 10)
-    assert [v.iteration for v in report.in_progress] == [24] and not report.failed
+    assert [v.iteration for v in report.in_progress] == [24] and not report.invalid
     assert read_pointer(save_dir) == 20
     assert not (iter_dir(save_dir, 24) / "manifest.json").exists()
 

@@ -77,7 +77,7 @@ def validate(failed_run, after: Path, before: bool = True):
 
 
 def failed_checks(result) -> list[str]:
-    return [c.name for c in result.failed]
+    return [c.name for c in result.failures]
 
 
 def test_resume_from_the_promoted_checkpoint_continues_exactly(failed_run):
@@ -117,14 +117,14 @@ def test_resume_without_optimizer_and_scheduler_is_caught_by_learning_rate(faile
 def test_resume_from_another_checkpoint_is_caught_by_resume_point(failed_run):
     result = validate(failed_run, resume(failed_run, "older", step=8))
     assert failed_checks(result) == ["resume point"]
-    assert result.failed[0].observed == "first iteration 9"
+    assert result.failures[0].observed == "first iteration 9"
     # Told the checkpoint it really resumed from, the validator names what is wrong with it.
     root, save = failed_run
     honest = validate_resume(
         save / "iter_0000008", load_steps(root / "before.jsonl"), load_steps(root / "older.jsonl"), SETTINGS
     )
     assert failed_checks(honest)[0] == "promoted checkpoint"
-    assert honest.failed[0].expected == "iteration 12 (latest verified when the run resumed)"
+    assert honest.failures[0].expected == "iteration 12 (latest verified when the run resumed)"
 
 
 def test_resume_point_still_passes_after_the_resumed_run_promoted_its_own_saves(failed_run, tmp_path):
@@ -343,7 +343,7 @@ def test_a_loss_that_diverged_to_infinity_is_caught(failed_run, tmp_path):
     diverged.write_text("".join(json.dumps(line) + "\n" for line in lines))
     result = validate(failed_run, diverged)
     assert failed_checks(result) == ["skipped and NaN iterations"]
-    assert f"iteration {lines[-3]['iteration']}: 0 skipped, 0 NaN, loss inf" in result.failed[0].observed
+    assert f"iteration {lines[-3]['iteration']}: 0 skipped, 0 NaN, loss inf" in result.failures[0].observed
     logged = _as_megatron_log(diverged, tmp_path / "diverged.log")
     assert "lm loss: INF" in logged.read_text()
     from_log = validate_resume(
@@ -407,8 +407,8 @@ def test_a_checkpoint_never_verified_is_verified_on_the_spot(per_iteration_run, 
     rejected = validate_run(
         load_profile(profile), root / "after.jsonl", root / "before.jsonl", broken / "iter_0000012"
     )
-    assert not rejected.ok and rejected.failed[0].name == "promoted checkpoint"
+    assert not rejected.ok and rejected.failures[0].name == "promoted checkpoint"
     assert (
         "its manifest says invalid: __1_0.distcp: referenced by .metadata but missing"
-        in rejected.failed[0].observed
+        in rejected.failures[0].observed
     )

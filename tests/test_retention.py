@@ -27,7 +27,7 @@ def test_keep_three_of_six_with_one_failed_and_one_in_progress(save_dir, options
     # Valid: 4, 8, 16, 20 -> the newest three stay; 12 is failed (kept, reported), 24 in progress.
     assert deleted == [4]
     assert remaining(save_dir) == [8, 12, 16, 20, 24]
-    assert plan.failed == [12]
+    assert plan.invalid == [12]
     assert plan.kept[20] == "promoted" and plan.kept[24].startswith("in-progress")
     assert not list(save_dir.glob(".ckptops-trash-*"))
     # Running again changes nothing.

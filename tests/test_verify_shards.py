@@ -15,8 +15,8 @@ from tasks.checkpoint.scan import FileScan, owned_records, scan_file
 from tasks.checkpoint.shards import (
     Piece,
     PieceResult,
-    Plan,
     Shard,
+    ShardPlan,
     ShardResult,
     merge,
     plan_shards,
@@ -110,7 +110,7 @@ def test_a_file_whose_sha256_is_wanted_stays_whole_and_tiny_checkpoints_use_fewe
 
 
 def test_tasks_read_the_shard_of_the_node_before_theirs():
-    plan = Plan("/x", MB, 2, [Shard(i, []) for i in range(6)])
+    plan = ShardPlan("/x", MB, 2, [Shard(i, []) for i in range(6)])
     assert [plan.shard_for_task(t) for t in range(6)] == [4, 5, 0, 1, 2, 3]
 
 

@@ -243,7 +243,7 @@ def summary_markdown(
     if plan is not None:
         lines.append(
             f"- retention (keep {plan.keep_verified}): deleted {deleted or 'nothing'}; "
-            f"failed kept for inspection: {plan.failed or 'none'}"
+            f"failed kept for inspection: {plan.invalid or 'none'}"
         )
         lines += [f"- expired lease removed: {lease}" for lease in plan.expired_leases]
     return "\n".join(lines) + "\n"

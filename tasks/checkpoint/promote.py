@@ -56,7 +56,7 @@ class PromotionReport:
         return self.previous is not None and self.current is None
 
     @property
-    def failed(self) -> list[Verification]:
+    def invalid(self) -> list[Verification]:
         return [v for v in self.verifications if v.state is State.INVALID]
 
     @property
@@ -66,11 +66,11 @@ class PromotionReport:
     @property
     def ok(self) -> bool:
         """Nothing verified failed, and a checkpoint is still there to resume from."""
-        return not self.failed and not self.cleared
+        return not self.invalid and not self.cleared
 
     def problems(self) -> list[str]:
         """Why the run is not ok, one line each."""
-        lines = [v.line() for v in self.failed]
+        lines = [v.line() for v in self.invalid]
         return lines + ([f"pointer removed: {self.message}"] if self.cleared else [])
 
     def summary(self, deleted: list[int] = ()) -> str:

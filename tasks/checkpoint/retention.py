@@ -26,7 +26,7 @@ class RetentionPlan:
     pointer: int | None
     delete: list[int] = field(default_factory=list)
     kept: dict[int, str] = field(default_factory=dict)
-    failed: list[int] = field(default_factory=list)  # invalid checkpoints, kept for inspection
+    invalid: list[int] = field(default_factory=list)  # kept for inspection
     expired_leases: list[str] = field(default_factory=list)  # removed: their readers are gone
 
 
@@ -41,7 +41,7 @@ def plan_retention(infos: list[CheckpointInfo], pointer: int | None, keep_verifi
         it = info.iteration
         if info.state is State.INVALID:
             plan.kept[it] = f"{info.state}: {info.reason}"
-            plan.failed.append(it)
+            plan.invalid.append(it)
         elif info.state is not State.VALID:
             plan.kept[it] = f"{info.state}: {info.reason}"
         elif pointer is None:

@@ -35,7 +35,7 @@ from isal import isal_zlib
 from tasks.storage.digest import FileHash, combine
 
 WINDOW = 1 << 20
-Progress = Callable[[int], None]
+OnBytes = Callable[[int], None]
 
 
 @dataclass(frozen=True)
@@ -249,7 +249,7 @@ def scan_file(
     path: Path,
     records: list[Record],
     want_sha256: bool = False,
-    progress: Progress | None = None,
+    progress: OnBytes | None = None,
     segment_bytes: int | None = None,
     span: tuple[int, int] | None = None,
     uncached: bool = False,
@@ -345,7 +345,7 @@ def scan_files(
     files: dict[str, list[Record]],
     sha256_for: set[str] = frozenset(),
     threads: int = 0,
-    progress: Progress | None = None,
+    progress: OnBytes | None = None,
     segment_bytes: int | None = None,
 ) -> dict[str, FileScan]:
     """Scan many files in parallel, largest first so the last thread does not start last."""

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tasks.checkpoint.scan import scan_file
-from tasks.checkpoint.shards import PieceResult, Plan, ShardResult, progress_path, read_records
+from tasks.checkpoint.shards import PieceResult, ShardPlan, ShardResult, progress_path, read_records
 from tasks.storage.local import atomic_write
 
 CANNOT_READ = 3
@@ -48,7 +48,7 @@ class CannotRead(Exception):
     """This node cannot read the shard (not visible, I/O error): the environment's fault."""
 
 
-def read_shard(plan: Plan, shard_index: int, attempt: int, node: str, work: Path) -> ShardResult:
+def read_shard(plan: ShardPlan, shard_index: int, attempt: int, node: str, work: Path) -> ShardResult:
     shard = plan.shards[shard_index]
     directory = Path(plan.directory)
     counter = _Counter(plan.max_read_mbps * 1e6 if plan.max_read_mbps else None)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     work = args.plan.parent
     try:
-        plan = Plan.read(args.plan)
+        plan = ShardPlan.read(args.plan)
     except (OSError, ValueError, TypeError, KeyError) as e:
         print(f"shard_worker: {args.plan}: cannot read the plan on node {node} ({e})", file=sys.stderr)
         return CANNOT_READ

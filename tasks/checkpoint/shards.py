@@ -67,7 +67,7 @@ class Shard:
 
 
 @dataclass
-class Plan:
+class ShardPlan:
     directory: str
     segment_bytes: int | None
     rotation: int
@@ -82,7 +82,7 @@ class Plan:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def read(cls, path: Path) -> "Plan":
+    def read(cls, path: Path) -> "ShardPlan":
         data = json.loads(Path(path).read_text())
         data["shards"] = [Shard(s["index"], [Piece(**p) for p in s["pieces"]]) for s in data["shards"]]
         return cls(**data)
@@ -290,7 +290,7 @@ def merge(
     return scans
 
 
-def write_plan(work: Path, plan: Plan, owned: dict[int, list[Record]]) -> None:
+def write_plan(work: Path, plan: ShardPlan, owned: dict[int, list[Record]]) -> None:
     """The plan, and beside it each shard's records (``assign_records``, from the coordinator's
     reading of ``.metadata``): a task reads only its own, and never unpickles anything."""
     folder = Path(work) / "records"

@@ -29,8 +29,8 @@ from pathlib import Path
 from tasks.checkpoint.scan import FileScan, Record, stat_key
 from tasks.checkpoint.shards import (
     PLAN,
-    Plan,
     Shard,
+    ShardPlan,
     ShardResult,
     assign_records,
     merge,
@@ -188,7 +188,7 @@ class SlurmEngine:
             plan_shards(sizes, len(nodes) * per_node, segment_bytes, set(sha256_for)), files
         )
         used_nodes = -(-len(shards) // per_node)
-        plan = Plan(
+        plan = ShardPlan(
             str(directory),
             segment_bytes,
             per_node if used_nodes > 1 else 0,
@@ -265,7 +265,7 @@ class SlurmEngine:
         python = settings.python or sys.executable
         return argv + [python, "-m", "tasks.checkpoint.shard_worker", str(work / PLAN), *worker]
 
-    def _run(self, plan: Plan, work: Path, nodes: int) -> None:
+    def _run(self, plan: ShardPlan, work: Path, nodes: int) -> None:
         count = len(plan.shards)
         started = time.monotonic()
         for status in self.statuses:
@@ -297,7 +297,7 @@ class SlurmEngine:
             time.sleep(_POLL_SECONDS)
         self._notify([])
 
-    def _poll(self, plan: Plan, work: Path) -> list[str]:
+    def _poll(self, plan: ShardPlan, work: Path) -> list[str]:
         """Collect progress notes and results; an attempt whose srun has exited without leaving
         a usable result has failed."""
         self._refuse_if_srun_failed(work)
@@ -318,7 +318,7 @@ class SlurmEngine:
         return events
 
     def _collect(
-        self, plan: Plan, work: Path, status: ShardStatus, attempt: Attempt, events: list[str]
+        self, plan: ShardPlan, work: Path, status: ShardStatus, attempt: Attempt, events: list[str]
     ) -> None:
         path = result_path(work, status.index, attempt.number)
         if not _listed(path) and self._waiting(status.index, attempt.number):
@@ -375,7 +375,7 @@ class SlurmEngine:
                 return now - step.ended < _RESULT_GRACE_SECONDS
         return False
 
-    def _last_words(self, work: Path, plan: Plan, shard: int, attempt: Attempt, fallback: str) -> str:
+    def _last_words(self, work: Path, plan: ShardPlan, shard: int, attempt: Attempt, fallback: str) -> str:
         """Why a task left no usable result: its own last line on stderr, else srun's line about
         it (which also names its node when the task never got to say)."""
         step = next(s for s in self._steps if s.attempt == attempt.number and shard in s.shards)
@@ -395,7 +395,7 @@ class SlurmEngine:
                 return f"{found[4].strip()} ({fallback.rsplit(': ', 1)[-1]})"
         return fallback
 
-    def _retry(self, plan: Plan, work: Path, events: list[str]) -> None:
+    def _retry(self, plan: ShardPlan, work: Path, events: list[str]) -> None:
         durations = [s.result.seconds for s in self.statuses if s.done]
         pool = None
         for status in self.statuses:

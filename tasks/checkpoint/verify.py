@@ -82,11 +82,11 @@ class _Checks:
     def passed(self, name: str, detail: str) -> None:
         self.results.append(passed(name, detail))
 
-    def failed(self, name: str, file: str | None, detail: str) -> None:
+    def fail(self, name: str, file: str | None, detail: str) -> None:
         self.results.append(failed(name, detail, file=file))
 
     def record(self, failure: CheckFailed) -> None:
-        self.failed(failure.check, failure.file, failure.detail)
+        self.fail(failure.check, failure.file, failure.detail)
 
     def conclude(self, name: str, detail: str) -> None:
         """Record a pass for ``name`` unless a failure under that name was recorded."""
@@ -194,18 +194,18 @@ class _Verifier:
         try:
             config = json.loads((self.directory / name).read_bytes())
         except FileNotFoundError:
-            self.checks.failed(name, name, "missing")
+            self.checks.fail(name, name, "missing")
             return
         except OSError as e:
             raise unreadable(self.directory / name, e) from None
         except ValueError as e:
-            self.checks.failed(name, name, f"unreadable ({e})")
+            self.checks.fail(name, name, f"unreadable ({e})")
             return
         backend = config.get("sharded_backend") if isinstance(config, dict) else None
         if not isinstance(backend, str):
-            self.checks.failed(name, name, "not a Megatron checkpoint config (no sharded_backend)")
+            self.checks.fail(name, name, "not a Megatron checkpoint config (no sharded_backend)")
         elif backend not in layout.KNOWN_BACKENDS:
-            self.checks.failed(name, name, f"unknown sharded_backend {backend!r}")
+            self.checks.fail(name, name, f"unknown sharded_backend {backend!r}")
         else:
             self.backend = config
             self.checks.passed(name, f"{backend} v{config.get('sharded_backend_version')}")
@@ -217,7 +217,7 @@ class _Verifier:
             # Kept as evidence: a manifest we cannot read is never replaced by a new one, or a
             # corruption it would have caught could be accepted as the new reference.
             self.manifest_unreadable = True
-            self.checks.failed(
+            self.checks.fail(
                 "manifest",
                 layout.MANIFEST,
                 f"{str(e).split(': ', 1)[-1]}; move it aside to re-verify from scratch",
@@ -225,7 +225,7 @@ class _Verifier:
             return
         if manifest is not None and manifest.iteration != self.iteration:
             self.manifest_unreadable = True
-            self.checks.failed(
+            self.checks.fail(
                 "manifest", layout.MANIFEST, f"describes iteration {manifest.iteration}, not {self.iteration}"
             )
             return
@@ -256,44 +256,44 @@ class _Verifier:
         referenced = self.index.files
         for name, records in sorted(referenced.items()):
             if name not in self.files:
-                self.checks.failed("files", name, "referenced by .metadata but missing")
+                self.checks.fail("files", name, "referenced by .metadata but missing")
                 continue
             size, needed = self.files[name].st_size, max(r.end for r in records)
             if size < needed:
-                self.checks.failed("files", name, f"truncated: {size} bytes, records need {needed}")
+                self.checks.fail("files", name, f"truncated: {size} bytes, records need {needed}")
         for name in sorted(self.files):
             if name.endswith(layout.DATA_SUFFIX) and name not in referenced:
-                self.checks.failed("files", name, "data file not referenced by .metadata")
+                self.checks.fail("files", name, "data file not referenced by .metadata")
         self.checks.conclude("files", f"{len(referenced)} data files present and long enough")
 
     def _check_records(self) -> None:
         for fqn, item in self.index.tensors.items():
             for chunk in item.chunks:
                 if (fqn, tuple(chunk.offsets)) not in self.index.records:
-                    self.checks.failed(
+                    self.checks.fail(
                         "records", None, f"tensor '{fqn}' chunk at {list(chunk.offsets)} has no record"
                     )
         for fqn in self.index.objects:
             if (fqn, None) not in self.index.records:
-                self.checks.failed("records", None, f"object '{fqn}' has no record")
+                self.checks.fail("records", None, f"object '{fqn}' has no record")
         for name, records in self.index.files.items():
             for record in records:
                 if record.offset < 0 or record.length <= 0:
-                    self.checks.failed(
+                    self.checks.fail(
                         "records",
                         name,
                         f"record '{record.key}' has offset {record.offset}, length {record.length}",
                     )
             for before, after in zip(records, records[1:]):
                 if after.offset < before.end:
-                    self.checks.failed("records", name, f"records '{before.key}' and '{after.key}' overlap")
+                    self.checks.fail("records", name, f"records '{before.key}' and '{after.key}' overlap")
         self.checks.conclude("records", "every chunk and object has its own record")
 
     def _check_coverage(self) -> None:
         for fqn, item in sorted(self.index.tensors.items()):
             problem = _tiles_exactly(tuple(item.size), item.chunks)
             if problem:
-                self.checks.failed("coverage", layout.DCP_METADATA, f"tensor '{fqn}': {problem}")
+                self.checks.fail("coverage", layout.DCP_METADATA, f"tensor '{fqn}': {problem}")
         self.checks.conclude("coverage", f"{len(self.index.tensors)} tensors tiled exactly")
 
     def _check_objects(self) -> None:
@@ -303,7 +303,7 @@ class _Verifier:
         for family, shards in sorted(families.items()):
             problem = _grid_missing(shards)
             if problem:
-                self.checks.failed("objects", layout.DCP_METADATA, f"object family '{family}': {problem}")
+                self.checks.fail("objects", layout.DCP_METADATA, f"object family '{family}': {problem}")
         self.checks.conclude("objects", f"{len(families)} sharded-object families cover their grids")
 
     def _read_integrity_json(self) -> None:
@@ -322,7 +322,7 @@ class _Verifier:
         except OSError as e:
             raise unreadable(self.directory / name, e) from None
         except (ValueError, TypeError, KeyError, AttributeError) as e:
-            self.checks.failed(name, name, f"unreadable ({e})")
+            self.checks.fail(name, name, f"unreadable ({e})")
 
     def _scan_content(self) -> None:
         referenced = self.index.files if self.index is not None else {}
@@ -349,7 +349,7 @@ class _Verifier:
             if scan.unreadable is not None:
                 raise unreadable(self.directory / name, scan.unreadable)
             for failure in scan.failures:
-                self.checks.failed("crc", name, failure)
+                self.checks.fail("crc", name, failure)
         records = sum(s.records for s in self.scans.values())
         self.checks.conclude("crc", f"{records} records' CRCs match")
 
@@ -373,9 +373,9 @@ class _Verifier:
         for name, expected in sorted(self.integrity.items()):
             scan = self.scans.get(name)
             if scan is None:
-                self.checks.failed(layout.INTEGRITY_JSON, name, "listed in integrity.json but missing")
+                self.checks.fail(layout.INTEGRITY_JSON, name, "listed in integrity.json but missing")
             elif scan.sha256 != expected:
-                self.checks.failed(layout.INTEGRITY_JSON, name, "sha256 differs from integrity.json")
+                self.checks.fail(layout.INTEGRITY_JSON, name, "sha256 differs from integrity.json")
         self.checks.conclude(layout.INTEGRITY_JSON, f"{len(self.integrity)} files match")
 
     def _check_against_reference(self) -> None:
@@ -385,17 +385,17 @@ class _Verifier:
         for name, entry in sorted(expected.items()):
             scan = self.scans.get(name)
             if scan is None:
-                self.checks.failed("manifest", name, "in the manifest but missing")
+                self.checks.fail("manifest", name, "in the manifest but missing")
             elif scan.size != entry.size:
-                self.checks.failed("manifest", name, f"size {scan.size}, manifest says {entry.size}")
+                self.checks.fail("manifest", name, f"size {scan.size}, manifest says {entry.size}")
             elif scan.hash != entry.hash:
-                self.checks.failed("manifest", name, f"content differs from the manifest ({HASH_ALGORITHM})")
+                self.checks.fail("manifest", name, f"content differs from the manifest ({HASH_ALGORITHM})")
         # A data file the save did not have is an error; a file added later by a finalize step
         # (integrity.json, a tokenizer) is not part of what was verified, and is only noted.
         added = sorted(set(self.scans) - set(expected))
         for name in added:
             if layout.is_checkpoint_content(name):
-                self.checks.failed("manifest", name, "not in the manifest")
+                self.checks.fail("manifest", name, "not in the manifest")
         later = [n for n in added if not layout.is_checkpoint_content(n)]
         note = f" ({', '.join(later)} added since)" if later else ""
         self.checks.conclude("manifest", f"{len(expected)} files match the manifest{note}")
@@ -422,12 +422,12 @@ class _Verifier:
         if not getattr(args, "no_save_rng", False) and not any(k.startswith("rng_state/") for k in keys):
             missing.append("rng_state")
         if missing:
-            self.checks.failed("state", self.common_file, f"required state missing: {', '.join(missing)}")
+            self.checks.fail("state", self.common_file, f"required state missing: {', '.join(missing)}")
         else:
             self.checks.passed("state", "model, optimizer, scheduler, RNG and common state present")
         stored = self.common.get("iteration")
         if stored != self.iteration:
-            self.checks.failed(
+            self.checks.fail(
                 "iteration",
                 self.common_file,
                 f"common state says iteration {stored}, the directory {self.iteration}",
@@ -442,7 +442,7 @@ class _Verifier:
         if self.options.layout is None or None in found:
             return
         if found != self.options.layout:
-            self.checks.failed(
+            self.checks.fail(
                 "layout",
                 self.common_file,
                 f"saved with TP/PP/DP {found}, the profile says {self.options.layout}",
@@ -558,7 +558,7 @@ def verify_checkpoint(
         return Verification(directory, iteration, before.state, before.reason)
     verifier = _Verifier(directory, iteration, options, progress, reference, watch, prescan)
     if before.state is State.INVALID:
-        verifier.checks.failed("complete", before.file, before.detail)
+        verifier.checks.fail("complete", before.file, before.detail)
     else:
         verifier.run()
     bytes_read = sum(s.size for s in verifier.scans.values())

@@ -209,8 +209,8 @@ def retain(
     out.print(f"{verb}: {', '.join(map(str, targets)) or 'nothing'}", markup=False)
     for iteration, why in sorted(plan.kept.items()):
         out.print(f"kept {iteration}: {why}", markup=False)
-    if plan.failed:
-        err.print(f"ckptops: failed checkpoints kept for inspection: {', '.join(map(str, plan.failed))}")
+    if plan.invalid:
+        err.print(f"ckptops: failed checkpoints kept for inspection: {', '.join(map(str, plan.invalid))}")
 
 
 @commands.command()

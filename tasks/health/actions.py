@@ -55,7 +55,7 @@ def plan_drains(
     node (a recovery names its incident), else each node's worst check."""
     now = time.time() if now is None else now
     plan = DrainPlan()
-    failing = [r for r in reports if r.verdict.failed]
+    failing = [r for r in reports if r.verdict.is_failure]
     plan.rerun = [r.node for r in reports if r.verdict in (Verdict.SUSPECT, Verdict.TOOL_ERROR)]
     by_check = Counter(r.worst_check.name for r in failing)
     crowded = [(check, n) for check, n in by_check.items() if n >= settings.drain.page_when_same_check_fails]

@@ -284,7 +284,7 @@ def run_health(
             (admit or settings.pairs.enabled)
             and settings.pairs.known_good
             and node != settings.pairs.known_good
-            and not report.verdict.failed
+            and not report.verdict.is_failure
             and report.verdict is not Verdict.SUSPECT
         ):
             report.checks.append(pair_test(node, settings.pairs.known_good, settings, key_text))

@@ -13,7 +13,7 @@ from prefect.input import RunInput
 
 from tasks.recovery.ledger import Incident, IncidentOutcome, incidents
 from tasks.recovery.report import incident_rows, incidents_markdown, plan_markdown
-from tasks.recovery.run import Decision, Plan
+from tasks.recovery.run import Decision, RecoveryPlan
 
 STARTED, STOPPED, COMPLETED_EVENT = (
     "training.recovery.started",
@@ -38,7 +38,7 @@ def ask_in_ui(timeout_seconds: float):
     """An approver for ``recover``: pause the flow run with the plan as the form's description;
     nobody answering in time is a no."""
 
-    def approve(plan: Plan) -> Decision:
+    def approve(plan: RecoveryPlan) -> Decision:
         form = Approval.with_initial_data(
             description=plan_markdown(plan), decision="approve", checkpoint=plan.checkpoint
         )

@@ -273,7 +273,7 @@ def wait_ended(job: str, timeout_seconds: float) -> str:
 
 
 @dataclass
-class Progress:
+class RelaunchProgress:
     steps: int
     first_step_at: float | None
     last_iteration: int | None
@@ -281,7 +281,7 @@ class Progress:
 
 def wait_progress(
     job: str, records: Path, before: int, steps: int, timeout_seconds: float, holder: dict | None = None
-) -> Progress:
+) -> RelaunchProgress:
     """Wait until the relaunched job has recorded ``steps`` steps past the ``before`` records
     that were there at relaunch. Ends early, with an error, when the job ends first."""
     deadline = time.monotonic() + timeout_seconds
@@ -305,14 +305,14 @@ def wait_progress(
         time.sleep(_POLL_SECONDS)
 
 
-def _progress(records: Path, before: int) -> Progress:
+def _progress(records: Path, before: int) -> RelaunchProgress:
     try:
         found: Steps = load_steps(records)
     except (UsageError, Unreadable):  # not written yet, or torn while the job writes it
-        return Progress(0, None, None)
+        return RelaunchProgress(0, None, None)
     new = len(found) - before
     if new <= 0:
-        return Progress(0, None, None)
+        return RelaunchProgress(0, None, None)
     times = found.columns.get("time")
     first = float(times[before]) if times is not None and times.size > before else None
-    return Progress(new, first, int(found.iteration[-1]))
+    return RelaunchProgress(new, first, int(found.iteration[-1]))

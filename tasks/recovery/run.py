@@ -70,7 +70,7 @@ from tasks.resume.validate import validate_resume
 
 
 @dataclass
-class Plan:
+class RecoveryPlan:
     """What the approver decides on."""
 
     incident: Incident
@@ -129,7 +129,7 @@ class _Recovery:
         self.phase = "detect"
         self.records = records_path(profile)
         self.steps: Steps | None = None
-        self.failed: Steps | None = None
+        self.failed_steps: Steps | None = None
         self.detected: Detected | None = None
         self.tri: Triage | None = None
         self.rules: list[Rule] = []
@@ -308,7 +308,7 @@ class _Recovery:
         def watch() -> None:
             steps = read_records(self.records)
             before = old.records_before or 0
-            self.failed = (
+            self.failed_steps = (
                 failed_attempt(steps.take(np.arange(min(before, len(steps)))), old.failed_job)
                 if steps
                 else None
@@ -343,10 +343,10 @@ class _Recovery:
     def _phases(self) -> None:
         incident, settings = self.incident, self.settings
         self.steps = self._do("step-records", read_records, self.records)
-        self.failed = failed_attempt(self.steps, self.source.slurm_job)
-        if self.failed is not None:
-            incident.failure_iteration = int(self.failed.iteration[-1])
-            incident.mark("last_progress", float(self.failed.time[-1]))
+        self.failed_steps = failed_attempt(self.steps, self.source.slurm_job)
+        if self.failed_steps is not None:
+            incident.failure_iteration = int(self.failed_steps.iteration[-1])
+            incident.mark("last_progress", float(self.failed_steps.time[-1]))
         else:
             incident.failure_iteration = self.tri.iteration
         incident.promoted_at_failure, promotion = self._do("promote-pending", promote_pending, self.profile)
@@ -458,7 +458,9 @@ class _Recovery:
             if settings.launcher == "slurm"
             else f"bash {settings.script}"
         )
-        plan = Plan(incident, self.tri, self.rules, chosen, choices, drained, exclude, admitted, relaunch)
+        plan = RecoveryPlan(
+            incident, self.tri, self.rules, chosen, choices, drained, exclude, admitted, relaunch
+        )
         incident.mark("approval_requested")
         self._save()
         self.phase = "approval"
@@ -575,12 +577,11 @@ class _Recovery:
         checkpoint_dir = self.save_dir / layout.iter_dir_name(incident.checkpoint)
         now = load_steps(self.records)
         resumed = now.take(np.arange(incident.records_before or 0, len(now)))
-        result = self._do(
-            "validate-resume", validate_resume, checkpoint_dir, self.failed, resumed, self.profile.resume
-        )
+        before, settings = self.failed_steps, self.profile.resume
+        result = self._do("validate-resume", validate_resume, checkpoint_dir, before, resumed, settings)
         incident.mark("validated")
         incident.validation = result.line()
-        account(incident, self.failed, checkpoint_dir)
+        account(incident, self.failed_steps, checkpoint_dir)
         if result.ok:
             self._stop(
                 f"resumed from {incident.checkpoint} as {new}; {result.line()}", IncidentOutcome.COMPLETED
@@ -598,7 +599,7 @@ def recover(
     profile,
     source: Source,
     trigger: str,
-    approve: Callable[[Plan], Decision],
+    approve: Callable[[RecoveryPlan], Decision],
     step: Callable = plain_step,
     flow_run: str | None = None,
     started: Callable[[Incident], None] | None = None,

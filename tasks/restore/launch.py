@@ -23,7 +23,7 @@ SBATCH_TEMPLATE = importlib.resources.files("tasks.restore") / "restore_drill.sb
 
 
 @dataclass(frozen=True)
-class DrillLayout:
+class LoaderShape:
     tensor_parallel: int
     pipeline_parallel: int
     world_size: int
@@ -33,7 +33,7 @@ class DrillLayout:
         return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
 
 
-def drill_layout(drill, checkpoint_layout: dict) -> DrillLayout:
+def drill_layout(drill, checkpoint_layout: dict) -> LoaderShape:
     """TP and PP as the profile sets them (default: the checkpoint's); the world is the Slurm
     allocation's tasks, or TP x PP x ``drill.layout.data_parallel`` locally."""
     tp = drill.layout.tensor_parallel or checkpoint_layout.get("tensor_parallel") or 1
@@ -47,10 +47,10 @@ def drill_layout(drill, checkpoint_layout: dict) -> DrillLayout:
             )
     else:
         world = tp * pp * drill.layout.data_parallel
-    return DrillLayout(tp, pp, world)
+    return LoaderShape(tp, pp, world)
 
 
-def loader_args(drill, checkpoint: Path, report: Path, layout: DrillLayout) -> list[str]:
+def loader_args(drill, checkpoint: Path, report: Path, layout: LoaderShape) -> list[str]:
     args = [
         "--checkpoint",
         str(checkpoint),
@@ -68,7 +68,7 @@ def loader_args(drill, checkpoint: Path, report: Path, layout: DrillLayout) -> l
     return args
 
 
-def torchrun(layout: DrillLayout, arguments: list[str]) -> list[str]:
+def torchrun(layout: LoaderShape, arguments: list[str]) -> list[str]:
     """The loader under torchrun on this host, one process per rank of the layout."""
     return [
         sys.executable,
@@ -94,7 +94,7 @@ def loader_env() -> dict[str, str]:
     }
 
 
-def render_sbatch(slurm, layout: DrillLayout, arguments: list[str], output: Path, job_name: str) -> str:
+def render_sbatch(slurm, layout: LoaderShape, arguments: list[str], output: Path, job_name: str) -> str:
     """The batch script a Slurm drill submits (every value shell-quoted; nothing is eval'd)."""
     python = slurm.python or sys.executable
     command = shlex.join([python, "-m", "tasks.restore.loader", *arguments])
@@ -148,7 +148,7 @@ class LoadFailed(CkptopsError):
     """The load itself failed; the message is its own first error, with where its log is."""
 
 
-def run_loader(profile, checkpoint: Path, layout: DrillLayout, report: Path, log: Path) -> LoadReport:
+def run_loader(profile, checkpoint: Path, layout: LoaderShape, report: Path, log: Path) -> LoadReport:
     """Load ``checkpoint`` for real on ``layout``; return the loader's report, or raise with the
     load's own first error (a usage error when the profile, not the checkpoint, is at fault)."""
     drill = profile.drill
@@ -169,7 +169,7 @@ def run_loader(profile, checkpoint: Path, layout: DrillLayout, report: Path, log
     return read_report(report)
 
 
-def _run_slurm(profile, layout: DrillLayout, arguments: list[str], report: Path, log: Path) -> None:
+def _run_slurm(profile, layout: LoaderShape, arguments: list[str], report: Path, log: Path) -> None:
     slurm = profile.drill.slurm
     script = report.with_suffix(".sbatch")
     output = log.with_suffix(".job.log")

@@ -36,7 +36,7 @@ class Validation:
         return not any(c.failed for c in self.checks)
 
     @property
-    def failed(self) -> list[Check]:
+    def failures(self) -> list[Check]:
         return [c for c in self.checks if c.failed]
 
     def line(self) -> str:
@@ -45,7 +45,7 @@ class Validation:
             return f"VALIDATED resume from iteration {self.iteration}: every check passed" + (
                 f" (not checkable here: {', '.join(unchecked)})" if unchecked else ""
             )
-        first = self.failed[0]
+        first = self.failures[0]
         return (
             f"REJECTED resume from iteration {self.iteration}: {first.name}: expected {first.expected}, "
             f"observed {first.observed}" + (f" ({first.detail})" if first.detail else "")

@@ -49,7 +49,7 @@ def publish_validation(job: str, result: Validation) -> None:
         payload={
             "checkpoint": result.checkpoint,
             "iteration": result.iteration,
-            "failed": [c.name for c in result.failed],
+            "failed": [c.name for c in result.failures],
             "summary": result.line(),
         },
     )
