@@ -154,7 +154,17 @@ def main(profile_name: str | None = None) -> int:
     profile = load_profile(profile_name)
     if profile.local_job is None or profile.prefect.home is None or profile.recovery is None:
         raise CkptopsError(f"{profile.source}: the demo needs local_job, prefect.home and recovery sections")
-    job, api_url, home = profile.local_job, profile.prefect.api_url, profile.prefect.home
+    ui = _serve(profile)
+    log, failed_with = _train(profile)
+    ok = _scheduled_flows(profile)
+    ok = _recover(profile, log, failed_with) and ok
+    _summary(profile, ui, log)
+    return 0 if ok else 1
+
+
+def _serve(profile) -> str:
+    """The Prefect server (started or reused), the deployments, a worker and the watchdog."""
+    api_url, home = profile.prefect.api_url, profile.prefect.home
     ui = _ui_url(api_url)
     with console.status(f"Prefect server at {ui} (a first start takes about 30 s)..."):
         started = start_server(api_url, home, home / "server.log")
@@ -179,15 +189,15 @@ def main(profile_name: str | None = None) -> int:
 
     watching = install(profile)
     console.print(f"watchdog automations: {', '.join(a.name for a in watching)}")
+    return ui
 
+
+def _train(profile) -> tuple[Path, int]:
+    """The local job, from scratch, failing as rehearsed; its saves promoted by the worker."""
     from infra.local_job.launch import write_job_script
-    from tasks import render
-    from tasks.checkpoint.catalog import catalog
-    from tasks.checkpoint.state import VerifyOptions
     from tasks.cluster import process as processes
-    from tasks.recovery.job import wait_ended
 
-    save_dir, recovery = profile.job.save_dir, profile.recovery
+    job, save_dir, recovery = profile.local_job, profile.job.save_dir, profile.recovery
     _reset(save_dir)
     script = write_job_script(
         recovery.script,
@@ -197,7 +207,7 @@ def main(profile_name: str | None = None) -> int:
         nodes=job.nproc,
         train_iters=job.train_iters,
         save_interval=job.save_interval,
-        notify_url=api_url,
+        notify_url=profile.prefect.api_url,
     )
     recovery.step_records.unlink(missing_ok=True)
     console.print(
@@ -219,7 +229,11 @@ def main(profile_name: str | None = None) -> int:
     with console.status("verify-and-promote (triggered by the saves)...") as status:
         _wait_promoted(save_dir, last_save, 300, status)
     console.print(f"verify-and-promote (triggered by the saves, run by the worker): promoted {last_save}")
+    return log, failed_with
 
+
+def _scheduled_flows(profile) -> bool:
+    """A run of each scheduled flow's deployment: archive copy, both drills, node health."""
     ok = True
     steps = [("archive-copy/local-tiny-archive", {"force": True}, "archive-copy")]
     steps += [
@@ -232,13 +246,20 @@ def main(profile_name: str | None = None) -> int:
         console.print(f"{what}: {state.name}: {state.message}", markup=False)
         # On a machine without GPUs node health's FAIL_CONFIG "no GPUs found" is the expected answer.
         ok = ok and (state.is_completed() or what == "node-health")
+    return ok
 
+
+def _recover(profile, log: Path, failed_with: int) -> bool:
+    """The recovery run for the rehearsed failure, the relaunched job to its end, its saves
+    promoted, and the goodput report."""
+    from tasks.recovery.job import wait_ended
+
+    job, save_dir = profile.local_job, profile.job.save_dir
     with console.status("recovery-run: triage, checkpoint, relaunch, progress, validation..."):
         recovered = _run(
             "recovery-run/local-tiny-recovery", 900, logs=[str(log)], exit_code=failed_with, trigger="demo"
         )
     console.print(f"recovery-run: {recovered.name}: {recovered.message}", markup=False)
-    ok = ok and recovered.is_completed()
     incident = ledger_incidents(save_dir)[-1] if ledger_incidents(save_dir) else None
     if incident and incident.relaunched_job:
         with console.status(f"the relaunched job ({incident.relaunched_job}) trains to {job.train_iters}..."):
@@ -249,10 +270,17 @@ def main(profile_name: str | None = None) -> int:
     with console.status("goodput-report: the ledger and the interval advice..."):
         report = _run("goodput-report/local-tiny-goodput", 300)
     console.print(f"goodput-report: {report.name}: {report.message}", markup=False)
+    return recovered.is_completed()
 
-    options = VerifyOptions.from_profile(profile)
+
+def _summary(profile, ui: str, log: Path) -> None:
+    from tasks import render
+    from tasks.checkpoint.catalog import catalog
+    from tasks.checkpoint.state import VerifyOptions
+
+    save_dir = profile.job.save_dir
     console.print()
-    render.status(console, save_dir, catalog(save_dir, options))
+    render.status(console, save_dir, catalog(save_dir, VerifyOptions.from_profile(profile)))
     render.incidents(console, profile.job.name, incident_rows(ledger_incidents(save_dir)))
     console.print(
         f"\nPrefect UI: {ui}  (deployments: {ui}/deployments, runs: {ui}/runs, artifacts: {ui}/artifacts)"
@@ -261,7 +289,6 @@ def main(profile_name: str | None = None) -> int:
     console.print(f"drill history: ckptops drills --profile {profile.source}")
     console.print(f"incidents: ckptops incidents --profile {profile.source}")
     console.print("the server and the worker keep running: make demo-down stops them")
-    return 0 if ok else 1
 
 
 def down(profile_name: str | None = None) -> int:

@@ -233,6 +233,41 @@ def _finish(scan: FileScan, r: CrcRange) -> None:
         scan.failures.append(f"{r.label} at offset {r.start}: CRC {r.crc:08x}, expected {r.expected:08x}")
 
 
+class _CrcCursor:
+    """The CRC ranges (sorted by start) a sequential read has reached: each chunk read advances
+    the open ones, and a range is judged when the read passes its end."""
+
+    def __init__(self, ranges: list[CrcRange], scan: FileScan):
+        self.ranges, self.scan = ranges, scan
+        self.next, self.open = 0, []
+
+    def feed(self, chunk: memoryview, pos: int) -> None:
+        stop = pos + len(chunk)
+        while self.next < len(self.ranges) and self.ranges[self.next].start < stop:
+            self.open.append(self.ranges[self.next])
+            self.next += 1
+        still_open = []
+        for r in self.open:
+            lo, hi = max(r.start, pos), min(r.end, stop)
+            if hi > lo:
+                r.crc = isal_zlib.crc32(chunk[lo - pos : hi - pos], r.crc)
+            if r.end <= stop:
+                _finish(self.scan, r)
+            else:
+                still_open.append(r)
+        self.open = still_open
+
+    def close(self, pos: int) -> None:
+        """The read ended at ``pos``: ranges it did not reach the end of are failures."""
+        for r in self.open + self.ranges[self.next :]:
+            if r.end <= pos:  # empty entries at the very end
+                _finish(self.scan, r)
+            else:
+                self.scan.failures.append(
+                    f"{r.label}: file ends at byte {pos}, before the entry's end {r.end}"
+                )
+
+
 def stat_key(st: os.stat_result) -> list[int]:
     """What identifies one version of a file: inode, size and mtime (the same on every node of a
     shared file system, so a shard task's and the coordinator's can be compared)."""
@@ -290,7 +325,8 @@ def scan_file(
         view = memoryview(buffer)
         # Past the span's end only to finish the CRCs of records it owns; a whole file to its EOF.
         stop_at = max([end, *(r.end for r in ranges)]) if span else None
-        pos, next_range, open_ranges = start, 0, []
+        crcs = _CrcCursor(ranges, scan)
+        pos = start
         while stop_at is None or pos < stop_at:
             n = os.preadv(fd, [view[: WINDOW if stop_at is None else min(WINDOW, stop_at - pos)]], pos)
             if n == 0:
@@ -301,28 +337,11 @@ def scan_file(
                 hasher.update(hashed)
                 if sha is not None:
                     sha.update(hashed)
-            stop = pos + n
-            while next_range < len(ranges) and ranges[next_range].start < stop:
-                open_ranges.append(ranges[next_range])
-                next_range += 1
-            still_open = []
-            for r in open_ranges:
-                lo, hi = max(r.start, pos), min(r.end, stop)
-                if hi > lo:
-                    r.crc = isal_zlib.crc32(chunk[lo - pos : hi - pos], r.crc)
-                if r.end <= stop:
-                    _finish(scan, r)
-                else:
-                    still_open.append(r)
-            open_ranges = still_open
-            pos = stop
+            crcs.feed(chunk, pos)
+            pos += n
             if progress:
                 progress(n)
-        for r in open_ranges + ranges[next_range:]:
-            if r.end <= pos:  # empty entries at the very end
-                _finish(scan, r)
-            else:
-                scan.failures.append(f"{r.label}: file ends at byte {pos}, before the entry's end {r.end}")
+        crcs.close(pos)
         scan.start, scan.end = start, end if span else hasher.position
         scan.segments = hasher.finish()
         scan.hash = combine(scan.segments) if span is None else None
