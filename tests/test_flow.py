@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from datetime import UTC, datetime
@@ -18,6 +17,7 @@ from flows.verify_and_promote import verify_and_promote
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.pointer import read_pointer
 from tests.conftest import ROOT, flip_byte, iter_dir
+from tests.helpers.poll import until, within
 from tests.test_verify import tensor_data_offset
 
 pytestmark = pytest.mark.slow
@@ -62,9 +62,9 @@ def test_flow_verifies_promotes_retains_and_publishes(prefect_api, save_dir, tmp
 def promoted_events(job: str, since: datetime, count: int, timeout: float = 60) -> list[int]:
     from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 
-    deadline, found = time.monotonic() + timeout, []
     with get_client(sync_client=True) as client:
-        while len(found) < count and time.monotonic() < deadline:
+
+        def found() -> list[int]:
             page = client.read_events(
                 filter=EventFilter(
                     occurred=EventOccurredFilter(since=since),
@@ -73,10 +73,11 @@ def promoted_events(job: str, since: datetime, count: int, timeout: float = 60) 
                 ),
                 limit=50,
             )
-            found = [e.payload["iteration"] for e in page.events]
-            if len(found) < count:
-                time.sleep(0.5)
-    return found
+            return [e.payload["iteration"] for e in page.events]
+
+        return (
+            within(lambda: (events := found()) and len(events) >= count and events, timeout, 0.5) or found()
+        )
 
 
 def test_flow_fails_naming_the_bad_checkpoint_and_keeps_the_good_one(prefect_api, save_dir, tmp_path):
@@ -162,16 +163,14 @@ def test_deployments_register_and_the_saved_event_starts_a_run(prefect_api):
             assert reply.status in (200, 201, 202, 204)
 
         # The trigger runs inside the server; poll (bounded) until it has created the run.
-        deadline = time.monotonic() + 90
-        triggered = []
-        while not triggered and time.monotonic() < deadline:
+
+        def triggered_runs():
             runs = client.read_flow_runs(
                 deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
             )
-            triggered = [r for r in runs if r.created_by and r.created_by.type == "AUTOMATION"]
-            if not triggered:
-                time.sleep(0.5)
-        assert triggered, "no flow run was created by the training.checkpoint.saved trigger"
+            return [r for r in runs if r.created_by and r.created_by.type == "AUTOMATION"]
+
+        triggered = until(triggered_runs, 90, "a flow run created by the training.checkpoint.saved trigger")
         assert triggered[0].parameters == {"profile": "local"}
 
 

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -26,6 +25,7 @@ from tasks.checkpoint.pointer import PROMOTIONS, read_pointer
 from tasks.errors import CkptopsError
 from tasks.prefect_server import start_server
 from tests.conftest import ROOT, free_port
+from tests.helpers.poll import until
 
 pytestmark = pytest.mark.slow
 
@@ -156,18 +156,15 @@ def saved_event(iteration: int) -> list[dict]:
 
 
 def wait_for(predicate, timeout: float, what: str):
-    """Poll ``predicate`` until it returns something true (bounded): the server and the worker
-    act asynchronously."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """``until`` through a server restart: a refused connection is "not yet"."""
+
+    def asked():
         try:
-            found = predicate()
+            return predicate()
         except (OSError, urllib.error.URLError):
-            found = None  # the server is restarting
-        if found:
-            return found
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+            return None
+
+    return until(asked, timeout, what, every=0.5)
 
 
 def api(server: Server, path: str, body: dict) -> list:

@@ -3,7 +3,6 @@
 job's recovery deployment; another job's failures do not."""
 
 import json
-import time
 import urllib.request
 import uuid
 from datetime import UTC, datetime
@@ -14,6 +13,7 @@ import yaml
 from tasks.errors import UsageError
 from tasks.profile import load_profile
 from tasks.recovery.automation import automation_name, install
+from tests.helpers.poll import within
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +37,7 @@ def post_failed(api: str, job: str, slurm_job: str) -> None:
 def paused(client, deployment_id, timeout: float = 60.0) -> bool:
     """Whether the server paused the deployment within ``timeout`` (the automation acts
     asynchronously, so this polls the deployment's state, with a deadline)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if client.read_deployment(deployment_id).paused:
-            return True
-        time.sleep(0.5)
-    return False
+    return bool(within(lambda: client.read_deployment(deployment_id).paused, timeout, every=0.5))
 
 
 def test_more_failures_than_the_hourly_budget_pause_automatic_recovery(prefect_api, tmp_path):

@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from tasks.checkpoint.pointer import read_pointer
 from tasks.cluster import process
 from tasks.recovery.ledger import incidents, ledger_path
 from tests.conftest import ROOT, flip_byte, free_port, iter_dir
+from tests.helpers.poll import until
 from tests.test_cli import CKPTOPS
 
 pytestmark = pytest.mark.slow
@@ -125,17 +125,6 @@ def recover(job: Job, *extra: str, env: dict | None = None) -> subprocess.Popen:
 def ledger_lines(job: Job) -> list[dict]:
     path = ledger_path(job.save)
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def until(condition, timeout: float, what: str):
-    """Poll ``condition`` until it holds (its value) or the deadline passes (a failure)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout:.0f}s: {what}")
 
 
 def relaunched(job: Job) -> str | None:

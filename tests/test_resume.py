@@ -4,7 +4,6 @@ checkpoint, validated; and each way a resume goes wrong, caught and named by its
 import json
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from tasks.profile import load_profile
 from tasks.resume.records import load_steps
 from tasks.resume.validate import validate_resume
 from tests.conftest import ROOT
+from tests.helpers.poll import until
 
 pytestmark = pytest.mark.slow
 SETTINGS = load_profile().resume  # the embedded default's windows and tolerances
@@ -284,16 +284,15 @@ def test_post_resume_validation_flow_emits_its_event(failed_run, prefect_api):
         "loss and grad norm",
     ]
     # Events reach the server asynchronously: poll (bounded) until it has stored this one.
-    deadline, found = time.monotonic() + 60, False
     with get_client(sync_client=True) as client:
-        while not found and time.monotonic() < deadline:
+
+        def recorded() -> bool:
             page = client.read_events(
                 filter=EventFilter(event=EventNameFilter(name=["training.resume.validated"])), limit=50
             )
-            found = any(e.resource.id == "ckptops.job.resume-test" for e in page.events)
-            if not found:
-                time.sleep(0.5)
-    assert found, "training.resume.validated was not recorded for ckptops.job.resume-test"
+            return any(e.resource.id == "ckptops.job.resume-test" for e in page.events)
+
+        until(recorded, 60, "training.resume.validated recorded for ckptops.job.resume-test")
 
 
 def _as_megatron_log(records: Path, target: Path, tflops: bool = True) -> Path:

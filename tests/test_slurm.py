@@ -4,7 +4,6 @@ two nodes, its cancellation when it overruns, and drains in slurmctld."""
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from tasks.outcome import Verdict
 from tasks.profile import load_profile
 from tasks.restore.drill import run_drill
 from tests.conftest import variant_profile
+from tests.helpers.poll import until
 
 pytestmark = pytest.mark.slow
 ON_TWO_NODES = (
@@ -60,14 +60,14 @@ def test_a_drill_past_its_timeout_is_cancelled(slurm_conf, variety, tmp_path, op
     assert not report.ok and "timed out after 2s" in report.reason
     job = report.reason.rsplit("Slurm job ", 1)[1].split()[0]
     assert job.isdigit() and report.reason.endswith(f"Slurm job {job} cancelled")
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+
+    def gone():
         queue = subprocess.run(
             ["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=30
         )
-        if queue.stdout.strip() in ("", "CANCELLED"):
-            break
-    assert queue.stdout.strip() in ("", "CANCELLED"), f"job {job} still {queue.stdout.strip()}"
+        return queue.stdout.strip() in ("", "CANCELLED")
+
+    until(gone, 60, f"job {job} cancelled")
 
 
 def test_nodelists_partitions_and_drains_in_slurmctld(slurm_conf, tmp_path):

@@ -9,7 +9,6 @@ import pickle
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from tasks.checkpoint.state import State, VerifyOptions
 from tasks.checkpoint.verify import verify_checkpoint
 from tasks.profile import load_profile
 from tests.conftest import ROOT, VARIANTS, flip_byte, iter_dir
+from tests.helpers.poll import until
 from tests.test_cli import CKPTOPS
 
 pytestmark = pytest.mark.slow
@@ -65,17 +65,6 @@ def start_cli(directory: Path, profile: Path, *extra) -> subprocess.Popen:
     return subprocess.Popen(
         list(map(str, argv)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
     )
-
-
-def wait_for(predicate, timeout: float, what: str):
-    """Poll ``predicate`` (bounded) until it returns something true: the tasks run on their own."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def reading(tmp_path: Path) -> dict[str, dict]:
@@ -135,7 +124,7 @@ def test_a_shard_task_killed_midway_is_retried_on_another_node(slurm_conf, mediu
     profile = write_profile(tmp_path, medium_save_dir, max_read_mbps=4)
     expected = verify_with("local", directory, profile)
     process = start_cli(directory, profile)
-    victim = wait_for(
+    victim = until(
         lambda: next((n for n in reading(tmp_path).values() if n["bytes"] > MB), None), 120, "a shard reading"
     )
     os.kill(victim["pid"], signal.SIGKILL)
@@ -155,7 +144,7 @@ def test_a_hung_shard_task_is_overtaken_by_a_retry_and_then_stopped(slurm_conf, 
         tmp_path, medium_save_dir, max_read_mbps=4, straggler_factor=1.5, straggler_min_seconds=0
     )
     process = start_cli(directory, profile)
-    running = wait_for(
+    running = until(
         lambda: (r := reading(tmp_path)) and len(r) == 3 and all(n["bytes"] > 0 for n in r.values()) and r,
         120,
         "three shards reading",
@@ -170,7 +159,7 @@ def test_a_hung_shard_task_is_overtaken_by_a_retry_and_then_stopped(slurm_conf, 
         assert row["nodes"].startswith("n1 -> ") and row["state"] == "done"
         assert f"shard {hung['shard']} straggling on n1: retrying on" in stderr
         # The hung attempt's step was ended with the run: nothing left on the node.
-        wait_for(lambda: not Path(f"/proc/{hung['pid']}").exists(), 60, "the hung task to be ended")
+        until(lambda: not Path(f"/proc/{hung['pid']}").exists(), 60, "the hung task to be ended")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(hung["pid"], signal.SIGKILL)
@@ -190,7 +179,7 @@ def test_a_node_drained_during_the_run_is_avoided(drained_later, medium_save_dir
     directory = iter_dir(medium_save_dir, 4)
     profile = write_profile(tmp_path, medium_save_dir, max_read_mbps=4)
     process = start_cli(directory, profile)
-    running = wait_for(
+    running = until(
         lambda: (r := reading(tmp_path)) and len(r) == 3 and all(n["bytes"] > 0 for n in r.values()) and r,
         120,
         "three shards reading",
@@ -214,9 +203,9 @@ def hidden_on_n2(slurm_conf):
     def restart(prefix: list[str]) -> None:
         old = int(pidfile.read_text())
         os.kill(old, signal.SIGTERM)
-        wait_for(lambda: not Path(f"/proc/{old}").exists(), 60, "n2's slurmd to stop")
+        until(lambda: not Path(f"/proc/{old}").exists(), 60, "n2's slurmd to stop")
         subprocess.run([*prefix, "/usr/sbin/slurmd", "-f", str(conf), "-N", "n2"], check=True, timeout=60)
-        wait_for(lambda: pidfile.exists() and int(pidfile.read_text()) != old, 60, "n2's slurmd to start")
+        until(lambda: pidfile.exists() and int(pidfile.read_text()) != old, 60, "n2's slurmd to start")
 
     def hide(folder: Path) -> None:
         mount = f'mount -t tmpfs -o size=1m ckptops-hidden {folder} && exec "$0" "$@"'

@@ -19,6 +19,7 @@ import yaml
 
 from tasks.checkpoint.pointer import read_pointer
 from tests.conftest import ROOT, iter_dir
+from tests.helpers.poll import until
 from tests.test_cli import ckptops_here
 from tests.test_notify import receiver  # noqa: F401  (a fixture)
 
@@ -92,16 +93,6 @@ def kill(worker: subprocess.Popen) -> None:
 
 def state_of(client, run_id):
     return client.read_flow_run(run_id).state
-
-
-def until(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"not within {timeout:.0f}s: {what}")
 
 
 def test_a_dead_worker_does_not_wedge_verify_and_promote(prefect_api, trained, tmp_path):
