@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv sshd slurm slurm-down postgres chromium lint test demo demo-down screenshots bench clean
+.PHONY: venv sshd slurm slurm-down postgres chromium b3sum lint test test-quick demo demo-down screenshots bench clean
 
 venv: $(STAMP)
 
@@ -51,6 +51,10 @@ lint: venv
 test: venv sshd slurm postgres chromium lint
 	$(BIN)/python -m pytest
 
+# The inner loop: no training, no servers, no cluster (the tests not marked slow; about a minute).
+test-quick: venv lint
+	$(BIN)/python -m pytest -m "not slow"
+
 demo: venv
 	$(BIN)/python -m infra.demo
 
@@ -63,9 +67,13 @@ screenshots: demo chromium
 demo-down: venv
 	$(BIN)/python -m infra.demo down
 
-# Needs b3sum for the reference column (Debian: apt-get install b3sum).
-bench: venv sshd slurm
-	@command -v b3sum >/dev/null || { echo "make bench: b3sum not found (apt-get install b3sum)"; exit 2; }
+# The bench's reference column hashes with b3sum (Debian's package).
+b3sum:
+	@command -v b3sum >/dev/null || { command -v apt-get >/dev/null \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -q b3sum >/dev/null; } \
+		|| { echo "make: the bench needs b3sum (Debian: apt-get install b3sum)"; exit 2; }
+
+bench: venv sshd slurm b3sum
 	$(BIN)/python -m tests.bench.bench_verify
 	SLURM_CONF=$(CURDIR)/data/slurm/slurm.conf $(BIN)/python -m tests.bench.bench_verify_slurm
 	$(BIN)/python -m tests.bench.bench_drill

@@ -24,6 +24,25 @@ os.environ["PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"] = "false"
 ITERATIONS = [4, 8, 12, 16, 20, 24]
 
 
+# A test that uses one of these (directly or through another fixture) trains, starts a server or
+# needs a cluster: it is marked slow, and make test-quick leaves it out.
+HEAVY_FIXTURES = frozenset(
+    {"trained", "medium_trained", "variety", "prefect_api", "cluster", "slurm_conf", "postgres"}
+    | {"s3_endpoint", "failed", "ecc_run", "nan_run", "per_iteration_run", "saving"}
+)
+# Modules whose tests train or start servers themselves (each fault's job, each resumed run, the
+# packaging install, the demo, PostgreSQL).
+HEAVY_MODULES = frozenset({"test_faults", "test_resume", "test_packaging", "test_demo", "test_production"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if HEAVY_FIXTURES & set(item.fixturenames) or module in HEAVY_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory) -> Path:
     """A save directory with six real torch_dist checkpoints (iterations 4..24, with Megatron's

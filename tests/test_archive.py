@@ -28,8 +28,6 @@ from tasks.restore.history import read_drills
 from tasks.storage.archive import ArchiveStore
 from tests.conftest import ROOT, iter_dir, s3_bucket, write_job_profile
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(params=["local", "s3"])
 def archived_profile(request, save_dir, tmp_path, options):

@@ -13,8 +13,6 @@ from tasks.checkpoint.pointer import read_pointer
 from tasks.recovery.ledger import incidents
 from tests.conftest import ROOT, free_port
 
-pytestmark = pytest.mark.slow
-
 
 def demo(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}

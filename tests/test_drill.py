@@ -18,7 +18,6 @@ from tasks.restore.history import estimate, read_drills
 from tasks.restore.launch import LoaderShape, render_sbatch
 from tests.conftest import ROOT, exited_process_identity, variant_profile, write_job_profile
 
-pytestmark = pytest.mark.slow
 CKPTOPS = ROOT / ".venv" / "bin" / "ckptops"
 
 

@@ -9,8 +9,6 @@ from infra.local_job.launch import run_local_job
 from tasks.cluster.process import Failed
 from tasks.recovery.triage import triage
 
-pytestmark = pytest.mark.slow
-
 # kind -> (class, text of the first error)
 EXPECTED = {
     "ecc": ("hardware", "[rank1]: RuntimeError: CUDA error: uncorrectable ECC error encountered"),

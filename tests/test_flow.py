@@ -8,7 +8,6 @@ import urllib.request
 import uuid
 from datetime import UTC, datetime
 
-import pytest
 from prefect.artifacts import Artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
@@ -19,8 +18,6 @@ from tasks.checkpoint.pointer import read_pointer
 from tests.conftest import ROOT, flip_byte, iter_dir
 from tests.helpers.poll import until, within
 from tests.test_verify import tensor_data_offset
-
-pytestmark = pytest.mark.slow
 
 
 def write_profile(tmp_path, save_dir, name="flow-test", lock_timeout=30):

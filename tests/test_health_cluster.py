@@ -16,8 +16,6 @@ from tasks.profile import load_profile
 from tests.conftest import ROOT, free_port
 from tests.helpers.cluster import FakeCluster, profile_yaml, r3_pass_document
 
-pytestmark = pytest.mark.slow
-
 HEALTHY = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 FAILING_GPU, HANGS, KEY_CHANGED, KEY_UNKNOWN = "127.0.0.5", "127.0.0.6", "127.0.0.7", "127.0.0.8"
 PERSISTENCE, SLOW_NCCL, XID = "127.0.0.9", "127.0.0.10", "127.0.0.11"

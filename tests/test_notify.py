@@ -15,8 +15,6 @@ import yaml
 
 from tests.conftest import iter_dir
 
-pytestmark = pytest.mark.slow
-
 DATA = Path(__file__).parent / "data" / "triage"
 
 

@@ -11,8 +11,6 @@ import pytest
 
 from tests.conftest import ROOT, iter_dir
 
-pytestmark = pytest.mark.slow
-
 
 def run(argv, **kwargs):
     return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=600, **kwargs)

@@ -27,8 +27,6 @@ from tasks.prefect_server import start_server
 from tests.conftest import ROOT, free_port
 from tests.helpers.poll import until
 
-pytestmark = pytest.mark.slow
-
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 AUTH = "admin:ckptops-test"
 PASSWORD = "ckptops-db-test"

@@ -16,8 +16,6 @@ from tasks.recovery.ledger import incidents
 from tests.helpers.approver import answer_when_paused
 from tests.test_cli import CKPTOPS, ckptops
 
-pytestmark = pytest.mark.slow
-
 DATA = Path(__file__).parent / "data" / "triage"
 
 

@@ -15,8 +15,6 @@ from tasks.profile import load_profile
 from tasks.recovery.automation import automation_name, install
 from tests.helpers.poll import within
 
-pytestmark = pytest.mark.slow
-
 
 def post_failed(api: str, job: str, slurm_job: str) -> None:
     event = [

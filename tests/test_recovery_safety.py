@@ -24,8 +24,6 @@ from tests.conftest import ROOT, flip_byte, free_port, iter_dir
 from tests.helpers.poll import until
 from tests.test_cli import CKPTOPS
 
-pytestmark = pytest.mark.slow
-
 FAULT = "1:10:ecc"  # rank 1 dies before iteration 10: checkpoints 4 and 8, the last step 9
 TRAIN_ITERS = 40
 SLOW_MS = 200  # each step: long enough that a relaunch still trains while a recovery restarts

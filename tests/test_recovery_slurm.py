@@ -20,8 +20,6 @@ from tests.conftest import free_port
 from tests.helpers.approver import answer_when_paused
 from tests.helpers.cluster import FakeCluster, r3_pass_document, ssh_config
 
-pytestmark = pytest.mark.slow
-
 ADDRESSES = {"n1": "127.0.0.21", "n2": "127.0.0.22", "n3": "127.0.0.23"}
 
 

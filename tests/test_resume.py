@@ -19,7 +19,6 @@ from tasks.resume.validate import validate_resume
 from tests.conftest import ROOT
 from tests.helpers.poll import until
 
-pytestmark = pytest.mark.slow
 SETTINGS = load_profile().resume  # the embedded default's windows and tolerances
 MEGATRON = Path(__file__).parent / "data" / "megatron"
 

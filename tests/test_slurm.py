@@ -6,8 +6,6 @@ import json
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from tasks.checkpoint.promote import promote
 from tasks.cluster import slurm
 from tasks.health.actions import apply_drains, plan_drains
@@ -19,7 +17,6 @@ from tasks.restore.drill import run_drill
 from tests.conftest import variant_profile
 from tests.helpers.poll import until
 
-pytestmark = pytest.mark.slow
 ON_TWO_NODES = (
     ", launcher: slurm, slurm: {nodes: 2, ntasks_per_node: 1, gpus_per_node: 0, exclusive: false, "
     "partition: debug, time_limit: '00:15:00'}"

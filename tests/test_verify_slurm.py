@@ -27,7 +27,6 @@ from tests.conftest import ROOT, VARIANTS, flip_byte, iter_dir
 from tests.helpers.poll import until
 from tests.test_cli import CKPTOPS
 
-pytestmark = pytest.mark.slow
 MB = 1 << 20
 
 

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 import yaml
 
 from tasks.checkpoint.pointer import read_pointer
@@ -22,8 +21,6 @@ from tests.conftest import ROOT, iter_dir
 from tests.helpers.poll import until
 from tests.test_cli import ckptops_here
 from tests.test_notify import receiver  # noqa: F401  (a fixture)
-
-pytestmark = pytest.mark.slow
 
 VERIFY = "flows/verify_and_promote.py:verify_and_promote"
 
