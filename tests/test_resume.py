@@ -65,6 +65,13 @@ def resume(failed_run, name: str, step: int = 12, extra: tuple = ()) -> Path:
     return records
 
 
+@pytest.fixture(scope="module")
+def good_resume(failed_run) -> Path:
+    """The failed run resumed from its promoted checkpoint, as it should be: its step records,
+    trained once for every test that needs a correct resume (they read it, never write it)."""
+    return resume(failed_run, "good")
+
+
 def validate(failed_run, after: Path, before: bool = True):
     root, save = failed_run
     return validate_resume(
@@ -79,8 +86,8 @@ def failed_checks(result) -> list[str]:
     return [c.name for c in result.failures]
 
 
-def test_resume_from_the_promoted_checkpoint_continues_exactly(failed_run):
-    result = validate(failed_run, resume(failed_run, "good"))
+def test_resume_from_the_promoted_checkpoint_continues_exactly(failed_run, good_resume, tmp_path):
+    result = validate(failed_run, good_resume)
     assert result.ok, result.line()
     checks = {c.name: c for c in result.checks}
     assert checks["resume point"].observed == "iteration 13 after 96 samples"
@@ -90,14 +97,14 @@ def test_resume_from_the_promoted_checkpoint_continues_exactly(failed_run):
     assert checks["promoted checkpoint"].ok
     # The baseline is now stored with the job: a later validation works without the old records,
     # but without them the recomputed steps cannot be compared: not passed, not checkable.
-    later = validate(failed_run, failed_run[0] / "good.jsonl", before=False)
+    later = validate(failed_run, good_resume, before=False)
     assert later.ok and {c.name for c in later.checks if c.outcome == "unchecked"} == {
         "loss and grad norm",
         "data order",
     }
     # A file the resumed job appended a second attempt to: the last attempt is the one judged.
-    appended = failed_run[0] / "appended.jsonl"
-    appended.write_text((failed_run[0] / "good.jsonl").read_text() * 2)
+    appended = tmp_path / "appended.jsonl"
+    appended.write_text(good_resume.read_text() * 2)
     assert validate(failed_run, appended).ok
 
 
@@ -178,9 +185,9 @@ def test_resumed_run_using_more_memory_is_caught_by_peak_memory(failed_run):
     assert failed_checks(result) == ["peak memory"]
 
 
-def test_cli_tells_records_from_megatron_logs(failed_run, tmp_path):
+def test_cli_tells_records_from_megatron_logs(failed_run, good_resume, tmp_path):
     root, save = failed_run
-    records = root / "good.jsonl" if (root / "good.jsonl").exists() else resume(failed_run, "good")
+    records = good_resume
     # Synthetic: Megatron-LM's training-log format (tests/data/megatron) written from our records.
     for name, source in (("before.log", root / "before.jsonl"), ("after.log", records)):
         lines = []
@@ -255,7 +262,7 @@ def test_megatron_lm_log_lines_are_parsed():
     assert older.consumed[-1] == 128000 and older.lr[0] == 9.15e-06
 
 
-def test_post_resume_validation_flow_emits_its_event(failed_run, prefect_api):
+def test_post_resume_validation_flow_emits_its_event(failed_run, good_resume, prefect_api, tmp_path):
     from prefect.artifacts import Artifact
     from prefect.client.orchestration import get_client
     from prefect.events.filters import EventFilter, EventNameFilter
@@ -263,8 +270,8 @@ def test_post_resume_validation_flow_emits_its_event(failed_run, prefect_api):
     from flows.post_resume_validation import post_resume_validation
 
     root, save = failed_run
-    records = root / "good.jsonl" if (root / "good.jsonl").exists() else resume(failed_run, "good")
-    profile = root / "profile.yaml"
+    records = good_resume
+    profile = tmp_path / "profile.yaml"
     profile.write_text(
         f"job: {{name: resume-test, save_dir: '{save}'}}\n"
         "resume: {warmup_steps: 3, window_steps: 20, min_steps: 5, loss_rel_tolerance: 0.0, "
@@ -313,11 +320,11 @@ def _as_megatron_log(records: Path, target: Path, tflops: bool = True) -> Path:
     return target
 
 
-def test_standard_megatron_lm_logs_are_compared_in_tokens_per_second(failed_run, tmp_path):
+def test_standard_megatron_lm_logs_are_compared_in_tokens_per_second(failed_run, good_resume, tmp_path):
     """Without --log-throughput a Megatron-LM log has no TFLOP/s; elapsed time and global batch
     size give samples/s, and the checkpoint's sequence length tokens/s: comparable with records."""
     root, save = failed_run
-    records = root / "good.jsonl" if (root / "good.jsonl").exists() else resume(failed_run, "good")
+    records = good_resume
     before = _as_megatron_log(root / "before.jsonl", tmp_path / "before.log", tflops=False)
     after = _as_megatron_log(records, tmp_path / "after.log", tflops=False)
     result = validate_resume(save / "iter_0000012", load_steps(before), load_steps(after), SETTINGS)
@@ -332,9 +339,9 @@ def test_standard_megatron_lm_logs_are_compared_in_tokens_per_second(failed_run,
     assert older.throughput_unit == "samples/s" and older.throughput[0] == pytest.approx(1024 / 86.5452)
 
 
-def test_a_loss_that_diverged_to_infinity_is_caught(failed_run, tmp_path):
+def test_a_loss_that_diverged_to_infinity_is_caught(failed_run, good_resume, tmp_path):
     root, save = failed_run
-    records = root / "good.jsonl" if (root / "good.jsonl").exists() else resume(failed_run, "good")
+    records = good_resume
     lines = [json.loads(line) for line in records.read_text().splitlines()]
     lines[-3]["loss"] = float("inf")  # beyond the recomputed steps; the job's NaN flag missed it
     diverged = tmp_path / "diverged.jsonl"
