@@ -31,7 +31,10 @@ def goodput(
     ctx: typer.Context,
     since: Annotated[str | None, typer.Option("--since", help="from this date or time (UTC)")] = None,
     log: Annotated[
-        Path | None, typer.Option("--log", help="the job's Megatron-LM log, for its save-checkpoint timers")
+        Path | None,
+        typer.Option(
+            "--log", help="the job's Megatron-LM log: its iteration lines and save-checkpoint timers"
+        ),
     ] = None,
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,

@@ -36,7 +36,11 @@ INTERVAL_GAP = 0.25
 TARGET_ETTR = 0.97
 
 
-def _steps(profile) -> Steps | None:
+def _steps(profile, log: Path | None) -> Steps | None:
+    """The steps to measure: the Megatron-LM log the user named (its iteration lines carry their
+    times), else the profile's step records."""
+    if log is not None:
+        return load_steps(log)
     records = profile.recovery.step_records if profile.recovery else None
     if records is None or not Path(records).exists():
         return None
@@ -85,7 +89,7 @@ def _interval(save_interval: int | None, steps: Steps | None) -> Figure:
 def ledger(profile, since: float | None = None, log: Path | None = None, warn=None) -> Ledger:
     """The job's ledger, its records, checkpoint args and incidents each read once; ``warn``
     gets the incident ledger's lines that could not be used."""
-    steps = _steps(profile)
+    steps = _steps(profile, log)
     newest = _newest_checkpoint(profile.job.save_dir)
     save_interval = job_save_interval(newest) if newest else None
     read = read_ledger(profile.job.save_dir)

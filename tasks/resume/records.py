@@ -8,6 +8,7 @@ log lines hold (no batch IDs there).
 import math
 import re
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,10 @@ _COLUMNS = (
     "batch_count",
     "time",
     "nonfinite",  # 1 where the loss or the grad norm was there but not a finite number
+    # The loss is the mean over the iterations after this one up to the row's: the row's
+    # iteration - 1 for a step record; for a Megatron-LM log line, the previous line's iteration
+    # (NaN where a log does not say: see parse_megatron_log).
+    "loss_from",
 )
 
 
@@ -120,7 +125,7 @@ def _table_to_steps(path: Path, table) -> Steps:
 
     columns = {}
     for name in _COLUMNS:
-        if name == "nonfinite":
+        if name in ("nonfinite", "loss_from"):
             continue
         if name.startswith("batch_"):
             values = column("batch").field(name.removeprefix("batch_")) if table.num_rows else column("x")
@@ -131,6 +136,7 @@ def _table_to_steps(path: Path, table) -> Steps:
     if missing.size:
         raise UsageError(f"{path}: record {missing[0] + 1} has no iteration: not a step record")
     columns["iteration"] = columns["iteration"].astype(np.int64)
+    columns["loss_from"] = (columns["iteration"] - 1).astype(np.float64)
     for name in ("skipped", "nan"):
         columns[name] = np.nan_to_num(columns[name])
     # A value that is there (not null) and not finite: Infinity or NaN as the recorder wrote it.
@@ -179,11 +185,50 @@ def _load_records(path: Path) -> Steps:
 
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|(.*)")
+# The time Megatron-LM prints before each iteration line: ``[2026-12-01 19:15:12.926090]``
+# (0.19; older releases print whole seconds), the printing host's local time.
+_STAMP = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?)\]\s*$")
 # Numbers as Megatron-LM prints them, NaN and infinities included (%E prints NAN and INF).
 _FIELD = re.compile(
     r"\s*([^|:]+?):\s*([-+]?(?:[0-9.]+(?:[eE][-+]?[0-9]+)?|nan|inf(?:inity)?))\s*", re.IGNORECASE
 )
 _MEMORY = re.compile(r"\(after (\d+) iterations\) memory \(MB\) \|.*?max allocated: ([0-9.]+)")
+_LOADED = re.compile(r"successfully loaded checkpoint from .* at iteration (\d+)")
+
+
+class _Run:
+    """One run's iteration lines in a log, for the window each printed loss averages.
+
+    Megatron-LM prints at each logged iteration the mean loss since the previous logged one.
+    The first line of a run averages from the iteration it started at (0, or the checkpoint it
+    loaded, if the log says); the second line is version-dependent (in 0.19 the accumulator is
+    not reset after the first line, so it averages from the run's start), so its window is not
+    known (NaN); every later line's starts at the line before it."""
+
+    def __init__(self, start: int | None):
+        self.start, self.previous, self.lines = start, None, 0
+
+    def loss_from(self, iteration: int) -> float | None:
+        if self.lines == 0:
+            start = self.start if self.start is not None or iteration != 1 else 0
+        elif self.lines == 1:
+            start = None
+        else:
+            start = self.previous
+        self.previous, self.lines = iteration, self.lines + 1
+        return start
+
+
+def _line_time(before: str) -> float | None:
+    """The iteration line's leading timestamp as seconds since the epoch (the host's local time,
+    as Megatron-LM printed it), or None for a line without one."""
+    stamp = _STAMP.search(before)
+    if stamp is None:
+        return None
+    try:
+        return datetime.fromisoformat(stamp[1]).timestamp()
+    except ValueError:
+        return None
 
 
 def parse_megatron_log(path: Path, lines) -> Steps:
@@ -196,14 +241,23 @@ def parse_megatron_log(path: Path, lines) -> Steps:
     Megatron-LM prints TFLOP/s only with ``--log-throughput``, from its own FLOP formula."""
     values: dict[str, list] = {name: [] for name in _COLUMNS}
     memory: dict[int, int] = {}
+    run = _Run(None)
     for line in lines:
         found = _MEMORY.search(line)
         if found:
             memory[int(found[1])] = int(float(found[2]) * 1024 * 1024)
             continue
+        found = _LOADED.search(line)
+        if found:
+            run = _Run(int(found[1]))
+            continue
         found = _ITERATION.search(line)
         if not found:
             continue
+        iteration = int(found[1])
+        if run.previous is not None and iteration <= run.previous:
+            run = _Run(None)  # another run in the same file, from a start the log does not say
+        values["loss_from"].append(run.loss_from(iteration))
         fields = {}
         for part in found[2].split("|"):
             match = _FIELD.fullmatch(part)
@@ -212,7 +266,7 @@ def parse_megatron_log(path: Path, lines) -> Steps:
         elapsed = fields.get("elapsed time per iteration (ms)")
         batch = fields.get("global batch size")
         loss, grad_norm = fields.get("lm loss"), fields.get("grad norm")
-        values["iteration"].append(int(found[1]))
+        values["iteration"].append(iteration)
         values["consumed"].append(fields.get("consumed samples"))
         values["lr"].append(fields.get("learning rate"))
         values["loss"].append(loss)
@@ -224,7 +278,7 @@ def parse_megatron_log(path: Path, lines) -> Steps:
         values["peak_memory"].append(None)
         values["batch_position"].append(None)
         values["batch_count"].append(batch)
-        values["time"].append(None)  # Megatron-LM's iteration lines carry no time of their own
+        values["time"].append(_line_time(line[: found.start()]))
         values["nonfinite"].append(
             float(any(v is not None and not math.isfinite(v) for v in (loss, grad_norm)))
         )

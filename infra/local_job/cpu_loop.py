@@ -1,0 +1,45 @@
+"""What Megatron-LM's training loop needs on a machine without a GPU (tests, the demo).
+
+On top of ``tasks.restore.cpu`` (Megatron-Core on CPU), the stand-ins for the places where
+``megatron.training`` asks CUDA for something a CPU rank does not have (see
+shared/notes/megatron-lm-on-cpu.md). Like that module, nothing here is active where CUDA is
+available: the same entry script runs unchanged on a GPU.
+"""
+
+import contextlib
+import os
+
+import torch
+
+from tasks.restore import cpu
+
+
+def install() -> None:
+    if not cpu.ACTIVE:
+        return
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # jit_fuser is torch.compile: run eagerly
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # what TP > 1 requires before Blackwell
+    os.environ.setdefault("NO_VCS_VERSION", "1")  # or the version printed carries this checkout's hash
+    cpu.install()
+    # Model-parallel set-up and the model-parallel RNG seed run only with a device; set_device
+    # then has nothing to select.
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda *a, **k: None
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+    from megatron.training import arguments, initialize, training
+
+    arguments.get_device_arch_version = lambda: 0  # pre-Blackwell: as a Hopper cluster
+    original = initialize.initialize_megatron
+
+    def initialize_megatron(*args, **kwargs):
+        return original(*args, **{**kwargs, "allow_no_cuda": True})
+
+    initialize.initialize_megatron = training.initialize_megatron = initialize_megatron
+    initialize._compile_dependencies = _helpers_prebuilt
+
+
+def _helpers_prebuilt() -> None:
+    """The wheel ships the dataset helpers compiled and no Makefile to build them with: use them
+    (on any machine: a GPU job from the wheel meets this too)."""
+    from megatron.core.datasets import helpers_cpp  # noqa: F401

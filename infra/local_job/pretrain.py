@@ -1,0 +1,144 @@
+"""The local training job: Megatron-LM's own training loop, ``megatron.training.pretrain``.
+
+Run it with torchrun and Megatron-LM's own arguments (gloo on CPU, nccl where CUDA is available):
+
+    torchrun --standalone --nproc_per_node 2 infra/local_job/pretrain.py --save DIR --train-iters 12 ...
+
+This file is the entry Megatron-LM's repository scripts (pretrain_gpt.py) are for a user's job:
+a GPT model provider (Megatron-Core ``GPTModel``, local layer spec), a ``forward_step`` and a
+datasets provider (``MockGPTDataset`` with ``--mock-data``, the real ``GPTDataset`` with
+``--data-path``). Everything else (arguments, checkpointing, logging, timers, signals, exit codes)
+is Megatron-LM's. ckptops' own switches (step records, faults, the saved-checkpoint event) are
+parsed as extra arguments and act inside ``forward_step`` or around the loop, so a failure comes
+out of the real loop and torchrun as it would on a cluster.
+"""
+
+import os
+import sys
+from functools import partial
+
+if __name__ == "__main__":  # as a script: the repository root, for tasks.restore.cpu and ckptops_records
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from infra.local_job import cpu_loop  # noqa: E402
+
+cpu_loop.install()  # before megatron.training is imported; does nothing on a GPU
+
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.training import get_args, get_tokenizer, pretrain  # noqa: E402
+from megatron.training.argument_utils import (  # noqa: E402
+    core_transformer_config_from_args,
+    pretrain_cfg_container_from_args,
+)
+from megatron.training.arguments import parse_and_validate_args  # noqa: E402
+from megatron.training.utils.common_utils import get_blend_and_blend_per_split  # noqa: E402
+
+from infra.local_job import faults, records  # noqa: E402
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    args = get_args()
+    config = core_transformer_config_from_args(args)
+    spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
+
+
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Megatron-LM's GPT loss: the masked sum, the token count, and what the log reports."""
+    losses = output.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), tokens.view(1)])}
+
+
+def get_batch(data_iterator) -> dict | None:
+    """The micro-batch, read on the tensor-parallel group's first rank and broadcast to the
+    others; only the first and last pipeline stages use data."""
+    if not (parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()):
+        return None
+    data = next(data_iterator) if parallel_state.get_tensor_model_parallel_rank() == 0 else None
+    batch = tensor_parallel.broadcast_data(["tokens", "labels", "position_ids"], data, torch.int64)
+    batch |= tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32)
+    batch |= tensor_parallel.broadcast_data(["attention_mask"], data, torch.bool)
+    return batch
+
+
+def forward_step(data_iterator, model: GPTModel):
+    batch = get_batch(data_iterator)
+    if batch is None:  # a middle pipeline stage: its input is the previous stage's output
+        return model(None, None, None), partial(loss_func, None)
+    records.saw_batch(batch["tokens"])
+    faults.before_forward(model)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+    )
+    kind = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(kind, train_val_test_num_samples, lambda: True, config).build()
+
+
+datasets_provider.is_distributed = True
+
+
+def extra_args(parser):
+    records.add_arguments(parser)
+    faults.add_arguments(parser)
+    return parser
+
+
+def main() -> None:
+    args = parse_and_validate_args(
+        extra_args_provider=extra_args, args_defaults={"tokenizer_type": "NullTokenizer"}
+    )
+    records.start(args)
+    faults.start(args)
+    pretrain(
+        pretrain_cfg_container_from_args(args),
+        datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        model_provider=model_provider,
+    )
+    records.finish()
+
+
+if __name__ == "__main__":
+    main()
