@@ -21,7 +21,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("kind", list(EXPECTED))
 def test_each_fault_fails_the_job_and_triage_names_it(kind, tmp_path):
-    extra = ["--fail-at", f"1:3:{kind}", "--distributed-timeout-minutes", "0.25"]
+    extra = ["--fail-at", f"1:3:{kind}", "--distributed-timeout-seconds", "15"]
     with pytest.raises(Failed) as failed:
         run_local_job(tmp_path / "ckpt", train_iters=6, save_interval=100, timeout_seconds=300, extra=extra)
     found = triage([Path(failed.value.log)])

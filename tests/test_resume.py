@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.local_job.launch import run_local_job
+from infra.local_job.launch import PRETRAIN, run_local_job
 from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.promote import promote
 from tasks.checkpoint.state import VerifyOptions
@@ -20,11 +20,12 @@ from tasks.resume.validate import validate_resume
 from tests.conftest import ROOT
 from tests.helpers.poll import until
 
+CORE_LOOP = ROOT / "tests" / "helpers" / "core_loop.py"
 SETTINGS = load_profile().resume  # the embedded default's windows and tolerances
 MEGATRON = Path(__file__).parent / "data" / "megatron"
 
 
-def killed_between_saves(root: Path, extra: tuple = ()) -> tuple[Path, Path]:
+def killed_between_saves(root: Path, extra: tuple = (), entry: Path = PRETRAIN) -> tuple[Path, Path]:
     """24 planned iterations, a checkpoint every 4; rank 1 is SIGKILLed before iteration 15, so
     the run dies between the saves at 12 and 16; then verify-and-promote runs."""
     save = root / "checkpoints"
@@ -35,6 +36,7 @@ def killed_between_saves(root: Path, extra: tuple = ()) -> tuple[Path, Path]:
             save_interval=4,
             timeout_seconds=600,
             extra=["--step-records", str(root / "before.jsonl"), "--fail-at", "1:15:kill", *extra],
+            entry=entry,
         )
     promote(save, VerifyOptions(job="resume-test"), 30)
     return root, save
@@ -57,7 +59,7 @@ def resume(failed_run, name: str, step: int = 12, extra: tuple = ()) -> Path:
     records = root / f"{name}.jsonl"
     run_local_job(
         root / f"save-{name}",
-        train_iters=30,
+        train_iters=24,
         save_interval=1000,
         timeout_seconds=600,
         log=root / f"{name}.log",
@@ -110,7 +112,7 @@ def test_resume_from_the_promoted_checkpoint_continues_exactly(failed_run, good_
 
 
 def test_another_data_seed_is_caught_by_data_order(failed_run):
-    result = validate(failed_run, resume(failed_run, "seed", extra=("--data-seed", "999")))
+    result = validate(failed_run, resume(failed_run, "seed", extra=("--seed", "999")))
     assert not result.ok and failed_checks(result)[0] == "data order"
     assert "loss and grad norm" in failed_checks(result)
 
@@ -141,13 +143,24 @@ def test_resume_point_still_passes_after_the_resumed_run_promoted_its_own_saves(
     shutil.copytree(save, tmp_path / "checkpoints")
     save = tmp_path / "checkpoints"
     records = tmp_path / "after.jsonl"
+    # Stopped by Megatron-LM's own --exit-interval (a changed --train-iters would not resume: the
+    # scheduler's weight-decay steps are saved with the checkpoint).
     run_local_job(
         save,
-        train_iters=20,
+        train_iters=24,
         save_interval=4,
         timeout_seconds=600,
         log=tmp_path / "train.log",
-        extra=["--load", str(save), "--ckpt-step", "12", "--step-records", str(records)],
+        extra=[
+            "--load",
+            str(save),
+            "--ckpt-step",
+            "12",
+            "--step-records",
+            str(records),
+            "--exit-interval",
+            "20",
+        ],
     )
     promote(save, VerifyOptions(job="resume-test"), 30)
     assert read_pointer(save) == 20
@@ -363,16 +376,18 @@ def test_a_loss_that_diverged_to_infinity_is_caught(failed_run, good_resume, tmp
 
 @pytest.fixture(scope="module")
 def per_iteration_run(tmp_path_factory):
-    """A loop that steps its LR scheduler once per iteration, killed between saves like the other."""
+    """A loop that is not Megatron-LM's (tests/helpers/core_loop.py) and steps its LR scheduler
+    once per iteration, killed between saves like the other."""
     extra = ("--scheduler-per-iteration", "--lr-warmup-samples", "64", "--lr-decay-samples", "400")
-    root, save = killed_between_saves(tmp_path_factory.mktemp("per-iteration"), extra)
+    root, save = killed_between_saves(tmp_path_factory.mktemp("per-iteration"), extra, CORE_LOOP)
     run_local_job(
         root / "resumed",
-        train_iters=30,
+        train_iters=24,
         save_interval=1000,
         timeout_seconds=600,
         log=root / "resumed.log",
         extra=["--load", str(save), "--step-records", str(root / "after.jsonl"), *extra],
+        entry=CORE_LOOP,
     )
     return root, save
 
@@ -386,7 +401,7 @@ def test_a_scheduler_stepped_per_iteration_is_replayed_in_iterations(per_iterati
     check = next(c for c in result.checks if c.name == "learning rate")
     assert (
         check.expected
-        == "2 recomputed as before, 16 on the checkpoint's schedule (the scheduler counts iterations)"
+        == "2 recomputed as before, 10 on the checkpoint's schedule (the scheduler counts iterations)"
     )
 
 

@@ -13,6 +13,8 @@ import torch
 
 from tasks.restore import cpu
 
+ACTIVE = cpu.ACTIVE
+
 
 def install() -> None:
     if not cpu.ACTIVE:

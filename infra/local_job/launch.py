@@ -1,4 +1,5 @@
-"""Launch the local training job with torchrun, with a timeout and clean-up of every child.
+"""Launch the local training job (Megatron-LM's own loop: pretrain.py) with torchrun, with a
+timeout and clean-up of every child.
 
 Megatron's failure modes on CPU hang rather than crash, and a dead rank leaves megatron's
 writer Manager orphaned: every process the job started is killed when it ends, however it ended
@@ -14,19 +15,19 @@ from string import Template
 
 from tasks.cluster import process
 
-TRAIN = Path(__file__).with_name("train.py")
+PRETRAIN = Path(__file__).with_name("pretrain.py")
 JOB_SCRIPT = Path(__file__).with_name("job.sh.in")
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
-def torchrun_command(nproc: int, args: list[str]) -> list[str]:
+def torchrun_command(nproc: int, args: list[str], entry: Path = PRETRAIN) -> list[str]:
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
-        str(TRAIN),
+        str(entry),
         *args,
     ]
 
@@ -53,8 +54,10 @@ def start_local_job(
     save_interval: int = 4,
     log: Path | None = None,
     extra: list[str] = (),
+    entry: Path = PRETRAIN,
 ) -> tuple[subprocess.Popen, Path]:
-    """Start training into ``save_dir`` in the background; pair with ``wait_local_job``."""
+    """Start training into ``save_dir`` in the background (Megatron-LM's loop, or another
+    ``entry`` taking the same arguments); pair with ``wait_local_job``."""
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     log = Path(log or save_dir.parent / f"{save_dir.name}-train.log")
@@ -67,7 +70,7 @@ def start_local_job(
         str(save_interval),
         *extra,
     ]
-    return process.start(torchrun_command(nproc, args), log, job_env()), log
+    return process.start(torchrun_command(nproc, args, entry), log, job_env()), log
 
 
 def wait_local_job(job: subprocess.Popen, log: Path, timeout_seconds: float) -> None:

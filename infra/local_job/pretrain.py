@@ -29,6 +29,7 @@ cpu_loop.install()  # before megatron.training is imported; does nothing on a GP
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
+from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
@@ -118,16 +119,72 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 datasets_provider.is_distributed = True
 
 
+# The local tiny job's settings, before the command line's own (which win: argparse keeps the
+# last value): a 2-layer GPT of hidden size 64 over a 128-token vocabulary, global batch 8 of
+# sequences of 32, Adam at 1e-3 decaying linearly to 1e-4 over 1,250 iterations after 2 of
+# warm-up, no dropout (a correct resume is then bit-exact on CPU too), a log line per iteration.
+TINY = [
+    "--num-layers=2",
+    "--hidden-size=64",
+    "--num-attention-heads=4",
+    "--seq-length=32",
+    "--max-position-embeddings=32",
+    "--micro-batch-size=2",
+    "--global-batch-size=8",
+    "--lr=1e-3",
+    "--min-lr=1e-4",
+    "--lr-warmup-iters=2",
+    "--lr-decay-iters=1250",
+    "--hidden-dropout=0",
+    "--attention-dropout=0",
+    "--tokenizer-type=NullTokenizer",
+    "--vocab-size=128",
+    "--log-interval=1",
+    "--eval-interval=1000000",  # needed even with no evaluation: train_iters // eval_interval
+    "--eval-iters=0",
+    "--ckpt-format=torch_dist",
+    "--seed=1234",
+]
+# What Megatron-LM needs on CPU ranks (shared/notes/megatron-lm-on-cpu.md); nothing on a GPU.
+CPU = [
+    "--distributed-backend=gloo",
+    "--transformer-impl=local",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-persist-layer-norm",
+]
+
+
 def extra_args(parser):
     records.add_arguments(parser)
     faults.add_arguments(parser)
+    parser.add_argument(
+        "--distributed-timeout-seconds",
+        type=float,
+        default=None,
+        help="ckptops: Megatron-LM's --distributed-timeout-minutes in seconds (a rehearsed hang ends sooner)",
+    )
     return parser
 
 
+def command_line(argv: list[str]) -> list[str]:
+    """The tiny job's settings (and the CPU's), then the command line; mock data unless the
+    command line names a dataset."""
+    data = [] if any(a.startswith(("--data-path", "--mock-data")) for a in argv) else ["--mock-data"]
+    return TINY + (CPU if cpu_loop.ACTIVE else []) + data + argv
+
+
 def main() -> None:
-    args = parse_and_validate_args(
-        extra_args_provider=extra_args, args_defaults={"tokenizer_type": "NullTokenizer"}
-    )
+    sys.argv[1:] = command_line(sys.argv[1:])
+    args = parse_and_validate_args(extra_args_provider=extra_args)
+    if args.distributed_timeout_seconds is not None:
+        args.distributed_timeout_minutes = args.distributed_timeout_seconds / 60
+    # The checkpoint writer otherwise starts a *spawn* Manager at the first save (7-14 s here, a
+    # Python importing torch); a fork-context queue made before the process group exists costs
+    # well under a second.
+    filesystem_async.get_write_results_queue(mp_mode="fork")
     records.start(args)
     faults.start(args)
     pretrain(

@@ -50,7 +50,8 @@ def start(args) -> None:
 
     _state["args"] = args
     if args.rank == args.world_size - 1 and args.step_records:
-        _state["recorder"] = StepRecorder(args.step_records, args.run_id, args.attempt_id)
+        flops = training.num_floating_point_operations(args, args.global_batch_size)
+        _state["recorder"] = StepRecorder(args.step_records, args.run_id, args.attempt_id, flops)
     original_log = training.training_log
 
     def training_log(

@@ -1,8 +1,10 @@
-"""The local training job: a real tiny Megatron-Core GPT that saves real torch_dist checkpoints.
+"""A training loop of our own over Megatron-Core, not Megatron-LM's ``pretrain``: checkpoints
+and step records from a loop a team might write itself (its scheduler may step once per
+iteration, as several frameworks do), for the readers that must handle loops we did not write.
 
-Run it with torchrun (gloo on CPU, nccl where CUDA is available):
+Run it with torchrun (gloo on CPU, nccl where CUDA is available), with the local job's switches:
 
-    torchrun --standalone --nproc_per_node 2 infra/local_job/train.py --save DIR --train-iters 8
+    torchrun --standalone --nproc_per_node 2 tests/helpers/core_loop.py --save DIR --train-iters 8
 
 It writes Megatron-LM's layout: ``DIR/iter_%07d/`` through ``dist_checkpointing.save`` with the
 state Megatron-LM's ``generate_state_dict`` saves (args with consumed_train_samples, iteration,
