@@ -436,3 +436,53 @@ def test_a_checkpoint_never_verified_is_verified_on_the_spot(per_iteration_run, 
         "its manifest says invalid: __1_0.distcp: referenced by .metadata but missing"
         in rejected.failures[0].observed
     )
+
+
+def test_a_bit_exact_resume_validates_from_megatron_lms_own_logs(failed_run, good_resume):
+    """The logs Megatron-LM's loop printed itself (not records): the correct resume validates
+    with a loss tolerance of 0. The second line after the start prints a mean over other
+    iterations than the first run's line there (0.19's accumulator), so that loss is left out
+    and the check says so; every grad norm is compared."""
+    root, save = failed_run
+    before, after = load_steps(root / "checkpoints-train.log"), load_steps(root / "good.log")
+    assert before.kind == after.kind == "megatron-log"
+    assert SETTINGS.loss_rel_tolerance == 0
+    result = validate_resume(save / "iter_0000012", before, after, SETTINGS)
+    assert result.ok, result.line()
+    loss = next(c for c in result.checks if c.name == "loss and grad norm")
+    assert loss.observed == (
+        "as expected (1 losses and 2 grad norms compared; loss not compared at 14 "
+        "(printed over other iterations than before))"
+    )
+    # The lines' own timestamps place the resume: the pointer when it started was 12.
+    promoted = next(c for c in result.checks if c.name == "promoted checkpoint")
+    assert promoted.ok and promoted.expected == "iteration 12 (latest verified when the run resumed)"
+
+
+def test_another_seed_is_rejected_from_megatron_lms_own_logs(failed_run):
+    root, save = failed_run
+    resume(failed_run, "seed-log", extra=("--seed", "999"))
+    result = validate_resume(
+        save / "iter_0000012",
+        load_steps(root / "checkpoints-train.log"),
+        load_steps(root / "seed-log.log"),
+        SETTINGS,
+    )
+    assert not result.ok and failed_checks(result)[0] == "loss and grad norm"
+    assert "grad norm" in result.failures[0].expected
+
+
+def test_goodput_from_megatron_lms_own_log_alone(failed_run):
+    """A real Megatron-LM log, and no records: wall time from the lines' timestamps, productive
+    time from their step times, and ETTR."""
+    from tests.test_cli import ckptops_here
+
+    root, save = failed_run
+    profile = root / "goodput-profile.yaml"
+    profile.write_text(f"job: {{name: resume-test, save_dir: '{save}'}}\n")
+    done = ckptops_here("goodput", "--log", root / "checkpoints-train.log", "--profile", profile, "--json")
+    assert done.exit_code == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["wall"]["seconds"] > 0 and "checkpoints-train.log" in found["wall"]["source"]
+    assert 0 < found["productive"]["seconds"] < found["wall"]["seconds"]
+    assert 0 < found["ettr"] < 1

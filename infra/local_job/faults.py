@@ -25,10 +25,11 @@ CUDA_ERROR_TAIL = (
 )
 
 _settings = argparse.Namespace(fail_at=None, slow_step_ms=0.0, ballast_mb=0)
+_done: list[str] = []  # faults that act once and have acted (never written into args: they are saved)
 _ballast: list[torch.Tensor] = []
 
 
-def _fault(text: str) -> tuple[int, int, str]:
+def parse_fault(text: str) -> tuple[int, int, str]:
     rank, iteration, kind = (text.split(":") + ["", ""])[:3]
     if not (rank.isdigit() and iteration.isdigit() and kind in FAULTS):
         raise argparse.ArgumentTypeError(
@@ -41,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("ckptops faults")
     group.add_argument(
         "--fail-at",
-        type=_fault,
+        type=parse_fault,
         default=None,
         metavar="RANK:ITERATION:KIND",
         help="before that iteration that rank fails; KIND is one of " + ", ".join(FAULTS),
@@ -78,11 +79,12 @@ def before_forward(model) -> None:
     if _settings.fail_at is None:
         return
     rank, iteration, kind = _settings.fail_at
-    if torch.distributed.get_rank() == rank and get_args().curr_iteration + 1 == iteration:
-        _fail(kind, model)
+    if torch.distributed.get_rank() == rank and get_args().curr_iteration + 1 == iteration and not _done:
+        fail(kind, model)
 
 
-def _fail(kind: str, model) -> None:
+def fail(kind: str, model) -> None:
+    """Fail this rank the way ``kind`` says (see FAULTS)."""
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "ecc":
@@ -99,7 +101,7 @@ def _fail(kind: str, model) -> None:
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.fill_(float("nan"))
-        _settings.fail_at = None  # once: Megatron's NaN check ends the job on the gradient
+        _done.append(kind)  # once per iteration's micro-batches, and never again
         return
     while True:  # hang: never reach the next collective
         time.sleep(60)

@@ -32,7 +32,6 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.training import get_args, get_tokenizer, pretrain  # noqa: E402
 from megatron.training.argument_utils import (  # noqa: E402
     core_transformer_config_from_args,
@@ -42,26 +41,14 @@ from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.utils.common_utils import get_blend_and_blend_per_split  # noqa: E402
 
 from infra.local_job import faults, records  # noqa: E402
+from tasks.restore.build import gpt_provider, ranks_from_slurm  # noqa: E402
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    """Megatron-LM's GPT builder for the local layer spec (the one the drill's loader builds)."""
     args = get_args()
-    config = core_transformer_config_from_args(args)
-    spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-        vp_stage=vp_stage,
-        pg_collection=pg_collection,
+    return gpt_provider(
+        args, pre_process, post_process, vp_stage, config=core_transformer_config_from_args(args)
     )
 
 
@@ -128,7 +115,6 @@ TINY = [
     "--hidden-size=64",
     "--num-attention-heads=4",
     "--seq-length=32",
-    "--max-position-embeddings=32",
     "--micro-batch-size=2",
     "--global-batch-size=8",
     "--lr=1e-3",
@@ -154,6 +140,7 @@ CPU = [
     "--no-bias-gelu-fusion",
     "--no-bias-dropout-fusion",
     "--no-persist-layer-norm",
+    "--no-rope-fusion",
 ]
 
 
@@ -169,14 +156,31 @@ def extra_args(parser):
     return parser
 
 
+def _given(argv: list[str], flag: str) -> str | None:
+    """The last value ``argv`` gives ``flag`` (``--flag V`` or ``--flag=V``), or None."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
 def command_line(argv: list[str]) -> list[str]:
     """The tiny job's settings (and the CPU's), then the command line; mock data unless the
-    command line names a dataset."""
+    command line names a dataset; position embeddings as long as the sequence unless given."""
     data = [] if any(a.startswith(("--data-path", "--mock-data")) for a in argv) else ["--mock-data"]
-    return TINY + (CPU if cpu_loop.ACTIVE else []) + data + argv
+    tiny = TINY + CPU if cpu_loop.ACTIVE else list(TINY)
+    if _given(argv, "--max-position-embeddings") is None:
+        tiny.append(
+            f"--max-position-embeddings={_given(argv, '--seq-length') or _given(TINY, '--seq-length')}"
+        )
+    return tiny + data + argv
 
 
 def main() -> None:
+    ranks_from_slurm()  # under srun, one task per rank
     sys.argv[1:] = command_line(sys.argv[1:])
     args = parse_and_validate_args(extra_args_provider=extra_args)
     if args.distributed_timeout_seconds is not None:

@@ -10,6 +10,7 @@ another batch even at the same position.
 """
 
 import base64
+import inspect
 import json
 import math
 import os
@@ -53,32 +54,18 @@ def start(args) -> None:
         flops = training.num_floating_point_operations(args, args.global_batch_size)
         _state["recorder"] = StepRecorder(args.step_records, args.run_id, args.attempt_id, flops)
     original_log = training.training_log
+    parameters = inspect.signature(original_log)
 
-    def training_log(
-        loss_dict,
-        total_loss_dict,
-        learning_rate,
-        iteration,
-        loss_scale,
-        report,
-        skipped,
-        grad_norm,
-        *rest,
-        **kwargs,
-    ):
-        _record(loss_dict, learning_rate, iteration, skipped, grad_norm)
-        return original_log(
-            loss_dict,
-            total_loss_dict,
-            learning_rate,
-            iteration,
-            loss_scale,
-            report,
-            skipped,
-            grad_norm,
-            *rest,
-            **kwargs,
+    def training_log(*args, **kwargs):
+        given = parameters.bind(*args, **kwargs).arguments
+        _record(
+            given["loss_dict"],
+            given["learning_rate"],
+            given["iteration"],
+            given["skipped_iter"],
+            given["grad_norm"],
         )
+        return original_log(*args, **kwargs)
 
     training.training_log = training_log
     if args.notify_url:
@@ -87,7 +74,7 @@ def start(args) -> None:
         def save_checkpoint(iteration, *rest, **kwargs):
             done = original_save(iteration, *rest, **kwargs)
             if torch.distributed.get_rank() == 0:
-                _notify_saved(args, iteration)
+                notify_saved(args, iteration)
             return done
 
         training.save_checkpoint = save_checkpoint
@@ -134,7 +121,7 @@ def finish() -> None:
         _state["recorder"].close()
 
 
-def _notify_saved(args, iteration: int) -> None:
+def notify_saved(args, iteration: int) -> None:
     """Tell Prefect a checkpoint was saved: one plain HTTP POST, so a job needs no Prefect
     installed. Best effort with a short timeout: a down server must never stall training."""
     event = [

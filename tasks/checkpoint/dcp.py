@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import enum
 import io
+import logging
 import os
 import pickle
 import re
@@ -178,9 +179,17 @@ def _weights_only_load(source, name: str):
     try:
         return attempt()
     except pickle.UnpicklingError:
-        with warnings.catch_warnings():  # megatron warns about every optional extra it lacks
-            warnings.simplefilter("ignore")
-            import megatron.core.safe_globals as megatron_safe
+        # Megatron warns about every optional extra it lacks, and torch logs that a machine
+        # without CUDA has no CUDA runtime: neither belongs in a verifier's output.
+        cpp = logging.getLogger("torch.utils.cpp_extension")
+        level = cpp.level
+        cpp.setLevel(logging.ERROR)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                import megatron.core.safe_globals as megatron_safe
+        finally:
+            cpp.setLevel(level)
 
         megatron_safe.register_safe_globals()
     except Exception as e:

@@ -180,7 +180,8 @@ def measure(
                 first = float(
                     times.min() - (picked.step_seconds[0] if np.isfinite(picked.step_seconds[0]) else 0)
                 )
-                wall = Figure(float(times.max()) - first, f"first to last step record, {picked.source}")
+                what = "iteration line" if picked.kind == "megatron-log" else "step record"
+                wall = Figure(float(times.max()) - first, f"first to last {what}, {picked.source}")
                 per_day = _per_day(picked, keep, incidents, step_seconds)
             else:
                 wall = Figure(None, "not measured: the log's iteration lines carry no times")

@@ -38,9 +38,12 @@ TARGET_ETTR = 0.97
 
 def _steps(profile, log: Path | None) -> Steps | None:
     """The steps to measure: the Megatron-LM log the user named (its iteration lines carry their
-    times), else the profile's step records."""
+    times), else (no log, or one without iteration lines) the profile's step records."""
     if log is not None:
-        return load_steps(log)
+        try:
+            return load_steps(log)
+        except UsageError:
+            pass  # its save timers may still be there; the steps come from the records
     records = profile.recovery.step_records if profile.recovery else None
     if records is None or not Path(records).exists():
         return None

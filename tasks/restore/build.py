@@ -40,17 +40,24 @@ from tasks.restore.model_args import ModelArgsError
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 
 
-def init_distributed(
-    tensor_parallel: int, pipeline_parallel: int, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT
-) -> None:
-    """One process group per job (gloo on CPU, nccl on GPU), from torchrun's environment or
-    Slurm's (``srun`` sets SLURM_PROCID and SLURM_NTASKS; the batch script sets MASTER_ADDR and
-    MASTER_PORT). ``timeout`` bounds every collective: a rank that stops answering ends the
-    others' wait with an error instead of a hang (Megatron-LM's --distributed-timeout-minutes)."""
+def ranks_from_slurm() -> None:
+    """One task per rank under srun (no torchrun): torch reads RANK, WORLD_SIZE and LOCAL_RANK,
+    which srun names SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID (the batch script sets
+    MASTER_ADDR and MASTER_PORT)."""
     if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
         os.environ["RANK"] = os.environ["SLURM_PROCID"]
         os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
         os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+
+
+def init_distributed(
+    tensor_parallel: int, pipeline_parallel: int, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT
+) -> None:
+    """One process group per job (gloo on CPU, nccl on GPU), from torchrun's environment or
+    Slurm's (``ranks_from_slurm``). ``timeout`` bounds every collective: a rank that stops
+    answering ends the others' wait with an error instead of a hang (Megatron-LM's
+    --distributed-timeout-minutes)."""
+    ranks_from_slurm()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     torch.distributed.init_process_group(

@@ -15,17 +15,12 @@ sampler over a seeded permutation, so a resumed run sees exactly the batches it 
 """
 
 import argparse
-import base64
 import importlib.metadata
-import json
 import math
 import os
-import signal
 import sys
 import time
-import urllib.request
-import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from functools import partial
 
 import numpy as np
@@ -44,36 +39,18 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
 
 from ckptops_records import StepRecorder, batch_summary  # noqa: E402
+from infra.local_job import faults, records  # noqa: E402
+from infra.local_job.faults import fail  # noqa: E402
+from infra.local_job.records import notify_saved  # noqa: E402
 from tasks.restore.build import build, init_distributed, set_seeds  # noqa: E402
 from tasks.restore.loader import load_state, rng_state_object  # noqa: E402
 
 CHECKPOINT_VERSION = 3.0
 TRACKER = "latest_checkpointed_iteration.txt"
+
+
 # What each fault does to the failing rank. The texts are the errors CUDA and PyTorch print for
 # these failures on a GPU; nan and hang are the real thing on any device.
-FAULTS = {
-    "kill": "SIGKILL, as the kernel's OOM killer or a lost node ends a process",
-    "ecc": "CUDA's uncorrectable ECC error (a GPU memory fault)",
-    "oom": "torch's CUDA out-of-memory error",
-    "nan": "NaN weights: Megatron's NaN check ends the job on the NaN gradient",
-    "hang": "the rank stops answering: the other ranks' collective times out",
-}
-CUDA_ERROR_TAIL = (
-    "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace "
-    "below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
-    "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n"
-)
-
-
-def _fault(text: str) -> tuple[int, int, str]:
-    rank, iteration, kind = (text.split(":") + ["", ""])[:3]
-    if not (rank.isdigit() and iteration.isdigit() and kind in FAULTS):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected RANK:ITERATION:KIND, KIND one of {', '.join(FAULTS)}"
-        )
-    return int(rank), int(iteration), kind
-
-
 def parse_args(argv=None):
     """Megatron-LM's argument names and defaults, for the switches this job has."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -90,14 +67,8 @@ def parse_args(argv=None):
         action="store_true",
         help="Megatron-LM's flag: load neither optimizer nor scheduler",
     )
-    p.add_argument("--step-records", default=None, help="write one step record (JSON line) per step here")
-    p.add_argument("--run-id", default=os.environ.get("CKPTOPS_RUN_ID", "local-tiny"))
-    p.add_argument(
-        "--attempt-id",
-        default=os.environ.get("TORCHELASTIC_RUN_ID")
-        or os.environ.get("SLURM_JOB_ID")
-        or str(uuid.uuid4())[:8],
-    )
+    records.add_arguments(p)  # the local job's: step records, the saved-checkpoint event
+    faults.add_arguments(p)  # and its faults, to rehearse failures
     p.add_argument(
         "--exit-on-missing-checkpoint",
         action="store_true",
@@ -116,27 +87,10 @@ def parse_args(argv=None):
         action="store_false",
         help="Megatron-LM's flag: do not end the job on a NaN gradient",
     )
-    # Faults, to rehearse failures and to test that triage, recovery and validation catch them.
-    p.add_argument(
-        "--fail-at",
-        type=_fault,
-        default=None,
-        metavar="RANK:ITERATION:KIND",
-        help="fault: before that iteration that rank fails; KIND is one of " + ", ".join(FAULTS),
-    )
-    p.add_argument("--slow-step-ms", type=float, default=0.0, help="fault: every step takes this much longer")
-    p.add_argument("--ballast-mb", type=int, default=0, help="fault: hold this much more memory")
     p.add_argument(
         "--scheduler-per-iteration",
         action="store_true",
         help="step the LR scheduler once per iteration (several frameworks do), not by the batch samples",
-    )
-    p.add_argument(
-        "--drop-saved-arg",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="fault: save the args without NAME, like a job whose Megatron-LM never set it",
     )
     p.add_argument("--train-iters", type=int, default=8)
     p.add_argument("--save-interval", type=int, default=4)
@@ -188,10 +142,6 @@ def parse_args(argv=None):
         action="store_true",
         help="also write Megatron's integrity.json (sha256 of every file)",
     )
-    p.add_argument(
-        "--notify-url", default=None, help="Prefect API URL: post training.checkpoint.saved after each save"
-    )
-    p.add_argument("--job-name", default="local-tiny", help="names the event's resource")
     return derive(p.parse_args(argv))
 
 
@@ -385,60 +335,8 @@ def save_checkpoint(args, built, scheduler, iteration, consumed, flops):
             flush=True,
         )
         if args.notify_url:
-            notify_saved(args, iteration, directory)
+            notify_saved(args, iteration)
     torch.distributed.barrier()
-
-
-def notify_saved(args, iteration, directory):
-    """Tell Prefect a checkpoint was saved: one plain HTTP POST, so a job needs no Prefect
-    installed. Best effort with a short timeout: a down server must never stall training."""
-    event = [
-        {
-            "id": str(uuid.uuid4()),
-            "occurred": datetime.now(UTC).isoformat(),
-            "event": "training.checkpoint.saved",
-            "resource": {"prefect.resource.id": f"ckptops.job.{args.job_name}"},
-            "payload": {"iteration": iteration, "directory": directory},
-        }
-    ]
-    headers = {"Content-Type": "application/json"}
-    # A server with basic auth (production): the same setting Prefect's own clients read.
-    auth = os.environ.get("PREFECT_API_AUTH_STRING")
-    if auth:
-        headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
-    request = urllib.request.Request(
-        f"{args.notify_url.rstrip('/')}/events",
-        data=json.dumps(event).encode(),
-        headers=headers,
-        method="POST",
-    )
-    try:
-        urllib.request.urlopen(request, timeout=5).close()
-    except OSError as e:
-        print(f"could not post training.checkpoint.saved to {args.notify_url}: {e}", flush=True)
-
-
-def fail(kind: str, model) -> None:
-    """Fail this rank the way ``kind`` says (see FAULTS)."""
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "ecc":
-        raise RuntimeError("CUDA error: uncorrectable ECC error encountered\n" + CUDA_ERROR_TAIL)
-    if kind == "oom":
-        device = int(os.environ.get("LOCAL_RANK", 0))
-        raise torch.OutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate 2.00 GiB. GPU {device} has a total capacity of "
-            "79.11 GiB of which 1.02 GiB is free. Including non-PyTorch memory, this process has "
-            "78.08 GiB memory in use. Of the allocated memory 75.12 GiB is allocated by PyTorch, and "
-            "1.43 GiB is reserved by PyTorch but unallocated."
-        )
-    if kind == "nan":
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.fill_(float("nan"))
-        return
-    while True:  # hang: never reach the next collective
-        time.sleep(60)
 
 
 def _load_dir(args) -> str | None:

@@ -130,6 +130,7 @@ MEGATRON_NANS = re.compile(r"number of nan iterations:\s*(\d+)")
 LOCAL_ITER = re.compile(r"\biteration (\d+) consumed \d+ lr \S+ loss (\S+) grad_norm (\S+)")
 NANOGPT_ITER = re.compile(r"\biter (\d+): loss ([-+\w.]+)")
 EXPLICIT_ITER = re.compile(r"\biteration (-?\d+): Unexpected result")
+RERUN_ITER = re.compile(r"Unexpected result \S+ on rank \d+ at iteration #\d+")
 OVERFLOW = re.compile(r"OVERFLOW!.*Skipping step(?:.*Attempted loss scale:\s*(\S+?),\s*reducing to\s*(\S+))?")
 NVRM_CONTINUATION = re.compile(r"^\s+NVRM: ")
 

@@ -30,6 +30,7 @@ from tasks.recovery.triage.patterns import (
     NODE_FAILURE,
     NVRM_CONTINUATION,
     OVERFLOW,
+    RERUN_ITER,
     SRUN_EXIT,
     as_number,
     classify_line,
@@ -231,6 +232,11 @@ class Scan(Decide):
         m = EXPLICIT_ITER.search(text)
         if m and int(m[1]) >= 0:
             return int(m[1])
+        if RERUN_ITER.search(text) and f.iteration is not None:
+            # Megatron-Core 0.19's rerun state machine ("Unexpected result nan on rank 1 at
+            # iteration #4") counts its own invocations, not the iterations the log prints: the
+            # anomaly is in the iteration after the last one logged.
+            return f.iteration + 1
         return f.iteration
 
     def _overflow(self, f: _File, number: int, text: str) -> None:
