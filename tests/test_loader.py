@@ -1,13 +1,16 @@
 """The loader's parts without a process group: the model a checkpoint's args and tensor shapes
-describe, and the comparison of loaded pieces with the stored bytes after resharding."""
+describe, the comparison of loaded pieces with the stored bytes after resharding, and the
+optimizer's param groups taken from what the checkpoint saved."""
 
 import argparse
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
+from tasks.restore import param_groups
 from tasks.restore.compare import compare
 from tasks.restore.model_args import ModelArgsError, resolve
 from tests.conftest import iter_dir
@@ -146,3 +149,64 @@ def test_a_mixture_of_experts_is_recognised_by_its_router(variety):
     assert resolved.inferred == [
         "num_experts=8 (the args say None; decoder.layers.mlp.router.weight [2, 8, 64] says otherwise)"
     ]
+
+
+def built_groups(args, *, expert: bool = False) -> list[dict]:
+    """The groups megatron's ``_get_param_groups`` builds from a job's args (its standard
+    overrides: weight decay off for biases and 1-dim parameters), on a real torch Adam."""
+    weights, biases = torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.ones(4))
+    common = {"lr_mult": 1.0, "is_decoupled_lr": False, "is_expert_parallel": False}
+    common |= {"max_lr": args.lr, "min_lr": getattr(args, "min_lr", None)}
+    groups = [{"params": [weights], "wd_mult": 1.0, **common}, {"params": [biases], "wd_mult": 0.0, **common}]
+    if expert:
+        groups.append({"params": [torch.nn.Parameter(torch.ones(2))], **common, "wd_mult": 1.0})
+        groups[-1]["is_expert_parallel"] = True
+    return torch.optim.Adam(groups, lr=args.lr).param_groups
+
+
+def inner(groups: list[dict]) -> list:
+    """The chain of optimizers as megatron holds it: one, whose torch optimizer has the groups."""
+    return [SimpleNamespace(optimizer=SimpleNamespace(param_groups=groups))]
+
+
+def own_groups_state(variety):
+    directory = iter_dir(variety["own-loop-groups"], 4)
+    index = build_index(load_dcp_metadata(directory / ".metadata"))
+    common = load_common_state(directory, index)
+    return common["optimizer"], common["args"]
+
+
+def test_the_saved_param_groups_win_over_what_the_args_imply(variety):
+    state, args = own_groups_state(variety)
+    current = built_groups(args)
+    notes = param_groups.adopt(inner(current), state, args)
+    saved = param_groups.saved_groups(state, 1)[0]
+    assert [param_groups.identifier(g) for g in current] == [param_groups.identifier(g) for g in saved]
+    # The loop's own values (3 x and 1.5 x its --lr, half its --min-lr), each named with its arg.
+    assert (
+        "optimizer 0 group 0: max_lr 0.003 from the checkpoint (the args imply 0.001: max_lr from --lr 0.001)"
+        in notes
+    )
+    assert "optimizer 0 group 1: max_lr 0.0015 from the checkpoint" in " | ".join(notes)
+    assert any(n.startswith("optimizer 0 group 0: min_lr 5e-05") for n in notes)
+
+
+def test_args_without_min_lr_take_the_saved_one_and_say_so(variety):
+    state, args = own_groups_state(variety)
+    args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "min_lr"})
+    current = built_groups(args)
+    notes = param_groups.adopt(inner(current), state, args)
+    assert current[0]["min_lr"] == 5e-05
+    assert "min_lr from --min-lr, which the checkpoint's args do not hold" in " | ".join(notes)
+
+
+def test_a_group_the_checkpoint_lacks_fails_naming_its_key_and_arg(variety):
+    state, args = own_groups_state(variety)
+    current = built_groups(args, expert=True)
+    with pytest.raises(param_groups.ParamGroupMismatch) as raised:
+        param_groups.adopt(inner(current), state, args)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("optimizer param group (end_wd=None, max_lr=0.001, ")
+    assert "is_expert_parallel=True" in message and "from --expert-model-parallel-size" in message
+    assert "the checkpoint's groups: end_wd=None, max_lr=0.003" in message

@@ -44,12 +44,14 @@ from megatron.core.dist_checkpointing.mapping import (  # noqa: E402
 
 from tasks.checkpoint import layout as ckpt_layout  # noqa: E402
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata  # noqa: E402
+from tasks.checkpoint.facts import wsd_decay_steps  # noqa: E402
 from tasks.errors import CkptopsError, UsageError  # noqa: E402
 from tasks.restore import build as builder  # noqa: E402
+from tasks.restore import param_groups  # noqa: E402
 from tasks.restore.compare import compare, sample  # noqa: E402
 from tasks.restore.model_args import ModelArgsError, resolve  # noqa: E402
 from tasks.restore.report import LoadReport, RankCheck, write_error, write_report  # noqa: E402
-from tasks.restore.schedule import scheduler_from_state  # noqa: E402
+from tasks.restore.schedule import ScheduleError, scheduler_from_state  # noqa: E402
 
 RESHARDABLE_FORMATS = {"fully_reshardable", "fully_sharded_model_space"}
 
@@ -110,6 +112,7 @@ class Loaded:
     consumed_train_samples: int
     num_floating_point_operations_so_far: float
     scheduler_state: dict | None
+    notes: list[str]  # the saved param-group values the args did not imply
 
 
 def load_state(
@@ -121,7 +124,8 @@ def load_state(
     scheduler=None,
 ) -> Loaded:
     """Load model, optimizer, scheduler and RNG state from ``directory`` into what ``built`` holds,
-    as Megatron-LM's ``load_checkpoint`` does for a ``torch_dist`` checkpoint."""
+    as Megatron-LM's ``load_checkpoint`` does for a ``torch_dist`` checkpoint. The optimizer's
+    param groups are the saved ones (``param_groups.adopt``), whatever the args imply."""
     metadata = content_metadata(directory)
     metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
     model_sd = built.module.sharded_state_dict(metadata=metadata)
@@ -134,7 +138,9 @@ def load_state(
         sharded["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)
     state = dist_checkpointing.load(sharded, str(directory))
     built.module.load_state_dict(state["model"])
+    notes = []
     if load_optim:
+        notes = param_groups.adopt(_inner(optimizer), state["optimizer"], args)
         if args.use_distributed_optimizer:
             # torch Adam keeps a per-parameter "step" tensor that no sharding format saves (and
             # the fully reshardable loader would look for): set from the loaded group's step.
@@ -154,6 +160,7 @@ def load_state(
         int(state["args"].consumed_train_samples),
         float(state.get("num_floating_point_operations_so_far", 0.0)),
         state.get("opt_param_scheduler"),
+        notes,
     )
 
 
@@ -318,11 +325,18 @@ class _Drill:
             self.report.notes.append("RNG state not loaded: the TP/PP layout changed (as Megatron-LM does)")
         builder.set_seeds(int(getattr(args, "seed", 1234)))
         built = builder.build(args, self.provider, initialize=False)
-        scheduler = (
-            scheduler_from_state(built.optimizer, self.scheduler_state)
-            if load_optim and self.scheduler_state
-            else None
-        )
+        scheduler = None
+        if load_optim and self.scheduler_state:
+            try:
+                scheduler = scheduler_from_state(
+                    built.optimizer,
+                    self.scheduler_state,
+                    float(getattr(args, "lr_warmup_init", 0.0) or 0.0),
+                    wsd_decay_steps(args),
+                    getattr(args, "lr_wsd_decay_style", None),
+                )
+            except ScheduleError as e:
+                raise ScheduleError(f"{options.checkpoint.name}: {e}") from None
         timings = []
         for _ in range(max(1, options.repeat)):
             torch.distributed.barrier()
@@ -336,6 +350,7 @@ class _Drill:
             loaded.consumed_train_samples,
         )
         self.report.optimizer_loaded, self.report.rng_loaded = load_optim, load_rng
+        self.report.notes.extend(loaded.notes)
         if scheduler is not None:
             self.report.scheduler = scheduler.state_dict()
             self.report.lr = scheduler.get_lr(built.optimizer.param_groups[0])

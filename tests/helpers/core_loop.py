@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 
@@ -34,7 +35,8 @@ from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy  # noqa: E402
 from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: E402
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper  # noqa: E402
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron.core.optimizer import ParamKey, ParamPredicate, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, ParamGroupOverride  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
 
@@ -42,7 +44,7 @@ from ckptops_records import StepRecorder, batch_summary  # noqa: E402
 from infra.local_job import faults, records  # noqa: E402
 from infra.local_job.faults import fail  # noqa: E402
 from infra.local_job.records import notify_saved  # noqa: E402
-from tasks.restore.build import build, init_distributed, set_seeds  # noqa: E402
+from tasks.restore.build import build, init_distributed, optimizer_config, set_seeds  # noqa: E402
 from tasks.restore.loader import load_state, rng_state_object  # noqa: E402
 
 CHECKPOINT_VERSION = 3.0
@@ -91,6 +93,12 @@ def parse_args(argv=None):
         "--scheduler-per-iteration",
         action="store_true",
         help="step the LR scheduler once per iteration (several frameworks do), not by the batch samples",
+    )
+    p.add_argument(
+        "--own-param-groups",
+        action="store_true",
+        help="an optimizer config of the loop's own that its saved args do not imply: 3 x --lr for "
+        "the decayed parameters, 1.5 x --lr for biases and 1-dim parameters, --min-lr / 2",
     )
     p.add_argument("--train-iters", type=int, default=8)
     p.add_argument("--save-interval", type=int, default=4)
@@ -203,6 +211,8 @@ def setup(args):
     args.num_microbatches = args.global_batch_size // per_step
     set_seeds(args.seed)
     built = build(args)
+    if args.own_param_groups:
+        built = replace(built, optimizer=own_optimizer(args, built.model))
     # Megatron-LM counts the schedule in samples; a loop stepping it per iteration counts iterations.
     per = args.global_batch_size if args.scheduler_per_iteration else 1
     scheduler = OptimizerParamScheduler(
@@ -219,6 +229,17 @@ def setup(args):
         wd_incr_style="constant",
     )
     return built, scheduler
+
+
+def own_optimizer(args, model):
+    """The loop's own param groups (megatron's API, its own values): what a team's loop may
+    configure in code rather than from its args."""
+    config = replace(optimizer_config(args), lr=3 * args.lr, min_lr=args.min_lr / 2)
+    no_decay = ParamKey(
+        name="*.bias", predicate=ParamPredicate(name="param_len_1", fn=lambda param: len(param.shape) == 1)
+    )
+    overrides = {no_decay: ParamGroupOverride(wd_mult=0.0, max_lr=1.5 * args.lr)}
+    return get_megatron_optimizer(config, [model], config_overrides=overrides)
 
 
 class SyntheticDataset:
