@@ -64,7 +64,7 @@ class Validation:
 def schedule(facts: CheckpointFacts):
     """The learning rate after a given count of the scheduler's unit, by the checkpoint's own
     schedule (megatron-core's class, not a copy)."""
-    from tasks.restore.schedule import scheduler_from_state
+    from tasks.restore.schedule import ScheduleError, scheduler_from_state
 
     try:
         scheduler = scheduler_from_state(
@@ -74,10 +74,8 @@ def schedule(facts: CheckpointFacts):
             facts.wsd_decay_steps,
             facts.wsd_decay_style,
         )
-    except (KeyError, AssertionError, TypeError) as e:
-        raise CkptopsError(
-            f"{facts.directory.name}: its scheduler state cannot be replayed ({type(e).__name__}: {e})"
-        ) from None
+    except ScheduleError as e:
+        raise CkptopsError(f"{facts.directory.name}: {e}") from None
 
     def lr_at(count: int) -> float:
         scheduler.num_steps = count
