@@ -4,6 +4,7 @@ The training job runs once per session (six checkpoints, about 15 s on two cores
 that breaks or promotes something works on its own copy.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.local_job.launch import run_local_job
+from infra.local_job.launch import PRETRAIN, run_local_job
 from tasks.checkpoint.state import VerifyOptions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -222,6 +223,8 @@ class Variant:
     switches: tuple[str, ...]
     layout: str
     nproc: int = 2
+    entry: Path = PRETRAIN  # Megatron-LM's loop, or another loop taking the same arguments
+    save_interval: int = 4
 
 
 # Six architectures and layouts (the default job is the seventh): what users bring.
@@ -289,8 +292,70 @@ VARIANTS = {
             ("--drop-saved-arg", "num_attention_heads", "--drop-saved-arg", "kv_channels"),
             "data_parallel: 2",
         ),
+        # Saves written in the background by Megatron-LM's persistent worker, under another LR
+        # schedule (warm-up, then WSD with a cosine decay), with the saved event after each.
+        Variant(
+            "async-wsd",
+            (
+                "--async-save",
+                "--use-persistent-ckpt-worker",
+                "--async-strategy",
+                "mcore",
+                "--lr-warmup-iters",
+                "1",
+                "--lr-decay-style",
+                "WSD",
+                "--lr-wsd-decay-style",
+                "cosine",
+                "--lr-wsd-decay-iters",
+                "2",
+                "--lr-decay-iters",
+                "4",
+            ),
+            "data_parallel: 2",
+            save_interval=2,
+        ),
+        # A Megatron-Core loop that is not pretrain, with param groups of its own.
+        Variant(
+            "own-loop-groups",
+            ("--own-param-groups",),
+            "data_parallel: 2",
+            entry=ROOT / "tests" / "helpers" / "core_loop.py",
+        ),
     )
 }
+
+
+class SavedEvents:
+    """A loopback HTTP server taking the job's ``training.checkpoint.saved`` posts; beside each
+    event it keeps what Megatron-LM's tracker said when the event arrived."""
+
+    def __init__(self, save_dir: Path):
+        import json
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from threading import Thread
+
+        received = self.received = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                tracker = save_dir / "latest_checkpointed_iteration.txt"
+                seen = tracker.read_text().strip() if tracker.exists() else None
+                received.extend((event["payload"]["iteration"], seen) for event in body)
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
 
 
 @pytest.fixture(scope="session")
@@ -300,16 +365,27 @@ def variety(tmp_path_factory) -> dict[str, Path]:
     saves = {}
     for variant in VARIANTS.values():
         save = root / variant.name
-        run_local_job(
-            save,
-            nproc=variant.nproc,
-            train_iters=4,
-            save_interval=4,
-            timeout_seconds=600,
-            extra=list(variant.switches),
-        )
+        events = SavedEvents(save)
+        try:
+            run_local_job(
+                save,
+                nproc=variant.nproc,
+                train_iters=4,
+                save_interval=variant.save_interval,
+                timeout_seconds=600,
+                extra=[*variant.switches, "--notify-url", events.url],
+                entry=variant.entry,
+            )
+        finally:
+            events.close()
+        (save.parent / f"{variant.name}-events.json").write_text(json.dumps(events.received))
         saves[variant.name] = save
     return saves
+
+
+def saved_events(variety, name: str) -> list[list]:
+    """The (iteration, tracker when it arrived) of each saved event the variant's job posted."""
+    return json.loads((variety[name].parent / f"{name}-events.json").read_text())
 
 
 def variant_profile(variety, name: str, tmp_path: Path, **kwargs) -> Path:

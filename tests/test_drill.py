@@ -3,6 +3,7 @@ layouts from both sources, resharded loads, what the load reports, its budget, h
 and the batch script a production drill submits."""
 
 import json
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -16,7 +17,7 @@ from tasks.profile import load_profile
 from tasks.restore.drill import run_drill
 from tasks.restore.history import estimate, read_drills
 from tasks.restore.launch import LoaderShape, render_sbatch
-from tests.conftest import ROOT, exited_process_identity, variant_profile, write_job_profile
+from tests.conftest import ROOT, exited_process_identity, saved_events, variant_profile, write_job_profile
 
 CKPTOPS = ROOT / ".venv" / "bin" / "ckptops"
 
@@ -38,7 +39,17 @@ MATRIX = {
     "pp2": ("TP 1 x PP 2 x DP 1 (2 ranks)", "optimizer loaded"),
     "tp2-bf16": ("TP 2 x PP 1 x DP 1 (2 ranks)", "optimizer loaded"),
     "llama-like": ("TP 1 x PP 1 x DP 1 (1 ranks)", "optimizer loaded"),
+    "async-wsd": ("TP 1 x PP 1 x DP 1 (1 ranks)", "optimizer loaded"),
+    "own-loop-groups": ("TP 1 x PP 1 x DP 1 (1 ranks)", "optimizer loaded"),
 }
+
+
+def last_lr(variety, name) -> float:
+    """The learning rate the job itself logged at its last iteration (Megatron-LM's line, or the
+    other loop's own)."""
+    log = (variety[name].parent / f"{name}-train.log").read_text()
+    values = re.findall(r"(?:learning rate: | lr )([0-9.]+E?e?[-+]?[0-9]+)", log)
+    return float(values[-1])
 
 
 @pytest.mark.parametrize("name", sorted(MATRIX))
@@ -339,3 +350,33 @@ def test_a_killed_drills_scratch_is_reported_and_cleared_by_the_next(save_dir, t
     assert report.ok, report.reason
     assert report.cleared and report.cleared[0].startswith(f"{leftover} (process ")
     assert list(profile.drill.scratch_dir.iterdir()) == []
+
+
+def test_a_loop_with_param_groups_of_its_own_drills_on_the_saved_groups(variety, tmp_path, options):
+    profile = promoted_profile(variety, "own-loop-groups", tmp_path, options)
+    report = run_drill(profile, "shared")
+    assert report.ok, report.reason
+    found = checks(report)
+    # Its groups' values are not what its args imply: the saved ones are loaded, and said.
+    adopted = "optimizer 0 group 0: max_lr 0.003 from the checkpoint (the args imply 0.001"
+    assert adopted in found["model"].detail
+    lr = float(found["scheduler"].detail.rsplit("lr ", 1)[1])
+    assert lr == pytest.approx(last_lr(variety, "own-loop-groups"), rel=1e-3) and lr > 2e-3
+
+
+def test_a_wsd_schedule_saved_in_the_background_drills_at_its_logged_lr(variety, tmp_path, options):
+    profile = promoted_profile(variety, "async-wsd", tmp_path, options)
+    report = run_drill(profile, "shared")
+    assert report.ok, report.reason
+    lr = float(checks(report)["scheduler"].detail.rsplit("lr ", 1)[1])
+    # The WSD decay comes from the checkpoint's args (its state does not keep it): at the end
+    # of the decay the rate is the minimum, as Megatron-LM logged it.
+    assert lr == pytest.approx(last_lr(variety, "async-wsd"), rel=1e-6) and lr == pytest.approx(1e-4)
+
+
+def test_the_saved_event_follows_megatron_lms_tracker_for_async_and_plain_saves(variety):
+    # Each event arrived once the save was finished: the tracker already named its iteration
+    # (an async save only schedules the write; its event waits for the finalize step).
+    assert saved_events(variety, "async-wsd") == [[2, "2"], [4, "4"]]
+    assert saved_events(variety, "pp2") == [[4, "4"]]
+    assert saved_events(variety, "own-loop-groups") == [[4, "4"]]

@@ -4,9 +4,9 @@ the recorder any job can import) and a ``training.checkpoint.saved`` event after
 Both hang on the loop's own seams: ``forward_step`` reports each micro-batch it reads, and
 Megatron-LM's ``training_log`` (called on every rank after every iteration, with the
 iteration's loss, learning rate, grad norm and skipped flag) writes the record; the event
-follows ``save_checkpoint``. The batch's identity is its content: a digest of each sample's
-tokens, gathered over the data-parallel ranks in rank order, so another data order or seed is
-another batch even at the same position.
+follows ``save_checkpoint``, or with ``--async-save`` the save's finalize step. The batch's
+identity is its content: a digest of each sample's tokens, gathered over the data-parallel
+ranks in rank order, so another data order or seed is another batch even at the same position.
 """
 
 import base64
@@ -69,15 +69,36 @@ def start(args) -> None:
 
     training.training_log = training_log
     if args.notify_url:
-        original_save = training.save_checkpoint
+        _notify_after_saves(args)
 
-        def save_checkpoint(iteration, *rest, **kwargs):
+
+def _notify_after_saves(args) -> None:
+    """Post the saved event once the checkpoint is on disk: after ``save_checkpoint`` returns, or
+    with ``--async-save`` from the save's own finalize step, after Megatron-LM wrote its tracker
+    (the save only scheduled the write)."""
+    from megatron.training import checkpointing, training
+
+    original_save, original_schedule = training.save_checkpoint, checkpointing.schedule_async_save
+
+    def save_checkpoint(iteration, *rest, **kwargs):
+        if not args.async_save:
             done = original_save(iteration, *rest, **kwargs)
             if torch.distributed.get_rank() == 0:
                 notify_saved(args, iteration)
             return done
 
-        training.save_checkpoint = save_checkpoint
+        def schedule(request):
+            if torch.distributed.get_rank() == 0:
+                request.add_finalize_fn(lambda: notify_saved(args, iteration))
+            return original_schedule(request)
+
+        checkpointing.schedule_async_save = schedule
+        try:
+            return original_save(iteration, *rest, **kwargs)
+        finally:
+            checkpointing.schedule_async_save = original_schedule
+
+    training.save_checkpoint = save_checkpoint
 
 
 def saw_batch(tokens: torch.Tensor) -> None:
