@@ -1,5 +1,6 @@
-"""The local job's fault switch (train.py --fail-at RANK:ITERATION:KIND) really fails a rank the
-way it says, and triage names the class and the rank's node from the job's own output."""
+"""The local job's fault switch (--fail-at RANK:ITERATION:KIND, inside Megatron-LM's loop) fails
+a rank the way it says, and triage names the class and the rank's node from the job's own output
+(the ranks' lines and torchrun's ChildFailedError summary)."""
 
 from pathlib import Path
 
@@ -16,6 +17,8 @@ EXPECTED = {
     "nan": ("numerics", "Unexpected result nan"),
     # The hung rank never errs: the others' collective times out (gloo's words on CPU).
     "hang": ("hang", "Timed out waiting"),
+    # A rank killed outright says nothing; torchrun's ChildFailedError summary names it and its host.
+    "kill": ("hang", "Root Cause (first observed failure): rank 1 (local_rank: 1) on "),
 }
 
 
@@ -32,3 +35,6 @@ def test_each_fault_fails_the_job_and_triage_names_it(kind, tmp_path):
     if kind == "nan":
         # Megatron names the rank's node and the iteration that failed.
         assert found.suspect_nodes and found.anomaly_iteration == 3
+    if kind == "kill":
+        assert "(SIGKILL)" in found.first_error.text
+        assert found.suspect_nodes == [found.first_error.text.split(" on ", 1)[1].split(",")[0].split(".")[0]]

@@ -264,7 +264,8 @@ FIXTURES = [
     (
         "hang/hang_allgather_subgroup_timeout_2node_pytorch_issue134006_slurm.out",
         "hang",
-        "srun: error: workergpu008: task 1: Exited with exit code 1",
+        # torchrun's summary comes before srun's line, and names the global rank too.
+        "Root Cause (first observed failure): rank 4 (local_rank: 0) on workergpu008.cm.cluster, exitcode 1",
         ["workergpu008"],
     ),
     (
@@ -372,7 +373,8 @@ FIXTURES = [
     (
         "multirank/hang_task_exit_workergpu008_pytorch_issue134006",
         "hang",
-        "srun: error: workergpu008: task 1: Exited with exit code 1",
+        # torchrun's summary comes before srun's line, and names the global rank too.
+        "Root Cause (first observed failure): rank 4 (local_rank: 0) on workergpu008.cm.cluster, exitcode 1",
         ["workergpu008"],
         "slurm.out",
     ),
@@ -441,9 +443,10 @@ def test_real_fixture(row):
         return
     assert result.first_error is not None
     assert first in result.first_error.text
-    # The line number points at that very line of that file.
+    # The line number points at that very line of that file (torchrun's summary: at its first
+    # line, which the text continues with the block's fields).
     lines = Path(result.first_error.file).read_text(errors="replace").splitlines()
-    assert lines[result.first_error.line - 1] == result.first_error.text
+    assert result.first_error.text.startswith(lines[result.first_error.line - 1])
     assert result.first_error in result.evidence
     if len(row) == 5:
         assert Path(result.first_error.file).name == row[4]
@@ -747,7 +750,7 @@ def test_loss_scale_at_minimum_is_numerics(tmp_path):
 
 
 def local_iteration(i: int, loss: float, grad: float = 1.23) -> str:
-    """The line the local training job prints (infra/local_job/train.py), behind srun's label."""
+    """The line the other test loop prints (tests/helpers/core_loop.py), behind srun's label."""
     return f"0: iteration {i} consumed {i * 8} lr {1e-4:.3e} loss {loss:.6f} grad_norm {grad:.6f}"
 
 
@@ -841,7 +844,8 @@ def test_suspects_come_only_from_root_lines_deduplicated_in_order(tmp_path):
 
 
 def test_our_local_jobs_ecc_fault_with_the_layout(tmp_path):
-    """infra/local_job/train.py fail("ecc") raises this on rank 1; srun --label prefixes it."""
+    """The local job's ecc fault (infra/local_job/faults.py) raises this on rank 1; srun --label
+    prefixes it."""
     log = write(
         tmp_path,
         "train.log",
@@ -1085,3 +1089,55 @@ def test_line_starts_with_the_class_word(tmp_path):
     assert "n2" in text
     assert f"{tmp_path / 'train.log'}:1: 1: RuntimeError: CUDA error: uncorrectable ECC" in text
     assert triage([]).line().split()[0] == "unknown"
+
+
+# torchrun's ChildFailedError summary as it prints it (torch 2.x; this block from the local job's
+# killed rank, the host and rank as on a cluster).
+TORCHRUN_SUMMARY = (
+    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+    "============================================================",
+    "pretrain.py FAILED",
+    "------------------------------------------------------------",
+    "Failures:",
+    "  <NO_OTHER_FAILURES>",
+    "------------------------------------------------------------",
+    "Root Cause (first observed failure):",
+    "[0]:",
+    "  time      : 2026-12-02_05:59:12",
+    "  host      : gpu-node-07",
+    "  rank      : 13 (local_rank: 5)",
+    "  exitcode  : {code}",
+    "  error_file: <N/A>",
+    "  traceback : {traceback}",
+    "============================================================",
+)
+
+
+def summary(code: str, traceback: str) -> list[str]:
+    return [line.format(code=code, traceback=traceback) for line in TORCHRUN_SUMMARY]
+
+
+def test_torchruns_summary_names_the_rank_that_failed_first_and_its_host(tmp_path):
+    killed = summary("-9 (pid: 9246)  (SIGKILL)", "Signal 9 (SIGKILL) received by PID 9246")
+    log = write(tmp_path, "job.out", "Sending process 9245 closing signal SIGTERM", *killed)
+    result = triage([log])
+    assert (result.cls, result.suspect_nodes) == ("hang", ["gpu-node-07"])
+    assert result.first_error.text == (
+        "Root Cause (first observed failure): rank 13 (local_rank: 5) on gpu-node-07, "
+        "exitcode -9 (pid: 9246)  (SIGKILL)"
+    )
+    assert result.first_error.line == killed.index("Root Cause (first observed failure):") + 2
+
+
+def test_megatrons_exit_16_in_torchruns_summary_excludes_that_node(tmp_path):
+    # The rerun state machine's 16 (a fault it believes is the node's) after every rank timed out.
+    log = write(
+        tmp_path,
+        "job.out",
+        "[rank0]:[E ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective operation timeout: x",
+        *summary(
+            "16 (pid: 4242)", "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+        ),
+    )
+    result = triage([log])
+    assert result.exit_code == 16 and result.suspect_nodes == ["gpu-node-07"]

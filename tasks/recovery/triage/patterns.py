@@ -108,7 +108,17 @@ _CASCADE = re.compile(
     r"|remote process exited|NCCL communicator was aborted|Socket recv failed"
     r"|Sending process \d+ closing signal|Received SIGTERM|failed \(exitcode: "
 )
-_TIMEOUT = re.compile(r"time[d ]?out|timeout|got stuck", re.I)
+_TIMEOUT = re.compile(r"timed? ?out|got stuck", re.I)
+
+# torchrun's ChildFailedError summary: the first rank that failed, its host and how it ended.
+#   Root Cause (first observed failure):
+#   [0]:
+#     host      : n12
+#     rank      : 3 (local_rank: 3)
+#     exitcode  : -9 (pid: 9246)  (SIGKILL)
+#     traceback : Signal 9 (SIGKILL) received by PID 9246
+TORCHRUN_ROOT = "Root Cause (first observed failure):"
+TORCHRUN_FIELD = re.compile(r"^\s*(time|host|rank|local_rank|exitcode|error_file|traceback)\s*:\s*(.*?)\s*$")
 
 # Where a line names its node or rank.
 _MEGATRON_NODE = re.compile(r"\bRank -?\d+, node ([^\s,]+), device\b")

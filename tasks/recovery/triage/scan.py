@@ -1,6 +1,7 @@
 """Reading the logs: each file a block of lines at a time, keeping only the evidence (the first
 root and cascade lines of each file, the progress lines that show a numerical anomaly)."""
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from tasks.recovery.triage.patterns import (
     OVERFLOW,
     RERUN_ITER,
     SRUN_EXIT,
+    TORCHRUN_FIELD,
+    TORCHRUN_ROOT,
     as_number,
     classify_line,
     epoch_of,
@@ -64,6 +67,7 @@ class _File:
     nvrm: list | None = None  # [hit-or-None, line number, text, joined text, ts] of an NVRM message
     lines: int = 0
     frame: int | None = None  # column of `File "..."` on the line before (a traceback frame)
+    summary: dict | None = None  # torchrun's root-cause block being read: its line and fields
 
 
 class Scan(Decide):
@@ -104,6 +108,8 @@ class Scan(Decide):
         if f.nvrm is not None and text[:1].isspace() and NVRM_CONTINUATION.match(text):
             self._continue_nvrm(f, text)
             return
+        if f.summary is not None or TORCHRUN_ROOT in text:
+            self._torchrun_summary(f, number, text)
         # A traceback echoes the source of each frame (`raise RuntimeError("CUDA error: ...")`):
         # code, not an error that happened; the exception line at the end is the evidence.
         # Source lines are indented two columns past their frame's `File`.
@@ -154,6 +160,42 @@ class Scan(Decide):
         elif "OVERFLOW!" in text and OVERFLOW.search(text):
             self._overflow(f, number, text)
         f.nvrm = [hit, number, text, text, f.last_ts] if "NVRM:" in text else None
+
+    def _torchrun_summary(self, f: _File, number: int, text: str) -> None:
+        """torchrun's root-cause block, read field by field: the rank that failed first, as one
+        task exit (srun's ``task N: Exited``): its host is the suspect of a hang when it ended
+        before any timeout, and Megatron's 16 or 17 count as its exit code. Its text is the
+        block's first line with the fields it gives. Kept past the cap on cascades: the summary is
+        the last thing a log holds."""
+        if TORCHRUN_ROOT in text:
+            f.summary = {"line": number}
+            return
+        field_ = TORCHRUN_FIELD.match(text)
+        if field_ is not None:
+            f.summary[field_[1]] = field_[2]
+        if field_ is None and not text.lstrip().startswith("[") or "traceback" in f.summary:
+            summary, f.summary = f.summary, None
+            if "host" not in summary or "exitcode" not in summary:
+                return
+            code = summary["exitcode"].split()[0]
+            # torchrun prints the FQDN (workergpu008.cm.cluster); Slurm knows the node by its name.
+            host = summary["host"]
+            node = host if host.replace(".", "").isdigit() else host.split(".", 1)[0]
+            hit = Hit(
+                f.index,
+                f.name,
+                summary["line"],
+                f"{TORCHRUN_ROOT} rank {summary.get('rank', '?')} on {host}, exitcode {summary['exitcode']}",
+                "cascade",
+                FailureClass.HANG,
+                f.last_ts,
+                nodes=(node,),
+                tags=frozenset({"task-exit", "single"}),
+                exit_code=int(code) if code.lstrip("-").isdigit() and int(code) >= 0 else None,
+            )
+            f.task_failed = True
+            f.counts[FailureClass.HANG] = f.counts.get(FailureClass.HANG, 0) + 1
+            bisect.insort(f.cascades, hit, key=lambda h: h.line)
 
     def _root_nodes(self, text: str, cls: str, tags: frozenset) -> tuple[str, ...]:
         if cls == FailureClass.PREEMPTED:
