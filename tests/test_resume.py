@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from infra.local_job.dataset import build as build_dataset
 from infra.local_job.launch import PRETRAIN, run_local_job
 from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.promote import promote
 from tasks.checkpoint.state import VerifyOptions
-from tasks.errors import CkptopsError
+from tasks.errors import CkptopsError, UsageError
 from tasks.profile import load_profile
 from tasks.resume.records import load_steps
 from tasks.resume.validate import validate_resume
@@ -203,21 +204,8 @@ def test_cli_tells_records_from_megatron_logs(failed_run, good_resume, tmp_path)
     root, save = failed_run
     records = good_resume
     # Synthetic: Megatron-LM's training-log format (tests/data/megatron) written from our records.
-    for name, source in (("before.log", root / "before.jsonl"), ("after.log", records)):
-        lines = []
-        for line in source.read_text().splitlines():
-            r = json.loads(line)
-            lines.append(
-                f" [{datetime.fromtimestamp(r['time']):%Y-%m-%d %H:%M:%S.%f}] "
-                f"iteration {r['iteration']:8d}/      30 | consumed samples: "
-                f"{r['consumed_samples']:12d} | "
-                f"elapsed time per iteration (ms): {r['step_seconds'] * 1000:.1f} | "
-                f"throughput per GPU (TFLOP/s/GPU): {r['tflops']:.1f} | learning rate: {r['lr']:E} | "
-                f"global batch size: {r['batch']['count']:5d} | lm loss: {r['loss']:E} | loss scale: 1.0 | "
-                f"grad norm: {r['grad_norm']:.3f} | number of skipped iterations:   0 | "
-                f"number of nan iterations:   0 |"
-            )
-        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    _as_megatron_log(root / "before.jsonl", tmp_path / "before.log")
+    _as_megatron_log(records, tmp_path / "after.log")
     done = subprocess.run(
         [
             str(ROOT / ".venv" / "bin" / "ckptops"),
@@ -320,9 +308,16 @@ def test_post_resume_validation_flow_emits_its_event(failed_run, good_resume, pr
 def _as_megatron_log(records: Path, target: Path, tflops: bool = True) -> Path:
     """Megatron-LM's training-log format (tests/data/megatron) written from our records; without
     ``tflops``, as Megatron-LM prints it when not run with --log-throughput."""
-    lines = []
+    lines, previous = [], None
     for line in records.read_text().splitlines():
         r = json.loads(line)
+        if r["iteration"] > 1 and (previous is None or r["iteration"] <= previous):
+            # A run from a checkpoint: Megatron-LM's load line (0.19's wording) comes first.
+            lines.append(
+                f"  successfully loaded checkpoint from {records.parent} [ t 1/1, gtp_remat 1/1, p 1/1 ] "
+                f"at iteration {r['iteration'] - 1}"
+            )
+        previous = r["iteration"]
         throughput = f"throughput per GPU (TFLOP/s/GPU): {r['tflops']:.1f} | " if tflops else ""
         lines.append(
             f" [{datetime.fromtimestamp(r['time']):%Y-%m-%d %H:%M:%S.%f}] "
@@ -452,7 +447,7 @@ def test_a_bit_exact_resume_validates_from_megatron_lms_own_logs(failed_run, goo
     loss = next(c for c in result.checks if c.name == "loss and grad norm")
     assert loss.observed == (
         "as expected (1 losses and 2 grad norms compared; loss not compared at 14 "
-        "(printed over other iterations than before))"
+        "(printed over other iterations than before); a log's values to the precision it printed)"
     )
     # The lines' own timestamps place the resume: the pointer when it started was 12.
     promoted = next(c for c in result.checks if c.name == "promoted checkpoint")
@@ -486,3 +481,90 @@ def test_goodput_from_megatron_lms_own_log_alone(failed_run):
     assert found["wall"]["seconds"] > 0 and "checkpoints-train.log" in found["wall"]["source"]
     assert 0 < found["productive"]["seconds"] < found["wall"]["seconds"]
     assert 0 < found["ettr"] < 1
+
+
+def test_a_log_shows_a_start_from_the_checkpoint_only_by_megatron_lms_load_line(
+    failed_run, good_resume, tmp_path
+):
+    """From a log, the relaunch started from checkpoint 12 only where Megatron-LM printed that it
+    loaded 12 and the next iteration is 13: neither a missing line nor another checkpoint passes."""
+    root, save = failed_run
+    before = load_steps(root / "before.jsonl")
+    log = _as_megatron_log(good_resume, tmp_path / "after.log")
+    assert validate_resume(save / "iter_0000012", before, load_steps(log), SETTINGS).ok
+    text = log.read_text()
+    unsaid = tmp_path / "no-load-line.log"
+    unsaid.write_text("".join(line for line in text.splitlines(True) if "successfully loaded" not in line))
+    other = tmp_path / "other.log"
+    other.write_text(text.replace("at iteration 12", "at iteration 8"))
+    for path, observed in ((unsaid, "no such line before its steps"), (other, "iteration 8")):
+        result = validate_resume(save / "iter_0000012", before, load_steps(path), SETTINGS)
+        check = next(c for c in result.checks if c.name == "resume point")
+        assert not result.ok and check.observed == observed, path.name
+        assert "successfully loaded checkpoint ... at iteration 12" in check.expected
+
+
+@pytest.fixture(scope="module")
+def indexed_run(tmp_path_factory):
+    """The failed run on a real indexed dataset (megatron-core's IndexedDatasetBuilder, read by
+    GPTDataset with a data cache), resumed from its promoted checkpoint."""
+    root = tmp_path_factory.mktemp("indexed")
+    data = ("--data-path", str(build_dataset(root / "data" / "tokens")), "--split", "100,0,0")
+    data += ("--data-cache-path", str(root / "cache"))
+    root, save = killed_between_saves(root, data)
+    cached = {p.name: p.stat().st_mtime_ns for p in (root / "cache").iterdir()}
+    after = resume((root, save), "indexed", extra=data)
+    return root, save, data, cached, after
+
+
+def test_a_resume_on_a_real_indexed_dataset_continues_exactly(indexed_run):
+    root, save, _, cached, after = indexed_run
+    # GPTDataset's own index files, written by the first run and read back by the resumed one.
+    kinds = {name.rsplit("-", 1)[1] for name in cached}
+    assert {"document_index.npy", "sample_index.npy", "shuffle_index.npy"} <= kinds
+    assert {p.name: p.stat().st_mtime_ns for p in (root / "cache").iterdir()} == cached
+    assert "Build and save the GPTDataset train indices" not in (root / "indexed.log").read_text()
+    result = validate_resume(
+        save / "iter_0000012", load_steps(root / "before.jsonl"), load_steps(after), SETTINGS
+    )
+    assert result.ok, result.line()
+    from_logs = validate_resume(
+        save / "iter_0000012",
+        load_steps(root / "checkpoints-train.log"),
+        load_steps(root / "indexed.log"),
+        SETTINGS,
+    )
+    assert from_logs.ok, from_logs.line()
+
+
+def test_a_dataset_rebuilt_under_the_same_path_is_caught_by_data_order(indexed_run):
+    root, save, data, _, _ = indexed_run
+    other = build_dataset(root / "other" / "tokens", seed=99)
+    changed = tuple(str(other) if value == data[1] else value for value in data)
+    changed = tuple(str(root / "other-cache") if value == data[-1] else value for value in changed)
+    after = resume((root, save), "rebuilt", extra=changed)
+    result = validate_resume(
+        save / "iter_0000012", load_steps(root / "before.jsonl"), load_steps(after), SETTINGS
+    )
+    assert failed_checks(result)[0] == "data order", result.line()
+
+
+def test_a_relaunch_that_found_no_checkpoint_exits_0_and_is_not_a_resume(tmp_path):
+    """Megatron-LM 0.19's --exit-on-missing-checkpoint exits 0 when --load holds nothing: the
+    exit code says success, and only the log shows that nothing was loaded or trained."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    log = run_local_job(  # raises on a non-zero exit
+        tmp_path / "save",
+        train_iters=24,
+        save_interval=1000,
+        timeout_seconds=300,
+        log=tmp_path / "missing.log",
+        extra=["--load", str(empty), "--exit-on-missing-checkpoint"],
+    )
+    text = log.read_text()
+    assert "'--exit-on-missing-checkpoint' set ... exiting." in text
+    assert "successfully loaded checkpoint" not in text
+    # Nothing in it counts as progress: the recovery's wait for resumed steps sees none.
+    with pytest.raises(UsageError, match="missing.log: neither step records nor Megatron-LM log lines"):
+        load_steps(log)

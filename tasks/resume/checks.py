@@ -84,9 +84,14 @@ def schedule(facts: CheckpointFacts):
     return lr_at
 
 
-def _differ(mine: np.ndarray, theirs: np.ndarray, rel: float) -> np.ndarray:
-    """Which pairs differ by more than ``rel`` (relative); NaN on the reference side is skipped."""
+def _differ(
+    mine: np.ndarray, theirs: np.ndarray, rel: float, printed: np.ndarray | float = 0.0
+) -> np.ndarray:
+    """Which pairs differ by more than ``rel`` (relative), or by more than half the unit in the
+    last place either side was printed in (a log's rounding); NaN on the reference side is
+    skipped."""
     close = (mine == theirs) | np.isclose(mine, theirs, rtol=rel, atol=0.0)
+    close |= np.abs(mine - theirs) <= np.asarray(printed) * 0.5 * (1 + 1e-9)
     return ~close & ~np.isnan(theirs)
 
 
@@ -110,11 +115,15 @@ def _match(before: Steps | None, iterations: np.ndarray) -> tuple[np.ndarray, np
 
 def last_attempt(steps: Steps) -> int:
     """Where the last attempt starts in a file that attempts were appended to: where the
-    attempt id changes (records), or where the iteration stops increasing (logs have no id, and
-    an attempt that died exactly at a checkpoint continues the numbering of the one before)."""
+    attempt id changes (records), or in a log where a run says it loaded a checkpoint or the
+    iteration stops increasing (logs have no id, and an attempt that died exactly at a checkpoint
+    continues the numbering of the one before)."""
     restart = np.diff(steps.iteration) <= 0
     if steps.attempt.size == len(steps):
         restart |= steps.attempt[1:] != steps.attempt[:-1]
+    if "loaded" in steps.columns:
+        loaded = np.nan_to_num(steps.loaded, nan=-1.0)
+        restart |= loaded[1:] != loaded[:-1]
     restarts = np.nonzero(restart)[0]
     return int(restarts[-1] + 1) if restarts.size else 0
 
@@ -266,6 +275,18 @@ class Validator:
             self.add("resume point", False, f"iteration {f.iteration + 1}", "no records after the resume")
             return
         first = int(a.iteration[self.start])
+        if a.kind == "megatron-log" and a.loaded[self.start] != f.iteration:
+            # From a log, a run started from checkpoint N only where Megatron-LM says it loaded N.
+            loaded = a.loaded[self.start]
+            seen = f"iteration {loaded:.0f}" if np.isfinite(loaded) else "no such line before its steps"
+            self.add(
+                "resume point",
+                False,
+                f"Megatron-LM's 'successfully loaded checkpoint ... at iteration {f.iteration}'",
+                seen,
+                "the log does not show this checkpoint loaded",
+            )
+            return
         if first != f.iteration + 1:
             self.add(
                 "resume point",
@@ -422,11 +443,16 @@ class Validator:
         mine_from, theirs_from = a.loss_from[self.recomputed], b.loss_from[self.recomputed_before]
         same_window = np.isfinite(mine_from) & (mine_from == theirs_from)
         skipped = [int(i) for i in a.iteration[self.recomputed][~same_window]]
-        bad, count = [], 0
+        bad, count, rounded = [], 0, False
         for name, rows in (("loss", same_window), ("grad_norm", np.ones_like(same_window))):
             mine = getattr(a, name)[self.recomputed][rows]
             theirs = getattr(b, name)[self.recomputed_before][rows]
-            differ = _differ(mine, theirs, tol)
+            unit = f"{name}_printed_unit"
+            printed = np.maximum(
+                getattr(a, unit)[self.recomputed][rows], getattr(b, unit)[self.recomputed_before][rows]
+            )
+            differ = _differ(mine, theirs, tol, printed)
+            rounded |= bool((printed > 0).any())
             count += int(differ.sum())
             if differ.any():
                 k = np.nonzero(differ)[0][0]
@@ -436,6 +462,8 @@ class Validator:
         if skipped:
             where = ", ".join(map(str, skipped))
             note = f"; loss not compared at {where} (printed over other iterations than before)"
+        if rounded:
+            note += "; a log's values to the precision it printed"
         if bad:
             it, name, expected, observed = min(bad)
             self.add(

@@ -35,7 +35,15 @@ _COLUMNS = (
     # iteration - 1 for a step record; for a Megatron-LM log line, the previous line's iteration
     # (NaN where a log does not say: see parse_megatron_log).
     "loss_from",
+    # The checkpoint the row's run loaded, as Megatron-LM's "successfully loaded checkpoint ...
+    # at iteration N" line says; NaN where nothing says (step records, a log without the line).
+    "loaded",
+    # The unit in the last place a log printed the loss and grad norm in (4.742902E+00: 1e-6;
+    # 1.410: 1e-3); 0 for step records, which hold the values in full.
+    "loss_printed_unit",
+    "grad_norm_printed_unit",
 )
+_PRINTED = re.compile(r"[-+]?\d*\.?(\d*)(?:[eE]([-+]?\d+))?")
 
 
 @dataclass
@@ -125,7 +133,7 @@ def _table_to_steps(path: Path, table) -> Steps:
 
     columns = {}
     for name in _COLUMNS:
-        if name in ("nonfinite", "loss_from"):
+        if name in ("nonfinite", "loss_from", "loaded") or name.endswith("_printed_unit"):
             continue
         if name.startswith("batch_"):
             values = column("batch").field(name.removeprefix("batch_")) if table.num_rows else column("x")
@@ -137,6 +145,8 @@ def _table_to_steps(path: Path, table) -> Steps:
         raise UsageError(f"{path}: record {missing[0] + 1} has no iteration: not a step record")
     columns["iteration"] = columns["iteration"].astype(np.int64)
     columns["loss_from"] = (columns["iteration"] - 1).astype(np.float64)
+    columns["loaded"] = np.full(columns["iteration"].size, np.nan)
+    columns["loss_printed_unit"] = columns["grad_norm_printed_unit"] = np.zeros(columns["iteration"].size)
     for name in ("skipped", "nan"):
         columns[name] = np.nan_to_num(columns[name])
     # A value that is there (not null) and not finite: Infinity or NaN as the recorder wrote it.
@@ -219,6 +229,14 @@ class _Run:
         return start
 
 
+def _printed_unit(text: str | None) -> float:
+    """The unit in the last place of a number as printed; 0 for NaN, infinities or nothing."""
+    match = _PRINTED.fullmatch(text) if text else None
+    if match is None:
+        return 0.0
+    return 10.0 ** (int(match[2] or 0) - len(match[1]))
+
+
 def _line_time(before: str) -> float | None:
     """The iteration line's leading timestamp as seconds since the epoch (the host's local time,
     as Megatron-LM printed it), or None for a line without one."""
@@ -258,11 +276,13 @@ def parse_megatron_log(path: Path, lines) -> Steps:
         if run.previous is not None and iteration <= run.previous:
             run = _Run(None)  # another run in the same file, from a start the log does not say
         values["loss_from"].append(run.loss_from(iteration))
-        fields = {}
+        values["loaded"].append(run.start)
+        fields, printed = {}, {}
         for part in found[2].split("|"):
             match = _FIELD.fullmatch(part)
             if match:
                 fields[match[1].strip().lower()] = float(match[2])
+                printed[match[1].strip().lower()] = match[2]
         elapsed = fields.get("elapsed time per iteration (ms)")
         batch = fields.get("global batch size")
         loss, grad_norm = fields.get("lm loss"), fields.get("grad norm")
@@ -271,6 +291,8 @@ def parse_megatron_log(path: Path, lines) -> Steps:
         values["lr"].append(fields.get("learning rate"))
         values["loss"].append(loss)
         values["grad_norm"].append(grad_norm)
+        values["loss_printed_unit"].append(_printed_unit(printed.get("lm loss")))
+        values["grad_norm_printed_unit"].append(_printed_unit(printed.get("grad norm")))
         values["skipped"].append(fields.get("number of skipped iterations", 0))
         values["nan"].append(fields.get("number of nan iterations", 0))
         values["step_seconds"].append(elapsed / 1000 if elapsed is not None else None)
