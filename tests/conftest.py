@@ -11,12 +11,14 @@ import signal
 import socket
 import subprocess
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from infra.local_job.launch import PRETRAIN, run_local_job
 from tasks.checkpoint.state import VerifyOptions
+from tests.helpers.receiver import Receiver
 
 ROOT = Path(__file__).resolve().parent.parent
 # A Prefect call that finds no server (a thread without the run's context, a test without the
@@ -326,36 +328,10 @@ VARIANTS = {
 }
 
 
-class SavedEvents:
-    """A loopback HTTP server taking the job's ``training.checkpoint.saved`` posts; beside each
-    event it keeps what Megatron-LM's tracker said when the event arrived."""
-
-    def __init__(self, save_dir: Path):
-        import json
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-        from threading import Thread
-
-        received = self.received = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                tracker = save_dir / "latest_checkpointed_iteration.txt"
-                seen = tracker.read_text().strip() if tracker.exists() else None
-                received.extend((event["payload"]["iteration"], seen) for event in body)
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+def tracker_says(save: Path) -> str | None:
+    """What Megatron-LM's tracker in ``save`` says now (None before the first save)."""
+    tracker = save / "latest_checkpointed_iteration.txt"
+    return tracker.read_text().strip() if tracker.exists() else None
 
 
 @pytest.fixture(scope="session")
@@ -365,7 +341,7 @@ def variety(tmp_path_factory) -> dict[str, Path]:
     saves = {}
     for variant in VARIANTS.values():
         save = root / variant.name
-        events = SavedEvents(save)
+        events = Receiver(partial(tracker_says, save))
         try:
             run_local_job(
                 save,
@@ -378,7 +354,13 @@ def variety(tmp_path_factory) -> dict[str, Path]:
             )
         finally:
             events.close()
-        (save.parent / f"{variant.name}-events.json").write_text(json.dumps(events.received))
+        # Each saved event's iteration, and what Megatron-LM's tracker said when it arrived.
+        received = [
+            [event["payload"]["iteration"], seen]
+            for body, seen in zip(events.bodies, events.notes)
+            for event in body
+        ]
+        (save.parent / f"{variant.name}-events.json").write_text(json.dumps(received))
         saves[variant.name] = save
     return saves
 

@@ -4,49 +4,17 @@ stop-and-page, a failed drill, a recovery that stops, and the approval notice au
 block that does not exist leaves the run finished, its summary saying so."""
 
 import contextvars
-import json
 import shutil
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.conftest import iter_dir
+from tests.helpers.receiver import Receiver
 
 DATA = Path(__file__).parent / "data" / "triage"
-
-
-class Receiver:
-    """An HTTP server on 127.0.0.1 that keeps every JSON body posted to it."""
-
-    def __init__(self):
-        self.bodies: list[dict] = []
-        self.arrived = threading.Condition()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                with outer.arrived:
-                    outer.bodies.append(json.loads(body))
-                    outer.arrived.notify_all()
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def wait(self, count: int, timeout: float = 60) -> list[dict]:
-        """The bodies once ``count`` have arrived (the server's automations post them later)."""
-        with self.arrived:
-            self.arrived.wait_for(lambda: len(self.bodies) >= count, timeout)
-        return list(self.bodies)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +29,7 @@ def receiver(prefect_api):
         allow_private_urls=True,
     ).save("test-pager", overwrite=True)
     yield found
-    found.server.shutdown()
+    found.close()
 
 
 def write(tmp_path: Path, data: dict, name: str = "profile.yaml") -> str:
