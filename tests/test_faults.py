@@ -2,6 +2,7 @@
 a rank the way it says, and triage names the class and the rank's node from the job's own output
 (the ranks' lines and torchrun's ChildFailedError summary)."""
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from infra.local_job.launch import run_local_job
 from tasks.cluster.process import Failed
 from tasks.recovery.triage import triage
+from tasks.resume.records import load_steps
 
 # kind -> (class, text of the first error)
 EXPECTED = {
@@ -38,3 +40,35 @@ def test_each_fault_fails_the_job_and_triage_names_it(kind, tmp_path):
     if kind == "kill":
         assert "(SIGKILL)" in found.first_error.text
         assert found.suspect_nodes == [found.first_error.text.split(" on ", 1)[1].split(",")[0].split(".")[0]]
+
+
+def test_the_rerun_state_machines_exit_16_is_read_from_torchruns_summary(tmp_path):
+    """With --rerun-mode validate_results a NaN that reproduces on rerun makes every rank exit 16
+    (rerun on another GPU). torchrun itself exits 1: the 16 is only in its summary."""
+    extra = [
+        "--fail-at",
+        "1:3:nan",
+        "--rerun-mode",
+        "validate_results",
+        "--distributed-timeout-seconds",
+        "15",
+    ]
+    with pytest.raises(Failed) as failed:
+        run_local_job(tmp_path / "ckpt", train_iters=6, save_interval=100, timeout_seconds=300, extra=extra)
+    assert failed.value.code == 1
+    found = triage([Path(failed.value.log)])
+    assert (found.cls, found.exit_code, found.megatron) == ("numerics", 16, "exclude-node-and-rerun")
+    # The node is the one Megatron names for the rank that saw the NaN (its hostname).
+    assert found.suspect_nodes == [socket.gethostname()]
+
+
+def test_megatron_lms_exit_interval_saves_and_exits_0(tmp_path):
+    log = run_local_job(
+        tmp_path / "ckpt",
+        train_iters=24,
+        save_interval=100,
+        timeout_seconds=300,
+        extra=["--exit-interval", "6"],
+    )
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    assert load_steps(log).iteration[-1] == 6

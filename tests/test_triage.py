@@ -1129,15 +1129,22 @@ def test_torchruns_summary_names_the_rank_that_failed_first_and_its_host(tmp_pat
     assert result.first_error.line == killed.index("Root Cause (first observed failure):") + 2
 
 
-def test_megatrons_exit_16_in_torchruns_summary_excludes_that_node(tmp_path):
-    # The rerun state machine's 16 (a fault it believes is the node's) after every rank timed out.
+def test_megatrons_exit_16_in_torchruns_summary_is_the_jobs_and_megatron_names_the_node(tmp_path):
+    # The rerun state machine's 16 (local job: --rerun-mode validate_results, a NaN fault on rank 1):
+    # every rank exits 16, so the summary's first rank is no suspect; Megatron's own line is.
     log = write(
         tmp_path,
         "job.out",
-        "[rank0]:[E ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective operation timeout: x",
+        "ERROR:megatron.core.rerun_state_machine:Unexpected result nan on rank 1 at iteration #4 "
+        "invocation #1 (message='found NaN in local grad norm for bucket #0 in backward pass before "
+        "data-parallel communication collective')",
+        "ERROR:megatron.core.rerun_state_machine:Rank 1, node gpu-node-03, device 0, iteration #4: First "
+        "rerun: unexpected result is reproducible within the tolerance (nan = nan). Need to rerun on a "
+        "different GPU to verify correctness.!",
         *summary(
             "16 (pid: 4242)", "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
         ),
     )
     result = triage([log])
-    assert result.exit_code == 16 and result.suspect_nodes == ["gpu-node-07"]
+    assert (result.cls, result.exit_code, result.megatron) == ("numerics", 16, "exclude-node-and-rerun")
+    assert result.suspect_nodes == ["gpu-node-03"]

@@ -71,7 +71,8 @@ class Decide:
                     if node not in suspects:
                         suspects.append(node)
         if cls != FailureClass.PREEMPTED:
-            for h in exits:
+            # torchrun's first rank to exit 16 or 17 is whichever got there first: no suspect.
+            for h in (h for h in exits if "torchrun" not in h.tags):
                 for node in h.nodes:
                     if node not in suspects:
                         suspects.append(node)

@@ -164,7 +164,8 @@ class Scan(Decide):
     def _torchrun_summary(self, f: _File, number: int, text: str) -> None:
         """torchrun's root-cause block, read field by field: the rank that failed first, as one
         task exit (srun's ``task N: Exited``): its host is the suspect of a hang when it ended
-        before any timeout, and Megatron's 16 or 17 count as its exit code. Its text is the
+        before any timeout, and Megatron's 16 or 17 count as its exit code (every rank exits
+        with those, so the first to do so is no suspect). Its text is the
         block's first line with the fields it gives. Kept past the cap on cascades: the summary is
         the last thing a log holds."""
         if TORCHRUN_ROOT in text:
@@ -190,7 +191,7 @@ class Scan(Decide):
                 FailureClass.HANG,
                 f.last_ts,
                 nodes=(node,),
-                tags=frozenset({"task-exit", "single"}),
+                tags=frozenset({"task-exit", "single", "torchrun"}),
                 exit_code=int(code) if code.lstrip("-").isdigit() and int(code) >= 0 else None,
             )
             f.task_failed = True
