@@ -402,3 +402,23 @@ def test_the_terminal_prompt_waits_for_the_approval_timeout_only_and_then_says_n
     assert "relaunch from checkpoint 24?" in done.stderr
     assert done.returncode == 1 and incident["outcome"] == "aborted"
     assert incident["reason"] == "not approved (no answer on the terminal within 3s)"
+
+
+def test_a_stop_for_no_usable_checkpoint_lists_each_checkpoint_and_its_failure(save_dir, tmp_path):
+    """Every checkpoint fails verification (one flipped bit each): the recovery relaunches
+    nothing, and its reason names each checkpoint with its own one-line failure."""
+    from tests.conftest import ITERATIONS, flip_byte, iter_dir
+    from tests.test_cli import ckptops_here
+
+    for iteration in ITERATIONS:
+        flip_byte(iter_dir(save_dir, iteration) / "__0_0.distcp", 100)
+    profile = local_profile(tmp_path, save_dir, auto_approve=["hardware"])
+    done = ckptops_here("recover", "--logs", HARDWARE_LOG, "--json", "--profile", profile)
+    assert done.exit_code == 1, done.stderr
+    incident = json.loads(done.stdout)
+    assert incident["relaunched_job"] is None and incident["outcome"] == "stopped"
+    reason = incident["reason"]
+    assert reason.startswith("no usable checkpoint to resume from: iter_0000024 invalid: ")
+    parts = reason.split(": ", 1)[1].split("; ")
+    assert [p.split()[0] for p in parts] == [f"iter_{i:07d}" for i in reversed(ITERATIONS)]
+    assert all(" invalid: " in p and "__0_0.distcp" in p for p in parts), reason
