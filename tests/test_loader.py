@@ -151,16 +151,19 @@ def test_a_mixture_of_experts_is_recognised_by_its_router(variety):
     ]
 
 
-def built_groups(args, *, expert: bool = False) -> list[dict]:
+def built_groups(args, *, expert: bool = False, extra: bool = False) -> list[dict]:
     """The groups megatron's ``_get_param_groups`` builds from a job's args (its standard
     overrides: weight decay off for biases and 1-dim parameters), on a real torch Adam."""
     weights, biases = torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.ones(4))
     common = {"lr_mult": 1.0, "is_decoupled_lr": False, "is_expert_parallel": False}
     common |= {"max_lr": args.lr, "min_lr": getattr(args, "min_lr", None)}
     groups = [{"params": [weights], "wd_mult": 1.0, **common}, {"params": [biases], "wd_mult": 0.0, **common}]
-    if expert:
-        groups.append({"params": [torch.nn.Parameter(torch.ones(2))], **common, "wd_mult": 1.0})
-        groups[-1]["is_expert_parallel"] = True
+    if expert:  # the biases in a group of expert parameters
+        groups[1]["is_expert_parallel"] = True
+    if extra:
+        groups.append(
+            {"params": [torch.nn.Parameter(torch.ones(2))], **common, "wd_mult": 1.0, "max_lr": 0.5}
+        )
     return torch.optim.Adam(groups, lr=args.lr).param_groups
 
 
@@ -210,3 +213,19 @@ def test_a_group_the_checkpoint_lacks_fails_naming_its_key_and_arg(variety):
     assert message.startswith("optimizer param group (end_wd=None, max_lr=0.001, ")
     assert "is_expert_parallel=True" in message and "from --expert-model-parallel-size" in message
     assert "the checkpoint's groups: end_wd=None, max_lr=0.003" in message
+
+
+def test_groups_are_paired_one_to_one_or_not_at_all(variety):
+    state, args = own_groups_state(variety)
+    # A group more than the checkpoint saved: no saved group may be left over or used twice.
+    with pytest.raises(
+        param_groups.ParamGroupMismatch,
+        match="the args build 3 optimizer param groups, the checkpoint saved 2",
+    ):
+        param_groups.adopt(inner(built_groups(args, extra=True)), state, args)
+    # Two saved groups of one shape, neither with the built group's key: a guess, refused.
+    saved = param_groups.saved_groups(state, 1)[0]
+    twins = [dict(saved[0]), dict(saved[0], max_lr=0.007)]
+    current = [dict(g) for g in built_groups(args)[:1]] * 2
+    with pytest.raises(param_groups.ParamGroupMismatch, match="could be any of 2 saved groups of its shape"):
+        param_groups.adopt(inner(current), {"param_groups": twins}, args)

@@ -7,12 +7,13 @@ optimizer load when one is missing. A rebuilt optimizer takes those values from 
 args of a loop that is not Megatron-LM's (or one with its own per-group settings) do not imply
 them: its ``lr`` is not its group's ``max_lr``, or it has no ``min_lr`` at all.
 
-``adopt`` pairs the groups the args built with the saved ones (identical identifiers first, then
-the rest in order, as long as both agree on what shapes a group: weight decay on or off, expert
-parallel or not) and gives each built group its saved identifier, so megatron's own load
-restores the saved groups whole. A group that cannot be paired fails with one line naming its key
-and the arg it came from. Saved groups hold no parameter lists (megatron does not persist them):
-the pairing is by what a group is, not by which parameters it holds.
+``adopt`` pairs the groups the args built with the saved ones, one to one (identical identifiers
+first, then the one saved group left that agrees on what shapes a group: weight decay on or off,
+expert parallel or not, a decoupled learning rate or not, its optimizer) and gives each built
+group its saved identifier, so megatron's own load restores the saved groups whole. A group that
+cannot be paired, a count that differs, or two saved groups that would fit fails with one line
+naming the keys and the arg a value came from. The pairing is by what a group is, not by which
+parameters it holds (megatron does not persist the distributed optimizer's parameter lists).
 """
 
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
@@ -46,9 +47,15 @@ def describe(group: dict) -> str:
 
 
 def _shape(group: dict) -> tuple:
-    """What a group is, whatever its values: weight decay applied or not, expert parallel or not."""
+    """What a group is, whatever its values: weight decay applied or not, expert parallel or not,
+    a decoupled learning rate or not, its optimizer."""
     wd_mult = group.get("wd_mult", group.get("pre_wd_mult"))
-    return (wd_mult is None or wd_mult != 0, bool(group.get("is_expert_parallel")))
+    return (
+        wd_mult is None or wd_mult != 0,
+        bool(group.get("is_expert_parallel")),
+        bool(group.get("is_decoupled_lr")),
+        group.get("optimizer"),
+    )
 
 
 def _arg_text(key: str, args) -> str:
@@ -74,6 +81,13 @@ def saved_groups(optimizer_state, inner_count: int) -> list[list[dict]]:
 
 
 def _pair(current: list[dict], saved: list[dict], args) -> list[tuple[int, int]]:
+    """One saved group for each built group, and every saved group used: the same key, else the
+    one saved group left of the same shape (two of them would be a guess: refused)."""
+    if len(current) != len(saved):
+        raise ParamGroupMismatch(
+            f"the args build {len(current)} optimizer param groups, the checkpoint saved {len(saved)}: "
+            + " | ".join(describe(g) for g in saved)
+        )
     saved_ids = [identifier(g) for g in saved]
     pairs, free = [], list(range(len(saved)))
     loose = []
@@ -85,11 +99,16 @@ def _pair(current: list[dict], saved: list[dict], args) -> list[tuple[int, int]]
             pairs.append((c, match))
             free.remove(match)
     for c in loose:
-        s = next((s for s in free if _shape(saved[s]) == _shape(current[c])), None)
-        if s is None:
+        fits = [s for s in free if _shape(saved[s]) == _shape(current[c])]
+        if not fits:
             raise ParamGroupMismatch(_unmatched(current[c], saved, args))
-        pairs.append((c, s))
-        free.remove(s)
+        if len(fits) > 1:
+            raise ParamGroupMismatch(
+                f"optimizer param group ({describe(current[c])}) could be any of {len(fits)} saved groups "
+                f"of its shape: {' | '.join(describe(saved[s]) for s in fits)}"
+            )
+        pairs.append((c, fits[0]))
+        free.remove(fits[0])
     return pairs
 
 
