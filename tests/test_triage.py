@@ -1148,3 +1148,17 @@ def test_megatrons_exit_16_in_torchruns_summary_is_the_jobs_and_megatron_names_t
     result = triage([log])
     assert (result.cls, result.exit_code, result.megatron) == ("numerics", 16, "exclude-node-and-rerun")
     assert result.suspect_nodes == ["gpu-node-03"]
+
+
+def test_torchruns_summary_behind_srun_labels_cut_short_or_with_exit_16_alone(tmp_path):
+    killed = summary("-9 (pid: 9246)  (SIGKILL)", "Signal 9 (SIGKILL) received by PID 9246")
+    # srun --label prefixes every line of the task that printed it.
+    labelled = write(tmp_path, "labelled.out", *(f"3: {line}" for line in killed))
+    assert triage([labelled]).suspect_nodes == ["gpu-node-07"]
+    # A log that ends inside the block still has the host and the exit code.
+    cut = write(tmp_path, "cut.out", *killed[: killed.index("  error_file: <N/A>")])
+    assert triage([cut]).suspect_nodes == ["gpu-node-07"]
+    # Exit 16 alone: the job's code, but the first rank to exit 16 is no suspect.
+    alone = write(tmp_path, "alone.out", *summary("16 (pid: 4242)", "To enable traceback see: x"))
+    result = triage([alone])
+    assert (result.exit_code, result.megatron, result.suspect_nodes) == (16, "exclude-node-and-rerun", [])

@@ -54,7 +54,15 @@ class Decide:
                 first = reasoned[0] if reasoned else first
         elif cascades:
             cls, first = FailureClass.HANG, cascades[0]
-            exited = next((h for h in cascades if "task-exit" in h.tags), None)
+            # torchrun's first rank to exit 16 or 17 is whichever got there first: no suspect.
+            exited = next(
+                (
+                    h
+                    for h in cascades
+                    if "task-exit" in h.tags and not ("torchrun" in h.tags and h.exit_code in MEGATRON)
+                ),
+                None,
+            )
             timeout = next((h for h in cascades if "timeout" in h.tags), None)
             if (
                 exited is not None

@@ -118,6 +118,8 @@ _TIMEOUT = re.compile(r"timed? ?out|got stuck", re.I)
 #     exitcode  : -9 (pid: 9246)  (SIGKILL)
 #     traceback : Signal 9 (SIGKILL) received by PID 9246
 TORCHRUN_ROOT = "Root Cause (first observed failure):"
+TORCHRUN_BLOCK_LINES = 16  # a block not closed by then (its ==== line) is read as it stands
+TORCHRUN_LABEL = re.compile(r"^(?:\d+: |\[rank\d+\]: ?)")  # srun --label's, torchrun's tee
 TORCHRUN_FIELD = re.compile(r"^\s*(time|host|rank|local_rank|exitcode|error_file|traceback)\s*:\s*(.*?)\s*$")
 
 # Where a line names its node or rank.

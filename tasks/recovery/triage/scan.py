@@ -33,7 +33,9 @@ from tasks.recovery.triage.patterns import (
     OVERFLOW,
     RERUN_ITER,
     SRUN_EXIT,
+    TORCHRUN_BLOCK_LINES,
     TORCHRUN_FIELD,
+    TORCHRUN_LABEL,
     TORCHRUN_ROOT,
     as_number,
     classify_line,
@@ -67,7 +69,7 @@ class _File:
     nvrm: list | None = None  # [hit-or-None, line number, text, joined text, ts] of an NVRM message
     lines: int = 0
     frame: int | None = None  # column of `File "..."` on the line before (a traceback frame)
-    summary: dict | None = None  # torchrun's root-cause block being read: its line and fields
+    summaries: dict = field(default_factory=dict)  # torchrun's root-cause blocks open, by label
 
 
 class Scan(Decide):
@@ -87,6 +89,9 @@ class Scan(Decide):
                 self._block(state, block)
                 block = []
         self._block(state, block)
+        for summary in state.summaries.values():  # a log cut short inside torchrun's summary
+            self._torchrun_exit(state, summary)
+        state.summaries.clear()
 
     def _block(self, f: _File, block: list[str]) -> None:
         """Lines in blocks: most blocks of a big log hold no word of _SCREEN at all, and one
@@ -108,7 +113,7 @@ class Scan(Decide):
         if f.nvrm is not None and text[:1].isspace() and NVRM_CONTINUATION.match(text):
             self._continue_nvrm(f, text)
             return
-        if f.summary is not None or TORCHRUN_ROOT in text:
+        if f.summaries or TORCHRUN_ROOT in text:
             self._torchrun_summary(f, number, text)
         # A traceback echoes the source of each frame (`raise RuntimeError("CUDA error: ...")`):
         # code, not an error that happened; the exception line at the end is the evidence.
@@ -162,41 +167,54 @@ class Scan(Decide):
         f.nvrm = [hit, number, text, text, f.last_ts] if "NVRM:" in text else None
 
     def _torchrun_summary(self, f: _File, number: int, text: str) -> None:
-        """torchrun's root-cause block, read field by field: the rank that failed first, as one
-        task exit (srun's ``task N: Exited``): its host is the suspect of a hang when it ended
-        before any timeout, and Megatron's 16 or 17 count as its exit code (every rank exits
-        with those, so the first to do so is no suspect). Its text is the
-        block's first line with the fields it gives. Kept past the cap on cascades: the summary is
-        the last thing a log holds."""
-        if TORCHRUN_ROOT in text:
-            f.summary = {"line": number}
+        """torchrun's root-cause block, read field by field (one open block per srun label, as
+        several nodes' agents may print at once): the rank that failed first, as one task exit
+        (srun's ``task N: Exited``). Its host is the suspect of a hang when it ended before any
+        timeout, and Megatron's 16 or 17 count as its exit code (every rank exits with those, so
+        the first to do so is no suspect)."""
+        label = TORCHRUN_LABEL.match(text)
+        prefix = label[0] if label else ""
+        body = text[len(prefix) :]
+        if TORCHRUN_ROOT in body:
+            if prefix in f.summaries:
+                self._torchrun_exit(f, f.summaries.pop(prefix))
+            f.summaries[prefix] = {"line": number, "lines": 0}
             return
-        field_ = TORCHRUN_FIELD.match(text)
+        summary = f.summaries.get(prefix)
+        if summary is None:
+            return
+        summary["lines"] += 1
+        field_ = TORCHRUN_FIELD.match(body)
         if field_ is not None:
-            f.summary[field_[1]] = field_[2]
-        if field_ is None and not text.lstrip().startswith("[") or "traceback" in f.summary:
-            summary, f.summary = f.summary, None
-            if "host" not in summary or "exitcode" not in summary:
-                return
-            code = summary["exitcode"].split()[0]
-            # torchrun prints the FQDN (workergpu008.cm.cluster); Slurm knows the node by its name.
-            host = summary["host"]
-            node = host if host.replace(".", "").isdigit() else host.split(".", 1)[0]
-            hit = Hit(
-                f.index,
-                f.name,
-                summary["line"],
-                f"{TORCHRUN_ROOT} rank {summary.get('rank', '?')} on {host}, exitcode {summary['exitcode']}",
-                "cascade",
-                FailureClass.HANG,
-                f.last_ts,
-                nodes=(node,),
-                tags=frozenset({"task-exit", "single", "torchrun"}),
-                exit_code=int(code) if code.lstrip("-").isdigit() and int(code) >= 0 else None,
-            )
-            f.task_failed = True
-            f.counts[FailureClass.HANG] = f.counts.get(FailureClass.HANG, 0) + 1
-            bisect.insort(f.cascades, hit, key=lambda h: h.line)
+            summary[field_[1]] = field_[2]
+        if body.startswith("====") or "traceback" in summary or summary["lines"] > TORCHRUN_BLOCK_LINES:
+            self._torchrun_exit(f, f.summaries.pop(prefix))
+
+    def _torchrun_exit(self, f: _File, summary: dict) -> None:
+        """The block as a cascade hit, if it named a host and an exit code. Its text is the
+        block's first line with those fields. Kept past the cap on cascades: the summary is the
+        last thing a log holds."""
+        if "host" not in summary or "exitcode" not in summary:
+            return
+        code = summary["exitcode"].split()[0]
+        # torchrun prints the FQDN (workergpu008.cm.cluster); Slurm knows the node by its name.
+        host = summary["host"]
+        node = host if host.replace(".", "").isdigit() else host.split(".", 1)[0]
+        hit = Hit(
+            f.index,
+            f.name,
+            summary["line"],
+            f"{TORCHRUN_ROOT} rank {summary.get('rank', '?')} on {host}, exitcode {summary['exitcode']}",
+            "cascade",
+            FailureClass.HANG,
+            f.last_ts,
+            nodes=(node,),
+            tags=frozenset({"task-exit", "single", "torchrun"}),
+            exit_code=int(code) if code.lstrip("-").isdigit() and int(code) >= 0 else None,
+        )
+        f.task_failed = True
+        f.counts[FailureClass.HANG] = f.counts.get(FailureClass.HANG, 0) + 1
+        bisect.insort(f.cascades, hit, key=lambda h: h.line)
 
     def _root_nodes(self, text: str, cls: str, tags: frozenset) -> tuple[str, ...]:
         if cls == FailureClass.PREEMPTED:
