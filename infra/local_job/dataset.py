@@ -21,8 +21,9 @@ import numpy as np
 
 
 def build(prefix: Path, documents: int = 2000, vocab_size: int = 128, seed: int = 4321) -> Path:
-    """Write ``prefix``.bin/.idx unless both exist; the prefix. Each file is written under a
-    temporary name and renamed, so a reader never sees half of one."""
+    """Write ``prefix``.bin/.idx unless both exist (then they are used as they are, whatever
+    they were built with); the prefix. Each file is written under a temporary name and renamed,
+    so a reader never sees half of one."""
     prefix = Path(prefix)
     bin_path, idx_path = prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".idx")
     if bin_path.exists() and idx_path.exists():

@@ -88,7 +88,9 @@ def _notify_after_saves(args) -> None:
             return done
 
         def schedule(request):
-            if torch.distributed.get_rank() == 0:
+            # The request that carries Megatron-LM's finalize steps (a distillation logits saver
+            # moves them to a second request, scheduled after the first).
+            if torch.distributed.get_rank() == 0 and request.finalize_fns:
                 request.add_finalize_fn(lambda: notify_saved(args, iteration))
             return original_schedule(request)
 

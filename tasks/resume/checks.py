@@ -87,11 +87,12 @@ def schedule(facts: CheckpointFacts):
 def _differ(
     mine: np.ndarray, theirs: np.ndarray, rel: float, printed: np.ndarray | float = 0.0
 ) -> np.ndarray:
-    """Which pairs differ by more than ``rel`` (relative), or by more than half the unit in the
-    last place either side was printed in (a log's rounding); NaN on the reference side is
-    skipped."""
-    close = (mine == theirs) | np.isclose(mine, theirs, rtol=rel, atol=0.0)
-    close |= np.abs(mine - theirs) <= np.asarray(printed) * 0.5 * (1 + 1e-9)
+    """Which pairs differ by more than ``rel`` (relative) and by more than ``printed``, the most
+    two rounded values can differ by (half of each side's unit in the last printed place); NaN on
+    the reference side is skipped."""
+    with np.errstate(invalid="ignore"):  # inf - inf
+        close = (mine == theirs) | np.isclose(mine, theirs, rtol=rel, atol=0.0)
+        close |= np.abs(mine - theirs) <= np.asarray(printed) * (1 + 1e-9)
     return ~close & ~np.isnan(theirs)
 
 
@@ -448,8 +449,8 @@ class Validator:
             mine = getattr(a, name)[self.recomputed][rows]
             theirs = getattr(b, name)[self.recomputed_before][rows]
             unit = f"{name}_printed_unit"
-            printed = np.maximum(
-                getattr(a, unit)[self.recomputed][rows], getattr(b, unit)[self.recomputed_before][rows]
+            printed = 0.5 * (
+                getattr(a, unit)[self.recomputed][rows] + getattr(b, unit)[self.recomputed_before][rows]
             )
             differ = _differ(mine, theirs, tol, printed)
             rounded |= bool((printed > 0).any())
