@@ -120,7 +120,10 @@ def _unmatched(group: dict, saved: list[dict], args) -> str:
         for i, (key, value) in enumerate(zip(param_group_identifier_keys, identifier(group)))
         if all(ids[i] != value for ids in saved_ids)
     ]
-    why = "; ".join(unseen) or "no saved group has its shape (weight decay on or off, expert parallel or not)"
+    why = "; ".join(unseen) or (
+        "no saved group has its shape (weight decay on or off, expert parallel or not, a decoupled "
+        "learning rate or not, its optimizer)"
+    )
     saved_part = " | ".join(describe(g) for g in saved) or "none"
     return (
         f"optimizer param group ({describe(group)}) has no counterpart in the checkpoint ({why}); "

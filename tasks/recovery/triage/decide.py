@@ -54,15 +54,7 @@ class Decide:
                 first = reasoned[0] if reasoned else first
         elif cascades:
             cls, first = FailureClass.HANG, cascades[0]
-            # torchrun's first rank to exit 16 or 17 is whichever got there first: no suspect.
-            exited = next(
-                (
-                    h
-                    for h in cascades
-                    if "task-exit" in h.tags and not ("torchrun" in h.tags and h.exit_code in MEGATRON)
-                ),
-                None,
-            )
+            exited = next((h for h in cascades if "task-exit" in h.tags), None)
             timeout = next((h for h in cascades if "timeout" in h.tags), None)
             if (
                 exited is not None
@@ -79,8 +71,7 @@ class Decide:
                     if node not in suspects:
                         suspects.append(node)
         if cls != FailureClass.PREEMPTED:
-            # torchrun's first rank to exit 16 or 17 is whichever got there first: no suspect.
-            for h in (h for h in exits if "torchrun" not in h.tags):
+            for h in exits:
                 for node in h.nodes:
                     if node not in suspects:
                         suspects.append(node)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from tasks.recovery.triage.decide import Decide
 from tasks.recovery.triage.model import (
     BLOCK,
+    MEGATRON,
     OVERFLOW_SCALE_FLOOR,
     OVERFLOWS_FOR_NUMERICS,
     SPIKE_FACTOR,
@@ -200,6 +201,10 @@ class Scan(Decide):
         # torchrun prints the FQDN (workergpu008.cm.cluster); Slurm knows the node by its name.
         host = summary["host"]
         node = host if host.replace(".", "").isdigit() else host.split(".", 1)[0]
+        exit_code = int(code) if code.lstrip("-").isdigit() and int(code) >= 0 else None
+        # Every rank exits Megatron's 16 or 17 together: the first to do so is no suspect, and the
+        # exit is the job's code, not one task's failure.
+        together = exit_code in MEGATRON
         hit = Hit(
             f.index,
             f.name,
@@ -208,9 +213,9 @@ class Scan(Decide):
             "cascade",
             FailureClass.HANG,
             f.last_ts,
-            nodes=(node,),
-            tags=frozenset({"task-exit", "single", "torchrun"}),
-            exit_code=int(code) if code.lstrip("-").isdigit() and int(code) >= 0 else None,
+            nodes=() if together else (node,),
+            tags=frozenset({"torchrun"} if together else {"task-exit", "single", "torchrun"}),
+            exit_code=exit_code,
         )
         f.task_failed = True
         f.counts[FailureClass.HANG] = f.counts.get(FailureClass.HANG, 0) + 1
