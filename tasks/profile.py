@@ -122,6 +122,16 @@ class Verify(_Section):
         "than this may still be being written (Megatron writes them non-atomically); with "
         "overlap_save, a data file is read early once unchanged for this long",
     )
+    frozen: list[str] = Field(
+        default_factory=list,
+        description="name patterns (fnmatch) of parameters meant to stay frozen: exempt from the "
+        "stale re-save check and from needing optimizer state",
+    )
+    drift_factor: Annotated[float, Field(gt=1)] = Field(
+        default=10,
+        description="a weight whose L2 norm moved by more than this factor since the previous "
+        "verified checkpoint is a warning (a loss spike often starts there)",
+    )
     wait_timeout_seconds: Annotated[float, Field(ge=0)] = 900
     poll_seconds: Positive = 10
     lock_timeout_seconds: Annotated[float, Field(ge=0)] = 600

@@ -32,6 +32,7 @@ ITERATIONS = [4, 8, 12, 16, 20, 24]
 HEAVY_FIXTURES = frozenset(
     {"trained", "medium_trained", "variety", "prefect_api", "cluster", "slurm_conf", "postgres"}
     | {"s3_endpoint", "failed", "ecc_run", "nan_run", "per_iteration_run", "saving"}
+    | {"corrupted", "corrupted_distopt"}
 )
 # Modules whose tests train or start servers themselves (each fault's job, each resumed run, the
 # packaging install, the demo, PostgreSQL).
@@ -53,6 +54,43 @@ def trained(tmp_path_factory) -> Path:
     save = tmp_path_factory.mktemp("job") / "checkpoints"
     run_local_job(save, train_iters=24, save_interval=4, timeout_seconds=900, extra=["--verify-integrity"])
     return save
+
+
+# The saves of one run, each with one wrong state Megatron-LM wrote with valid CRCs (the fault
+# acts on what that save writes: the run itself goes on healthy), and healthy saves around them.
+CORRUPTED = {
+    4: "stale",
+    6: "nan-weight",
+    8: "inf-exp-avg",
+    10: "negative-exp-avg-sq",
+    12: "step-ahead",
+    14: "drop-tensor",
+    18: "spike",
+}
+CORRUPTED_DISTOPT = {4: "step-ahead", 6: "nan-weight", 8: "negative-exp-avg-sq"}
+
+
+def _train_corrupted(root: Path, faults: dict[int, str], extra: list[str]) -> Path:
+    save = root / "checkpoints"
+    switches = [a for iteration, kind in faults.items() for a in ("--corrupt-save", f"{iteration}:{kind}")]
+    run_local_job(
+        save, train_iters=max(faults) + 2, save_interval=2, timeout_seconds=600, extra=[*switches, *extra]
+    )
+    return save
+
+
+@pytest.fixture(scope="session")
+def corrupted(tmp_path_factory) -> Path:
+    """Saves 2..20 of the default job (plain Adam, fp32), the faults of CORRUPTED in theirs."""
+    return _train_corrupted(tmp_path_factory.mktemp("corrupted"), CORRUPTED, [])
+
+
+@pytest.fixture(scope="session")
+def corrupted_distopt(tmp_path_factory) -> Path:
+    """Saves 2..10 of a bf16 job with the distributed optimizer (dp_reshardable buckets: fp32
+    main params and moments, with intra-param padding), the faults of CORRUPTED_DISTOPT."""
+    extra = ["--use-distributed-optimizer", "--bf16"]
+    return _train_corrupted(tmp_path_factory.mktemp("corrupted-distopt"), CORRUPTED_DISTOPT, extra)
 
 
 @pytest.fixture

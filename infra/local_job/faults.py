@@ -18,6 +18,17 @@ FAULTS = {
     "nan": "NaN weights: Megatron's NaN check ends the job on the NaN gradient",
     "hang": "the rank stops answering: the other ranks' collective times out",
 }
+# Faults in what one save writes (the running job keeps its healthy state): each was reported
+# from the field with every CRC valid. KIND at ITERATION acts on that iteration's save only.
+SAVE_FAULTS = {
+    "nan-weight": "one element of one model weight is NaN (nvidia-resiliency-ext #349)",
+    "inf-exp-avg": "one element of Adam's first moment is +Inf",
+    "negative-exp-avg-sq": "one element of Adam's second moment is negative",
+    "stale": "every tensor as the previous save wrote it (NVIDIA-NeMo/RL #3312)",
+    "step-ahead": "the optimizer's step counters one ahead of the iteration (NVRx PR #376)",
+    "drop-tensor": "one model tensor left out of the save and its .metadata (Megatron-LM #4378)",
+    "spike": "one model weight 100 times larger (a loss spike's start: a warning, not a fault)",
+}
 CUDA_ERROR_TAIL = (
     "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace "
     "below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
@@ -38,6 +49,15 @@ def parse_fault(text: str) -> tuple[int, int, str]:
     return int(rank), int(iteration), kind
 
 
+def parse_save_fault(text: str) -> tuple[int, str]:
+    iteration, _, kind = text.partition(":")
+    if not (iteration.isdigit() and kind in SAVE_FAULTS):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected ITERATION:KIND, KIND one of {', '.join(SAVE_FAULTS)}"
+        )
+    return int(iteration), kind
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("ckptops faults")
     group.add_argument(
@@ -46,6 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="RANK:ITERATION:KIND",
         help="before that iteration that rank fails; KIND is one of " + ", ".join(FAULTS),
+    )
+    group.add_argument(
+        "--corrupt-save",
+        type=parse_save_fault,
+        action="append",
+        default=[],
+        metavar="ITERATION:KIND",
+        help="the save of that iteration writes a wrong state; KIND is one of " + ", ".join(SAVE_FAULTS),
     )
     group.add_argument("--slow-step-ms", type=float, default=0.0, help="every step takes this much longer")
     group.add_argument("--ballast-mb", type=int, default=0, help="hold this much more memory")
@@ -66,6 +94,8 @@ def start(args) -> None:
         _ballast.append(torch.ones(args.ballast_mb << 18, dtype=torch.float32))
     if args.drop_saved_arg:
         _drop_saved_args(args.drop_saved_arg)
+    if args.corrupt_save:
+        _corrupt_saves(dict(args.corrupt_save))
 
 
 def before_forward(model) -> None:
@@ -122,6 +152,106 @@ def _drop_saved_args(names: list[str]) -> None:
                 if hasattr(saved, name):
                     delattr(saved, name)
             state["args"] = saved
+        return state
+
+    checkpointing.generate_state_dict = generate_state_dict
+
+
+def _corrupt_saves(faults: dict[int, str]) -> None:
+    """Change what the saves of ``faults``' iterations write, just before Megatron-LM saves it:
+    tensors are replaced by changed copies, never changed in place, so training goes on as it
+    was. A load (no iteration given) is left alone."""
+    import copy
+
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.training import checkpointing
+
+    original = checkpointing.generate_state_dict
+    written: dict = {}  # the previous save's tensors, for a stale re-save
+
+    def leaves(container):
+        items = container.items() if isinstance(container, dict) else enumerate(container)
+        for key, value in list(items):
+            if isinstance(value, (dict, list)):
+                yield from leaves(value)
+            else:
+                yield container, key, value
+
+    def identity(sharded: ShardedTensor) -> tuple:
+        return sharded.key, tuple(sharded.global_offset), str(sharded.flattened_range)
+
+    def replace(container, key, sharded: ShardedTensor, data) -> None:
+        changed = copy.copy(sharded)
+        changed.data = data
+        container[key] = changed
+
+    def first(state, wanted) -> tuple | None:
+        return next(
+            ((c, k, v) for c, k, v in leaves(state) if isinstance(v, ShardedTensor) and wanted(v)), None
+        )
+
+    def set_element(state, wanted, value) -> None:
+        container, key, sharded = first(state, wanted)
+        data = sharded.data.detach().clone()
+        data.view(-1)[0] = value
+        replace(container, key, sharded, data)
+
+    def bump_steps(value):
+        if isinstance(value, ShardedObject):
+            changed = copy.copy(value)
+            changed.data = bump_steps(value.data)
+            return changed
+        if isinstance(value, dict):
+            return {
+                k: (
+                    v + 1
+                    if k in ("step", "common_step") and isinstance(v, (int, float, torch.Tensor))
+                    else bump_steps(v)
+                )
+                for k, v in value.items()
+            }
+        if isinstance(value, list):
+            return [bump_steps(v) for v in value]
+        return value
+
+    def corrupt(state: dict, kind: str) -> None:
+        model = lambda s: s.data.is_floating_point() and not s.key.startswith("optimizer.")  # noqa: E731
+        if kind == "nan-weight":
+            set_element(state["model"], model, float("nan"))
+        elif kind == "inf-exp-avg":
+            set_element(
+                state["optimizer"], lambda s: ".exp_avg" in s.key and "exp_avg_sq" not in s.key, float("inf")
+            )
+        elif kind == "negative-exp-avg-sq":
+            set_element(state["optimizer"], lambda s: "exp_avg_sq" in s.key, -1e-3)
+        elif kind == "step-ahead":
+            state["optimizer"] = bump_steps(state["optimizer"])
+        elif kind == "spike":
+            container, key, sharded = first(state["model"], lambda s: model(s) and s.key.endswith("weight"))
+            replace(container, key, sharded, sharded.data.detach() * 100)
+        elif kind == "drop-tensor":
+            keys = sorted(
+                v.key for _, _, v in leaves(state["model"]) if isinstance(v, ShardedTensor) and model(v)
+            )
+            for container, key, value in list(leaves(state["model"])):
+                if isinstance(value, ShardedTensor) and value.key == keys[-1]:
+                    del container[key]
+        elif kind == "stale":
+            for container, key, value in list(leaves(state)):
+                if isinstance(value, ShardedTensor) and identity(value) in written:
+                    replace(container, key, value, written[identity(value)])
+
+    def generate_state_dict(*args, **kwargs):
+        state = original(*args, **kwargs)
+        iteration = kwargs.get("iteration")
+        if iteration is None:
+            return state
+        if iteration in faults:
+            corrupt(state, faults[iteration])
+        written.clear()
+        for _, _, value in leaves(state):
+            if isinstance(value, ShardedTensor):
+                written[identity(value)] = value.data.detach().clone()
         return state
 
     checkpointing.generate_state_dict = generate_state_dict

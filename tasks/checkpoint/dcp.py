@@ -169,6 +169,14 @@ def load_common_state(directory: Path, index: DcpIndex) -> dict:
     return loaded
 
 
+def load_object(directory: Path, index: DcpIndex, key: str):
+    """One small sharded object (a data-parallel group's optimizer param groups), loaded safely;
+    megatron stores the list of the object's shards' data."""
+    record = index.records[(key, None)]
+    loaded = _weights_only_load(io.BytesIO(read_record(directory, record)), record.file)
+    return loaded[0] if isinstance(loaded, list) and len(loaded) == 1 else loaded
+
+
 def _weights_only_load(source, name: str):
     def attempt():
         if isinstance(source, io.BytesIO):

@@ -24,8 +24,9 @@ from tasks.outcome import Check
 from tasks.storage.local import atomic_write, list_files, read_json_state
 
 # 2: checks carry an outcome word (pass, fail) instead of ok: true/false. Version 1 still reads.
-SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)
+# 3: per-tensor statistics (tensors), object families (objects) and the optimizer's step.
+SCHEMA_VERSION = 3
+READABLE_SCHEMAS = (1, 2, 3)
 HASH_ALGORITHM = "xxh3-128"
 
 
@@ -63,6 +64,11 @@ class Manifest:
     hash_algorithm: str = HASH_ALGORITHM
     hash_segment_bytes: int | None = None  # see tasks.storage.digest; None: whole-file hashes
     archive: dict | None = None
+    # Schema 3 (None in older manifests: their lineage is not checkable): each tensor's dtype,
+    # numel, NaN, Inf, min, max, norm and digest; the object families; the optimizer's step.
+    tensors: dict[str, dict] | None = None
+    objects: list[str] | None = None
+    optimizer_step: int | None = None
     schema_version: int = SCHEMA_VERSION
 
     @property

@@ -21,6 +21,7 @@ Why it is shaped like this (measured on the 2-core machine, see README):
 
 import hashlib
 import os
+import re
 import struct
 import threading
 import zipfile
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 from isal import isal_zlib
 
+from tasks.checkpoint.values import RecordValues, ValueScan, tensor_dtype
 from tasks.storage.digest import FileHash, combine
 
 WINDOW = 1 << 20
@@ -61,6 +63,7 @@ class CrcRange:
     expected: int
     label: str
     crc: int = 0
+    values: ValueScan | None = None  # the entry holding a tensor record's elements
 
 
 @dataclass
@@ -77,6 +80,7 @@ class FileScan:
     end: int = 0
     segments: list[bytes] = field(default_factory=list)
     stat: list[int] | None = None  # inode, size, mtime_ns when the read began
+    values: list[RecordValues] = field(default_factory=list)  # each tensor record's, read whole
 
 
 class _Window:
@@ -110,6 +114,8 @@ class _Window:
 _TORCH_FLAGS = 0x0808
 _DESCRIPTOR = b"PK\x07\x08"
 _DOS_DIRECTORY = 0x10
+_ELEMENTS = re.compile(r"^data/\d+$")
+_MAX_PICKLE = 1 << 20  # a bare tensor's data.pkl is a few hundred bytes
 
 
 def _read_exact(window: _Window, offset: int, size: int, what: str) -> bytes:
@@ -173,6 +179,7 @@ def plan_crc_ranges(fd: int, record: Record) -> list[CrcRange]:
     except RuntimeError as e:
         raise zipfile.BadZipFile(str(e).split(". ", 1)[0]) from None
     ranges = []
+    pickled, elements = None, []
     with zipfile.ZipFile(window) as archive:
         infos = archive.infolist()
         if len(infos) != len(torch_offsets):
@@ -209,6 +216,16 @@ def plan_crc_ranges(fd: int, record: Record) -> list[CrcRange]:
             if info.flag_bits & 0x08:
                 _check_descriptor(window, info, end - record.offset)
             ranges.append(CrcRange(start, end, info.CRC, f"record '{record.key}' entry {info.filename}"))
+            inner = info.filename.split("/", 1)[-1]
+            if inner == "data.pkl" and info.file_size <= _MAX_PICKLE:
+                pickled = _read_exact(window, data_start, info.file_size, f"{info.filename}")
+            elif _ELEMENTS.match(inner):
+                elements.append(ranges[-1])
+    # A bare tensor: one storage entry, whose elements are counted as they pass.
+    dtype = tensor_dtype(pickled) if pickled is not None and len(elements) == 1 else None
+    if dtype is not None:
+        (r,) = elements
+        r.values = ValueScan(dtype, record.offset, r.end - r.start)
     return ranges
 
 
@@ -229,6 +246,8 @@ def _plan_file(fd: int, records: list[Record], scan: FileScan) -> list[CrcRange]
 
 
 def _finish(scan: FileScan, r: CrcRange) -> None:
+    if r.values is not None:
+        scan.values.append(r.values.finish(r.crc))
     if r.crc != r.expected:
         scan.failures.append(f"{r.label} at offset {r.start}: CRC {r.crc:08x}, expected {r.expected:08x}")
 
@@ -251,6 +270,8 @@ class _CrcCursor:
             lo, hi = max(r.start, pos), min(r.end, stop)
             if hi > lo:
                 r.crc = isal_zlib.crc32(chunk[lo - pos : hi - pos], r.crc)
+                if r.values is not None:
+                    r.values.feed(chunk[lo - pos : hi - pos])
             if r.end <= stop:
                 _finish(self.scan, r)
             else:

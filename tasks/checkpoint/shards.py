@@ -28,6 +28,7 @@ from pathlib import Path
 import pydantic
 
 from tasks.checkpoint.scan import FileScan, Record, owned_records
+from tasks.checkpoint.values import RecordValues
 from tasks.errors import Malformed
 from tasks.storage.digest import combine
 from tasks.storage.local import atomic_write
@@ -169,6 +170,7 @@ class PieceResult:
     failures: list[str] = field(default_factory=list)
     changed: bool = False
     stat: list[int] | None = None  # the file's inode, size and mtime_ns as the task found it
+    values: list[RecordValues] = field(default_factory=list)  # the tensor records it read
 
     @classmethod
     def of(cls, scan: FileScan) -> "PieceResult":
@@ -183,6 +185,7 @@ class PieceResult:
             list(scan.failures),
             scan.changed,
             scan.stat,
+            list(scan.values),
         )
 
 
@@ -281,6 +284,7 @@ def merge(
         for piece, result in parts:
             scan.records += result.records
             scan.failures += result.failures
+            scan.values += result.values
             # Another size or version than planned: a writer at work since, never judged.
             scan.changed |= result.changed or result.size != planned or result.stat != stats.get(name)
             scan.segments += [bytes.fromhex(s) for s in result.segments]

@@ -41,6 +41,8 @@ class VerifyOptions:
     engine: str = "local"  # or "slurm": the bytes are read by shard tasks on nodes (slurm_engine)
     slurm: object = None  # the profile's verify.slurm section, for the slurm engine
     overlap_save: bool = False  # read data files while the save still writes others (prescan)
+    frozen: tuple[str, ...] = ()  # parameters meant to stay frozen (patterns): not stale
+    drift_factor: float = 10.0  # a weight's norm moving more than this is a warning
 
     @classmethod
     def from_profile(cls, profile, save_dir: Path | None = None, **overrides) -> "VerifyOptions":
@@ -58,6 +60,8 @@ class VerifyOptions:
             engine=profile.verify.engine,
             slurm=profile.verify.slurm,
             overlap_save=profile.verify.overlap_save,
+            frozen=tuple(profile.verify.frozen),
+            drift_factor=profile.verify.drift_factor,
             layout=(job_layout.tensor_parallel, job_layout.pipeline_parallel, job_layout.data_parallel)
             if own
             else None,

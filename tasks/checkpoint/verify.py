@@ -17,15 +17,24 @@ the reference manifest when there is one, and the state Megatron-LM needs to res
 
 import json
 import math
+import re
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tasks import __version__
+from tasks.checkpoint import content as state_content
 from tasks.checkpoint import layout
-from tasks.checkpoint.dcp import CheckFailed, DcpIndex, build_index, load_common_state, load_dcp_metadata
+from tasks.checkpoint.dcp import (
+    CheckFailed,
+    DcpIndex,
+    build_index,
+    load_common_state,
+    load_dcp_metadata,
+    load_object,
+)
 from tasks.checkpoint.lock import Held, job_lock
 from tasks.checkpoint.manifest import (
     HASH_ALGORITHM,
@@ -40,7 +49,7 @@ from tasks.checkpoint.manifest import (
 from tasks.checkpoint.scan import FileScan, scan_files
 from tasks.checkpoint.state import State, VerifyOptions, completeness
 from tasks.errors import CkptopsError, UsageError, unreadable
-from tasks.outcome import Check, failed, passed
+from tasks.outcome import Check, Outcome, failed, passed
 from tasks.storage.digest import comparable
 from tasks.storage.local import list_files
 
@@ -95,7 +104,7 @@ class _Checks:
 
     @property
     def failures(self) -> list[Check]:
-        return [r for r in self.results if not r.ok]
+        return [r for r in self.results if r.failed]
 
     def reason(self) -> str:
         first = self.failures[0]
@@ -171,6 +180,9 @@ class _Verifier:
         self.read_early: list[str] = []
         self.shards: list[dict] = []
         self.segment_bytes = options.segment_bytes
+        self.stats: dict[str, state_content.TensorStats] | None = None
+        self.object_families: list[str] | None = None
+        self.step: int | None = None
 
     def run(self) -> None:
         self._check_metadata_json()
@@ -188,6 +200,7 @@ class _Verifier:
         self._check_against_reference()
         if self.index is not None:
             self._check_state()
+            self._check_content()
 
     def _check_metadata_json(self) -> None:
         name = layout.METADATA_JSON
@@ -436,6 +449,73 @@ class _Verifier:
             self.checks.passed("iteration", f"iteration {stored} matches the directory")
         self._check_layout(args)
 
+    def _check_content(self) -> None:
+        """The values in the tensors, the optimizer's invariants and the lineage (``content``)."""
+        found = {(name, v.offset): v for name, scan in self.scans.items() for v in scan.values}
+        content = state_content.Content()
+        self.stats = state_content.tensor_stats(self.index, found, content)
+        families = {s.family for s in self.index.object_shards()}
+        self.object_families = sorted(families | {k for k in self.index.objects if "/shard_" not in k})
+        if self.common is not None:
+            args = self.common.get("args")
+            previous = None if self.given_reference else self._previous()
+            known = previous is not None and previous.optimizer_step is not None
+            before = {"step": previous.optimizer_step, "iteration": previous.iteration} if known else None
+            steps = state_content.step_counters(self.common, self._optimizer_objects(), self.stats)
+            self.step = state_content.check_optimizer(content, self.iteration, args, steps, before)
+            frozen = list(self.options.frozen)
+            state_content.check_claims(content, self.index, self.common, args, frozen)
+            if not self.given_reference:
+                state_content.check_lineage(
+                    content,
+                    self.stats,
+                    set(self.object_families),
+                    previous,
+                    frozen,
+                    self.options.drift_factor,
+                )
+        for finding in content.failures:
+            self.checks.fail(finding.check, finding.file, finding.detail)
+        for name in ("values", "optimizer", "lineage"):
+            warnings = [f.detail for f in content.warnings if f.check == name]
+            if any(r.name == name for r in self.checks.failures):
+                continue
+            if warnings:
+                more = f" (+{len(warnings) - 1} more)" if len(warnings) > 1 else ""
+                self.checks.results.append(Check(name, Outcome.WARN, warnings[0] + more))
+            elif name in content.unchecked:
+                self.checks.results.append(Check(name, Outcome.UNCHECKED, content.unchecked[name]))
+            elif name in content.passes:
+                self.checks.passed(name, content.passes[name])
+
+    def _optimizer_objects(self) -> dict:
+        """The distributed optimizer's per-group param groups (dp_reshardable saves them as
+        sharded objects), loaded safely; one that cannot be loaded fails the state check."""
+        found = {}
+        for key in sorted(self.index.objects):
+            if re.match(r"^optimizer\.distributed\.dp_group_idx_\d+\.optimizer/shard_", key):
+                try:
+                    found[key] = load_object(self.directory, self.index, key)
+                except CheckFailed as e:
+                    self.checks.record(e)
+        return found
+
+    def _previous(self) -> Manifest | None:
+        """The newest verified checkpoint of the job before this one (by its manifest)."""
+        earlier = []
+        for path in self.directory.parent.iterdir():
+            found = layout.parse_iter_dir(path.name)
+            if found is not None and found < self.iteration and not path.is_symlink():
+                earlier.append((found, path))
+        for _, path in sorted(earlier, reverse=True):
+            try:
+                manifest = read_manifest(path)
+            except (CorruptManifest, CkptopsError):
+                continue
+            if manifest is not None and manifest.valid:
+                return manifest
+        return None
+
     def _check_layout(self, args) -> None:
         stored = self._layout(args)
         found = (stored["tensor_parallel"], stored["pipeline_parallel"], stored["data_parallel"])
@@ -483,6 +563,9 @@ class _Verifier:
             save_identity=reference.save_identity if reference else save_identity(self.files),
             hash_segment_bytes=reference.hash_segment_bytes if reference else self.segment_bytes,
             verifier=self._verifier(),
+            tensors={k: asdict(v) for k, v in self.stats.items()} if self.stats is not None else None,
+            objects=self.object_families,
+            optimizer_step=self.step,
         )
 
     def _verifier(self) -> dict:

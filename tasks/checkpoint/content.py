@@ -1,0 +1,308 @@
+"""Whether the state inside a checkpoint is right, not only intact: the checks on what the
+tensors hold (``values``), on the optimizer's own invariants (``optimizer``) and against the
+previous verified checkpoint of the job (``lineage``), from the statistics the one read took
+(``values.RecordValues``) and the manifests, never reading an older checkpoint's files again.
+
+The faults they catch were all reported with valid CRCs: NaN weights in replicated shards, an
+async save whose optimizer step ran one ahead of its weights, re-saves byte for byte the first
+one, and a cached save plan that left a whole tensor out of the files and of ``.metadata``.
+"""
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+from tasks.checkpoint.dcp import DcpIndex
+from tasks.checkpoint.values import RecordValues, dtype_name
+
+_SQ = re.compile(r"(^|\.)exp_avg_sq(\.|$)")
+_MOMENT = re.compile(r"(^|\.)exp_avg(_sq)?(\.|$)")
+_MAIN_PARAM = re.compile(r"(^|\.)(fp32_param|param)(\.|$)")
+_STEP_TENSOR = re.compile(r"(^|\.)step(\.|$)")
+_PER_PARAM = "optimizer.state."
+_ALIGNMENT = 64  # the distributed optimizer's parameter alignment in its buffers (elements)
+
+
+@dataclass
+class TensorStats:
+    """One tensor's statistics over all its chunks, as the manifest keeps them."""
+
+    dtype: str
+    shape: list[int]
+    numel: int
+    digest: str  # of the chunks' element CRCs: equal digests, equal tensors
+    nan: int = 0
+    inf: int = 0
+    min: float | None = None
+    max: float | None = None
+    norm: float | None = None  # L2 norm of the finite elements; None for integer tensors
+    value: float | None = None  # a one-element tensor's element
+
+
+@dataclass
+class Finding:
+    check: str
+    file: str | None
+    detail: str
+
+
+@dataclass
+class Content:
+    """What the three checks found: failures, warnings and the lines that say what passed."""
+
+    failures: list[Finding] = field(default_factory=list)
+    warnings: list[Finding] = field(default_factory=list)
+    passes: dict[str, str] = field(default_factory=dict)
+    unchecked: dict[str, str] = field(default_factory=dict)
+
+    def fail(self, check: str, file: str | None, detail: str) -> None:
+        self.failures.append(Finding(check, file, detail))
+
+
+def _padding(fqn: str, chunk) -> bool:
+    """A dp_reshardable bucket's intra-param padding: saved as its own chunk of the bucket
+    (``DistributedOptimizer.sharded_param_state_dp_reshardable``), never initialised (torch.empty),
+    so its values mean nothing. It runs from a parameter's end to the next 64-element boundary,
+    where the next parameter starts."""
+    if not fqn.startswith("optimizer.distributed."):
+        return False
+    start, size = chunk.offsets[0], chunk.sizes[0]
+    return start % _ALIGNMENT != 0 and (start + size) % _ALIGNMENT == 0 and size < _ALIGNMENT
+
+
+def is_model(fqn: str) -> bool:
+    return not fqn.startswith(("optimizer.", "rng_state", "common_state", "rerun_state_machine"))
+
+
+def tensor_stats(index: DcpIndex, found: dict[tuple[str, int], RecordValues], content: Content) -> dict:
+    """Per tensor of ``.metadata``, its chunks' statistics joined; a chunk whose record holds no
+    tensor, or another dtype or size than ``.metadata`` says, fails the values check."""
+    stats = {}
+    for fqn, item in sorted(index.tensors.items()):
+        dtype = dtype_name(item.properties.dtype)
+        parts, digest = [], hashlib.blake2b(digest_size=8)
+        for chunk in sorted(item.chunks, key=lambda c: tuple(c.offsets)):
+            record = index.records.get((fqn, tuple(chunk.offsets)))
+            if record is None:
+                continue  # the records check says so
+            values = found.get((record.file, record.offset))
+            numel = math.prod(chunk.sizes)
+            where = f"tensor '{fqn}' chunk {list(chunk.offsets)}"
+            if values is None:
+                content.fail("values", record.file, f"{where}: its record holds no tensor")
+            elif values.dtype != dtype:
+                content.fail(
+                    "values", record.file, f"{where}: stored as {values.dtype}, .metadata says {dtype}"
+                )
+            elif values.numel != numel or values.bytes != numel * item.properties.dtype.itemsize:
+                content.fail(
+                    "values",
+                    record.file,
+                    f"{where}: {values.bytes} bytes of elements, .metadata's {list(chunk.sizes)} of {dtype} "
+                    f"needs {numel * item.properties.dtype.itemsize}",
+                )
+            else:
+                if not _padding(fqn, chunk):
+                    parts.append((chunk, record, values))
+                digest.update(f"{list(chunk.offsets)}:{values.bytes}:{values.crc};".encode())
+        if not parts:
+            continue
+        joined = TensorStats(dtype, list(item.size), sum(v.numel for _, _, v in parts), digest.hexdigest())
+        if item.properties.dtype.is_floating_point:
+            joined.norm = math.sqrt(sum(v.sumsq for _, _, v in parts))
+            joined.nan = sum(v.nan for _, _, v in parts)
+            joined.inf = sum(v.inf for _, _, v in parts)
+            lows = [v.min for _, _, v in parts if v.min is not None]
+            highs = [v.max for _, _, v in parts if v.max is not None]
+            joined.min, joined.max = (min(lows), max(highs)) if lows else (None, None)
+            for chunk, record, v in parts:
+                if v.nan or v.inf:
+                    content.fail(
+                        "values",
+                        record.file,
+                        f"tensor '{fqn}' chunk {list(chunk.offsets)}: {v.nan} NaN and {v.inf} Inf "
+                        f"of {v.numel} elements",
+                    )
+                if _SQ.search(fqn) and v.min is not None and v.min < 0:
+                    content.fail(
+                        "optimizer",
+                        record.file,
+                        f"tensor '{fqn}' chunk {list(chunk.offsets)}: Adam's second moment has a negative "
+                        f"element ({v.min:.3g}), which it cannot have",
+                    )
+        if joined.numel == 1:
+            joined.value = parts[0][2].value
+        stats[fqn] = joined
+    floating = sum(1 for s in stats.values() if s.norm is not None)
+    content.passes["values"] = f"{floating} floating-point tensors finite"
+    return stats
+
+
+def step_counters(
+    common: dict, objects: dict[str, object], stats: dict[str, TensorStats]
+) -> dict[str, float]:
+    """Every optimizer step counter a checkpoint holds, by where it is: Megatron's common step
+    (the plain optimizer's per-parameter steps, saved as one), the param groups' ``step`` (the
+    distributed optimizer's: in the common state when fully reshardable, in each data-parallel
+    group's ``optimizer`` object when dp_reshardable) and one-element ``step`` tensors (torch's
+    per-parameter steps where a loop saves them)."""
+    found: dict[str, float] = {}
+
+    def walk(value, where: str) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                here = f"{where}.{key}"
+                if key in ("common_step", "step") and _number(inner) is not None:
+                    found[here] = _number(inner)
+                else:
+                    walk(inner, here)
+        elif isinstance(value, (list, tuple)):
+            for i, inner in enumerate(value):
+                walk(inner, f"{where}[{i}]")
+
+    walk(common.get("optimizer"), "common_state.optimizer")
+    for key, value in sorted(objects.items()):
+        walk(value, key)
+    for fqn, s in stats.items():
+        if fqn.startswith("optimizer.") and _STEP_TENSOR.search(fqn) and s.value is not None:
+            found[fqn] = s.value
+    return found
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if hasattr(value, "numel") and value.numel() == 1:
+        return float(value.item())
+    return None
+
+
+def check_optimizer(
+    content: Content, iteration: int, args, steps: dict[str, float], previous: dict | None
+) -> int | None:
+    """The step counters agree with each other and never exceed the iteration; against the
+    previous checkpoint, a job that cannot skip a step (no fp16 loss scaler) advanced the step
+    by exactly the iterations between them, unless this run started without the saved optimizer."""
+    if not steps:
+        content.unchecked["optimizer"] = "no optimizer step counter found"
+        return None
+    values = sorted(set(steps.values()))
+    if len(values) > 1:
+        listed = ", ".join(f"{where} = {value:g}" for where, value in sorted(steps.items())[:4])
+        content.fail("optimizer", None, f"the optimizer's step counters disagree: {listed}")
+    step = values[-1]
+    where = max(steps, key=steps.get)
+    if step > iteration:
+        content.fail(
+            "optimizer", None, f"optimizer step {step:g} ({where}) is past the iteration {iteration}"
+        )
+    if (
+        previous
+        and previous.get("step") is not None
+        and "optimizer" not in {f.check for f in content.failures}
+    ):
+        advanced, iterations = step - previous["step"], iteration - previous["iteration"]
+        skipping = bool(getattr(args, "fp16", False))
+        restarted = bool(getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
+        if not restarted and (advanced > iterations or (not skipping and advanced != iterations)):
+            content.fail(
+                "optimizer",
+                None,
+                f"optimizer step went from {previous['step']:g} at iteration {previous['iteration']} to "
+                f"{step:g}: {advanced:g} steps in {iterations} iterations",
+            )
+    content.passes["optimizer"] = f"{len(steps)} step counters agree at {step:g}, iteration {iteration}"
+    return int(step)
+
+
+def check_claims(content: Content, index: DcpIndex, common: dict, args, frozen: list[str]) -> None:
+    """What the common state says the checkpoint holds is there: the optimizer objects of every
+    data-parallel group of a dp_reshardable save, and Adam's moments for every model tensor of a
+    per-parameter one (and no moments of a tensor the model does not have)."""
+    sharding = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+    if getattr(args, "no_save_optim", False):
+        return
+    families = {s.family for s in index.object_shards()}
+    if getattr(args, "use_distributed_optimizer", False) and sharding == "dp_reshardable":
+        groups = {
+            m.group(1)
+            for k in index.tensors
+            if (m := re.match(r"(optimizer\.distributed\.dp_group_idx_\d+)\.", k))
+        }
+        for group in sorted(groups):
+            if f"{group}.optimizer" not in families:
+                content.fail(
+                    "lineage",
+                    None,
+                    f"object '{group}.optimizer' is missing: the common state says "
+                    "the distributed optimizer saved it (dp_reshardable)",
+                )
+        return
+    per_param = [k for k in index.tensors if k.startswith(_PER_PARAM)]
+    if not per_param or getattr(args, "optimizer", "adam") != "adam":
+        return
+    model = {k for k in index.tensors if is_model(k)}
+    for moment in ("exp_avg", "exp_avg_sq"):
+        prefix = f"{_PER_PARAM}{moment}."
+        have = {k[len(prefix) :] for k in per_param if k.startswith(prefix)}
+        for name in sorted(model - have):
+            if not any(fnmatchcase(name, pattern) for pattern in frozen):
+                content.fail("lineage", None, f"tensor '{name}' has no optimizer state '{prefix}{name}'")
+        for name in sorted(have - model):
+            content.fail("lineage", None, f"optimizer state '{prefix}{name}' has no model tensor '{name}'")
+
+
+def check_lineage(
+    content: Content,
+    stats: dict[str, TensorStats],
+    objects: set[str],
+    previous,
+    frozen: list[str],
+    drift_factor: float,
+) -> None:
+    """Against the previous verified checkpoint's manifest: not a stale re-save, no tensor or
+    object family lost, and (a warning) no tensor whose norm moved more than ``drift_factor``."""
+    if previous is None:
+        content.passes.setdefault("lineage", "no earlier verified checkpoint of the job to compare with")
+        return
+    name = f"iteration {previous.iteration}"
+    if previous.tensors is None:
+        content.unchecked["lineage"] = f"{name}'s manifest has no tensor statistics (an older schema)"
+        return
+    old = previous.tensors
+    for fqn in sorted(set(old) - set(stats)):
+        content.fail("lineage", None, f"tensor '{fqn}' of {name} is missing")
+    for family in sorted(set(previous.objects or []) - objects):
+        content.fail("lineage", None, f"object '{family}' of {name} is missing")
+    added = sorted(set(stats) - set(old))
+    common = [k for k in stats if k in old]
+    for label, keys in (
+        ("model tensors", [k for k in common if is_model(k) and not any(fnmatchcase(k, p) for p in frozen)]),
+        ("optimizer state", [k for k in common if k.startswith("optimizer.")]),
+    ):
+        if keys and all(stats[k].digest == old[k]["digest"] for k in keys):
+            content.fail(
+                "lineage", None, f"all {len(keys)} {label} are byte for byte those of {name}: a stale re-save"
+            )
+    for fqn in common:
+        now, then = stats[fqn].norm, old[fqn].get("norm")
+        # Weights and main params only (moments legitimately grow from zero), of two or more
+        # dimensions: a bias or a norm's scale starts near zero and grows tenfold in healthy runs.
+        weight = (is_model(fqn) or _MAIN_PARAM.search(fqn)) and not _MOMENT.search(fqn)
+        if not weight or len(stats[fqn].shape) < 2 or not now or not then:
+            continue
+        ratio = max(now / then, then / now)
+        if ratio > drift_factor:
+            content.warnings.append(
+                Finding(
+                    "lineage",
+                    None,
+                    f"tensor '{fqn}': norm {then:.4g} at {name}, {now:.4g} now ({ratio:.1f}x)",
+                )
+            )
+    note = f"; {len(added)} new: {', '.join(added[:3])}" if added else ""
+    content.passes["lineage"] = f"{len(common)} tensors compared with {name}{note}"

@@ -1,0 +1,132 @@
+"""The values inside a checkpoint's tensor records, taken in the same read as their CRCs.
+
+Every tensor chunk DCP writes is a ``torch.save`` archive: its ``data.pkl`` names the storage's
+dtype and its ``data/0`` entry holds the elements. The dtype is read from the pickle's opcodes
+(``pickletools``; nothing is unpickled), and as the element bytes pass through the verifier's
+buffer each floating-point record gets its element count, NaN and Inf counts, finite min and max
+and sum of squares. The CRC-32 of the elements is kept too: it is the record's digest, which
+later checkpoints are compared against (``content``).
+
+The fast path is one BLAS dot product and one ``aminmax`` per buffer: the sum of squares is
+finite only if no element is NaN or Inf (and none is so large that its square overflows); only
+then is the buffer counted element by element.
+"""
+
+import math
+import pickletools
+from dataclasses import dataclass
+
+import torch
+
+# torch.save names a storage by its legacy class for these dtypes (torch.FloatStorage, ...) and
+# by UntypedStorage with the dtype beside it for the others (the float8 types among them).
+_LEGACY_STORAGES = {
+    "DoubleStorage": torch.float64,
+    "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+}
+_WIDE = (torch.float32, torch.float64)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_dtype(pickled: bytes) -> torch.dtype | None:
+    """The storage dtype of a pickled tensor (a ``torch.save`` of one tensor), or None when the
+    pickle is not a bare tensor or cannot be walked."""
+    names: list[str] = []
+    strings: list[str] = []
+    try:
+        for op, arg, _ in pickletools.genops(pickled):
+            if op.name == "GLOBAL":
+                names.append(arg.replace(" ", ".", 1))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+            elif isinstance(arg, str):
+                strings.append(arg)
+    except Exception:  # a damaged pickle: the CRC check says so, this says only "no tensor"
+        return None
+    if not names or not names[0].startswith("torch._utils._rebuild_tensor"):
+        return None
+    for name in names[1:]:
+        module, _, attribute = name.rpartition(".")
+        if module == "torch" and attribute in _LEGACY_STORAGES:
+            return _LEGACY_STORAGES[attribute]
+        if module == "torch" and isinstance(getattr(torch, attribute, None), torch.dtype):
+            return getattr(torch, attribute)
+    return None
+
+
+@dataclass
+class RecordValues:
+    """What one tensor record holds: found in the file, before ``.metadata`` is consulted."""
+
+    offset: int  # the record's offset in its file: how ``.metadata``'s records find it
+    dtype: str
+    bytes: int
+    numel: int
+    crc: int = 0  # CRC-32 of the element bytes
+    nan: int = 0
+    inf: int = 0
+    min: float | None = None  # of the finite elements; None when there are none
+    max: float | None = None
+    sumsq: float = 0.0  # of the finite elements
+    value: float | None = None  # the one element of a one-element tensor (a step counter)
+
+
+class ValueScan:
+    """Statistics of one record's element bytes, fed in buffer-sized pieces in file order."""
+
+    def __init__(self, dtype: torch.dtype, record_offset: int, nbytes: int):
+        self.dtype = dtype
+        self.itemsize = dtype.itemsize
+        self.values = RecordValues(record_offset, dtype_name(dtype), nbytes, nbytes // self.itemsize)
+        self.floating = dtype.is_floating_point
+        self.carry = b""
+
+    def feed(self, piece: memoryview) -> None:
+        if self.carry:  # an element split across two buffers
+            need = self.itemsize - len(self.carry)
+            self.carry += bytes(piece[:need])
+            piece = piece[need:]
+            if len(self.carry) < self.itemsize:
+                return
+            self._take(torch.frombuffer(bytearray(self.carry), dtype=self.dtype))
+            self.carry = b""
+        whole = len(piece) - len(piece) % self.itemsize
+        if whole:
+            self._take(torch.frombuffer(piece[:whole], dtype=self.dtype))
+        self.carry = bytes(piece[whole:])
+
+    def _take(self, elements: torch.Tensor) -> None:
+        if self.values.numel == 1:
+            self.values.value = elements.double().item() if self.floating else float(elements.item())
+        if not self.floating:
+            return
+        wide = elements if elements.dtype in _WIDE else elements.float()
+        total = torch.dot(wide, wide).item()
+        if not math.isfinite(total):
+            nan, inf = torch.isnan(wide), torch.isinf(wide)
+            self.values.nan += int(nan.sum())
+            self.values.inf += int(inf.sum())
+            wide = wide[~(nan | inf)].double()
+            if not wide.numel():
+                return
+            total = torch.dot(wide, wide).item()
+        low, high = torch.aminmax(wide)
+        v = self.values
+        v.sumsq += total
+        v.min = low.item() if v.min is None else min(v.min, low.item())
+        v.max = high.item() if v.max is None else max(v.max, high.item())
+
+    def finish(self, crc: int) -> RecordValues:
+        self.values.crc = crc
+        return self.values
