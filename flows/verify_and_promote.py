@@ -19,6 +19,7 @@ from tasks.checkpoint.flow_tasks import (
     publish_report,
     retention,
     summary_markdown,
+    tensor_rows,
     verify_one,
     wait_for_save,
 )
@@ -64,7 +65,12 @@ def verify_and_promote(
         report = promote_step(save_dir, options, iteration)
         report.verifications = verifications
         plan, deleted = retention(save_dir, options, prof.retention.keep_verified)
-    publish_report(prof.job.name, check_rows(verifications), summary_markdown(prof, report, plan, deleted))
+    publish_report(
+        prof.job.name,
+        check_rows(verifications),
+        summary_markdown(prof, report, plan, deleted),
+        tensor_rows(verifications),
+    )
     announce_if_caught_up(prof, options)
     if not report.ok:
         return Failed(message="; ".join(report.problems()))

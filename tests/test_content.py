@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tasks.checkpoint.dcp import load_dcp_metadata
+from tasks.checkpoint.flow_tasks import tensor_rows
 from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.promote import promote
@@ -65,6 +66,18 @@ def test_each_wrong_state_is_invalid_naming_the_tensor_or_counter(corrupted, tmp
     stats = manifest.tensors["embedding.word_embeddings.weight"]
     assert stats["nan"] == 0 and stats["shape"] == [128, 64] and stats["norm"] > 0
     assert read_manifest(iter_dir(save, 6)).tensors["embedding.word_embeddings.weight"]["nan"] == 1
+    # The UI's tensor table puts the NaN first, and the spike first among the finite ones.
+    (nan_row, *_) = tensor_rows([results[6]])
+    assert (nan_row["iteration"], nan_row["tensor"], nan_row["nan"]) == (
+        6,
+        "embedding.word_embeddings.weight",
+        1,
+    )
+    (spike_row, *_) = tensor_rows([results[18]])
+    assert spike_row["tensor"] == "embedding.word_embeddings.weight" and spike_row["norm change"].endswith(
+        "x"
+    )
+    assert float(spike_row["norm change"][:-1]) > 50
 
 
 def test_a_faulty_newest_checkpoint_is_never_promoted(corrupted, tmp_path, options):

@@ -39,6 +39,7 @@ class TensorStats:
     max: float | None = None
     norm: float | None = None  # L2 norm of the finite elements; None for integer tensors
     value: float | None = None  # a one-element tensor's element
+    change: float | None = None  # norm now / norm at the previous verified checkpoint
 
 
 @dataclass
@@ -295,6 +296,7 @@ def check_lineage(
         weight = (is_model(fqn) or _MAIN_PARAM.search(fqn)) and not _MOMENT.search(fqn)
         if not weight or len(stats[fqn].shape) < 2 or not now or not then:
             continue
+        stats[fqn].change = now / then
         ratio = max(now / then, then / now)
         if ratio > drift_factor:
             content.warnings.append(
@@ -306,3 +308,32 @@ def check_lineage(
             )
     note = f"; {len(added)} new: {', '.join(added[:3])}" if added else ""
     content.passes["lineage"] = f"{len(common)} tensors compared with {name}{note}"
+
+
+def worst_tensors(tensors: dict[str, dict], limit: int = 10) -> list[dict]:
+    """The tensors a human should look at first: any with NaN or Inf, then the largest norm
+    change since the previous verified checkpoint (either way)."""
+
+    def badness(item):
+        _, s = item
+        change = s.get("change")
+        moved = abs(math.log(change)) if change else 0.0
+        return (s.get("nan", 0) + s.get("inf", 0), moved)
+
+    rows = []
+    for fqn, s in sorted(tensors.items(), key=badness, reverse=True)[:limit]:
+        change = s.get("change")
+        rows.append(
+            {
+                "tensor": fqn,
+                "dtype": s["dtype"],
+                "shape": "x".join(map(str, s.get("shape", []))),
+                "nan": s.get("nan", 0),
+                "inf": s.get("inf", 0),
+                "min": s.get("min"),
+                "max": s.get("max"),
+                "norm": s.get("norm"),
+                "norm change": f"{change:.3g}x" if change else "",
+            }
+        )
+    return rows

@@ -21,6 +21,7 @@ from prefect.artifacts import (
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.catalog import catalog
+from tasks.checkpoint.content import worst_tensors
 from tasks.checkpoint.lock import Held
 from tasks.checkpoint.overdue import caught_up
 from tasks.checkpoint.prescan import wait_and_verify
@@ -192,7 +193,7 @@ def check_rows(verifications: list[Verification]) -> list[dict]:
         {
             "iteration": v.iteration,
             "check": c.name,
-            "result": "pass" if c.ok else "FAIL",
+            "result": c.outcome.value.upper() if c.failed else c.outcome.value,
             "file": c.file or "",
             "detail": c.detail,
         }
@@ -249,10 +250,26 @@ def summary_markdown(
     return "\n".join(lines) + "\n"
 
 
+def tensor_rows(verifications: list[Verification]) -> list[dict]:
+    """Per checkpoint verified, its worst tensors (non-finite first, then the largest norm change)."""
+    return [
+        {"iteration": v.iteration, **row}
+        for v in verifications
+        if v.manifest is not None and v.manifest.tensors
+        for row in worst_tensors(v.manifest.tensors)
+    ]
+
+
 @task(name="publish-report")
-def publish_report(job: str, rows: list[dict], markdown: str) -> None:
+def publish_report(job: str, rows: list[dict], markdown: str, tensors: list[dict] = ()) -> None:
     if rows:
         create_table_artifact(table=rows, key=f"verify-checks-{job}", description="checks per checkpoint")
+    if tensors:
+        create_table_artifact(
+            table=list(tensors),
+            key=f"verify-tensors-{job}",
+            description="worst tensors per checkpoint: NaN or Inf first, then the largest norm change",
+        )
     create_markdown_artifact(
         markdown=markdown, key=f"verify-summary-{job}", description="verify-and-promote summary"
     )

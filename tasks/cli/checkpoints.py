@@ -73,6 +73,7 @@ def verify(
                     "seconds": round(result.seconds, 3),
                     "checks": [asdict(c) for c in result.checks],
                     "shards": result.shards,
+                    "tensors": result.manifest.tensors if result.manifest else None,
                 }
             )
         )
