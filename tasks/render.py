@@ -47,8 +47,9 @@ def status(console: Console, save_dir: Path, infos, pointer_problem: str | None 
     """The checkpoints of a save directory; pins and reasons only when something needs them."""
     show_pins = any(i.pins or i.expired_pins for i in infos)
     show_reason = any(i.state is not State.VALID for i in infos)
+    show_warnings = any(i.warnings for i in infos)
     columns = ["iteration", "state", "size", "consumed", "verified (UTC)", "promoted"]
-    columns += ["pins"] * show_pins + ["reason"] * show_reason
+    columns += ["pins"] * show_pins + ["reason"] * show_reason + ["warnings"] * show_warnings
     rows, styles = [], []
     for i in infos:
         row = [
@@ -61,6 +62,7 @@ def status(console: Console, save_dir: Path, infos, pointer_problem: str | None 
         ]
         row += [", ".join(i.pins + [f"{pin}, expired" for pin in i.expired_pins])] * show_pins
         row += ["" if i.state is State.VALID else i.reason] * show_reason
+        row += ["; ".join(i.warnings)] * show_warnings
         rows.append(row)
         styles.append([None, _COLOURS.get(i.state)] + [None] * (len(row) - 2))
     table(console, f"checkpoints in {save_dir}", columns, rows, styles)

@@ -158,3 +158,28 @@ def test_values_are_counted_across_buffer_boundaries(dtype):
     buffer = io.BytesIO()
     torch.save(tensor, buffer)
     assert tensor_dtype(zipfile.ZipFile(buffer).read("archive/data.pkl")) == dtype
+
+
+def test_status_and_verify_json_carry_the_warnings_and_the_statistics(corrupted, tmp_path, options):
+    from tests.conftest import write_job_profile
+    from tests.test_cli import ckptops_here
+
+    save = tmp_path / "checkpoints"
+    for iteration in (16, 18):
+        shutil.copytree(iter_dir(corrupted, iteration), iter_dir(save, iteration))
+    profile = write_job_profile(tmp_path, save)
+    verified = ckptops_here("verify", iter_dir(save, 16), "--json", "--profile", profile)
+    assert verified.exit_code == 0, verified.output
+    tensors = json.loads(verified.output)["tensors"]
+    assert tensors["embedding.word_embeddings.weight"]["numel"] == 128 * 64
+    assert ckptops_here("verify", iter_dir(save, 18), "--profile", profile).exit_code == 0
+    shown = ckptops_here("status", "--json", "--profile", profile)
+    rows = {row["iteration"]: row for row in json.loads(shown.output)}
+    assert rows[16]["warnings"] == [] and rows[18]["optimizer_step"] == 18
+    assert len(rows[18]["warnings"]) == 1, rows[18]
+    (warning,) = rows[18]["warnings"]
+    assert warning.startswith("tensor 'embedding.word_embeddings.weight': norm") and warning.endswith(
+        "[lineage]"
+    )
+    table = ckptops_here("status", "--profile", profile)
+    assert "warnings" in table.output and "norm" in table.output

@@ -15,6 +15,7 @@ from tasks.checkpoint.pins import pins as read_pins
 from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.state import State, VerifyOptions, completeness
 from tasks.errors import UsageError, unreadable
+from tasks.outcome import Outcome
 from tasks.storage.local import list_files
 
 _FROM_DISK = object()
@@ -37,6 +38,8 @@ class CheckpointInfo:
     expired_pins: list[str] = field(
         default_factory=list
     )  # leases whose reader is gone (removed by retention)
+    warnings: list[str] = field(default_factory=list)  # checks passed with a warning (a norm drift)
+    optimizer_step: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,6 +81,8 @@ def describe(directory: Path, options: VerifyOptions) -> CheckpointInfo:
         info.state, info.reason = manifest.status, manifest.reason
         info.verified_at, info.checked_at = manifest.verified_at, manifest.checked_at
         info.consumed_train_samples = manifest.consumed_train_samples
+        info.optimizer_step = manifest.optimizer_step
+        info.warnings = [f"{c.detail} [{c.name}]" for c in manifest.checks if c.outcome == Outcome.WARN]
     elif progress.state is State.INVALID:
         info.state, info.reason = progress.state, progress.reason
     return info
