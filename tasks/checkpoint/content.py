@@ -77,17 +77,21 @@ def is_model(fqn: str) -> bool:
     return not fqn.startswith(("optimizer.", "rng_state", "common_state", "rerun_state_machine"))
 
 
-def tensor_stats(index: DcpIndex, found: dict[tuple[str, int], RecordValues], content: Content) -> dict:
+def tensor_stats(
+    index: DcpIndex, found: dict[tuple[str, int], RecordValues], read: set[str], content: Content
+) -> dict:
     """Per tensor of ``.metadata``, its chunks' statistics joined; a chunk whose record holds no
-    tensor, or another dtype or size than ``.metadata`` says, fails the values check."""
+    tensor, or another dtype or size than ``.metadata`` says, fails the values check. Only files
+    in ``read`` (read whole, every CRC right) are judged: the others' failures are the files and
+    crc checks' to report."""
     stats = {}
     for fqn, item in sorted(index.tensors.items()):
         dtype = dtype_name(item.properties.dtype)
         parts, digest = [], hashlib.blake2b(digest_size=8)
         for chunk in sorted(item.chunks, key=lambda c: tuple(c.offsets)):
             record = index.records.get((fqn, tuple(chunk.offsets)))
-            if record is None:
-                continue  # the records check says so
+            if record is None or record.file not in read:
+                continue  # the records, files or crc check says so
             values = found.get((record.file, record.offset))
             numel = math.prod(chunk.sizes)
             where = f"tensor '{fqn}' chunk {list(chunk.offsets)}"

@@ -453,7 +453,8 @@ class _Verifier:
         """The values in the tensors, the optimizer's invariants and the lineage (``content``)."""
         found = {(name, v.offset): v for name, scan in self.scans.items() for v in scan.values}
         content = state_content.Content()
-        self.stats = state_content.tensor_stats(self.index, found, content)
+        read = {name for name, scan in self.scans.items() if scan.hash is not None and not scan.failures}
+        self.stats = state_content.tensor_stats(self.index, found, read, content)
         families = {s.family for s in self.index.object_shards()}
         self.object_families = sorted(families | {k for k in self.index.objects if "/shard_" not in k})
         if self.common is not None:
