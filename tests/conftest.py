@@ -32,7 +32,7 @@ ITERATIONS = [4, 8, 12, 16, 20, 24]
 HEAVY_FIXTURES = frozenset(
     {"trained", "medium_trained", "variety", "prefect_api", "cluster", "slurm_conf", "postgres"}
     | {"s3_endpoint", "failed", "ecc_run", "nan_run", "per_iteration_run", "saving"}
-    | {"corrupted", "corrupted_distopt"}
+    | {"corrupted", "corrupted_distopt", "corrupted_fully_reshardable"}
 )
 # Modules whose tests train or start servers themselves (each fault's job, each resumed run, the
 # packaging install, the demo, PostgreSQL).
@@ -91,6 +91,14 @@ def corrupted_distopt(tmp_path_factory) -> Path:
     main params and moments, with intra-param padding), the faults of CORRUPTED_DISTOPT."""
     extra = ["--use-distributed-optimizer", "--bf16"]
     return _train_corrupted(tmp_path_factory.mktemp("corrupted-distopt"), CORRUPTED_DISTOPT, extra)
+
+
+@pytest.fixture(scope="session")
+def corrupted_fully_reshardable(tmp_path_factory) -> Path:
+    """Saves 2..6 of a job whose distributed optimizer saves fully reshardable (its param groups,
+    steps among them, in the common state), the save of 4 with the step one ahead."""
+    extra = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
+    return _train_corrupted(tmp_path_factory.mktemp("corrupted-fully"), {4: "step-ahead"}, extra)
 
 
 @pytest.fixture

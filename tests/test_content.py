@@ -183,3 +183,16 @@ def test_status_and_verify_json_carry_the_warnings_and_the_statistics(corrupted,
     )
     table = ckptops_here("status", "--profile", profile)
     assert "warnings" in table.output and "norm" in table.output
+
+
+def test_a_fully_reshardable_saves_steps_are_read_from_its_param_groups(
+    corrupted_fully_reshardable, tmp_path, options
+):
+    save = shutil.copytree(corrupted_fully_reshardable, tmp_path / "checkpoints")
+    results = verify_in_order(save, options)
+    assert results[2].state is State.VALID and results[6].state is State.VALID, results[6].reason
+    assert check(results[6], "optimizer").detail == "2 step counters agree at 6, iteration 6"
+    assert results[4].reason == (
+        "optimizer step 5 (common_state.optimizer.optimizer.param_groups[0].step) is past the iteration 4 "
+        "[optimizer]"
+    )
