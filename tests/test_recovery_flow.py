@@ -43,7 +43,7 @@ def ecc_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def nan_run(tmp_path_factory):
     """Rank 1's weights turn NaN before iteration 5 and, with Megatron's NaN check off, the job
-    trains on and saves NaN checkpoints at 6 and 8: the newest verified one is poisoned."""
+    trains on and saves NaN checkpoints at 6 and 8 (whole bytes, every CRC right)."""
     return failed_run(
         tmp_path_factory.mktemp("nan"),
         ["--fail-at", "1:5:nan", "--no-check-for-nan-in-loss-and-grad"],
@@ -101,8 +101,9 @@ def test_numerics_rolls_back_before_the_anomaly_and_an_abort_relaunches_nothing(
     assert state.is_failed()
     (incident,) = incidents(tmp_path / "checkpoints")
     assert incident.cls == "numerics" and incident.outcome == "aborted" and "data first" in incident.reason
-    # 6 and 8 verify (their bytes are whole) but hold NaN weights: the plan is 4, before iteration 5.
-    assert incident.promoted_at_failure == 8
+    # 6 and 8 have whole bytes but NaN weights: verification refuses them (values), so the newest
+    # promoted is 4, and the plan is 4, before the anomaly at iteration 5.
+    assert incident.promoted_at_failure == 4
     assert "checkpoint: **4** (verified candidates: 4, 2)" in seen["form"]
     assert incident.relaunched_job is None
 
