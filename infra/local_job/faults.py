@@ -137,24 +137,34 @@ def fail(kind: str, model) -> None:
         time.sleep(60)
 
 
-def _drop_saved_args(names: list[str]) -> None:
-    """Megatron-LM saves ``get_args()`` whole in every checkpoint: leave ``names`` out of the
-    copy it saves (the running job keeps them)."""
+def _change_saved_state(change) -> None:
+    """Call ``change(state, iteration)`` on every state dict Megatron-LM's checkpointing builds
+    (``iteration`` is None when it builds one to load into), just before it is saved."""
     from megatron.training import checkpointing
 
     original = checkpointing.generate_state_dict
 
-    def generate_state_dict(args, *rest, **kwargs):
-        state = original(args, *rest, **kwargs)
+    def generate_state_dict(*args, **kwargs):
+        state = original(*args, **kwargs)
+        change(state, kwargs.get("iteration"))
+        return state
+
+    checkpointing.generate_state_dict = generate_state_dict
+
+
+def _drop_saved_args(names: list[str]) -> None:
+    """Megatron-LM saves ``get_args()`` whole in every checkpoint: leave ``names`` out of the
+    copy it saves (the running job keeps them)."""
+
+    def drop(state, _iteration):
         if "args" in state:
             saved = argparse.Namespace(**vars(state["args"]))
             for name in names:
                 if hasattr(saved, name):
                     delattr(saved, name)
             state["args"] = saved
-        return state
 
-    checkpointing.generate_state_dict = generate_state_dict
+    _change_saved_state(drop)
 
 
 def _corrupt_saves(faults: dict[int, str]) -> None:
@@ -164,9 +174,7 @@ def _corrupt_saves(faults: dict[int, str]) -> None:
     import copy
 
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-    from megatron.training import checkpointing
 
-    original = checkpointing.generate_state_dict
     written: dict = {}  # the previous save's tensors, for a stale re-save
 
     def leaves(container):
@@ -241,17 +249,14 @@ def _corrupt_saves(faults: dict[int, str]) -> None:
                 if isinstance(value, ShardedTensor) and identity(value) in written:
                     replace(container, key, value, written[identity(value)])
 
-    def generate_state_dict(*args, **kwargs):
-        state = original(*args, **kwargs)
-        iteration = kwargs.get("iteration")
+    def change(state: dict, iteration: int | None) -> None:
         if iteration is None:
-            return state
+            return
         if iteration in faults:
             corrupt(state, faults[iteration])
         written.clear()
         for _, _, value in leaves(state):
             if isinstance(value, ShardedTensor):
                 written[identity(value)] = value.data.detach().clone()
-        return state
 
-    checkpointing.generate_state_dict = generate_state_dict
+    _change_saved_state(change)

@@ -23,6 +23,7 @@ _MAIN_PARAM = re.compile(r"(^|\.)(fp32_param|param)(\.|$)")
 _STEP_TENSOR = re.compile(r"(^|\.)step(\.|$)")
 _PER_PARAM = "optimizer.state."
 _ALIGNMENT = 64  # the distributed optimizer's parameter alignment in its buffers (elements)
+_DP_GROUP = r"optimizer\.distributed\.dp_group_idx_\d+"
 
 
 @dataclass
@@ -101,7 +102,7 @@ def tensor_stats(
                 content.fail(
                     "values", record.file, f"{where}: stored as {values.dtype}, .metadata says {dtype}"
                 )
-            elif values.numel != numel or values.bytes != numel * item.properties.dtype.itemsize:
+            elif values.bytes != numel * item.properties.dtype.itemsize:
                 content.fail(
                     "values",
                     record.file,
@@ -186,12 +187,17 @@ def _number(value) -> float | None:
     return None
 
 
-def check_optimizer(
-    content: Content, iteration: int, args, steps: dict[str, float], previous: dict | None
-) -> int | None:
+def group_optimizer_objects(index: DcpIndex) -> list[str]:
+    """The objects holding a dp_reshardable distributed optimizer's param groups, one per
+    data-parallel group."""
+    return sorted(k for k in index.objects if re.match(rf"^{_DP_GROUP}\.optimizer/shard_", k))
+
+
+def check_optimizer(content: Content, iteration: int, args, steps: dict[str, float], previous) -> int | None:
     """The step counters agree with each other and never exceed the iteration; against the
-    previous checkpoint, a job that cannot skip a step (no fp16 loss scaler) advanced the step
-    by exactly the iterations between them, unless this run started without the saved optimizer."""
+    previous verified checkpoint's manifest, a job that cannot skip a step (no fp16 loss scaler)
+    advanced the step by exactly the iterations between them, unless this run started without
+    the saved optimizer."""
     if not steps:
         content.unchecked["optimizer"] = "no optimizer step counter found"
         return None
@@ -205,41 +211,35 @@ def check_optimizer(
         content.fail(
             "optimizer", None, f"optimizer step {step:g} ({where}) is past the iteration {iteration}"
         )
-    if (
-        previous
-        and previous.get("step") is not None
-        and "optimizer" not in {f.check for f in content.failures}
-    ):
-        advanced, iterations = step - previous["step"], iteration - previous["iteration"]
+    before = previous.optimizer_step if previous is not None else None
+    if before is not None and "optimizer" not in {f.check for f in content.failures}:
+        advanced, iterations = step - before, iteration - previous.iteration
         skipping = bool(getattr(args, "fp16", False))
         restarted = bool(getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
         if not restarted and (advanced > iterations or (not skipping and advanced != iterations)):
             content.fail(
                 "optimizer",
                 None,
-                f"optimizer step went from {previous['step']:g} at iteration {previous['iteration']} to "
+                f"optimizer step went from {before:g} at iteration {previous.iteration} to "
                 f"{step:g}: {advanced:g} steps in {iterations} iterations",
             )
     content.passes["optimizer"] = f"{len(steps)} step counters agree at {step:g}, iteration {iteration}"
     return int(step)
 
 
-def check_claims(content: Content, index: DcpIndex, common: dict, args, frozen: list[str]) -> None:
+def check_claims(
+    content: Content, index: DcpIndex, objects: set[str], common: dict, args, frozen: list[str]
+) -> None:
     """What the common state says the checkpoint holds is there: the optimizer objects of every
     data-parallel group of a dp_reshardable save, and Adam's moments for every model tensor of a
     per-parameter one (and no moments of a tensor the model does not have)."""
     sharding = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
     if getattr(args, "no_save_optim", False):
         return
-    families = {s.family for s in index.object_shards()}
     if getattr(args, "use_distributed_optimizer", False) and sharding == "dp_reshardable":
-        groups = {
-            m.group(1)
-            for k in index.tensors
-            if (m := re.match(r"(optimizer\.distributed\.dp_group_idx_\d+)\.", k))
-        }
+        groups = {m.group(1) for k in index.tensors if (m := re.match(rf"({_DP_GROUP})\.", k))}
         for group in sorted(groups):
-            if f"{group}.optimizer" not in families:
+            if f"{group}.optimizer" not in objects:
                 content.fail(
                     "lineage",
                     None,

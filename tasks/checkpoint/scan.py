@@ -218,7 +218,7 @@ def plan_crc_ranges(fd: int, record: Record) -> list[CrcRange]:
             ranges.append(CrcRange(start, end, info.CRC, f"record '{record.key}' entry {info.filename}"))
             inner = info.filename.split("/", 1)[-1]
             if inner == "data.pkl" and info.file_size <= _MAX_PICKLE:
-                pickled = _read_exact(window, data_start, info.file_size, f"{info.filename}")
+                pickled = _read_exact(window, data_start, info.file_size, info.filename)
             elif _ELEMENTS.match(inner):
                 elements.append(ranges[-1])
     # A bare tensor: one storage entry, whose elements are counted as they pass.

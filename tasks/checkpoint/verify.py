@@ -17,7 +17,6 @@ the reference manifest when there is one, and the state Megatron-LM needs to res
 
 import json
 import math
-import re
 import socket
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from tasks.checkpoint.manifest import (
     now_iso,
     read_manifest,
     save_identity,
+    valid_for_this_save,
     write_manifest,
 )
 from tasks.checkpoint.scan import FileScan, scan_files
@@ -460,20 +460,14 @@ class _Verifier:
         if self.common is not None:
             args = self.common.get("args")
             previous = None if self.given_reference else self._previous()
-            known = previous is not None and previous.optimizer_step is not None
-            before = {"step": previous.optimizer_step, "iteration": previous.iteration} if known else None
             steps = state_content.step_counters(self.common, self._optimizer_objects(), self.stats)
-            self.step = state_content.check_optimizer(content, self.iteration, args, steps, before)
+            self.step = state_content.check_optimizer(content, self.iteration, args, steps, previous)
             frozen = list(self.options.frozen)
-            state_content.check_claims(content, self.index, self.common, args, frozen)
+            objects = set(self.object_families)
+            state_content.check_claims(content, self.index, objects, self.common, args, frozen)
             if not self.given_reference:
                 state_content.check_lineage(
-                    content,
-                    self.stats,
-                    set(self.object_families),
-                    previous,
-                    frozen,
-                    self.options.drift_factor,
+                    content, self.stats, objects, previous, frozen, self.options.drift_factor
                 )
         for finding in content.failures:
             self.checks.fail(finding.check, finding.file, finding.detail)
@@ -493,27 +487,27 @@ class _Verifier:
         """The distributed optimizer's per-group param groups (dp_reshardable saves them as
         sharded objects), loaded safely; one that cannot be loaded fails the state check."""
         found = {}
-        for key in sorted(self.index.objects):
-            if re.match(r"^optimizer\.distributed\.dp_group_idx_\d+\.optimizer/shard_", key):
-                try:
-                    found[key] = load_object(self.directory, self.index, key)
-                except CheckFailed as e:
-                    self.checks.record(e)
+        for key in state_content.group_optimizer_objects(self.index):
+            try:
+                found[key] = load_object(self.directory, self.index, key)
+            except CheckFailed as e:
+                self.checks.record(e)
         return found
 
     def _previous(self) -> Manifest | None:
-        """The newest verified checkpoint of the job before this one (by its manifest)."""
-        earlier = []
-        for path in self.directory.parent.iterdir():
-            found = layout.parse_iter_dir(path.name)
-            if found is not None and found < self.iteration and not path.is_symlink():
-                earlier.append((found, path))
-        for _, path in sorted(earlier, reverse=True):
+        """The newest verified checkpoint of the job before this one: its manifest, valid for
+        the save on disk (one that cannot be read, or describes an older save, is passed over)."""
+        save_dir = self.directory.parent
+        try:
+            earlier = [i for i in layout.list_iterations(save_dir) if i < self.iteration]
+        except OSError as e:
+            raise unreadable(save_dir, e) from None
+        for iteration in reversed(earlier):
             try:
-                manifest = read_manifest(path)
-            except (CorruptManifest, CkptopsError):
-                continue
-            if manifest is not None and manifest.valid:
+                manifest = valid_for_this_save(save_dir / layout.iter_dir_name(iteration), iteration)
+            except (CkptopsError, FileNotFoundError):
+                continue  # deleted by retention while we listed, or a manifest not to trust
+            if manifest is not None:
                 return manifest
         return None
 
