@@ -5,6 +5,7 @@ PyTorch print for these failures on a GPU; kill, nan and hang are the real thing
 """
 
 import argparse
+import copy
 import os
 import signal
 import time
@@ -95,7 +96,7 @@ def start(args) -> None:
     if args.drop_saved_arg:
         _drop_saved_args(args.drop_saved_arg)
     if args.corrupt_save:
-        _corrupt_saves(dict(args.corrupt_save))
+        _change_saved_state(_SaveCorrupter(dict(args.corrupt_save)))
 
 
 def before_forward(model) -> None:
@@ -167,96 +168,89 @@ def _drop_saved_args(names: list[str]) -> None:
     _change_saved_state(drop)
 
 
-def _corrupt_saves(faults: dict[int, str]) -> None:
-    """Change what the saves of ``faults``' iterations write, just before Megatron-LM saves it:
+class _SaveCorrupter:
+    """Changes what the saves of ``faults``' iterations write, just before Megatron-LM saves it:
     tensors are replaced by changed copies, never changed in place, so training goes on as it
     was. A load (no iteration given) is left alone."""
-    import copy
 
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    def __init__(self, faults: dict[int, str]):
+        from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    written: dict = {}  # the previous save's tensors, for a stale re-save
+        self.faults, self.tensor, self.object = faults, ShardedTensor, ShardedObject
+        self.written: dict = {}  # the previous save's tensors, for a stale re-save
 
-    def leaves(container):
+    def __call__(self, state: dict, iteration: int | None) -> None:
+        if iteration is None:
+            return
+        if iteration in self.faults:
+            self._corrupt(state, self.faults[iteration])
+        self.written = {
+            self._identity(value): value.data.detach().clone()
+            for _, _, value in self._leaves(state)
+            if isinstance(value, self.tensor)
+        }
+
+    def _corrupt(self, state: dict, kind: str) -> None:
+        model = lambda s: s.data.is_floating_point() and not s.key.startswith("optimizer.")  # noqa: E731
+        if kind == "nan-weight":
+            self._set_element(state["model"], model, float("nan"))
+        elif kind == "inf-exp-avg":
+            exp_avg = lambda s: ".exp_avg" in s.key and "exp_avg_sq" not in s.key  # noqa: E731
+            self._set_element(state["optimizer"], exp_avg, float("inf"))
+        elif kind == "negative-exp-avg-sq":
+            self._set_element(state["optimizer"], lambda s: "exp_avg_sq" in s.key, -1e-3)
+        elif kind == "step-ahead":
+            state["optimizer"] = self._bump_steps(state["optimizer"])
+        elif kind == "spike":
+            weight = lambda s: model(s) and s.key.endswith("weight")  # noqa: E731
+            container, key, sharded = self._first(state["model"], weight)
+            self._replace(container, key, sharded, sharded.data.detach() * 100)
+        elif kind == "drop-tensor":
+            leaves = self._leaves(state["model"])
+            last = max(v.key for _, _, v in leaves if isinstance(v, self.tensor) and model(v))
+            for container, key, value in list(self._leaves(state["model"])):
+                if isinstance(value, self.tensor) and value.key == last:
+                    del container[key]
+        elif kind == "stale":
+            for container, key, value in list(self._leaves(state)):
+                if isinstance(value, self.tensor) and self._identity(value) in self.written:
+                    self._replace(container, key, value, self.written[self._identity(value)])
+
+    def _leaves(self, container):
         items = container.items() if isinstance(container, dict) else enumerate(container)
         for key, value in list(items):
             if isinstance(value, (dict, list)):
-                yield from leaves(value)
+                yield from self._leaves(value)
             else:
                 yield container, key, value
 
-    def identity(sharded: ShardedTensor) -> tuple:
+    @staticmethod
+    def _identity(sharded) -> tuple:
         return sharded.key, tuple(sharded.global_offset), str(sharded.flattened_range)
 
-    def replace(container, key, sharded: ShardedTensor, data) -> None:
+    @staticmethod
+    def _replace(container, key, sharded, data) -> None:
         changed = copy.copy(sharded)
         changed.data = data
         container[key] = changed
 
-    def first(state, wanted) -> tuple | None:
-        return next(
-            ((c, k, v) for c, k, v in leaves(state) if isinstance(v, ShardedTensor) and wanted(v)), None
-        )
+    def _first(self, state, wanted) -> tuple:
+        return next((c, k, v) for c, k, v in self._leaves(state) if isinstance(v, self.tensor) and wanted(v))
 
-    def set_element(state, wanted, value) -> None:
-        container, key, sharded = first(state, wanted)
+    def _set_element(self, state, wanted, value) -> None:
+        container, key, sharded = self._first(state, wanted)
         data = sharded.data.detach().clone()
         data.view(-1)[0] = value
-        replace(container, key, sharded, data)
+        self._replace(container, key, sharded, data)
 
-    def bump_steps(value):
-        if isinstance(value, ShardedObject):
+    def _bump_steps(self, value):
+        if isinstance(value, self.object):
             changed = copy.copy(value)
-            changed.data = bump_steps(value.data)
+            changed.data = self._bump_steps(value.data)
             return changed
         if isinstance(value, dict):
-            return {
-                k: (
-                    v + 1
-                    if k in ("step", "common_step") and isinstance(v, (int, float, torch.Tensor))
-                    else bump_steps(v)
-                )
-                for k, v in value.items()
-            }
+            counter = lambda k, v: k in ("step", "common_step") and isinstance(v, (int, float, torch.Tensor))  # noqa: E731
+            return {k: v + 1 if counter(k, v) else self._bump_steps(v) for k, v in value.items()}
         if isinstance(value, list):
-            return [bump_steps(v) for v in value]
+            return [self._bump_steps(v) for v in value]
         return value
-
-    def corrupt(state: dict, kind: str) -> None:
-        model = lambda s: s.data.is_floating_point() and not s.key.startswith("optimizer.")  # noqa: E731
-        if kind == "nan-weight":
-            set_element(state["model"], model, float("nan"))
-        elif kind == "inf-exp-avg":
-            set_element(
-                state["optimizer"], lambda s: ".exp_avg" in s.key and "exp_avg_sq" not in s.key, float("inf")
-            )
-        elif kind == "negative-exp-avg-sq":
-            set_element(state["optimizer"], lambda s: "exp_avg_sq" in s.key, -1e-3)
-        elif kind == "step-ahead":
-            state["optimizer"] = bump_steps(state["optimizer"])
-        elif kind == "spike":
-            container, key, sharded = first(state["model"], lambda s: model(s) and s.key.endswith("weight"))
-            replace(container, key, sharded, sharded.data.detach() * 100)
-        elif kind == "drop-tensor":
-            keys = sorted(
-                v.key for _, _, v in leaves(state["model"]) if isinstance(v, ShardedTensor) and model(v)
-            )
-            for container, key, value in list(leaves(state["model"])):
-                if isinstance(value, ShardedTensor) and value.key == keys[-1]:
-                    del container[key]
-        elif kind == "stale":
-            for container, key, value in list(leaves(state)):
-                if isinstance(value, ShardedTensor) and identity(value) in written:
-                    replace(container, key, value, written[identity(value)])
-
-    def change(state: dict, iteration: int | None) -> None:
-        if iteration is None:
-            return
-        if iteration in faults:
-            corrupt(state, faults[iteration])
-        written.clear()
-        for _, _, value in leaves(state):
-            if isinstance(value, ShardedTensor):
-                written[identity(value)] = value.data.detach().clone()
-
-    _change_saved_state(change)

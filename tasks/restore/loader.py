@@ -292,6 +292,30 @@ class _Drill:
         self.scheduler_state = common.get("opt_param_scheduler")
 
     def run(self) -> None:
+        """Lay the model out on the drill's layout, load into it, compare each rank's sample with
+        the stored bytes, and report (rank 0)."""
+        same_tp_pp = self._lay_out()
+        metadata = content_metadata(self.options.checkpoint)
+        load_optim = not self.args.no_save_optim
+        self.report.optimizer_format = optimizer_format(self.args, metadata)
+        if load_optim and not same_tp_pp and self.report.optimizer_format not in (None, *RESHARDABLE_FORMATS):
+            raise LayoutError(self._unreshardable())
+        load_rng = same_tp_pp and not self.args.no_save_rng
+        if not same_tp_pp:
+            self.report.notes.append("RNG state not loaded: the TP/PP layout changed (as Megatron-LM does)")
+        builder.set_seeds(int(getattr(self.args, "seed", 1234)))
+        built = builder.build(self.args, self.provider, initialize=False)
+        scheduler = self._scheduler(built) if load_optim and self.scheduler_state else None
+        loaded = self._load(built, load_optim, load_rng, scheduler)
+        if scheduler is not None:
+            self.report.scheduler = scheduler.state_dict()
+            self.report.lr = scheduler.get_lr(built.optimizer.param_groups[0])
+        metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self._compare_and_report(_picked(built, load_optim, metadata, self.options.tensor_sample), loaded)
+
+    def _lay_out(self) -> bool:
+        """TP and PP as the drill asks (default: the checkpoint's), the process groups made;
+        whether the layout is the checkpoint's own."""
         options, args = self.options, self.args
         same_tp_pp = (
             (options.tensor_parallel or args.tensor_model_parallel_size),
@@ -300,48 +324,44 @@ class _Drill:
         args.tensor_model_parallel_size = options.tensor_parallel or args.tensor_model_parallel_size
         args.pipeline_model_parallel_size = options.pipeline_parallel or args.pipeline_model_parallel_size
         builder.init_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-        world = torch.distributed.get_world_size()
-        self.report.world_size = world
+        self.report.world_size = torch.distributed.get_world_size()
         self.report.layout = {
             "tensor_parallel": args.tensor_model_parallel_size,
             "pipeline_parallel": args.pipeline_model_parallel_size,
             "data_parallel": parallel_state.get_data_parallel_world_size(),
         }
-        metadata = content_metadata(options.checkpoint)
-        load_optim = not args.no_save_optim
-        self.report.optimizer_format = optimizer_format(args, metadata)
-        if load_optim and not same_tp_pp and self.report.optimizer_format not in (None, *RESHARDABLE_FORMATS):
-            raise LayoutError(
-                f"optimizer state saved as {self.report.optimizer_format!r} cannot be loaded on TP "
-                f"{args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} "
-                "(the checkpoint's "
-                f"is TP {self.report.checkpoint_layout['tensor_parallel']} x PP "
-                f"{self.report.checkpoint_layout['pipeline_parallel']}); "
-                "Megatron-LM refuses this too: drill on "
-                "the checkpoint's TP and PP, or save with --dist-ckpt-optim-fully-reshardable"
+        return same_tp_pp
+
+    def _unreshardable(self) -> str:
+        saved = self.report.checkpoint_layout
+        return (
+            f"optimizer state saved as {self.report.optimizer_format!r} cannot be loaded on TP "
+            f"{self.args.tensor_model_parallel_size} x PP {self.args.pipeline_model_parallel_size} "
+            f"(the checkpoint's is TP {saved['tensor_parallel']} x PP {saved['pipeline_parallel']}); "
+            "Megatron-LM refuses this too: drill on "
+            "the checkpoint's TP and PP, or save with --dist-ckpt-optim-fully-reshardable"
+        )
+
+    def _scheduler(self, built):
+        args = self.args
+        try:
+            return scheduler_from_state(
+                built.optimizer,
+                self.scheduler_state,
+                float(getattr(args, "lr_warmup_init", 0.0) or 0.0),
+                wsd_decay_steps(args),
+                getattr(args, "lr_wsd_decay_style", None),
             )
-        load_rng = same_tp_pp and not args.no_save_rng
-        if not same_tp_pp:
-            self.report.notes.append("RNG state not loaded: the TP/PP layout changed (as Megatron-LM does)")
-        builder.set_seeds(int(getattr(args, "seed", 1234)))
-        built = builder.build(args, self.provider, initialize=False)
-        scheduler = None
-        if load_optim and self.scheduler_state:
-            try:
-                scheduler = scheduler_from_state(
-                    built.optimizer,
-                    self.scheduler_state,
-                    float(getattr(args, "lr_warmup_init", 0.0) or 0.0),
-                    wsd_decay_steps(args),
-                    getattr(args, "lr_wsd_decay_style", None),
-                )
-            except ScheduleError as e:
-                raise ScheduleError(f"{options.checkpoint.name}: {e}") from None
+        except ScheduleError as e:
+            raise ScheduleError(f"{self.options.checkpoint.name}: {e}") from None
+
+    def _load(self, built, load_optim: bool, load_rng: bool, scheduler):
+        """Megatron's load into the built model and optimizer (``--repeat`` times, each timed)."""
         timings = []
-        for _ in range(max(1, options.repeat)):
+        for _ in range(max(1, self.options.repeat)):
             torch.distributed.barrier()
             started = time.perf_counter()
-            loaded = load_state(options.checkpoint, built, args, load_optim, load_rng, scheduler)
+            loaded = load_state(self.options.checkpoint, built, self.args, load_optim, load_rng, scheduler)
             torch.distributed.barrier()
             timings.append(time.perf_counter() - started)
         self.report.load_seconds, self.report.repeat_load_seconds = timings[0], timings[1:]
@@ -351,12 +371,11 @@ class _Drill:
         )
         self.report.optimizer_loaded, self.report.rng_loaded = load_optim, load_rng
         self.report.notes.extend(loaded.notes)
-        if scheduler is not None:
-            self.report.scheduler = scheduler.state_dict()
-            self.report.lr = scheduler.get_lr(built.optimizer.param_groups[0])
-        metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        picked = _picked(built, load_optim, metadata, options.tensor_sample)
-        compared, mismatches = compare(options.checkpoint, self.index, picked)
+        return loaded
+
+    def _compare_and_report(self, picked, loaded) -> None:
+        compared, mismatches = compare(self.options.checkpoint, self.index, picked)
+        world = self.report.world_size
         checks = [None] * world
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         torch.distributed.all_gather_object(
@@ -364,10 +383,10 @@ class _Drill:
         )
         if torch.distributed.get_rank() == 0:
             self.report.ranks = checks
-            write_report(options.report, self.report)
+            write_report(self.options.report, self.report)
             print(
-                f"drill: loaded iteration {loaded.iteration} in {timings[0]:.2f}s on {world} ranks, "
-                f"{self.report.compared} tensors compared, {len(self.report.mismatches)} differ",
+                f"drill: loaded iteration {loaded.iteration} in {self.report.load_seconds:.2f}s on {world} "
+                f"ranks, {self.report.compared} tensors compared, {len(self.report.mismatches)} differ",
                 flush=True,
             )
         torch.distributed.barrier()
