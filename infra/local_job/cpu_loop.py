@@ -17,11 +17,16 @@ ACTIVE = cpu.ACTIVE
 
 
 def install() -> None:
+    """The environment every time, the patches once per process (as ``cpu.install``); nothing
+    where CUDA is available."""
     if not cpu.ACTIVE:
         return
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # jit_fuser is torch.compile: run eagerly
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # what TP > 1 requires before Blackwell
     os.environ.setdefault("NO_VCS_VERSION", "1")  # or the version printed carries this checkout's hash
+    if getattr(torch.cuda, "ckptops_cpu_loop_patches", False):
+        return
+    torch.cuda.ckptops_cpu_loop_patches = True
     cpu.install()
     # Model-parallel set-up and the model-parallel RNG seed run only with a device; set_device
     # then has nothing to select.

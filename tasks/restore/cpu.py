@@ -75,10 +75,12 @@ def _stub_triton_paged_stash():
 
 
 def install():
-    """Apply the CPU patches (idempotent; does nothing where CUDA is available)."""
-    if not ACTIVE or getattr(install, "done", False):
+    """Apply the CPU patches once per process, whichever copy of this module asks (a module run
+    afresh in a forked interpreter must not stack a second device mode); nothing where CUDA is
+    available."""
+    if not ACTIVE or getattr(torch.cuda, "ckptops_cpu_patches", False):
         return
-    install.done = True
+    torch.cuda.ckptops_cpu_patches = True
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: 0
     torch.cuda.empty_cache = lambda: None
