@@ -48,12 +48,16 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: venv sshd slurm postgres chromium lint
-	$(BIN)/python -m pytest
+# Two xdist workers (CI has two cores): the tests that share the Slurm cluster or a module's
+# fixture run on one worker (tests/conftest.py, xdist_group); the others wherever one is free.
+PARALLEL ?= -n 2 --dist loadgroup
 
-# The inner loop: no training, no servers, no cluster (the tests not marked slow; about a minute).
+test: venv sshd slurm postgres chromium lint
+	$(BIN)/python -m pytest $(PARALLEL)
+
+# The inner loop: no training, no servers, no cluster (the tests not marked slow).
 test-quick: venv lint
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow" $(PARALLEL)
 
 demo: venv
 	$(BIN)/python -m infra.demo

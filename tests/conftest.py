@@ -1,15 +1,20 @@
 """Shared fixtures: real checkpoints from the local training job, and a real Prefect server.
 
-The training job runs once per session (six checkpoints, about 15 s on two cores); each test
-that breaks or promotes something works on its own copy.
+Each distinct run of the training job is trained once per test run (``trained_once``, keyed by
+its arguments), shared by every xdist worker; each test that breaks or promotes something works
+on its own copy.
 """
 
+import fcntl
+import hashlib
 import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -18,6 +23,7 @@ import pytest
 
 from infra.local_job.launch import PRETRAIN, run_local_job
 from tasks.checkpoint.state import VerifyOptions
+from tests.helpers import warm
 from tests.helpers.receiver import Receiver
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,20 +46,107 @@ HEAVY_MODULES = frozenset({"test_faults", "test_resume", "test_packaging", "test
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items) -> None:
+def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
         if HEAVY_FIXTURES & set(item.fixturenames) or module in HEAVY_MODULES:
             item.add_marker(pytest.mark.slow)
+        group = xdist_group(item, module)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def xdist_group(item, module: str) -> str | None:
+    """Which tests must share one xdist worker (``--dist loadgroup``): every test on the local
+    Slurm cluster (they drain and restart its three nodes), and the tests of a module that share a
+    module-scoped fixture (a server on fixed addresses, a failed job the whole module reads);
+    every other test goes wherever a worker is free."""
+    if "slurm_conf" in item.fixturenames:
+        return "slurm"
+    fixtures = item._fixtureinfo.name2fixturedefs.values()
+    if any(definition.scope == "module" for definitions in fixtures for definition in definitions):
+        return module
+    return None
+
+
+def pytest_collection_finish(session) -> None:
+    """On an xdist worker with --dist loadgroup, the groups must have reached xdist's scheduler
+    (as a suffix of each node id): a pytest that drops them would spread a group's tests over
+    the workers, silently, and with them the cluster and the module fixtures they share. The
+    worker stops, and leaves the reason where the controller's summary prints it."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        reason = (
+            f"{lost[0]}: its xdist_group did not reach xdist's scheduler (pytest-dev/pytest-xdist#1386); "
+            "install the pytest that pyproject.toml allows"
+        )
+        (session.config._tmp_path_factory.getbasetemp().parent / "xdist-groups-lost").write_text(reason)
+        raise pytest.UsageError(reason)
+
+
+def pytest_unconfigure(config) -> None:
+    """The controller says why a worker stopped for lost groups (its own report does not)."""
+    if hasattr(config, "workerinput") or config.getoption("dist", "no") != "loadgroup":
+        return
+    lost = config._tmp_path_factory.getbasetemp() / "xdist-groups-lost"
+    if lost.exists():
+        print(f"\nERROR: {lost.read_text()}", file=sys.stderr)
+
+
+def pytest_configure(config) -> None:
+    """Unless only the quick tests run, Megatron's processes start warm (tests/helpers/warm):
+    forked from servers that imported torch and megatron once, started here for the whole run
+    (xdist's workers inherit them)."""
+    quick = config.getoption("markexpr") == "not slow"
+    if quick or os.environ.get("CKPTOPS_WARM", "1") == "0" or "CKPTOPS_WARM_DIR" in os.environ:
+        return
+    folder = Path(tempfile.mkdtemp(prefix="ckptops-warm-"))
+    servers = warm.start_servers(folder)
+
+    def stop() -> None:
+        warm.stop_servers(servers)
+        shutil.rmtree(folder, ignore_errors=True)
+
+    config.add_cleanup(stop)
+
+
+def once(tmp_path_factory, key: str, build) -> Path:
+    """A folder that ``build(folder)`` fills once for the whole test run: the first xdist worker
+    (or the only process) to ask builds it, under a lock the others wait on; they all get it
+    built. A build that raised is tried again by the next to ask."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "built-once"
+    shared.mkdir(exist_ok=True)
+    folder = shared / key
+    with open(shared / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shared / f"{key}.built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (shared / f"{key}.built").touch()
+    return folder
+
+
+def trained_once(tmp_path_factory, *, timeout_seconds: float = 600, **job) -> Path:
+    """The save directory of one run of the local job with these arguments (``run_local_job``'s),
+    trained once per test run whichever tests ask for it: copy it, never change it."""
+    key = hashlib.sha256(json.dumps(job, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    folder = once(
+        tmp_path_factory,
+        f"job-{key}",
+        lambda root: run_local_job(root / "checkpoints", timeout_seconds=timeout_seconds, **job),
+    )
+    return folder / "checkpoints"
 
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory) -> Path:
     """A save directory with six real torch_dist checkpoints (iterations 4..24, with Megatron's
     integrity.json), written by the local tiny Megatron-Core job on two CPU ranks."""
-    save = tmp_path_factory.mktemp("job") / "checkpoints"
-    run_local_job(save, train_iters=24, save_interval=4, timeout_seconds=900, extra=["--verify-integrity"])
-    return save
+    return trained_once(tmp_path_factory, train_iters=24, save_interval=4, extra=["--verify-integrity"])
 
 
 # The saves of one run, each with one wrong state Megatron-LM wrote with valid CRCs (the fault
@@ -70,19 +163,17 @@ CORRUPTED = {
 CORRUPTED_DISTOPT = {4: "step-ahead", 6: "nan-weight", 8: "negative-exp-avg-sq"}
 
 
-def _train_corrupted(root: Path, faults: dict[int, str], extra: list[str]) -> Path:
-    save = root / "checkpoints"
+def _train_corrupted(tmp_path_factory, faults: dict[int, str], extra: list[str]) -> Path:
     switches = [a for iteration, kind in faults.items() for a in ("--corrupt-save", f"{iteration}:{kind}")]
-    run_local_job(
-        save, train_iters=max(faults) + 2, save_interval=2, timeout_seconds=600, extra=[*switches, *extra]
+    return trained_once(
+        tmp_path_factory, train_iters=max(faults) + 2, save_interval=2, extra=[*switches, *extra]
     )
-    return save
 
 
 @pytest.fixture(scope="session")
 def corrupted(tmp_path_factory) -> Path:
     """Saves 2..20 of the default job (plain Adam, fp32), the faults of CORRUPTED in theirs."""
-    return _train_corrupted(tmp_path_factory.mktemp("corrupted"), CORRUPTED, [])
+    return _train_corrupted(tmp_path_factory, CORRUPTED, [])
 
 
 @pytest.fixture(scope="session")
@@ -90,7 +181,7 @@ def corrupted_distopt(tmp_path_factory) -> Path:
     """Saves 2..10 of a bf16 job with the distributed optimizer (dp_reshardable buckets: fp32
     main params and moments, with intra-param padding), the faults of CORRUPTED_DISTOPT."""
     extra = ["--use-distributed-optimizer", "--bf16"]
-    return _train_corrupted(tmp_path_factory.mktemp("corrupted-distopt"), CORRUPTED_DISTOPT, extra)
+    return _train_corrupted(tmp_path_factory, CORRUPTED_DISTOPT, extra)
 
 
 @pytest.fixture(scope="session")
@@ -98,7 +189,7 @@ def corrupted_fully_reshardable(tmp_path_factory) -> Path:
     """Saves 2..6 of a job whose distributed optimizer saves fully reshardable (its param groups,
     steps among them, in the common state), the save of 4 with the step one ahead."""
     extra = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
-    return _train_corrupted(tmp_path_factory.mktemp("corrupted-fully"), {4: "step-ahead"}, extra)
+    return _train_corrupted(tmp_path_factory, {4: "step-ahead"}, extra)
 
 
 @pytest.fixture
@@ -380,35 +471,35 @@ def tracker_says(save: Path) -> str | None:
     return tracker.read_text().strip() if tracker.exists() else None
 
 
+def _train_variant(variant: Variant, root: Path) -> None:
+    """The variant's job into ``root/<name>``, its log beside it and, in ``<name>-events.json``,
+    each saved event's iteration with what Megatron-LM's tracker said when it arrived."""
+    save = root / variant.name
+    events = Receiver(partial(tracker_says, save))
+    try:
+        run_local_job(
+            save,
+            nproc=variant.nproc,
+            train_iters=4,
+            save_interval=variant.save_interval,
+            timeout_seconds=600,
+            extra=[*variant.switches, "--notify-url", events.url],
+            entry=variant.entry,
+        )
+    finally:
+        events.close()
+    arrived = zip(events.bodies, events.notes)
+    received = [[event["payload"]["iteration"], seen] for body, seen in arrived for event in body]
+    (root / f"{variant.name}-events.json").write_text(json.dumps(received))
+
+
 @pytest.fixture(scope="session")
 def variety(tmp_path_factory) -> dict[str, Path]:
     """Save directories of the variants, one checkpoint each (iteration 4), trained once."""
-    root = tmp_path_factory.mktemp("variety")
-    saves = {}
-    for variant in VARIANTS.values():
-        save = root / variant.name
-        events = Receiver(partial(tracker_says, save))
-        try:
-            run_local_job(
-                save,
-                nproc=variant.nproc,
-                train_iters=4,
-                save_interval=variant.save_interval,
-                timeout_seconds=600,
-                extra=[*variant.switches, "--notify-url", events.url],
-                entry=variant.entry,
-            )
-        finally:
-            events.close()
-        # Each saved event's iteration, and what Megatron-LM's tracker said when it arrived.
-        received = [
-            [event["payload"]["iteration"], seen]
-            for body, seen in zip(events.bodies, events.notes)
-            for event in body
-        ]
-        (save.parent / f"{variant.name}-events.json").write_text(json.dumps(received))
-        saves[variant.name] = save
-    return saves
+    return {
+        name: once(tmp_path_factory, f"variant-{name}", partial(_train_variant, variant)) / name
+        for name, variant in VARIANTS.items()
+    }
 
 
 def saved_events(variety, name: str) -> list[list]:
@@ -445,15 +536,8 @@ def slurm_conf() -> str:
 def medium_trained(tmp_path_factory) -> Path:
     """One checkpoint of a wider model (hidden 384, about 20 MB per data file): large enough for
     multipart uploads with 5 MiB parts (s3fs uses them from two parts' worth on)."""
-    save = tmp_path_factory.mktemp("medium") / "checkpoints"
-    run_local_job(
-        save,
-        train_iters=4,
-        save_interval=4,
-        timeout_seconds=900,
-        extra=["--hidden-size", "384", "--num-attention-heads", "4"],
-    )
-    return save
+    extra = ["--hidden-size", "384", "--num-attention-heads", "4"]
+    return trained_once(tmp_path_factory, train_iters=4, save_interval=4, timeout_seconds=900, extra=extra)
 
 
 @pytest.fixture
