@@ -42,7 +42,9 @@ HEAVY_FIXTURES = frozenset(
 )
 # Modules whose tests train or start servers themselves (each fault's job, each resumed run, the
 # packaging install, the demo, PostgreSQL).
-HEAVY_MODULES = frozenset({"test_faults", "test_resume", "test_packaging", "test_demo", "test_production"})
+HEAVY_MODULES = frozenset(
+    {"test_faults", "test_resume", "test_packaging", "test_demo", "test_production", "test_warm"}
+)
 
 
 @pytest.hookimpl(tryfirst=True)

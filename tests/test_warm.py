@@ -1,0 +1,98 @@
+"""The suite's warm start (tests/helpers/warm) gives a process what a cold start gives it: its
+command line, environment, working directory, streams, exit status, death by a signal, signals
+sent to it, and an end when whatever stands for it is killed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from tests.helpers.poll import until
+
+# An entry the warm servers take by its name (the other test loop's), here a probe of what the
+# process it runs in was given.
+PROBE = """
+import json, os, signal, sys, time
+print(json.dumps({
+    "pid": os.getpid(),
+    "warm": "megatron.core" in sys.modules,
+    "argv": sys.argv,
+    "cwd": os.getcwd(),
+    "env": os.environ.get("PROBE_VALUE"),
+    "main": __name__,
+}), flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+mode = sys.argv[1]
+if mode == "exit":
+    sys.exit(7)
+if mode == "signal":
+    os.kill(os.getpid(), signal.SIGTERM)
+if mode == "wait":
+    def stop(sig, frame):
+        print("got", signal.Signals(sig).name, flush=True)
+        sys.exit(3)
+    signal.signal(signal.SIGTERM, stop)
+    time.sleep(600)
+"""
+
+pytestmark = pytest.mark.skipif("CKPTOPS_WARM_DIR" not in os.environ, reason="the warm servers are off")
+
+
+@pytest.fixture
+def probe(tmp_path):
+    script = tmp_path / "core_loop.py"
+    script.write_text(PROBE)
+    return script
+
+
+def start(probe, mode: str, tmp_path, warm: bool = True) -> subprocess.Popen:
+    env = {**os.environ, "PROBE_VALUE": "given"}
+    if not warm:
+        env.pop("CKPTOPS_WARM_DIR")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    return subprocess.Popen(
+        [sys.executable, str(probe), mode, "--flag"],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_warm_process_gets_its_command_line_environment_cwd_streams_and_exit_status(probe, tmp_path):
+    run = start(probe, "exit", tmp_path)
+    out, err = run.communicate(timeout=120)
+    seen = json.loads(out)
+    assert run.returncode == 7 and err == "to stderr\n"
+    assert seen["warm"] and seen["pid"] != run.pid
+    assert seen["argv"] == [str(probe), "exit", "--flag"] and seen["main"] == "__main__"
+    assert seen["cwd"] == str(tmp_path / "cwd") and seen["env"] == "given"
+    cold = start(probe, "exit", tmp_path, warm=False)
+    out, _ = cold.communicate(timeout=120)
+    assert cold.returncode == 7 and not json.loads(out)["warm"] and json.loads(out)["pid"] == cold.pid
+
+
+def test_a_warm_process_killed_by_a_signal_ends_its_stand_in_by_that_signal(probe, tmp_path):
+    run = start(probe, "signal", tmp_path)
+    run.communicate(timeout=120)
+    assert run.returncode == -signal.SIGTERM
+
+
+def test_signals_reach_the_warm_process_and_killing_its_stand_in_ends_it(probe, tmp_path):
+    run = start(probe, "wait", tmp_path)
+    worker = json.loads(run.stdout.readline())["pid"]
+    run.send_signal(signal.SIGTERM)
+    out, _ = run.communicate(timeout=60)
+    assert (run.returncode, out) == (3, "got SIGTERM\n")  # its own handler ran: the signal reached it
+
+    run = start(probe, "wait", tmp_path)
+    worker = json.loads(run.stdout.readline())["pid"]
+    run.kill()
+    run.wait(timeout=60)
+    until(lambda: not psutil.pid_exists(worker), 30, "the warm process to end with its stand-in")
