@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
+from tasks.checkpoint.checks import VerifyCheck
 from tasks.checkpoint.dcp import DcpIndex
 from tasks.checkpoint.values import RecordValues, dtype_name
 
@@ -45,7 +46,7 @@ class TensorStats:
 
 @dataclass
 class Finding:
-    check: str
+    check: VerifyCheck
     file: str | None
     detail: str
 
@@ -56,10 +57,10 @@ class Content:
 
     failures: list[Finding] = field(default_factory=list)
     warnings: list[Finding] = field(default_factory=list)
-    passes: dict[str, str] = field(default_factory=dict)
-    unchecked: dict[str, str] = field(default_factory=dict)
+    passes: dict[VerifyCheck, str] = field(default_factory=dict)
+    unchecked: dict[VerifyCheck, str] = field(default_factory=dict)
 
-    def fail(self, check: str, file: str | None, detail: str) -> None:
+    def fail(self, check: VerifyCheck, file: str | None, detail: str) -> None:
         self.failures.append(Finding(check, file, detail))
 
 
@@ -97,14 +98,16 @@ def tensor_stats(
             numel = math.prod(chunk.sizes)
             where = f"tensor '{fqn}' chunk {list(chunk.offsets)}"
             if values is None:
-                content.fail("values", record.file, f"{where}: its record holds no tensor")
+                content.fail(VerifyCheck.VALUES, record.file, f"{where}: its record holds no tensor")
             elif values.dtype != dtype:
                 content.fail(
-                    "values", record.file, f"{where}: stored as {values.dtype}, .metadata says {dtype}"
+                    VerifyCheck.VALUES,
+                    record.file,
+                    f"{where}: stored as {values.dtype}, .metadata says {dtype}",
                 )
             elif values.bytes != numel * item.properties.dtype.itemsize:
                 content.fail(
-                    "values",
+                    VerifyCheck.VALUES,
                     record.file,
                     f"{where}: {values.bytes} bytes of elements, .metadata's {list(chunk.sizes)} of {dtype} "
                     f"needs {numel * item.properties.dtype.itemsize}",
@@ -126,14 +129,14 @@ def tensor_stats(
             for chunk, record, v in parts:
                 if v.nan or v.inf:
                     content.fail(
-                        "values",
+                        VerifyCheck.VALUES,
                         record.file,
                         f"tensor '{fqn}' chunk {list(chunk.offsets)}: {v.nan} NaN and {v.inf} Inf "
                         f"of {v.numel} elements",
                     )
                 if _SQ.search(fqn) and v.min is not None and v.min < 0:
                     content.fail(
-                        "optimizer",
+                        VerifyCheck.OPTIMIZER,
                         record.file,
                         f"tensor '{fqn}' chunk {list(chunk.offsets)}: Adam's second moment has a negative "
                         f"element ({v.min:.3g}), which it cannot have",
@@ -142,7 +145,7 @@ def tensor_stats(
             joined.value = parts[0][2].value
         stats[fqn] = joined
     floating = sum(1 for s in stats.values() if s.norm is not None)
-    content.passes["values"] = f"{floating} floating-point tensors finite"
+    content.passes[VerifyCheck.VALUES] = f"{floating} floating-point tensors finite"
     return stats
 
 
@@ -199,31 +202,35 @@ def check_optimizer(content: Content, iteration: int, args, steps: dict[str, flo
     advanced the step by exactly the iterations between them, unless this run started without
     the saved optimizer."""
     if not steps:
-        content.unchecked["optimizer"] = "no optimizer step counter found"
+        content.unchecked[VerifyCheck.OPTIMIZER] = "no optimizer step counter found"
         return None
     values = sorted(set(steps.values()))
     if len(values) > 1:
         listed = ", ".join(f"{where} = {value:g}" for where, value in sorted(steps.items())[:4])
-        content.fail("optimizer", None, f"the optimizer's step counters disagree: {listed}")
+        content.fail(VerifyCheck.OPTIMIZER, None, f"the optimizer's step counters disagree: {listed}")
     step = values[-1]
     where = max(steps, key=steps.get)
     if step > iteration:
         content.fail(
-            "optimizer", None, f"optimizer step {step:g} ({where}) is past the iteration {iteration}"
+            VerifyCheck.OPTIMIZER,
+            None,
+            f"optimizer step {step:g} ({where}) is past the iteration {iteration}",
         )
     before = previous.optimizer_step if previous is not None else None
-    if before is not None and "optimizer" not in {f.check for f in content.failures}:
+    if before is not None and VerifyCheck.OPTIMIZER not in {f.check for f in content.failures}:
         advanced, iterations = step - before, iteration - previous.iteration
         skipping = bool(getattr(args, "fp16", False))
         restarted = bool(getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
         if not restarted and (advanced > iterations or (not skipping and advanced != iterations)):
             content.fail(
-                "optimizer",
+                VerifyCheck.OPTIMIZER,
                 None,
                 f"optimizer step went from {before:g} at iteration {previous.iteration} to "
                 f"{step:g}: {advanced:g} steps in {iterations} iterations",
             )
-    content.passes["optimizer"] = f"{len(steps)} step counters agree at {step:g}, iteration {iteration}"
+    content.passes[VerifyCheck.OPTIMIZER] = (
+        f"{len(steps)} step counters agree at {step:g}, iteration {iteration}"
+    )
     return int(step)
 
 
@@ -241,7 +248,7 @@ def check_claims(
         for group in sorted(groups):
             if f"{group}.optimizer" not in objects:
                 content.fail(
-                    "lineage",
+                    VerifyCheck.LINEAGE,
                     None,
                     f"object '{group}.optimizer' is missing: the common state says "
                     "the distributed optimizer saved it (dp_reshardable)",
@@ -256,9 +263,13 @@ def check_claims(
         have = {k[len(prefix) :] for k in per_param if k.startswith(prefix)}
         for name in sorted(model - have):
             if not any(fnmatchcase(name, pattern) for pattern in frozen):
-                content.fail("lineage", None, f"tensor '{name}' has no optimizer state '{prefix}{name}'")
+                content.fail(
+                    VerifyCheck.LINEAGE, None, f"tensor '{name}' has no optimizer state '{prefix}{name}'"
+                )
         for name in sorted(have - model):
-            content.fail("lineage", None, f"optimizer state '{prefix}{name}' has no model tensor '{name}'")
+            content.fail(
+                VerifyCheck.LINEAGE, None, f"optimizer state '{prefix}{name}' has no model tensor '{name}'"
+            )
 
 
 def check_lineage(
@@ -272,17 +283,21 @@ def check_lineage(
     """Against the previous verified checkpoint's manifest: not a stale re-save, no tensor or
     object family lost, and (a warning) no tensor whose norm moved more than ``drift_factor``."""
     if previous is None:
-        content.passes.setdefault("lineage", "no earlier verified checkpoint of the job to compare with")
+        content.passes.setdefault(
+            VerifyCheck.LINEAGE, "no earlier verified checkpoint of the job to compare with"
+        )
         return
     name = f"iteration {previous.iteration}"
     if previous.tensors is None:
-        content.unchecked["lineage"] = f"{name}'s manifest has no tensor statistics (an older schema)"
+        content.unchecked[VerifyCheck.LINEAGE] = (
+            f"{name}'s manifest has no tensor statistics (an older schema)"
+        )
         return
     old = previous.tensors
     for fqn in sorted(set(old) - set(stats)):
-        content.fail("lineage", None, f"tensor '{fqn}' of {name} is missing")
+        content.fail(VerifyCheck.LINEAGE, None, f"tensor '{fqn}' of {name} is missing")
     for family in sorted(set(previous.objects or []) - objects):
-        content.fail("lineage", None, f"object '{family}' of {name} is missing")
+        content.fail(VerifyCheck.LINEAGE, None, f"object '{family}' of {name} is missing")
     added = sorted(set(stats) - set(old))
     common = [k for k in stats if k in old]
     for label, keys in (
@@ -291,7 +306,9 @@ def check_lineage(
     ):
         if keys and all(stats[k].digest == old[k]["digest"] for k in keys):
             content.fail(
-                "lineage", None, f"all {len(keys)} {label} are byte for byte those of {name}: a stale re-save"
+                VerifyCheck.LINEAGE,
+                None,
+                f"all {len(keys)} {label} are byte for byte those of {name}: a stale re-save",
             )
     for fqn in common:
         now, then = stats[fqn].norm, old[fqn].get("norm")
@@ -305,13 +322,13 @@ def check_lineage(
         if ratio > drift_factor:
             content.warnings.append(
                 Finding(
-                    "lineage",
+                    VerifyCheck.LINEAGE,
                     None,
                     f"tensor '{fqn}': norm {then:.4g} at {name}, {now:.4g} now ({ratio:.1f}x)",
                 )
             )
     note = f"; {len(added)} new: {', '.join(added[:3])}" if added else ""
-    content.passes["lineage"] = f"{len(common)} tensors compared with {name}{note}"
+    content.passes[VerifyCheck.LINEAGE] = f"{len(common)} tensors compared with {name}{note}"
 
 
 def worst_tensors(tensors: dict[str, dict], limit: int = 10) -> list[dict]:

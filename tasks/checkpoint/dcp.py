@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from tasks.checkpoint.checks import VerifyCheck
 from tasks.checkpoint.scan import Record
 from tasks.errors import CkptopsError, unreadable
 
@@ -40,7 +41,7 @@ _SHARD_KEY = re.compile(r"^(?P<family>.+)/shard_(?P<offset>[\d.]+)_(?P<shape>[\d
 class CheckFailed(CkptopsError):
     """One check failed; ``file`` and ``check`` say where, the message says what."""
 
-    def __init__(self, check: str, file: str | None, detail: str):
+    def __init__(self, check: VerifyCheck, file: str | None, detail: str):
         self.check, self.file, self.detail = check, file, detail
         where = f"{file}: " if file else ""
         super().__init__(f"{where}{detail} [{check}]")
@@ -67,13 +68,15 @@ def load_dcp_metadata(path: Path) -> Metadata:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except FileNotFoundError:
-        raise CheckFailed("dcp-metadata", path.name, "missing") from None
+        raise CheckFailed(VerifyCheck.DCP_METADATA, path.name, "missing") from None
     except OSError as e:
         raise unreadable(path, e) from None
     except Exception as e:  # a garbled pickle can raise nearly anything
-        raise CheckFailed("dcp-metadata", path.name, f"unreadable ({type(e).__name__}: {e})") from None
+        raise CheckFailed(
+            VerifyCheck.DCP_METADATA, path.name, f"unreadable ({type(e).__name__}: {e})"
+        ) from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise CheckFailed("dcp-metadata", path.name, "not a DCP Metadata object with storage data")
+        raise CheckFailed(VerifyCheck.DCP_METADATA, path.name, "not a DCP Metadata object with storage data")
     return metadata
 
 
@@ -136,11 +139,11 @@ def read_record(directory: Path, record: Record) -> bytes:
         with open(directory / record.file, "rb") as f:
             data = os.pread(f.fileno(), record.length, record.offset)
     except FileNotFoundError:
-        raise CheckFailed("files", record.file, f"missing, it holds '{record.key}'") from None
+        raise CheckFailed(VerifyCheck.FILES, record.file, f"missing, it holds '{record.key}'") from None
     except OSError as e:
         raise unreadable(directory / record.file, e) from None
     if len(data) != record.length:
-        raise CheckFailed("files", record.file, f"record '{record.key}' is cut short")
+        raise CheckFailed(VerifyCheck.FILES, record.file, f"record '{record.key}' is cut short")
     return data
 
 
@@ -160,12 +163,14 @@ def load_common_state(directory: Path, index: DcpIndex) -> dict:
     elif (directory / "common.pt").exists():
         source, name = directory / "common.pt", "common.pt"
     else:
-        raise CheckFailed("state", None, "no common state (neither common_state/shard_0_1 nor common.pt)")
+        raise CheckFailed(
+            VerifyCheck.STATE, None, "no common state (neither common_state/shard_0_1 nor common.pt)"
+        )
     loaded = _weights_only_load(source, name)
     if record is not None:  # megatron stores the list of the object's shards' data
         loaded = loaded[0] if isinstance(loaded, list) and loaded else loaded
     if not isinstance(loaded, dict):
-        raise CheckFailed("state", name, f"common state is a {type(loaded).__name__}, not a dict")
+        raise CheckFailed(VerifyCheck.STATE, name, f"common state is a {type(loaded).__name__}, not a dict")
     return loaded
 
 
@@ -201,10 +206,12 @@ def _weights_only_load(source, name: str):
 
         megatron_safe.register_safe_globals()
     except Exception as e:
-        raise CheckFailed("state", name, f"common state unreadable ({type(e).__name__})") from None
+        raise CheckFailed(VerifyCheck.STATE, name, f"common state unreadable ({type(e).__name__})") from None
     try:
         return attempt()
     except Exception as e:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         hint = f"unsupported global {found.group(1)}" if found else type(e).__name__
-        raise CheckFailed("state", name, f"common state refused by the safe loader ({hint})") from None
+        raise CheckFailed(
+            VerifyCheck.STATE, name, f"common state refused by the safe loader ({hint})"
+        ) from None

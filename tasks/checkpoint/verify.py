@@ -26,6 +26,7 @@ from pathlib import Path
 from tasks import __version__
 from tasks.checkpoint import content as state_content
 from tasks.checkpoint import layout
+from tasks.checkpoint.checks import VerifyCheck
 from tasks.checkpoint.dcp import (
     CheckFailed,
     DcpIndex,
@@ -88,16 +89,16 @@ class _Checks:
     def __init__(self):
         self.results: list[Check] = []
 
-    def passed(self, name: str, detail: str) -> None:
+    def passed(self, name: VerifyCheck, detail: str) -> None:
         self.results.append(passed(name, detail))
 
-    def fail(self, name: str, file: str | None, detail: str) -> None:
+    def fail(self, name: VerifyCheck, file: str | None, detail: str) -> None:
         self.results.append(failed(name, detail, file=file))
 
     def record(self, failure: CheckFailed) -> None:
         self.fail(failure.check, failure.file, failure.detail)
 
-    def conclude(self, name: str, detail: str) -> None:
+    def conclude(self, name: VerifyCheck, detail: str) -> None:
         """Record a pass for ``name`` unless a failure under that name was recorded."""
         if not any(r.name == name and not r.ok for r in self.results):
             self.passed(name, detail)
@@ -207,21 +208,25 @@ class _Verifier:
         try:
             config = json.loads((self.directory / name).read_bytes())
         except FileNotFoundError:
-            self.checks.fail(name, name, "missing")
+            self.checks.fail(VerifyCheck.METADATA_JSON, name, "missing")
             return
         except OSError as e:
             raise unreadable(self.directory / name, e) from None
         except ValueError as e:
-            self.checks.fail(name, name, f"unreadable ({e})")
+            self.checks.fail(VerifyCheck.METADATA_JSON, name, f"unreadable ({e})")
             return
         backend = config.get("sharded_backend") if isinstance(config, dict) else None
         if not isinstance(backend, str):
-            self.checks.fail(name, name, "not a Megatron checkpoint config (no sharded_backend)")
+            self.checks.fail(
+                VerifyCheck.METADATA_JSON, name, "not a Megatron checkpoint config (no sharded_backend)"
+            )
         elif backend not in layout.KNOWN_BACKENDS:
-            self.checks.fail(name, name, f"unknown sharded_backend {backend!r}")
+            self.checks.fail(VerifyCheck.METADATA_JSON, name, f"unknown sharded_backend {backend!r}")
         else:
             self.backend = config
-            self.checks.passed(name, f"{backend} v{config.get('sharded_backend_version')}")
+            self.checks.passed(
+                VerifyCheck.METADATA_JSON, f"{backend} v{config.get('sharded_backend_version')}"
+            )
 
     def _load_reference(self) -> None:
         try:
@@ -231,7 +236,7 @@ class _Verifier:
             # corruption it would have caught could be accepted as the new reference.
             self.manifest_unreadable = True
             self.checks.fail(
-                "manifest",
+                VerifyCheck.MANIFEST,
                 layout.MANIFEST,
                 f"{str(e).split(': ', 1)[-1]}; move it aside to re-verify from scratch",
             )
@@ -239,7 +244,9 @@ class _Verifier:
         if manifest is not None and manifest.iteration != self.iteration:
             self.manifest_unreadable = True
             self.checks.fail(
-                "manifest", layout.MANIFEST, f"describes iteration {manifest.iteration}, not {self.iteration}"
+                VerifyCheck.MANIFEST,
+                layout.MANIFEST,
+                f"describes iteration {manifest.iteration}, not {self.iteration}",
             )
             return
         # Only a passing verification of this very save, hashed the way we hash, is a reference
@@ -260,7 +267,7 @@ class _Verifier:
             self.checks.record(e)
             return
         self.checks.passed(
-            "dcp-metadata",
+            VerifyCheck.DCP_METADATA,
             f"{len(self.index.tensors)} tensors, "
             f"{len(self.index.objects)} objects, {len(self.index.records)} records",
         )
@@ -269,45 +276,49 @@ class _Verifier:
         referenced = self.index.files
         for name, records in sorted(referenced.items()):
             if name not in self.files:
-                self.checks.fail("files", name, "referenced by .metadata but missing")
+                self.checks.fail(VerifyCheck.FILES, name, "referenced by .metadata but missing")
                 continue
             size, needed = self.files[name].st_size, max(r.end for r in records)
             if size < needed:
-                self.checks.fail("files", name, f"truncated: {size} bytes, records need {needed}")
+                self.checks.fail(VerifyCheck.FILES, name, f"truncated: {size} bytes, records need {needed}")
         for name in sorted(self.files):
             if name.endswith(layout.DATA_SUFFIX) and name not in referenced:
-                self.checks.fail("files", name, "data file not referenced by .metadata")
-        self.checks.conclude("files", f"{len(referenced)} data files present and long enough")
+                self.checks.fail(VerifyCheck.FILES, name, "data file not referenced by .metadata")
+        self.checks.conclude(VerifyCheck.FILES, f"{len(referenced)} data files present and long enough")
 
     def _check_records(self) -> None:
         for fqn, item in self.index.tensors.items():
             for chunk in item.chunks:
                 if (fqn, tuple(chunk.offsets)) not in self.index.records:
                     self.checks.fail(
-                        "records", None, f"tensor '{fqn}' chunk at {list(chunk.offsets)} has no record"
+                        VerifyCheck.RECORDS,
+                        None,
+                        f"tensor '{fqn}' chunk at {list(chunk.offsets)} has no record",
                     )
         for fqn in self.index.objects:
             if (fqn, None) not in self.index.records:
-                self.checks.fail("records", None, f"object '{fqn}' has no record")
+                self.checks.fail(VerifyCheck.RECORDS, None, f"object '{fqn}' has no record")
         for name, records in self.index.files.items():
             for record in records:
                 if record.offset < 0 or record.length <= 0:
                     self.checks.fail(
-                        "records",
+                        VerifyCheck.RECORDS,
                         name,
                         f"record '{record.key}' has offset {record.offset}, length {record.length}",
                     )
             for before, after in zip(records, records[1:]):
                 if after.offset < before.end:
-                    self.checks.fail("records", name, f"records '{before.key}' and '{after.key}' overlap")
-        self.checks.conclude("records", "every chunk and object has its own record")
+                    self.checks.fail(
+                        VerifyCheck.RECORDS, name, f"records '{before.key}' and '{after.key}' overlap"
+                    )
+        self.checks.conclude(VerifyCheck.RECORDS, "every chunk and object has its own record")
 
     def _check_coverage(self) -> None:
         for fqn, item in sorted(self.index.tensors.items()):
             problem = _tiles_exactly(tuple(item.size), item.chunks)
             if problem:
-                self.checks.fail("coverage", layout.DCP_METADATA, f"tensor '{fqn}': {problem}")
-        self.checks.conclude("coverage", f"{len(self.index.tensors)} tensors tiled exactly")
+                self.checks.fail(VerifyCheck.COVERAGE, layout.DCP_METADATA, f"tensor '{fqn}': {problem}")
+        self.checks.conclude(VerifyCheck.COVERAGE, f"{len(self.index.tensors)} tensors tiled exactly")
 
     def _check_objects(self) -> None:
         families: dict[str, list] = {}
@@ -316,8 +327,12 @@ class _Verifier:
         for family, shards in sorted(families.items()):
             problem = _grid_missing(shards)
             if problem:
-                self.checks.fail("objects", layout.DCP_METADATA, f"object family '{family}': {problem}")
-        self.checks.conclude("objects", f"{len(families)} sharded-object families cover their grids")
+                self.checks.fail(
+                    VerifyCheck.OBJECTS, layout.DCP_METADATA, f"object family '{family}': {problem}"
+                )
+        self.checks.conclude(
+            VerifyCheck.OBJECTS, f"{len(families)} sharded-object families cover their grids"
+        )
 
     def _read_integrity_json(self) -> None:
         name = layout.INTEGRITY_JSON
@@ -335,7 +350,7 @@ class _Verifier:
         except OSError as e:
             raise unreadable(self.directory / name, e) from None
         except (ValueError, TypeError, KeyError, AttributeError) as e:
-            self.checks.fail(name, name, f"unreadable ({e})")
+            self.checks.fail(VerifyCheck.INTEGRITY_JSON, name, f"unreadable ({e})")
 
     def _scan_content(self) -> None:
         referenced = self.index.files if self.index is not None else {}
@@ -362,9 +377,9 @@ class _Verifier:
             if scan.unreadable is not None:
                 raise unreadable(self.directory / name, scan.unreadable)
             for failure in scan.failures:
-                self.checks.fail("crc", name, failure)
+                self.checks.fail(VerifyCheck.CRC, name, failure)
         records = sum(s.records for s in self.scans.values())
-        self.checks.conclude("crc", f"{records} records' CRCs match")
+        self.checks.conclude(VerifyCheck.CRC, f"{records} records' CRCs match")
 
     def _read(self, files: dict, sha256_for: set[str]) -> dict[str, FileScan]:
         """Every byte read once: by this host's threads, or by shard tasks on Slurm nodes."""
@@ -386,10 +401,10 @@ class _Verifier:
         for name, expected in sorted(self.integrity.items()):
             scan = self.scans.get(name)
             if scan is None:
-                self.checks.fail(layout.INTEGRITY_JSON, name, "listed in integrity.json but missing")
+                self.checks.fail(VerifyCheck.INTEGRITY_JSON, name, "listed in integrity.json but missing")
             elif scan.sha256 != expected:
-                self.checks.fail(layout.INTEGRITY_JSON, name, "sha256 differs from integrity.json")
-        self.checks.conclude(layout.INTEGRITY_JSON, f"{len(self.integrity)} files match")
+                self.checks.fail(VerifyCheck.INTEGRITY_JSON, name, "sha256 differs from integrity.json")
+        self.checks.conclude(VerifyCheck.INTEGRITY_JSON, f"{len(self.integrity)} files match")
 
     def _check_against_reference(self) -> None:
         if self.reference is None:
@@ -398,20 +413,22 @@ class _Verifier:
         for name, entry in sorted(expected.items()):
             scan = self.scans.get(name)
             if scan is None:
-                self.checks.fail("manifest", name, "in the manifest but missing")
+                self.checks.fail(VerifyCheck.MANIFEST, name, "in the manifest but missing")
             elif scan.size != entry.size:
-                self.checks.fail("manifest", name, f"size {scan.size}, manifest says {entry.size}")
+                self.checks.fail(VerifyCheck.MANIFEST, name, f"size {scan.size}, manifest says {entry.size}")
             elif scan.hash != entry.hash:
-                self.checks.fail("manifest", name, f"content differs from the manifest ({HASH_ALGORITHM})")
+                self.checks.fail(
+                    VerifyCheck.MANIFEST, name, f"content differs from the manifest ({HASH_ALGORITHM})"
+                )
         # A data file the save did not have is an error; a file added later by a finalize step
         # (integrity.json, a tokenizer) is not part of what was verified, and is only noted.
         added = sorted(set(self.scans) - set(expected))
         for name in added:
             if layout.is_checkpoint_content(name):
-                self.checks.fail("manifest", name, "not in the manifest")
+                self.checks.fail(VerifyCheck.MANIFEST, name, "not in the manifest")
         later = [n for n in added if not layout.is_checkpoint_content(n)]
         note = f" ({', '.join(later)} added since)" if later else ""
-        self.checks.conclude("manifest", f"{len(expected)} files match the manifest{note}")
+        self.checks.conclude(VerifyCheck.MANIFEST, f"{len(expected)} files match the manifest{note}")
 
     def _check_state(self) -> None:
         record = self.index.records.get(("common_state/shard_0_1", None))
@@ -435,18 +452,20 @@ class _Verifier:
         if not getattr(args, "no_save_rng", False) and not any(k.startswith("rng_state/") for k in keys):
             missing.append("rng_state")
         if missing:
-            self.checks.fail("state", self.common_file, f"required state missing: {', '.join(missing)}")
+            self.checks.fail(
+                VerifyCheck.STATE, self.common_file, f"required state missing: {', '.join(missing)}"
+            )
         else:
-            self.checks.passed("state", "model, optimizer, scheduler, RNG and common state present")
+            self.checks.passed(VerifyCheck.STATE, "model, optimizer, scheduler, RNG and common state present")
         stored = self.common.get("iteration")
         if stored != self.iteration:
             self.checks.fail(
-                "iteration",
+                VerifyCheck.ITERATION,
                 self.common_file,
                 f"common state says iteration {stored}, the directory {self.iteration}",
             )
         else:
-            self.checks.passed("iteration", f"iteration {stored} matches the directory")
+            self.checks.passed(VerifyCheck.ITERATION, f"iteration {stored} matches the directory")
         self._check_layout(args)
 
     def _check_content(self) -> None:
@@ -471,7 +490,7 @@ class _Verifier:
                 )
         for finding in content.failures:
             self.checks.fail(finding.check, finding.file, finding.detail)
-        for name in ("values", "optimizer", "lineage"):
+        for name in (VerifyCheck.VALUES, VerifyCheck.OPTIMIZER, VerifyCheck.LINEAGE):
             warnings = [f.detail for f in content.warnings if f.check == name]
             if any(r.name == name for r in self.checks.failures):
                 continue
@@ -518,12 +537,12 @@ class _Verifier:
             return
         if found != self.options.layout:
             self.checks.fail(
-                "layout",
+                VerifyCheck.LAYOUT,
                 self.common_file,
                 f"saved with TP/PP/DP {found}, the profile says {self.options.layout}",
             )
         else:
-            self.checks.passed("layout", f"TP/PP/DP {found} as the profile says")
+            self.checks.passed(VerifyCheck.LAYOUT, f"TP/PP/DP {found} as the profile says")
 
     def changed_files(self) -> list[str]:
         return sorted(name for name, scan in self.scans.items() if scan.changed)
@@ -636,7 +655,7 @@ def verify_checkpoint(
         return Verification(directory, iteration, before.state, before.reason)
     verifier = _Verifier(directory, iteration, options, progress, reference, watch, prescan)
     if before.state is State.INVALID:
-        verifier.checks.fail("complete", before.file, before.detail)
+        verifier.checks.fail(VerifyCheck.COMPLETE, before.file, before.detail)
     else:
         verifier.run()
     bytes_read = sum(s.size for s in verifier.scans.values())

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tasks.cluster import slurm
 from tasks.health.run import NodeReport
+from tasks.health.verdict import CheckName
 from tasks.outcome import Verdict
 from tasks.storage.local import append_jsonl, read_jsonl
 
@@ -106,7 +107,9 @@ def spare_readiness(reports: list[NodeReport], spares: list[str], level: int) ->
             continue
         names = {c.name for c in report.checks}
         complete = (
-            level >= 3 and {"dcgm-diag", "nccl"} <= names and any(n.startswith("nccl-pair-") for n in names)
+            level >= 3
+            and {CheckName.DCGM_DIAG, CheckName.NCCL} <= names
+            and any(n.startswith(f"{CheckName.NCCL_PAIR}-") for n in names)
         )
         if not complete:
             ready[report.node] = f"{Readiness.NOT_READY}: the admission set did not run completely"

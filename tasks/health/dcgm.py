@@ -18,7 +18,7 @@ Rules, from DCGM 3.3.9 and 4.6.0 and the operators who run them (Azure HPC healt
 import json
 import re
 
-from tasks.health.verdict import Evidence, HealthCheck, result
+from tasks.health.verdict import CheckName, Evidence, HealthCheck, result
 from tasks.outcome import Verdict, worst
 
 SEVERITY = {1: "MONITOR", 2: "ISOLATE", 3: "UNKNOWN", 4: "TRIAGE", 5: "CONFIG", 6: "RESET"}
@@ -65,7 +65,7 @@ _V3_DEPLOYMENT = {
     "graphics_processes",
     "inforom",
 }
-CHECK = "dcgm-diag"
+CHECK = CheckName.DCGM_DIAG
 # Every test name dcgmi prints (4.x plugin names, and 3.x display names once normalised).
 _KNOWN_TESTS = set().union(
     *LEVEL_TESTS.values(),

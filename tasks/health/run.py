@@ -25,7 +25,7 @@ from tasks.cluster.transport import (
 from tasks.errors import Unreadable
 from tasks.health.checks import Context, dcgm_diag, gpu_count, nccl, nvlink, recovery, row_remap, xid
 from tasks.health.nccl import Gates, classify_allreduce
-from tasks.health.verdict import Evidence, HealthCheck, result
+from tasks.health.verdict import CheckName, Evidence, HealthCheck, result
 from tasks.outcome import Verdict, worst
 from tasks.storage.local import append_jsonl, read_jsonl
 
@@ -151,7 +151,7 @@ def _attempt(name: str, run: Callable[[Context], HealthCheck], ctx: Context) -> 
 def _below_gate(name: str, outcome: HealthCheck) -> bool:
     """Bandwidth under the gate (an nccl check), not any other failure with a threshold."""
     return (
-        name.startswith("nccl")
+        name.startswith(CheckName.NCCL)
         and outcome.verdict is Verdict.FAIL_HARDWARE
         and any(e.gate is not None for e in outcome.evidence)
     )
@@ -202,9 +202,9 @@ def check_node(
     try:
         host = _connect(node, settings, key_text)
     except HostKeyRejected as e:
-        report.checks.append(result("ssh", Verdict.TOOL_ERROR, Evidence(str(e))))
+        report.checks.append(result(CheckName.SSH, Verdict.TOOL_ERROR, Evidence(str(e))))
     except Unreachable as e:
-        report.checks.append(result("ssh", Verdict.SUSPECT, Evidence(f"{e} (again after a retry)")))
+        report.checks.append(result(CheckName.SSH, Verdict.SUSPECT, Evidence(f"{e} (again after a retry)")))
     else:
         with host:
             ctx = Context(node, host, settings, level, Path(settings.raw_dir), since)
@@ -230,7 +230,7 @@ def pair_test(node: str, known_good: str, settings, key_text: str | None = None)
     """A two-node all_reduce (Ring) of ``node`` with a known-good node, launched from ``node``."""
     pairs = settings.pairs
     argv = [part.format(a=node, b=known_good) for part in pairs.command]
-    name = f"nccl-pair-{known_good}"
+    name = CheckName.NCCL_PAIR.with_peer(known_good)
 
     def run_pair(ctx: Context) -> HealthCheck:
         output = ctx.command(name, argv, pairs.timeout_seconds)

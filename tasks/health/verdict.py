@@ -6,8 +6,26 @@ the gate) so an operator can act without opening the raw output, which is kept a
 """
 
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 
 from tasks.outcome import Check, Verdict
+
+
+class CheckName(StrEnum):
+    """The node-health checks (one file each under tasks/health/checks), as reports name them."""
+
+    SSH = "ssh"  # the node could not be reached to run the others
+    GPU_COUNT = "gpu-count"
+    NVLINK = "nvlink"
+    ROW_REMAP = "row-remap"
+    RECOVERY_ACTION = "recovery-action"
+    XID = "xid"
+    DCGM_DIAG = "dcgm-diag"
+    NCCL = "nccl"
+    NCCL_PAIR = "nccl-pair"  # named with its known-good peer: nccl-pair-<node>
+
+    def with_peer(self, node: str) -> str:
+        return f"{self.value}-{node}"
 
 
 @dataclass

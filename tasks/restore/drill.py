@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from tasks.archive.copy import archived_manifest, entry_key, newest_committed
@@ -36,6 +37,16 @@ from tasks.restore.launch import drill_layout, run_loader
 from tasks.restore.report import LoadReport
 from tasks.restore.scratch import clear_stale_scratch, make_scratch
 from tasks.storage.archive import ArchiveStore
+
+
+class DrillCheck(StrEnum):
+    """What a drill checks of the loaded state, as its reports and the UI name them."""
+
+    MODEL = "model"
+    ITERATION = "iteration"
+    CONSUMED_SAMPLES = "consumed samples"
+    SCHEDULER = "scheduler"
+    TENSORS = "tensors"
 
 
 @dataclass
@@ -234,7 +245,7 @@ class _Drill:
 
     @staticmethod
     def _checks(manifest: Manifest, loaded: LoadReport) -> list[Check]:
-        def check(name: str, ok: bool, expected, observed, detail: str = "") -> Check:
+        def check(name: DrillCheck, ok: bool, expected, observed, detail: str = "") -> Check:
             return Check(name, Outcome.PASS if ok else Outcome.FAIL, detail, str(expected), str(observed))
 
         consumed = manifest.consumed_train_samples
@@ -256,7 +267,7 @@ class _Drill:
         )
         scheduler = (
             check(
-                "scheduler",
+                DrillCheck.SCHEDULER,
                 unit is not None,
                 f"{consumed} samples or {manifest.iteration} iterations",
                 f"step {steps}",
@@ -264,19 +275,19 @@ class _Drill:
                 f"({unit or 'neither the samples nor the iterations'} of the checkpoint), lr {loaded.lr}",
             )
             if loaded.optimizer_loaded
-            else Check("scheduler", Outcome.UNCHECKED, "not loaded with the optimizer")
+            else Check(DrillCheck.SCHEDULER, Outcome.UNCHECKED, "not loaded with the optimizer")
         )
         return [
-            Check("model", Outcome.WARN if loaded.inferred else Outcome.PASS, model),
+            Check(DrillCheck.MODEL, Outcome.WARN if loaded.inferred else Outcome.PASS, model),
             check(
-                "iteration",
+                DrillCheck.ITERATION,
                 loaded.iteration == manifest.iteration,
                 manifest.iteration,
                 loaded.iteration,
                 f"loaded {loaded.iteration}, manifest {manifest.iteration}",
             ),
             check(
-                "consumed samples",
+                DrillCheck.CONSUMED_SAMPLES,
                 loaded.consumed_train_samples == consumed,
                 consumed,
                 loaded.consumed_train_samples,
@@ -284,7 +295,7 @@ class _Drill:
             ),
             scheduler,
             check(
-                "tensors",
+                DrillCheck.TENSORS,
                 loaded.compared > 0 and not loaded.mismatches,
                 "bit-equal to the stored bytes",
                 ", ".join(loaded.mismatches) or "bit-equal",

@@ -10,6 +10,7 @@ the baseline (tasks.resume.baseline).
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,6 +23,20 @@ from tasks.errors import CkptopsError
 from tasks.outcome import Check, Outcome
 from tasks.resume.baseline import median, throughput_of
 from tasks.resume.records import Steps
+
+
+class ResumeCheck(StrEnum):
+    """The checks of a post-resume validation, as its reports and the UI name them."""
+
+    BASELINE = "baseline"  # unchecked when there is no steady-state baseline to compare with
+    PROMOTED = "promoted checkpoint"
+    RESUME_POINT = "resume point"
+    LEARNING_RATE = "learning rate"
+    DATA_ORDER = "data order"
+    LOSS = "loss and grad norm"
+    PEAK_MEMORY = "peak memory"
+    THROUGHPUT = "throughput"
+    SKIPPED = "skipped and NaN iterations"
 
 
 @dataclass
@@ -129,9 +144,6 @@ def last_attempt(steps: Steps) -> int:
     return int(restarts[-1] + 1) if restarts.size else 0
 
 
-_PROMOTED = "promoted checkpoint"
-
-
 class Validator:
     def __init__(
         self,
@@ -191,16 +203,20 @@ class Validator:
         pointer now: the resumed run's own saves move it on, and a later validation must pass."""
         f, a = self.facts, self.after
         if f.not_valid:
-            self.add(_PROMOTED, False, "a verified checkpoint", f"{f.directory.name}: {f.not_valid}")
+            self.add(
+                ResumeCheck.PROMOTED, False, "a verified checkpoint", f"{f.directory.name}: {f.not_valid}"
+            )
             return
         if not f.verified:
-            self.add(_PROMOTED, False, "a verified checkpoint", f"{f.directory.name} was never verified")
+            self.add(
+                ResumeCheck.PROMOTED, False, "a verified checkpoint", f"{f.directory.name} was never verified"
+            )
             return
         if self.verified_now:
             # Nothing had verified it when the run resumed, so the pointer cannot have named it.
             self.result.checks.append(
                 Check(
-                    _PROMOTED,
+                    ResumeCheck.PROMOTED,
                     Outcome.WARN,
                     f"{f.directory.name} was verified after the "
                     "resume (it passed): the run resumed from a checkpoint nobody had "
@@ -225,7 +241,7 @@ class Validator:
             else f"one of iterations {', '.join(map(str, named)) or 'none'} (the pointer in the "
             f"{window:g} s before the run resumed)"
         )
-        self.add(_PROMOTED, f.iteration in named, expected, f"iteration {f.iteration}")
+        self.add(ResumeCheck.PROMOTED, f.iteration in named, expected, f"iteration {f.iteration}")
 
     def _promoted_without_log(self) -> None:
         """No start time (Megatron-LM logs) or no promotion log: the newest verified checkpoint
@@ -234,12 +250,14 @@ class Validator:
         f = self.facts
         pointer = read_pointer(f.directory.parent)
         if pointer is None:
-            self.add(_PROMOTED, None, "", "", "no promotion pointer and no promotion log: not checkable")
+            self.add(
+                ResumeCheck.PROMOTED, None, "", "", "no promotion pointer and no promotion log: not checkable"
+            )
             return
         if self.before is None or not len(self.before):
             if pointer > f.iteration:
                 self.add(
-                    _PROMOTED,
+                    ResumeCheck.PROMOTED,
                     None,
                     "",
                     "",
@@ -248,7 +266,7 @@ class Validator:
                 )
             else:
                 self.add(
-                    _PROMOTED,
+                    ResumeCheck.PROMOTED,
                     pointer == f.iteration,
                     f"iteration {pointer} (latest verified)",
                     f"iteration {f.iteration}",
@@ -264,7 +282,7 @@ class Validator:
         ]
         expected = max((it for it in verified if it <= limit), default=None)
         self.add(
-            _PROMOTED,
+            ResumeCheck.PROMOTED,
             expected == f.iteration,
             f"iteration {expected} (latest verified up to the failure at {failed_at})",
             f"iteration {f.iteration}",
@@ -273,7 +291,9 @@ class Validator:
     def _resume_point(self) -> None:
         f, a = self.facts, self.after
         if not len(a):
-            self.add("resume point", False, f"iteration {f.iteration + 1}", "no records after the resume")
+            self.add(
+                ResumeCheck.RESUME_POINT, False, f"iteration {f.iteration + 1}", "no records after the resume"
+            )
             return
         first = int(a.iteration[self.start])
         if a.kind == "megatron-log" and a.loaded[self.start] != f.iteration:
@@ -281,7 +301,7 @@ class Validator:
             loaded = a.loaded[self.start]
             seen = f"iteration {loaded:.0f}" if np.isfinite(loaded) else "no such line before its steps"
             self.add(
-                "resume point",
+                ResumeCheck.RESUME_POINT,
                 False,
                 f"Megatron-LM's 'successfully loaded checkpoint ... at iteration {f.iteration}'",
                 seen,
@@ -290,7 +310,7 @@ class Validator:
             return
         if first != f.iteration + 1:
             self.add(
-                "resume point",
+                ResumeCheck.RESUME_POINT,
                 False,
                 f"first iteration {f.iteration + 1}",
                 f"first iteration {first}",
@@ -300,7 +320,7 @@ class Validator:
         size = a.batch_count[self.start] if not np.isnan(a.batch_count[self.start]) else f.global_batch_size
         resumed_at = None if np.isnan(a.consumed[self.start]) else int(a.consumed[self.start] - size)
         self.add(
-            "resume point",
+            ResumeCheck.RESUME_POINT,
             resumed_at == f.consumed,
             f"iteration {f.iteration + 1} after {f.consumed} samples",
             f"iteration {first} after {resumed_at} samples",
@@ -309,7 +329,7 @@ class Validator:
     def _learning_rate(self) -> None:
         a, b = self.after, self.before
         if not self.rows.size:
-            self.add("learning rate", None, "", "", "no resumed iterations")
+            self.add(ResumeCheck.LEARNING_RATE, None, "", "", "no resumed iterations")
             return
         bad = []
         if self.recomputed.size:
@@ -323,7 +343,7 @@ class Validator:
         if self.beyond.size and unit is None:
             steps = self.facts.scheduler.get("num_steps")
             self.add(
-                "learning rate",
+                ResumeCheck.LEARNING_RATE,
                 None,
                 "",
                 "",
@@ -349,7 +369,7 @@ class Validator:
         if bad:
             it, expected, observed, source = min(bad)
             self.add(
-                "learning rate",
+                ResumeCheck.LEARNING_RATE,
                 False,
                 f"{expected:.9g} at iteration {it} ({source})",
                 f"{observed}",
@@ -357,7 +377,7 @@ class Validator:
             )
         else:
             self.add(
-                "learning rate",
+                ResumeCheck.LEARNING_RATE,
                 True,
                 f"{self.recomputed.size} recomputed as before, "
                 f"{self.beyond.size} on the checkpoint's schedule"
@@ -370,7 +390,7 @@ class Validator:
         positions = a.batch_position[self.rows]
         if not self.rows.size or np.isnan(positions).all():
             self.add(
-                "data order",
+                ResumeCheck.DATA_ORDER,
                 None,
                 "",
                 "",
@@ -409,7 +429,7 @@ class Validator:
         if bad:
             it, expected_text, observed = min(bad)
             self.add(
-                "data order",
+                ResumeCheck.DATA_ORDER,
                 False,
                 f"{expected_text} at iteration {it}",
                 observed,
@@ -419,7 +439,7 @@ class Validator:
             # Positions follow on, but no batch could be compared: a changed seed or shuffle
             # would look the same. Not a pass.
             self.add(
-                "data order",
+                ResumeCheck.DATA_ORDER,
                 None,
                 "",
                 "",
@@ -428,7 +448,7 @@ class Validator:
             )
         else:
             self.add(
-                "data order",
+                ResumeCheck.DATA_ORDER,
                 True,
                 f"{compared} recomputed batches identical, positions contiguous from sample {f.consumed}",
                 "as expected",
@@ -436,7 +456,7 @@ class Validator:
 
     def _loss(self) -> None:
         if not self.recomputed.size:
-            self.add("loss and grad norm", None, "", "", "no recomputed iterations to compare")
+            self.add(ResumeCheck.LOSS, None, "", "", "no recomputed iterations to compare")
             return
         a, b, tol = self.after, self.before, self.settings.loss_rel_tolerance
         # A printed loss is a mean over a window of iterations: compared only where both runs
@@ -468,7 +488,7 @@ class Validator:
         if bad:
             it, name, expected, observed = min(bad)
             self.add(
-                "loss and grad norm",
+                ResumeCheck.LOSS,
                 False,
                 f"{name} {expected!r} at iteration {it}",
                 repr(observed),
@@ -478,7 +498,7 @@ class Validator:
             exact = "bit-exact" if tol == 0 else f"within {tol:g}"
             compared = int(same_window.sum())
             self.add(
-                "loss and grad norm",
+                ResumeCheck.LOSS,
                 True,
                 f"{self.recomputed.size} recomputed iterations {exact}",
                 f"as expected ({compared} losses and {self.recomputed.size} grad norms compared{note})",
@@ -504,7 +524,7 @@ class Validator:
 
     def _memory(self) -> None:
         pair = self._steady_state(
-            "peak memory",
+            ResumeCheck.PEAK_MEMORY,
             "peak_memory_median",
             self.after.peak_memory,
             "memory_kind",
@@ -516,7 +536,7 @@ class Validator:
         (base, now), band = pair, self.settings.memory_band
         ok = abs(now - base) <= band * base
         self.add(
-            "peak memory",
+            ResumeCheck.PEAK_MEMORY,
             ok,
             f"{base / 2**20:.1f} MiB +-{band:.0%}",
             f"{now / 2**20:.1f} MiB ({now / base - 1:+.1%})",
@@ -525,7 +545,7 @@ class Validator:
     def _throughput(self) -> None:
         throughput, unit = throughput_of(self.after, self.facts)
         pair = self._steady_state(
-            "throughput",
+            ResumeCheck.THROUGHPUT,
             "throughput_median",
             throughput,
             "throughput_unit",
@@ -536,7 +556,7 @@ class Validator:
             return
         (base, now), drop = pair, self.settings.throughput_drop
         self.add(
-            "throughput",
+            ResumeCheck.THROUGHPUT,
             now >= (1 - drop) * base,
             f">= {(1 - drop) * base:.4g} {unit} ({1 - drop:.0%} of {base:.4g})",
             f"{now:.4g} {unit} ({now / base - 1:+.1%})",
@@ -552,11 +572,11 @@ class Validator:
             i = hits[0]
             values = f", loss {a.loss[i]}, grad norm {a.grad_norm[i]}" if a.nonfinite[i] else ""
             self.add(
-                "skipped and NaN iterations",
+                ResumeCheck.SKIPPED,
                 False,
                 "none",
                 f"iteration {int(a.iteration[i])}: {int(a.skipped[i])} skipped, {int(a.nan[i])} NaN{values}",
                 f"{hits.size} steps affected",
             )
         else:
-            self.add("skipped and NaN iterations", True, "none", "none")
+            self.add(ResumeCheck.SKIPPED, True, "none", "none")

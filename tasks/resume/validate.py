@@ -14,7 +14,7 @@ from tasks.checkpoint.state import VerifyOptions
 from tasks.errors import UsageError
 from tasks.outcome import Check, Outcome
 from tasks.resume.baseline import make_baseline, store_baseline, stored_baseline
-from tasks.resume.checks import Validation, Validator
+from tasks.resume.checks import ResumeCheck, Validation, Validator
 from tasks.resume.records import Steps
 
 
@@ -34,7 +34,7 @@ def validate_resume(
         baseline = stored_baseline(facts)
     result = Validator(facts, before, after, settings, baseline, verified_now).run()
     if note:
-        result.checks.append(Check("baseline", Outcome.UNCHECKED, note))
+        result.checks.append(Check(ResumeCheck.BASELINE, Outcome.UNCHECKED, note))
     return result
 
 

@@ -3,10 +3,10 @@ tooling, ends the node's checks here: nothing else can run."""
 
 from tasks.health.checks import Context, not_run
 from tasks.health.dcgm import gpu_count
-from tasks.health.verdict import Evidence, HealthCheck, result
+from tasks.health.verdict import CheckName, Evidence, HealthCheck, result
 from tasks.outcome import Verdict
 
-NAME = "gpu-count"
+NAME = CheckName.GPU_COUNT
 
 
 def run(ctx: Context) -> HealthCheck:

@@ -2,9 +2,9 @@
 
 from tasks.health.checks import Context, not_run
 from tasks.health.nccl import Gates, classify_allreduce
-from tasks.health.verdict import HealthCheck
+from tasks.health.verdict import CheckName, HealthCheck
 
-NAME = "nccl"
+NAME = CheckName.NCCL
 
 
 def run(ctx: Context) -> HealthCheck:

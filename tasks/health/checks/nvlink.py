@@ -2,10 +2,10 @@
 
 from tasks.health.checks import Context, failed_to_run
 from tasks.health.dcgm import nvlink_down
-from tasks.health.verdict import Evidence, HealthCheck, result
+from tasks.health.verdict import CheckName, Evidence, HealthCheck, result
 from tasks.outcome import Verdict
 
-NAME = "nvlink"
+NAME = CheckName.NVLINK
 
 
 def run(ctx: Context) -> HealthCheck:

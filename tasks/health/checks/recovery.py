@@ -2,10 +2,10 @@
 health watch misses it, and a GPU that needs a reset or a reboot must not take jobs."""
 
 from tasks.health.checks import Context, csv_rows, failed_to_run
-from tasks.health.verdict import Evidence, HealthCheck, result
+from tasks.health.verdict import CheckName, Evidence, HealthCheck, result
 from tasks.outcome import Verdict
 
-NAME = "recovery-action"
+NAME = CheckName.RECOVERY_ACTION
 _ACTIONS = ("reset", "reboot", "drain")  # GPU Reset, Node Reboot, Drain P2P, Drain and Reset
 
 

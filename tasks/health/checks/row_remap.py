@@ -2,10 +2,10 @@
 can no longer hide its bad rows (drain); a remap pending needs a GPU reset."""
 
 from tasks.health.checks import Context, csv_rows, failed_to_run
-from tasks.health.verdict import Evidence, HealthCheck, result
+from tasks.health.verdict import CheckName, Evidence, HealthCheck, result
 from tasks.outcome import Verdict, worst
 
-NAME = "row-remap"
+NAME = CheckName.ROW_REMAP
 _YES = {"1", "yes", "true"}
 
 

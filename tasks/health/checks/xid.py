@@ -10,10 +10,10 @@ import re
 import time
 
 from tasks.health.checks import Context, failed_to_run
-from tasks.health.verdict import Evidence, HealthCheck, result
+from tasks.health.verdict import CheckName, Evidence, HealthCheck, result
 from tasks.outcome import Verdict, worst
 
-NAME = "xid"
+NAME = CheckName.XID
 APPLICATION_XIDS = {13, 31, 43, 45}
 _XID = re.compile(r"NVRM: Xid \(PCI:([0-9A-Fa-f:.]+)\): (\d+)")
 
