@@ -17,6 +17,12 @@ from tests.helpers.poll import until
 # process it runs in was given.
 PROBE = """
 import json, os, signal, sys, time
+mode = sys.argv[1]
+if mode == "wait":  # the handler is in place before the pid is printed
+    def stop(sig, frame):
+        print("got", signal.Signals(sig).name, flush=True)
+        sys.exit(3)
+    signal.signal(signal.SIGTERM, stop)
 print(json.dumps({
     "pid": os.getpid(),
     "warm": "megatron.core" in sys.modules,
@@ -26,16 +32,11 @@ print(json.dumps({
     "main": __name__,
 }), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
-mode = sys.argv[1]
 if mode == "exit":
     sys.exit(7)
 if mode == "signal":
     os.kill(os.getpid(), signal.SIGTERM)
 if mode == "wait":
-    def stop(sig, frame):
-        print("got", signal.Signals(sig).name, flush=True)
-        sys.exit(3)
-    signal.signal(signal.SIGTERM, stop)
     time.sleep(600)
 """
 
