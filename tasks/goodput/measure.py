@@ -53,7 +53,9 @@ class Figure:
 
 
 @dataclass
-class Ledger:
+class GoodputLedger:
+    """What the job's time went to (not the recovery's incident ledger, tasks.recovery.ledger)."""
+
     job: str
     since: str | None
     wall: Figure
@@ -158,7 +160,7 @@ def measure(
     save_times: tuple[list[float], str],
     since: float | None = None,
     interval: Figure | None = None,
-) -> Ledger:
+) -> GoodputLedger:
     """The ledger from the job's records (or log), its incidents and its save times."""
     since_text = datetime.fromtimestamp(since, UTC).isoformat() if since else None
     if since is not None:
@@ -212,7 +214,7 @@ def measure(
         for i in incidents
     ]
     restart = _median(downtimes)
-    return Ledger(
+    return GoodputLedger(
         job,
         since_text,
         wall,

@@ -17,7 +17,7 @@ from tasks.goodput.advice import Advice, advise, ettr, ettr_exact
 from tasks.goodput.measure import (
     CAUSES,
     Figure,
-    Ledger,
+    GoodputLedger,
     job_save_interval,
     measure,
     save_times_from_files,
@@ -89,7 +89,7 @@ def _interval(save_interval: int | None, steps: Steps | None) -> Figure:
     )
 
 
-def ledger(profile, since: float | None = None, log: Path | None = None, warn=None) -> Ledger:
+def ledger(profile, since: float | None = None, log: Path | None = None, warn=None) -> GoodputLedger:
     """The job's ledger, its records, checkpoint args and incidents each read once; ``warn``
     gets the incident ledger's lines that could not be used."""
     steps = _steps(profile, log)
@@ -105,7 +105,7 @@ def ledger(profile, since: float | None = None, log: Path | None = None, warn=No
 
 def advice(
     profile,
-    measured: Ledger,
+    measured: GoodputLedger,
     save: float | None = None,
     mtbf_hours: float | None = None,
     restart_minutes: float | None = None,
@@ -266,7 +266,7 @@ def duration(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.2f} h"
 
 
-def ledger_lines(found: Ledger) -> list[str]:
+def ledger_lines(found: GoodputLedger) -> list[str]:
     def value(figure) -> str:
         if figure.seconds is None:
             return f"not measured ({figure.source.removeprefix('not measured: ')})"
@@ -282,7 +282,7 @@ def ledger_lines(found: Ledger) -> list[str]:
     return lines
 
 
-def per_day_png(found: Ledger) -> bytes:
+def per_day_png(found: GoodputLedger) -> bytes:
     """One stacked bar per day: productive hours and the hours lost to each incident cause."""
     import matplotlib
 
@@ -307,7 +307,7 @@ def per_day_png(found: Ledger) -> bytes:
     return buffer.getvalue()
 
 
-def markdown(found: Ledger, advice_lines: list[str], note: str | None) -> str:
+def markdown(found: GoodputLedger, advice_lines: list[str], note: str | None) -> str:
     image = base64.b64encode(per_day_png(found)).decode() if found.per_day else None
     parts = [f"# goodput: {found.job}", ""]
     if note:

@@ -267,7 +267,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-class _Drill:
+class _Load:
+    """One rank's part of a drill's load: build the model, load the checkpoint into it and compare."""
+
     def __init__(self, options):
         self.options = options
         self.report = LoadReport()
@@ -414,7 +416,7 @@ def one_line(error: BaseException) -> str:
 def main(argv=None) -> int:
     options = parse_args(argv)
     try:
-        _Drill(options).run()
+        _Load(options).run()
         return 0
     except KeyboardInterrupt:
         raise
