@@ -134,8 +134,9 @@ def test_a_record_whose_dtype_disagrees_with_metadata_is_invalid_in_one_line(cor
     )
 
 
+@pytest.mark.parametrize("misaligned", [0, 1, 3])  # bytes: where in memory the elements start
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2])
-def test_values_are_counted_across_buffer_boundaries(dtype):
+def test_values_are_counted_across_buffer_boundaries(dtype, misaligned):
     import io
     import zipfile
 
@@ -147,7 +148,7 @@ def test_values_are_counted_across_buffer_boundaries(dtype):
     raw = tensor.view(torch.uint8).numpy().tobytes()
     scan = ValueScan(dtype, 0, len(raw))
     for start in range(0, len(raw), 333):  # pieces that split elements
-        scan.feed(memoryview(bytearray(raw[start : start + 333])))
+        scan.feed(memoryview(bytearray(bytes(misaligned) + raw[start : start + 333]))[misaligned:])
     found = scan.finish(crc=0)
     wide = tensor.double()
     finite = wide[torch.isfinite(wide)]

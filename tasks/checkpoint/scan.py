@@ -37,6 +37,7 @@ from tasks.checkpoint.values import RecordValues, ValueScan, tensor_dtype
 from tasks.storage.digest import FileHash, combine
 
 WINDOW = 1 << 20
+_ALIGN = 64  # bytes: a cache line, and a multiple of every element size
 OnBytes = Callable[[int], None]
 
 
@@ -278,6 +279,15 @@ class _CrcCursor:
                 still_open.append(r)
         self.open = still_open
 
+    def shift(self, pos: int) -> int:
+        """Where in the buffer to put the bytes read from ``pos``, so that the elements of the
+        tensor record read there (open at ``pos``, or the next one) lie aligned in memory: DCP
+        places records at any offset, and numpy's reductions and BLAS need aligned elements."""
+        for r in self.open + self.ranges[self.next : self.next + 1]:
+            if r.values is not None:
+                return (pos - r.start) % _ALIGN
+        return 0
+
     def close(self, pos: int) -> None:
         """The read ended at ``pos``: ranges it did not reach the end of are failures."""
         for r in self.open + self.ranges[self.next :]:
@@ -342,17 +352,19 @@ def scan_file(
         ranges = _plan_file(fd, records, scan)
         hasher = FileHash(segment_bytes, start)
         sha = hashlib.sha256() if want_sha256 else None
-        buffer = bytearray(WINDOW)
+        buffer = bytearray(WINDOW + _ALIGN)
         view = memoryview(buffer)
         # Past the span's end only to finish the CRCs of records it owns; a whole file to its EOF.
         stop_at = max([end, *(r.end for r in ranges)]) if span else None
         crcs = _CrcCursor(ranges, scan)
         pos = start
         while stop_at is None or pos < stop_at:
-            n = os.preadv(fd, [view[: WINDOW if stop_at is None else min(WINDOW, stop_at - pos)]], pos)
+            shift = crcs.shift(pos)
+            length = WINDOW if stop_at is None else min(WINDOW, stop_at - pos)
+            n = os.preadv(fd, [view[shift : shift + length]], pos)
             if n == 0:
                 break
-            chunk = view[:n]
+            chunk = view[shift : shift + n]
             hashed = chunk[: max(0, end - pos)] if span else chunk
             if hashed:
                 hasher.update(hashed)
