@@ -113,10 +113,12 @@ def test_the_ui_shows_deployments_checks_the_drill_plot_and_the_node_table_in_a_
     seen = look(api, tmp_path)
     assert "local-health" in seen["deployments"] and "recovery-run" in seen["recovery-deployment"]
     assert "records' CRCs match" in seen["verify-checks"]
+    assert "decoder.layers" in seen["verify-tensors"]
     assert "localhost" in seen["node-health"] and "no GPUs found" in seen["node-health"]
     for name in (
         "deployments",
         "verify-checks",
+        "verify-tensors",
         "drill-trend",
         "node-health",
         "incidents",

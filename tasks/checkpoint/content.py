@@ -331,6 +331,10 @@ def check_lineage(
     content.passes[VerifyCheck.LINEAGE] = f"{len(common)} tensors compared with {name}{note}"
 
 
+def _short(value: float | None) -> str:
+    return "" if value is None else f"{value:.4g}"
+
+
 def worst_tensors(tensors: dict[str, dict], limit: int = 10) -> list[dict]:
     """The tensors a human should look at first: any with NaN or Inf, then the largest norm
     change since the previous verified checkpoint (either way)."""
@@ -347,14 +351,14 @@ def worst_tensors(tensors: dict[str, dict], limit: int = 10) -> list[dict]:
         rows.append(
             {
                 "tensor": fqn,
-                "dtype": s["dtype"],
-                "shape": "x".join(map(str, s.get("shape", []))),
                 "nan": s.get("nan", 0),
                 "inf": s.get("inf", 0),
-                "min": s.get("min"),
-                "max": s.get("max"),
-                "norm": s.get("norm"),
                 "norm change": f"{change:.3g}x" if change else "",
+                "norm": _short(s.get("norm")),
+                "min": _short(s.get("min")),
+                "max": _short(s.get("max")),
+                "dtype": s["dtype"],
+                "shape": "x".join(map(str, s.get("shape", []))),
             }
         )
     return rows

@@ -43,6 +43,7 @@ def look(api_url: str, out: Path, job: str = "local-tiny") -> dict[str, str]:
         raise AssertionError(f"{ui}: its UI calls {settings['api_url']}, not {api_url}")
     with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         checks = _latest(client, f"verify-checks-{job}")
+        tensors = _latest(client, f"verify-tensors-{job}")
         run_name = client.read_flow_run(checks.flow_run_id).name
         trend = _latest(client, f"drill-trend-{job}")
         health = _latest(client, "node-health")
@@ -71,6 +72,12 @@ def look(api_url: str, out: Path, job: str = "local-tiny") -> dict[str, str]:
             f"{ui}/artifacts/artifact/{checks.id}", [f"verify-checks-{job}", "iteration", "crc", "pass"]
         )
         browser.screenshot(out / "verify-checks.png")
+        # The worst tensors of each checkpoint verified: the values behind the values check.
+        seen["verify-tensors"] = browser.open(
+            f"{ui}/artifacts/artifact/{tensors.id}",
+            [f"verify-tensors-{job}", "norm change", "nan", "float32"],
+        )
+        browser.screenshot(out / "verify-tensors.png")
         # The drill trend: a plot that really decoded, not a broken image.
         seen["drill-trend"] = browser.open(f"{ui}/artifacts/artifact/{trend.id}", [f"restore drills: {job}"])
         browser.wait_images(1)
