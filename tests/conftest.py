@@ -194,6 +194,14 @@ def corrupted_fully_reshardable(tmp_path_factory) -> Path:
     return _train_corrupted(tmp_path_factory, {4: "step-ahead"}, extra)
 
 
+@pytest.fixture(scope="session")
+def fp16_skipping(tmp_path_factory) -> Path:
+    """Saves 4, 8 and 12 of an fp16 job whose loss scale starts high enough (2^23) that the
+    grad scaler skips iterations 1-5, 7 and 9: no optimizer step before the save at 4, then 2 and 5."""
+    extra = ["--fp16", "--initial-loss-scale", str(2**23)]
+    return trained_once(tmp_path_factory, train_iters=12, save_interval=4, extra=extra)
+
+
 @pytest.fixture
 def save_dir(trained, tmp_path) -> Path:
     """A private copy of the trained save directory (mtimes kept) to break, verify and promote."""

@@ -197,3 +197,19 @@ def test_a_fully_reshardable_saves_steps_are_read_from_its_param_groups(
         "optimizer step 5 (common_state.optimizer.optimizer.param_groups[0].step) is past the iteration 4 "
         "[optimizer]"
     )
+
+
+def test_an_fp16_job_that_skipped_iterations_stays_valid(fp16_skipping, tmp_path, options):
+    """A job with a loss scaler skips the optimizer step on an overflow: its step counter lags the
+    iteration, and a save before its first step has no Adam moments at all. Neither is a fault."""
+    save = shutil.copytree(fp16_skipping, tmp_path / "checkpoints")
+    results = verify_in_order(save, options)
+    assert all(r.state is State.VALID for r in results.values()), [r.line() for r in results.values()]
+    first = check(results[4], "lineage")
+    assert (first.outcome.value, first.detail) == (
+        "warn",
+        "no Adam moments saved: the optimizer has not taken a step yet",
+    )
+    assert check(results[8], "optimizer").detail == "1 step counters agree at 2, iteration 8"
+    assert check(results[12], "optimizer").detail == "1 step counters agree at 5, iteration 12"
+    assert check(results[12], "lineage").outcome.value == "pass"

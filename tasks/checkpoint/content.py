@@ -235,11 +235,18 @@ def check_optimizer(content: Content, iteration: int, args, steps: dict[str, flo
 
 
 def check_claims(
-    content: Content, index: DcpIndex, objects: set[str], common: dict, args, frozen: list[str]
+    content: Content,
+    index: DcpIndex,
+    objects: set[str],
+    common: dict,
+    args,
+    frozen: list[str],
+    step: int | None,
 ) -> None:
     """What the common state says the checkpoint holds is there: the optimizer objects of every
     data-parallel group of a dp_reshardable save, and Adam's moments for every model tensor of a
-    per-parameter one (and no moments of a tensor the model does not have)."""
+    per-parameter one (and no moments of a tensor the model does not have) once the optimizer
+    has taken a step (``step``: its counter, None when none was found)."""
     sharding = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
     if getattr(args, "no_save_optim", False):
         return
@@ -258,6 +265,18 @@ def check_claims(
     if not per_param or getattr(args, "optimizer", "adam") != "adam":
         return
     model = {k for k in index.tensors if is_model(k)}
+    if not any(k.startswith(f"{_PER_PARAM}{m}.") for k in per_param for m in ("exp_avg", "exp_avg_sq")):
+        # Adam makes its moments at its first step. An fp16 job skips its first iterations
+        # while the loss scale falls from 2^32, so a save before its first step has none.
+        if step:
+            content.fail(VerifyCheck.LINEAGE, None, f"no Adam moments saved, after {step} optimizer steps")
+        else:
+            content.warnings.append(
+                Finding(
+                    VerifyCheck.LINEAGE, None, "no Adam moments saved: the optimizer has not taken a step yet"
+                )
+            )
+        return
     for moment in ("exp_avg", "exp_avg_sq"):
         prefix = f"{_PER_PARAM}{moment}."
         have = {k[len(prefix) :] for k in per_param if k.startswith(prefix)}

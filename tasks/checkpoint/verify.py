@@ -483,7 +483,7 @@ class _Verifier:
             self.step = state_content.check_optimizer(content, self.iteration, args, steps, previous)
             frozen = list(self.options.frozen)
             objects = set(self.object_families)
-            state_content.check_claims(content, self.index, objects, self.common, args, frozen)
+            state_content.check_claims(content, self.index, objects, self.common, args, frozen, self.step)
             if not self.given_reference:
                 state_content.check_lineage(
                     content, self.stats, objects, previous, frozen, self.options.drift_factor
