@@ -4,8 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import urllib.request
-import uuid
 from datetime import UTC, datetime
 
 from prefect.artifacts import Artifact
@@ -16,6 +14,7 @@ from flows.verify_and_promote import verify_and_promote
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.pointer import read_pointer
 from tests.conftest import ROOT, flip_byte, iter_dir
+from tests.helpers.events import post_saved
 from tests.helpers.poll import until, within
 from tests.test_verify import tensor_data_offset
 
@@ -141,23 +140,7 @@ def test_deployments_register_and_the_saved_event_starts_a_run(prefect_api):
                 )
 
         # What the training job does after a save: a plain HTTP POST, no Prefect client.
-        event = [
-            {
-                "id": str(uuid.uuid4()),
-                "occurred": datetime.now(UTC).isoformat(),
-                "event": "training.checkpoint.saved",
-                "resource": {"prefect.resource.id": "ckptops.job.local-tiny"},
-                "payload": {"iteration": 4},
-            }
-        ]
-        request = urllib.request.Request(
-            f"{prefect_api}/events",
-            data=json.dumps(event).encode(),
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        with urllib.request.urlopen(request, timeout=10) as reply:
-            assert reply.status in (200, 201, 202, 204)
+        assert post_saved(prefect_api, "local-tiny", 4) in (200, 201, 202, 204)
 
         # The trigger runs inside the server; poll (bounded) until it has created the run.
 

@@ -18,6 +18,7 @@ import yaml
 
 from tasks.checkpoint.pointer import read_pointer
 from tests.conftest import ROOT, iter_dir
+from tests.helpers.events import post_saved
 from tests.helpers.poll import until
 from tests.test_cli import ckptops_here
 from tests.test_notify import receiver  # noqa: F401  (a fixture)
@@ -194,11 +195,6 @@ def test_status_raises_the_alarm_for_a_complete_checkpoint_left_unpromoted(save_
 
 
 def test_the_promotion_alarm_notifies_when_a_save_is_not_promoted_in_time(prefect_api, receiver, tmp_path):  # noqa: F811
-    import json
-    import urllib.request
-    import uuid
-    from datetime import UTC, datetime
-
     from tasks.profile import load_profile
     from tasks.watchdog import install, overdue_name
 
@@ -211,26 +207,13 @@ def test_the_promotion_alarm_notifies_when_a_save_is_not_promoted_in_time(prefec
     assert overdue_name("wedge") in [a.name for a in made]
     before = len(receiver.bodies)
 
-    def saved():
-        event = {
-            "id": str(uuid.uuid4()),
-            "occurred": datetime.now(UTC).isoformat(),
-            "event": "training.checkpoint.saved",
-            "resource": {"prefect.resource.id": "ckptops.job.wedge"},
-            "payload": {"iteration": 12},
-        }
-        request = urllib.request.Request(
-            f"{prefect_api}/events", json.dumps([event]).encode(), {"Content-Type": "application/json"}
-        )
-        urllib.request.urlopen(request, timeout=10).close()
-
     try:
         # Prefect's triggers service (SQLite) loads new automations on its next 5 s pass; a save
         # it saw before then is not watched. The job saves again, as a job does, until it is.
         deadline = time.monotonic() + 90
         bodies = receiver.bodies
         while len(bodies) <= before and time.monotonic() < deadline:
-            saved()
+            post_saved(prefect_api, "wedge", 12)
             bodies = receiver.wait(before + 1, timeout=20)
         assert len(bodies) > before, "no notification"
         assert bodies[-1]["subject"] == "ckptops wedge: a checkpoint was not promoted in time"
