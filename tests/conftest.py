@@ -38,7 +38,7 @@ ITERATIONS = [4, 8, 12, 16, 20, 24]
 HEAVY_FIXTURES = frozenset(
     {"trained", "medium_trained", "variety", "prefect_api", "cluster", "slurm_conf", "postgres"}
     | {"s3_endpoint", "failed", "ecc_run", "nan_run", "per_iteration_run", "saving"}
-    | {"corrupted", "corrupted_distopt", "corrupted_fully_reshardable"}
+    | {"corrupted", "corrupted_distopt", "corrupted_fully_reshardable", "fp16_skipping", "on_indexed_data"}
 )
 # Modules whose tests train or start servers themselves (each fault's job, each resumed run, the
 # packaging install, the demo, PostgreSQL).
@@ -200,6 +200,24 @@ def fp16_skipping(tmp_path_factory) -> Path:
     grad scaler skips iterations 1-5, 7 and 9: no optimizer step before the save at 4, then 2 and 5."""
     extra = ["--fp16", "--initial-loss-scale", str(2**23)]
     return trained_once(tmp_path_factory, train_iters=12, save_interval=4, extra=extra)
+
+
+@pytest.fixture(scope="session")
+def on_indexed_data(tmp_path_factory) -> tuple[Path, Path]:
+    """Saves 4, 8 and 12 of the job on a real indexed dataset (megatron-core's builder) read by
+    GPTDataset, with its index files in a data cache as on a cluster: (save dir, data cache)."""
+    from infra.local_job.dataset import build as build_dataset
+
+    data = once(tmp_path_factory, "indexed-data", lambda folder: build_dataset(folder / "tokens"))
+    extra = [
+        "--data-path",
+        str(data / "tokens"),
+        "--split",
+        "100,0,0",
+        "--data-cache-path",
+        str(data / "cache"),
+    ]
+    return trained_once(tmp_path_factory, train_iters=12, save_interval=4, extra=extra), data / "cache"
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""``ckptops verify | promote | status | retain | pin | unpin``: the checkpoints of one save
-directory, their verification, the pointer to the one to resume from, and what is kept."""
+"""``ckptops verify | promote | status | retain | pin | unpin | next-batch``: the checkpoints of
+one save directory, their verification, the pointer to the one to resume from, what is kept, and
+the batch a resume from one trains on next."""
 
 import json
 from dataclasses import asdict
@@ -248,3 +249,34 @@ def unpin(
         removed = do_unpin(_save_dir(load_profile(profile), save_dir), iteration, holder)
     out.print(f"{'unpinned' if removed else 'was not pinned by ' + holder}: {iteration}", markup=False)
     raise typer.Exit(0 if removed else 1)
+
+
+@commands.command("next-batch")
+def next_batch(
+    path: Annotated[Path, typer.Argument(help="a checkpoint directory, iter_NNNNNNN")],
+    cache: Annotated[
+        Path | None,
+        typer.Option("--data-cache-path", help="the dataset's index cache (default: the job's own)"),
+    ] = None,
+    as_json: JsonOpt = False,
+):
+    """The global batch a run resumed from this checkpoint trains on first: each sample's place in
+    the data order and its documents, from the dataset's index files alone (GPTDataset)."""
+    with expected_errors():
+        from tasks.checkpoint.batches import next_batch as compute
+
+        batch = compute(path, cache)
+    if as_json:
+        out.print_json(json.dumps(batch.to_dict()))
+        return
+    rows = [
+        [str(s.position), str(s.sample), " ".join(map(str, s.documents)), f"{s.first_offset}..{s.end_offset}"]
+        for s in batch.samples
+    ]
+    render.table(
+        out,
+        f"iteration {batch.iteration}: the next {batch.global_batch_size} samples after {batch.consumed} "
+        f"({Path(batch.description).name.removesuffix('-description.txt')})",
+        ["position", "sample", "documents", "tokens (first..last document)"],
+        rows,
+    )

@@ -1,0 +1,106 @@
+"""The batch a resume trains on next, computed from a checkpoint and the dataset's index files
+(tasks/checkpoint/batches.py), against what Megatron's own GPTDataset and pretraining sampler
+serve for it."""
+
+import json
+import shutil
+
+import pytest
+
+from tasks.checkpoint.batches import next_batch
+from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
+from tests.conftest import iter_dir
+from tests.test_cli import ckptops_here
+
+
+def served_by_megatron(checkpoint) -> tuple[list[int], dict[int, list[int]]]:
+    """The positions Megatron-LM's pretraining sampler serves for the global batch after the
+    checkpoint (every data-parallel rank, every micro-batch), and the documents GPTDataset reads
+    for each: the dataset built as the job built it, from the same data cache."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
+    from megatron.training.utils.common_utils import get_blend_and_blend_per_split
+
+    args = load_common_state(checkpoint, build_index(load_dcp_metadata(checkpoint / ".metadata")))["args"]
+    blend, per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=per_split,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=build_tokenizer(args),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+    )
+    samples = [args.train_iters * args.global_batch_size, None, None]
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, samples, lambda: True, config).build()
+    dp, mbs = args.data_parallel_size, args.micro_batch_size
+    ranks = [
+        iter(MegatronPretrainingSampler(len(train), args.consumed_train_samples, mbs, rank, dp))
+        for rank in range(dp)
+    ]
+    positions = []
+    for _ in range(args.global_batch_size // (mbs * dp)):
+        for rank in ranks:
+            positions += next(rank)
+    return positions, {
+        p: [int(d) for d in train._query_document_sample_shuffle_indices(p)[1]] for p in positions
+    }
+
+
+@pytest.mark.parametrize("iteration", [4, 8])
+def test_the_next_batch_is_what_megatrons_dataset_and_sampler_serve(on_indexed_data, iteration):
+    save, cache = on_indexed_data
+    checkpoint = iter_dir(save, iteration)
+    batch = next_batch(checkpoint)
+    positions, documents = served_by_megatron(checkpoint)
+    assert batch.consumed == 8 * iteration and batch.global_batch_size == 8
+    assert [s.position for s in batch.samples] == sorted(positions)
+    assert {s.position: s.documents for s in batch.samples} == documents
+    assert len({s.sample for s in batch.samples}) == 8  # eight different samples of the shuffle
+    assert sorted(batch.data_version) == sorted(p.name for p in cache.glob("*.npy"))
+
+
+def test_the_cli_prints_the_batch_and_says_in_one_line_what_it_cannot_compute(
+    on_indexed_data, trained, tmp_path
+):
+    save, cache = on_indexed_data
+    checkpoint = iter_dir(save, 4)
+    shown = ckptops_here("next-batch", checkpoint, "--json")
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.stdout)["samples"][0]["position"] == 32
+
+    # The job's cache is gone from this host: given elsewhere, the same batch.
+    moved = shutil.copytree(cache, tmp_path / "cache")
+    elsewhere = ckptops_here("next-batch", checkpoint, "--data-cache-path", moved, "--json")
+    assert json.loads(elsewhere.stdout)["samples"] == json.loads(shown.stdout)["samples"]
+
+    # Two sets of indices for the dataset, neither built for the job's 96 samples: which one
+    # the run read cannot be told.
+    for index in list(moved.glob("*")):
+        shutil.copy(index, moved / index.name.replace(index.name[:32], "0" * 32))
+    for description in moved.glob("*-description.txt"):
+        text = json.loads(description.read_text())
+        description.write_text(json.dumps(text | {"num_samples": 7}))
+    both = ckptops_here("next-batch", checkpoint, "--data-cache-path", moved)
+    assert both.exit_code == 2
+    assert both.stderr.strip().endswith(
+        "none for its 96 train samples: " + ", ".join(sorted(p.name for p in moved.glob("*-description.txt")))
+    )
+
+    mock = ckptops_here("next-batch", iter_dir(trained, 4))
+    assert mock.exit_code == 2
+    assert (
+        mock.stderr.strip()
+        == f"ckptops: {iter_dir(trained, 4)}: the job trains on mock data: it has no dataset indices"
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    nothing = ckptops_here("next-batch", checkpoint, "--data-cache-path", empty)
+    assert nothing.exit_code == 2 and f"no GPTDataset train indices in {empty}" in nothing.stderr
