@@ -226,6 +226,27 @@ class DrillLayout(_Section):
     )
 
 
+class Continuation(_Section):
+    """The continuation drill: train from the restored copy and compare with the original run."""
+
+    steps: Annotated[int, Field(ge=0)] = Field(
+        default=0, description="iterations to train after the restored checkpoint; 0: no continuation"
+    )
+    script: Path | None = Field(
+        default=None,
+        description="the job's batch script, run with CKPT_LOAD, CKPT_STEP, CKPT_EXIT_INTERVAL and "
+        "CKPT_LOG in its environment (and --ckpt-step N); default: recovery.script",
+    )
+    reference: Path | None = Field(
+        default=None, description="the original run's log or step records; default: recovery.step_records"
+    )
+    tolerance: Literal["exact", "fp32", "bf16"] = Field(
+        default="exact",
+        description="loss and grad norm: exact (a deterministic job), fp32 1e-6, bf16 5e-3 relative",
+    )
+    timeout_seconds: Positive = 1800
+
+
 class Drill(_Section):
     scratch_dir: Path
     budget_seconds: Budget = Budget()
@@ -246,6 +267,7 @@ class Drill(_Section):
     estimate_for_bytes: Annotated[int, Field(gt=0)] | None = Field(
         default=None, description="predict the restore window for a checkpoint of this size (e.g. 7 TB)"
     )
+    continuation: Continuation = Continuation()
 
 
 class SshAccess(_Section):

@@ -50,6 +50,15 @@ def archive(
 def drill(
     save_dir: Annotated[Path | None, typer.Argument(help=OWN_SAVE_DIR)] = None,
     source: Annotated[str, typer.Option("--source", "-s", help="shared or archive")] = "shared",
+    continue_steps: Annotated[
+        int | None,
+        typer.Option(
+            "--continue",
+            min=0,
+            help="then train K iterations from the copy and compare with the original run's log "
+            "(default: the profile's drill.continuation.steps)",
+        ),
+    ] = None,
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ):
@@ -58,7 +67,7 @@ def drill(
         from tasks.restore.drill import run_drill
 
         prof = profile_for(profile, save_dir)
-        report = run_drill(prof, source)
+        report = run_drill(prof, source, continue_steps=continue_steps)
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
     else:

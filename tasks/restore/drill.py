@@ -32,6 +32,7 @@ from tasks.checkpoint.state import State, VerifyOptions
 from tasks.checkpoint.verify import verify_checkpoint
 from tasks.errors import CkptopsError, UsageError
 from tasks.outcome import Check, Outcome
+from tasks.restore.continuation import continuation_sources, continue_training
 from tasks.restore.history import DrillSource, append_drill, drill_files
 from tasks.restore.launch import drill_layout, run_loader
 from tasks.restore.report import LoadReport
@@ -47,6 +48,7 @@ class DrillCheck(StrEnum):
     CONSUMED_SAMPLES = "consumed samples"
     SCHEDULER = "scheduler"
     TENSORS = "tensors"
+    CONTINUATION = "continuation"  # trained on from the restored copy, against the original run
 
 
 @dataclass
@@ -77,6 +79,7 @@ class DrillReport:
     layout: dict = field(default_factory=dict)  # the drill's TP, PP, DP
     log: str | None = None  # the load's own output, kept in the history
     cleared: list[str] = field(default_factory=list)  # earlier drills' scratch, removed: their drill is gone
+    continuation_seconds: float | None = None  # training on from the copy (not in the window)
 
     @property
     def window_seconds(self) -> float:
@@ -100,7 +103,9 @@ class DrillReport:
 
 
 class _Drill:
-    def __init__(self, profile, source: str, progress: Callable[[int], None] | None):
+    def __init__(
+        self, profile, source: str, progress: Callable[[int], None] | None, continue_steps: int | None = None
+    ):
         if source not in tuple(DrillSource):
             raise UsageError(f"--source {source!r}: use {' or '.join(DrillSource)}")
         source = DrillSource(source)
@@ -109,6 +114,9 @@ class _Drill:
         if source is DrillSource.ARCHIVE and profile.archive is None:
             raise UsageError(f"{profile.source}: no archive section, no archive to drill from")
         self.profile, self.source, self.progress = profile, source, progress
+        self.continue_steps = profile.drill.continuation.steps if continue_steps is None else continue_steps
+        if self.continue_steps:
+            continuation_sources(profile)  # a profile that cannot continue fails before the restore
         self.save_dir = profile.job.save_dir
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         self.report = DrillReport(
@@ -126,6 +134,8 @@ class _Drill:
             manifest = self._restore()
             self._verify(manifest)
             self._load(manifest)
+            if self.continue_steps and not any(c.failed for c in self.report.checks):
+                self._continue(manifest)
             self._judge()
         except UsageError:
             raise  # the profile is at fault, not the checkpoint: no drill result to record
@@ -243,6 +253,15 @@ class _Drill:
         self.report.phases.append(Phase("load", loaded.load_seconds, manifest.totals["bytes"]))
         self.report.checks += self._checks(manifest, loaded)
 
+    def _continue(self, manifest: Manifest) -> None:
+        """Train on from the restored copy and compare with the original run (not part of the
+        restore window: the budget is for getting a checkpoint back, not for training)."""
+        started = time.monotonic()
+        restored = self._restored_dir(manifest)
+        outcome, detail, checks = continue_training(self.profile, restored, self.scratch, self.continue_steps)
+        self.report.continuation_seconds = time.monotonic() - started
+        self.report.checks += [Check(DrillCheck.CONTINUATION, outcome, detail), *checks]
+
     @staticmethod
     def _checks(manifest: Manifest, loaded: LoadReport) -> list[Check]:
         def check(name: DrillCheck, ok: bool, expected, observed, detail: str = "") -> Check:
@@ -315,9 +334,21 @@ class _Drill:
                 f"{self.report.budget_seconds:g}s budget"
             )
         else:
-            self.report.ok, self.report.reason = True, "restored, verified and loaded within budget"
+            continued = any(c.name == DrillCheck.CONTINUATION and c.ok for c in self.report.checks)
+            self.report.ok, self.report.reason = (
+                True,
+                "restored, verified and loaded within budget"
+                + (
+                    f", and trained on {self.continue_steps} iterations as the original run did"
+                    if continued
+                    else ""
+                ),
+            )
 
 
-def run_drill(profile, source: str, progress: Callable[[int], None] | None = None) -> DrillReport:
-    """Run one drill and record it in the job's drill history."""
-    return _Drill(profile, source, progress).run()
+def run_drill(
+    profile, source: str, progress: Callable[[int], None] | None = None, continue_steps: int | None = None
+) -> DrillReport:
+    """Run one drill and record it in the job's drill history; with ``continue_steps`` (default
+    the profile's ``drill.continuation.steps``), a continuation after the load."""
+    return _Drill(profile, source, progress, continue_steps).run()

@@ -196,6 +196,17 @@ class Validator:
         self._skipped()
         return self.result
 
+    def continuation(self) -> Validation:
+        """The checks that hold for a run continued elsewhere from a copy of the checkpoint (a
+        drill): where it resumed, the schedule, the recomputed losses and grad norms against the
+        original run's, and no new skipped or NaN step. Not the pointer, memory or speed, which
+        belong to the job's own resume on its own nodes."""
+        self._resume_point()
+        self._learning_rate()
+        self._loss()
+        self._skipped()
+        return self.result
+
     def _promoted(self) -> None:
         """The resume must start from a checkpoint the pointer named shortly before the resumed
         run's first step (the promotion log says; an operator's rollback included). The window,
