@@ -52,9 +52,10 @@ def status(console: Console, save_dir: Path, infos, pointer_problem: str | None 
     columns += ["pins"] * show_pins + ["reason"] * show_reason + ["warnings"] * show_warnings
     rows, styles = [], []
     for i in infos:
+        resumes = {True: ", certified", False: ", does not resume"}.get(i.certified, "")
         row = [
             str(i.iteration),
-            i.state.value,
+            i.state.value + resumes,
             f"{i.size_bytes / 1e6:.1f} MB",
             "" if i.consumed_train_samples is None else str(i.consumed_train_samples),
             (i.verified_at or "").replace("T", " ")[:19],

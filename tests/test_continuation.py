@@ -7,12 +7,14 @@ import shutil
 import pytest
 
 from infra.local_job.launch import write_job_script
+from tasks.checkpoint.catalog import catalog
 from tasks.checkpoint.promote import promote
 from tasks.errors import UsageError
 from tasks.profile import load_profile
 from tasks.restore.drill import run_drill
 from tasks.restore.history import read_drills
-from tests.conftest import write_job_profile
+from tests.conftest import iter_dir, verify_and_record_here, write_job_profile
+from tests.test_cli import ckptops_here
 
 
 def continuation_profile(trained, tmp_path, options, iteration: int, extra=()):
@@ -55,19 +57,32 @@ def test_a_correct_checkpoint_continues_bit_exact_as_the_original_run(trained, t
     )
     assert found["resume point"].outcome.value == "pass" and found["learning rate"].outcome.value == "pass"
     assert report.continuation_seconds > 0 and "continue" not in [p.name for p in report.phases]
-    # Nothing saved into the job's directory (Megatron saves at --exit-interval when it has --save).
-    assert {str(p): p.stat().st_mtime_ns for p in save.glob("iter_*/*")} == before
+    # Nothing saved into the job's directory (Megatron saves at --exit-interval when it has --save),
+    # but for ckptops' record in the checkpoint's manifest: certified.
+    now = {str(p): p.stat().st_mtime_ns for p in save.glob("iter_*/*")}
+    assert {p for p in now if now[p] != before.get(p)} == {str(save / "iter_0000016" / "manifest.json")}
+    assert report.certified
+    (info,) = [i for i in catalog(save, options) if i.iteration == 16]
+    assert info.certified and info.certification.startswith("iterations 17-20 trained from the restored copy")
+    shown = ckptops_here("status", save)
+    assert "valid, certified" in shown.stdout
+    # Verified again, the same save stays certified; the next continuation is recorded over it.
+    assert verify_and_record_here(iter_dir(save, 16), options).manifest.certified
 
 
 def test_a_continuation_on_another_data_order_fails_naming_the_check_and_iteration(
     trained, tmp_path, options
 ):
-    profile, _ = continuation_profile(trained, tmp_path, options, 16, extra=["--seed", "99"])
+    profile, save = continuation_profile(trained, tmp_path, options, 16, extra=["--seed", "99"])
     report = run_drill(profile, "shared", continue_steps=4)
     assert not report.ok
     assert report.reason == "continuation: iterations 17-20 differ from the original run (loss and grad norm)"
     loss = by_name(report)["loss and grad norm"]
     assert loss.outcome.value == "fail" and "at iteration 17" in loss.expected
+    # Valid still, and flagged: it loads but does not resume.
+    (info,) = [i for i in catalog(save, options) if i.iteration == 16]
+    assert info.state.value == "valid" and info.certified is False
+    assert info.certification.startswith("loads, does not resume: iterations 17-20 differ")
 
 
 def test_a_checkpoint_whose_next_iterations_are_not_logged_yet_is_not_checkable_not_failed(

@@ -40,6 +40,10 @@ class CheckpointInfo:
     )  # leases whose reader is gone (removed by retention)
     warnings: list[str] = field(default_factory=list)  # checks passed with a warning (a norm drift)
     optimizer_step: int | None = None
+    # Its newest continuation drill: True, certified (it resumes as the original run went on);
+    # False, it loads but does not resume; None, never continued.
+    certified: bool | None = None
+    certification: str = ""  # what that drill said
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,6 +87,9 @@ def describe(directory: Path, options: VerifyOptions) -> CheckpointInfo:
         info.consumed_train_samples = manifest.consumed_train_samples
         info.optimizer_step = manifest.optimizer_step
         info.warnings = [f"{c.detail} [{c.name}]" for c in manifest.checks if c.outcome == Outcome.WARN]
+        if manifest.valid and manifest.certification is not None:
+            info.certified = bool(manifest.certification.get("ok"))
+            info.certification = str(manifest.certification.get("detail", ""))
     elif progress.state is State.INVALID:
         info.state, info.reason = progress.state, progress.reason
     return info

@@ -69,7 +69,15 @@ class Manifest:
     tensors: dict[str, dict] | None = None
     objects: list[str] | None = None
     optimizer_step: int | None = None
+    # What the newest continuation drill of this very save found (ok, drill, steps, tolerance,
+    # at, detail): ok, it is certified (it resumes as the original run went on); not ok, it loads
+    # but does not resume. Kept while re-verification finds the same save valid.
+    certification: dict | None = None
     schema_version: int = SCHEMA_VERSION
+
+    @property
+    def certified(self) -> bool:
+        return self.valid and bool(self.certification and self.certification.get("ok"))
 
     @property
     def valid(self) -> bool:

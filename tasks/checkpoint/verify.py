@@ -580,6 +580,7 @@ class _Verifier:
             tensors={k: asdict(v) for k, v in self.stats.items()} if self.stats is not None else None,
             objects=self.object_families,
             optimizer_step=self.step,
+            certification=reference.certification if reference and valid else None,
         )
 
     def _verifier(self) -> dict:
@@ -700,9 +701,10 @@ def verify_and_record(
     watch: Callable | None = None,
     prescan=None,
 ) -> Verification:
-    """Verify a checkpoint of the job and record the verdict in its manifest: the one writer of
-    manifests. ``held``: its save directory's job lock, which promotion re-reads manifests under
-    and retention deletes under. A checkpoint still in progress, or one whose manifest cannot be
+    """Verify a checkpoint of the job and record the verdict in its manifest (manifests are
+    written here and by ``record_certification`` only, both through ``write_manifest``).
+    ``held``: its save directory's job lock, which promotion re-reads manifests under and
+    retention deletes under. A checkpoint still in progress, or one whose manifest cannot be
     trusted, gets no new manifest."""
     if not held.covers(directory):
         raise CkptopsError(f"{directory}: recording its manifest needs its save directory's job lock")
@@ -710,6 +712,21 @@ def verify_and_record(
     if result.manifest is not None and result.recordable:
         write_manifest(result.directory, result.manifest)
     return result
+
+
+def record_certification(directory: Path, files: list[FileEntry], record: dict, held: Held) -> bool:
+    """Record what a continuation drill of this checkpoint found, in its manifest, if the manifest
+    is valid for the save on disk and lists the very files the drill restored (``files``, the
+    drilled manifest's): False, and nothing written, otherwise."""
+    if not held.covers(directory):
+        raise CkptopsError(f"{directory}: recording its manifest needs its save directory's job lock")
+    iteration = layout.parse_iter_dir(Path(directory).name)
+    manifest = valid_for_this_save(directory, iteration) if iteration is not None else None
+    if manifest is None or manifest.file_map() != {f.path: f for f in files}:
+        return False
+    manifest.certification = record
+    write_manifest(directory, manifest)
+    return True
 
 
 def verify_with_profile(

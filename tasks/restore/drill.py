@@ -25,11 +25,12 @@ from pathlib import Path
 from tasks.archive.copy import archived_manifest, entry_key, newest_committed
 from tasks.checkpoint import layout
 from tasks.checkpoint.facts import scheduler_unit
+from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.manifest import Manifest, now_iso, valid_for_this_save
 from tasks.checkpoint.pins import pinned
 from tasks.checkpoint.pointer import promoted
 from tasks.checkpoint.state import State, VerifyOptions
-from tasks.checkpoint.verify import verify_checkpoint
+from tasks.checkpoint.verify import record_certification, verify_checkpoint
 from tasks.errors import CkptopsError, UsageError
 from tasks.outcome import Check, Outcome
 from tasks.restore.continuation import continuation_sources, continue_training
@@ -80,6 +81,7 @@ class DrillReport:
     log: str | None = None  # the load's own output, kept in the history
     cleared: list[str] = field(default_factory=list)  # earlier drills' scratch, removed: their drill is gone
     continuation_seconds: float | None = None  # training on from the copy (not in the window)
+    certified: bool | None = None  # the job's checkpoint recorded as certified by this drill
 
     @property
     def window_seconds(self) -> float:
@@ -261,6 +263,24 @@ class _Drill:
         outcome, detail, checks = continue_training(self.profile, restored, self.scratch, self.continue_steps)
         self.report.continuation_seconds = time.monotonic() - started
         self.report.checks += [Check(DrillCheck.CONTINUATION, outcome, detail), *checks]
+        if outcome is not Outcome.UNCHECKED:
+            self._certify(manifest, outcome is Outcome.PASS, detail)
+
+    def _certify(self, manifest: Manifest, ok: bool, detail: str) -> None:
+        """Record the continuation in the manifest of the job's own checkpoint the drill
+        restored (the same files), if it is still there, valid and the same save."""
+        original = self.save_dir / layout.iter_dir_name(manifest.iteration)
+        record = {
+            "ok": ok,
+            "drill": self.report.id,
+            "source": self.source.value,
+            "steps": self.continue_steps,
+            "tolerance": self.profile.drill.continuation.tolerance,
+            "at": now_iso(),
+            "detail": detail if ok else f"loads, does not resume: {detail}",
+        }
+        with job_lock(self.save_dir, self.profile.verify.lock_timeout_seconds) as held:
+            self.report.certified = record_certification(original, manifest.files, record, held) and ok
 
     @staticmethod
     def _checks(manifest: Manifest, loaded: LoadReport) -> list[Check]:
