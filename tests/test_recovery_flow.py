@@ -93,6 +93,17 @@ def test_numerics_rolls_back_before_the_anomaly_and_an_abort_relaunches_nothing(
     from flows.recovery_run import recovery_run
 
     profile = profile_for(nan_run, tmp_path)
+    # An earlier continuation drill certified 2 (recorded as a drill records it).
+    from tasks.checkpoint.lock import job_lock
+    from tasks.checkpoint.state import VerifyOptions
+    from tasks.checkpoint.verify import record_certification, verify_and_record
+    from tasks.profile import load_profile
+
+    two = tmp_path / "checkpoints" / "iter_0000002"
+    with job_lock(two.parent, 10) as held:
+        verified = verify_and_record(two, VerifyOptions.from_profile(load_profile(profile), two.parent), held)
+        record = {"ok": True, "drill": "shared-test", "steps": 2, "detail": "iterations 3-4 match"}
+        assert record_certification(two, verified.manifest.files, record, held)
     seen: dict = {}
     waiter = answer_when_paused({"decision": "abort", "checkpoint": None, "note": "data first"}, seen)
     state = recovery_run(profile=str(profile), logs=[str(nan_run[2])], mode="ask", return_state=True)
@@ -105,6 +116,9 @@ def test_numerics_rolls_back_before_the_anomaly_and_an_abort_relaunches_nothing(
     # promoted is 4, and the plan is 4, before the anomaly at iteration 5.
     assert incident.promoted_at_failure == 4
     assert "checkpoint: **4** (verified candidates: 4, 2)" in seen["form"]
+    assert "- 4: no continuation drill" in seen["form"]
+    assert "- 2: certified (its continuation drill went on as the original run did)" in seen["form"]
+    assert "**2 is certified, 4 is not**: approve with checkpoint 2" in seen["form"]
     assert incident.relaunched_job is None
 
 

@@ -113,6 +113,14 @@ def choose_checkpoint(
     return (pointer if pointer in candidates else candidates[0]), candidates
 
 
+def certifications(profile, iterations: list[int]) -> dict[int, bool | None]:
+    """Each candidate's continuation drill, as its manifest records it: True certified (it went
+    on as the original run did), False it loads but does not resume, None never continued."""
+    infos = catalog(profile.job.save_dir, VerifyOptions.from_profile(profile))
+    found = {i.iteration: i.certified for i in infos}
+    return {iteration: found.get(iteration) for iteration in iterations}
+
+
 def unusable(profile) -> str:
     """Why no checkpoint can be resumed from: each one and its one-line state."""
     infos = catalog(profile.job.save_dir, VerifyOptions.from_profile(profile))

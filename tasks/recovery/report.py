@@ -101,6 +101,7 @@ def plan_markdown(plan) -> str:
         else "- first error: none found",
         f"- suspect nodes: {', '.join(tri.suspect_nodes) or 'none'}",
         f"- checkpoint: **{plan.checkpoint}** (verified candidates: {', '.join(map(str, plan.choices))})",
+        *_certification_lines(plan),
         *(_reverified_line(r) for r in incident.reverified),
         f"- node health: {incident.health}",
         f"- drained: {', '.join(plan.drained) or 'none'}; excluded: {', '.join(plan.exclude) or 'none'}; "
@@ -112,6 +113,26 @@ def plan_markdown(plan) -> str:
         *(f"| {r.name} | {'YES' if r.fired else 'no'} | {r.detail} |" for r in plan.rules),
     ]
     return "\n".join(lines)
+
+
+def _certification_lines(plan) -> list[str]:
+    """Which candidates a continuation drill certified, once any has been drilled so; and the
+    certified one to choose instead when the plan's is not."""
+    if all(v is None for v in plan.certified.values()):
+        return []
+    words = {
+        True: "certified (its continuation drill went on as the original run did)",
+        False: "loads, does not resume (its continuation drill failed)",
+        None: "no continuation drill",
+    }
+    lines = [f"- {c}: {words[plan.certified.get(c)]}" for c in plan.choices]
+    certified = [c for c in plan.choices if plan.certified.get(c) is True]
+    if plan.certified.get(plan.checkpoint) is not True and certified:
+        lines.append(
+            f"- **{certified[0]} is certified, {plan.checkpoint} is not**: approve with checkpoint "
+            f"{certified[0]} to resume from the one proven to go on"
+        )
+    return lines
 
 
 def _reverified_line(found: dict) -> str:

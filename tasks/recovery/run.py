@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +50,7 @@ from tasks.recovery.phases import (
     Source,
     account,
     anomaly,
+    certifications,
     choose_checkpoint,
     detect,
     failed_attempt,
@@ -82,6 +83,7 @@ class RecoveryPlan:
     exclude: list[str]
     admitted: list[str]
     relaunch: str  # the command that will run, for the record
+    certified: dict[int, bool | None] = field(default_factory=dict)  # each choice's continuation drill
 
 
 @dataclass
@@ -458,8 +460,9 @@ class _Recovery:
             if settings.launcher == "slurm"
             else f"bash {settings.script}"
         )
+        certified = certifications(self.profile, choices)
         plan = RecoveryPlan(
-            incident, self.tri, self.rules, chosen, choices, drained, exclude, admitted, relaunch
+            incident, self.tri, self.rules, chosen, choices, drained, exclude, admitted, relaunch, certified
         )
         incident.mark("approval_requested")
         self._save()
