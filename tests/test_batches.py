@@ -17,29 +17,14 @@ def served_by_megatron(checkpoint) -> tuple[list[int], dict[int, list[int]]]:
     """The positions Megatron-LM's pretraining sampler serves for the global batch after the
     checkpoint (every data-parallel rank, every micro-batch), and the documents GPTDataset reads
     for each: the dataset built as the job built it, from the same data cache."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
     from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
-    from megatron.training.utils.common_utils import get_blend_and_blend_per_split
+
+    from infra.local_job.dataset import datasets
 
     args = load_common_state(checkpoint, build_index(load_dcp_metadata(checkpoint / ".metadata")))["args"]
-    blend, per_split = get_blend_and_blend_per_split(args)
-    config = GPTDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=blend,
-        blend_per_split=per_split,
-        split=args.split,
-        path_to_cache=args.data_cache_path,
-        tokenizer=build_tokenizer(args),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
-    )
     samples = [args.train_iters * args.global_batch_size, None, None]
-    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, samples, lambda: True, config).build()
+    train, _, _ = datasets(args, build_tokenizer(args), samples)
     dp, mbs = args.data_parallel_size, args.micro_batch_size
     ranks = [
         iter(MegatronPretrainingSampler(len(train), args.consumed_train_samples, mbs, rank, dp))

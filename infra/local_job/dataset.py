@@ -46,6 +46,31 @@ def build(prefix: Path, documents: int = 2000, vocab_size: int = 128, seed: int 
     return prefix
 
 
+def datasets(args, tokenizer, train_val_test_num_samples):
+    """Megatron-LM's train, valid and test datasets for ``args`` (a job's, or a checkpoint's
+    saved ones): GPTDataset over the job's data, or MockGPTDataset, as the local job builds them."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.training.utils.common_utils import get_blend_and_blend_per_split
+
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+    )
+    kind = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(kind, train_val_test_num_samples, lambda: True, config).build()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("prefix", type=Path, help="where PREFIX.bin and PREFIX.idx go")

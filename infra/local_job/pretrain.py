@@ -27,8 +27,6 @@ from infra.local_job import cpu_loop  # noqa: E402
 cpu_loop.install()  # before megatron.training is imported; does nothing on a GPU
 
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
 from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
@@ -38,9 +36,8 @@ from megatron.training.argument_utils import (  # noqa: E402
     pretrain_cfg_container_from_args,
 )
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
-from megatron.training.utils.common_utils import get_blend_and_blend_per_split  # noqa: E402
 
-from infra.local_job import faults, records  # noqa: E402
+from infra.local_job import dataset, faults, records  # noqa: E402
 from tasks.restore.build import gpt_provider, ranks_from_slurm  # noqa: E402
 
 
@@ -84,23 +81,7 @@ def forward_step(data_iterator, model: GPTModel):
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
-    args = get_args()
-    blend, blend_per_split = get_blend_and_blend_per_split(args)
-    config = GPTDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=blend,
-        blend_per_split=blend_per_split,
-        split=args.split,
-        path_to_cache=args.data_cache_path,
-        tokenizer=get_tokenizer(),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
-    )
-    kind = MockGPTDataset if args.mock_data else GPTDataset
-    return BlendedMegatronDatasetBuilder(kind, train_val_test_num_samples, lambda: True, config).build()
+    return dataset.datasets(get_args(), get_tokenizer(), train_val_test_num_samples)
 
 
 datasets_provider.is_distributed = True
