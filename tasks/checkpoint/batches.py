@@ -116,24 +116,20 @@ def find_indices(cache: Path, args, where: Path) -> Path:
     )
 
 
-def _load(description: Path) -> dict[str, np.ndarray]:
+def _index_files(description: Path) -> dict[str, Path]:
+    """The three index files beside a description file, by index name."""
     stem = str(description)[: -len("description.txt")]
+    return {name: Path(f"{stem}{name}.npy") for name in _INDICES}
+
+
+def _load(description: Path) -> dict[str, np.ndarray]:
     found = {}
-    for name in _INDICES:
-        path = Path(f"{stem}{name}.npy")
+    for name, path in _index_files(description).items():
         try:
             found[name] = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as e:
             raise UsageError(f"{path}: unreadable dataset index ({e})") from None
     return found
-
-
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def batch_samples(indices: dict[str, np.ndarray], consumed: int, count: int) -> list[Sample]:
@@ -177,8 +173,10 @@ def next_batch(directory: Path, cache: Path | None = None) -> NextBatch:
     description = find_indices(cache, args, directory)
     consumed, size = int(args.consumed_train_samples), int(args.global_batch_size)
     samples = batch_samples(_load(description), consumed, size)
-    stem = str(description)[: -len("description.txt")]
-    version = {f"{Path(stem).name}{n}.npy": _digest(Path(f"{stem}{n}.npy")) for n in _INDICES}
+    version = {}
+    for path in _index_files(description).values():
+        with open(path, "rb") as f:
+            version[path.name] = hashlib.file_digest(f, "sha256").hexdigest()
     return NextBatch(
         str(directory), int(common["iteration"]), consumed, size, str(description), version, samples
     )

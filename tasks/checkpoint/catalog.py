@@ -88,7 +88,7 @@ def describe(directory: Path, options: VerifyOptions) -> CheckpointInfo:
         info.optimizer_step = manifest.optimizer_step
         info.warnings = [f"{c.detail} [{c.name}]" for c in manifest.checks if c.outcome == Outcome.WARN]
         if manifest.valid and manifest.certification is not None:
-            info.certified = bool(manifest.certification.get("ok"))
+            info.certified = manifest.certified
             info.certification = str(manifest.certification.get("detail", ""))
     elif progress.state is State.INVALID:
         info.state, info.reason = progress.state, progress.reason

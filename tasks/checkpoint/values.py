@@ -122,8 +122,10 @@ class ValueScan:
             wide = np.frombuffer(data, dtype=_NUMPY[self.dtype])
             # Misaligned elements (a piece the reader could not align, see scan._CrcCursor.shift)
             # take numpy's slow loops and no BLAS, 40x slower than a copy to aligned memory.
-            if wide.dtype not in _WIDE or not wide.flags.aligned:
-                wide = wide.astype(np.float32 if wide.dtype not in _WIDE else wide.dtype)
+            if wide.dtype not in _WIDE:
+                wide = wide.astype(np.float32)
+            elif not wide.flags.aligned:
+                wide = wide.copy()
         else:
             wide = torch.frombuffer(data, dtype=self.dtype).float().numpy()
         with np.errstate(over="ignore", invalid="ignore"):  # a NaN or a huge element: counted below

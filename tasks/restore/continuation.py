@@ -56,10 +56,13 @@ def continuation_sources(profile) -> tuple[Path, Path]:
     return script, Path(reference)
 
 
-def continue_training(profile, restored: Path, scratch: Path, steps: int) -> tuple[Outcome, str, list[Check]]:
+def continue_training(
+    profile, sources: tuple[Path, Path], restored: Path, scratch: Path, steps: int
+) -> tuple[Outcome, str, list[Check]]:
     """Train ``steps`` iterations on from the restored checkpoint ``restored`` (its
-    ``iter_NNNNNNN`` directory) and compare: the outcome, what it says, and the comparison's checks."""
-    script, reference = continuation_sources(profile)
+    ``iter_NNNNNNN`` directory) with ``sources`` (``continuation_sources``: the script and the
+    original run's log) and compare: the outcome, what it says, and the comparison's checks."""
+    script, reference = sources
     facts = checkpoint_facts(restored)
     n = facts.iteration
     try:

@@ -117,8 +117,8 @@ class _Drill:
             raise UsageError(f"{profile.source}: no archive section, no archive to drill from")
         self.profile, self.source, self.progress = profile, source, progress
         self.continue_steps = profile.drill.continuation.steps if continue_steps is None else continue_steps
-        if self.continue_steps:
-            continuation_sources(profile)  # a profile that cannot continue fails before the restore
+        # A profile that cannot continue fails before the restore.
+        self.continuation = continuation_sources(profile) if self.continue_steps else None
         self.save_dir = profile.job.save_dir
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         self.report = DrillReport(
@@ -260,7 +260,9 @@ class _Drill:
         restore window: the budget is for getting a checkpoint back, not for training)."""
         started = time.monotonic()
         restored = self._restored_dir(manifest)
-        outcome, detail, checks = continue_training(self.profile, restored, self.scratch, self.continue_steps)
+        outcome, detail, checks = continue_training(
+            self.profile, self.continuation, restored, self.scratch, self.continue_steps
+        )
         self.report.continuation_seconds = time.monotonic() - started
         self.report.checks += [Check(DrillCheck.CONTINUATION, outcome, detail), *checks]
         if outcome is not Outcome.UNCHECKED:
