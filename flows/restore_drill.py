@@ -2,7 +2,9 @@
 
 ``source=shared`` restores the promoted checkpoint from the shared store, ``source=archive`` the
 newest committed archive entry. Restore, verify, load for real, check what was loaded, compare
-the restore window with the budget; the history and trend go to artifacts.
+the restore window with the budget; the history and trend go to artifacts. With
+``continue_steps`` (default the profile's ``drill.continuation.steps``), train on from the copy
+and compare with the original run's log: the plot of both goes to an artifact.
 """
 
 from prefect import flow
@@ -14,9 +16,9 @@ from tasks.restore.flow_tasks import drill_task, publish_drill_report
 
 
 @flow(name="restore-drill", log_prints=True)
-def restore_drill(profile: str = "local", source: str = "shared"):
+def restore_drill(profile: str = "local", source: str = "shared", continue_steps: int | None = None):
     prof = load_profile(profile)
-    report = drill_task(prof, source)
+    report = drill_task(prof, source, continue_steps)
     publish_drill_report(prof, report)
     print(report.line())
     if report.ok:

@@ -242,7 +242,8 @@ class Continuation(_Section):
     )
     tolerance: Literal["exact", "fp32", "bf16"] = Field(
         default="exact",
-        description="loss and grad norm: exact (a deterministic job), fp32 1e-6, bf16 5e-3 relative",
+        description="loss and grad norm: exact (a deterministic job), fp32 1e-6, bf16 1e-6 at the "
+        "first iteration and 5e-3 after it (relative)",
     )
     timeout_seconds: Positive = 1800
 
@@ -386,6 +387,11 @@ class Resume(_Section):
     )
     loss_rel_tolerance: Annotated[float, Field(ge=0)] = Field(
         default=1e-3, description="0: bit-exact recomputed loss"
+    )
+    first_rel_tolerance: Annotated[float, Field(ge=0)] | None = Field(
+        default=None,
+        description="the first iteration after the checkpoint's, where it is tighter (nothing has "
+        "drifted yet); default: loss_rel_tolerance",
     )
     memory_band: Annotated[float, Field(gt=0)] = 0.05
     throughput_drop: Annotated[float, Field(gt=0, lt=1)] = 0.05

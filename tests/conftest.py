@@ -153,6 +153,7 @@ def trained(tmp_path_factory) -> Path:
 
 # The saves of one run, each with one wrong state Megatron-LM wrote with valid CRCs (the fault
 # acts on what that save writes: the run itself goes on healthy), and healthy saves around them.
+# 16's changed scheduler is valid by every check of its files: only a continuation catches it.
 CORRUPTED = {
     4: "stale",
     6: "nan-weight",
@@ -160,6 +161,7 @@ CORRUPTED = {
     10: "negative-exp-avg-sq",
     12: "step-ahead",
     14: "drop-tensor",
+    16: "lr-schedule",
     18: "spike",
 }
 CORRUPTED_DISTOPT = {4: "step-ahead", 6: "nan-weight", 8: "negative-exp-avg-sq"}

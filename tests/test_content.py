@@ -33,7 +33,7 @@ def check(result, name):
 def test_each_wrong_state_is_invalid_naming_the_tensor_or_counter(corrupted, tmp_path, options):
     save = shutil.copytree(corrupted, tmp_path / "checkpoints")
     results = verify_in_order(save, options)
-    healthy = [2, 16, 20]
+    healthy = [2, 16, 20]  # 16's scheduler was changed: whole and consistent, found by a continuation
     assert all(results[i].state is State.VALID for i in healthy), [results[i].line() for i in healthy]
     assert results[4].state is State.INVALID
     assert (

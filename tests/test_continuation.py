@@ -2,22 +2,34 @@
 job's own batch script trains on from the restored copy, and its log is compared with the
 original run's for the same iterations. On Megatron-LM's own loop, with the local job's script."""
 
+import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
+from prefect.artifacts import Artifact
 
 from infra.local_job.launch import write_job_script
 from tasks.checkpoint.catalog import catalog
+from tasks.checkpoint.facts import checkpoint_facts
+from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.promote import promote
 from tasks.errors import UsageError
 from tasks.profile import load_profile
+from tasks.restore.continuation import TOLERANCES
 from tasks.restore.drill import run_drill
-from tasks.restore.history import read_drills
-from tests.conftest import iter_dir, verify_and_record_here, write_job_profile
+from tasks.restore.history import read_drills, trend_rows
+from tasks.resume.checks import Validator
+from tasks.resume.records import load_steps
+from tests.conftest import CORRUPTED, free_port, iter_dir, verify_and_record_here, write_job_profile
 from tests.test_cli import ckptops_here
+from tests.test_slurm import ON_TWO_NODES
 
 
-def continuation_profile(trained, tmp_path, options, iteration: int, extra=()):
+def continuation_profile(
+    trained, tmp_path, options, iteration: int, extra=(), train_iters=24, save_interval=4, drill_extra=""
+):
     """A copy of the trained job with ``iteration`` promoted, its batch script (the trained run's
     arguments, and ``extra``) and its original log as the reference."""
     save = shutil.copytree(trained, tmp_path / "checkpoints")
@@ -26,13 +38,18 @@ def continuation_profile(trained, tmp_path, options, iteration: int, extra=()):
         tmp_path / "job.sh",
         save,
         tmp_path / "records.jsonl",
-        train_iters=24,
-        save_interval=4,
-        extra=["--verify-integrity", *extra],
+        port=free_port(),
+        train_iters=train_iters,
+        save_interval=save_interval,
+        extra=list(extra),
     )
     reference = trained.parent / f"{trained.name}-train.log"
-    continuation = f", continuation: {{script: '{script}', reference: '{reference}'}}"
+    continuation = f", continuation: {{script: '{script}', reference: '{reference}'}}{drill_extra}"
     return load_profile(write_job_profile(tmp_path, save, drill_extra=continuation)), save
+
+
+# The trained fixture's own switch (Megatron-LM's integrity.json beside each save).
+INTEGRITY = ("--verify-integrity",)
 
 
 def by_name(report) -> dict:
@@ -40,7 +57,7 @@ def by_name(report) -> dict:
 
 
 def test_a_correct_checkpoint_continues_bit_exact_as_the_original_run(trained, tmp_path, options):
-    profile, save = continuation_profile(trained, tmp_path, options, 16)
+    profile, save = continuation_profile(trained, tmp_path, options, 16, INTEGRITY)
     before = {str(p): p.stat().st_mtime_ns for p in save.glob("iter_*/*")}
     report = run_drill(profile, "shared", continue_steps=4)
     assert report.ok, report.reason
@@ -64,6 +81,11 @@ def test_a_correct_checkpoint_continues_bit_exact_as_the_original_run(trained, t
     assert report.certified
     (info,) = [i for i in catalog(save, options) if i.iteration == 16]
     assert info.certified and info.certification.startswith("iterations 17-20 trained from the restored copy")
+    record = read_manifest(iter_dir(save, 16)).certification
+    assert (record["drill"], record["steps"], record["tolerance"]) == (report.id, 4, "exact")
+    assert record["largest_difference"] == 0.0
+    assert report.line().endswith("; the checkpoint is certified")
+    assert trend_rows(read_drills(save))[-1]["continued"] == "certified"
     shown = ckptops_here("status", save)
     assert "valid, certified" in shown.stdout
     # Verified again, the same save stays certified; the next continuation is recorded over it.
@@ -73,7 +95,7 @@ def test_a_correct_checkpoint_continues_bit_exact_as_the_original_run(trained, t
 def test_a_continuation_on_another_data_order_fails_naming_the_check_and_iteration(
     trained, tmp_path, options
 ):
-    profile, save = continuation_profile(trained, tmp_path, options, 16, extra=["--seed", "99"])
+    profile, save = continuation_profile(trained, tmp_path, options, 16, extra=[*INTEGRITY, "--seed", "99"])
     report = run_drill(profile, "shared", continue_steps=4)
     assert not report.ok
     assert report.reason == "continuation: iterations 17-20 differ from the original run (loss and grad norm)"
@@ -85,10 +107,55 @@ def test_a_continuation_on_another_data_order_fails_naming_the_check_and_iterati
     assert info.certification.startswith("loads, does not resume: iterations 17-20 differ")
 
 
+def test_a_checkpoint_whose_scheduler_was_changed_loads_verifies_and_fails_on_the_learning_rate(
+    corrupted, prefect_api, tmp_path, options
+):
+    from flows.restore_drill import restore_drill
+
+    assert CORRUPTED[16] == "lr-schedule"
+    keep = ["--use-checkpoint-opt_param-scheduler"]  # the job loads the scheduler's saved values
+    profile, save = continuation_profile(
+        corrupted, tmp_path, options, 16, keep, train_iters=20, save_interval=2
+    )
+    state = restore_drill(profile=str(profile.source), source="shared", continue_steps=2, return_state=True)
+    assert state.is_failed()
+    assert state.message.endswith(
+        ": continuation: iterations 17-18 differ from the original run (learning rate)"
+    )
+    (drill,) = read_drills(save)
+    found = {c["name"]: c for c in drill["checks"]}
+    assert [found[name]["outcome"] for name in ("tensors", "scheduler")] == ["pass", "pass"]
+    lr = found["learning rate"]
+    assert lr["outcome"] == "fail" and "at iteration 17" in lr["expected"], lr
+    assert float(lr["observed"]) < float(lr["expected"].split()[0])  # a shorter decay: a lower rate
+    (info,) = [i for i in catalog(save, options) if i.iteration == 16]
+    assert info.state.value == "valid" and info.certified is False
+    # The UI: both runs' loss and learning rate, drawn and tabled; the trend says it.
+    drawn = drill["continuation_series"]
+    assert drawn["iteration"] == [17, 18] and drawn["continued_lr"][0] < drawn["original_lr"][0]
+    artifact = Artifact.get("drill-continuation-test-job").data
+    assert "data:image/png;base64," in artifact
+    assert f"| 17 | {drawn['original_loss'][0]!r} | {drawn['continued_loss'][0]!r} |" in artifact
+    (row,) = json.loads(Artifact.get("drill-history-test-job").data)
+    assert row["continued"] == "does not resume"
+
+
+def test_a_continuation_runs_under_slurm_on_the_jobs_own_allocation(slurm_conf, trained, tmp_path, options):
+    profile, save = continuation_profile(trained, tmp_path, options, 16, INTEGRITY, drill_extra=ON_TWO_NODES)
+    report = run_drill(profile, "shared", continue_steps=2)
+    assert report.ok, report.reason
+    assert by_name(report)["continuation"].detail.startswith(
+        "iterations 17-18 trained from the restored copy"
+    )
+    log = Path(report.continuation_log).read_text()
+    assert "0: " in log and "1: " in log  # srun's labels: one rank on each of the two nodes
+    assert report.certified
+
+
 def test_a_checkpoint_whose_next_iterations_are_not_logged_yet_is_not_checkable_not_failed(
     trained, tmp_path, options
 ):
-    profile, _ = continuation_profile(trained, tmp_path, options, 24)
+    profile, _ = continuation_profile(trained, tmp_path, options, 24, INTEGRITY)
     report = run_drill(profile, "shared", continue_steps=4)
     assert report.ok, report.reason
     found = by_name(report)["continuation"]
@@ -101,7 +168,7 @@ def test_a_checkpoint_whose_next_iterations_are_not_logged_yet_is_not_checkable_
 def test_a_script_that_does_not_read_ckpt_load_is_refused_before_anything_is_restored(
     trained, tmp_path, options
 ):
-    profile, save = continuation_profile(trained, tmp_path, options, 16)
+    profile, save = continuation_profile(trained, tmp_path, options, 16, INTEGRITY)
     script = profile.drill.continuation.script
     script.write_text(script.read_text().replace("CKPT_LOAD", "CKPT_ELSEWHERE"))
     with pytest.raises(
@@ -109,3 +176,45 @@ def test_a_script_that_does_not_read_ckpt_load_is_refused_before_anything_is_res
     ):
         run_drill(profile, "shared", continue_steps=4)
     assert read_drills(save) == [] and not profile.drill.scratch_dir.exists()
+
+
+def _perturbed(log: Path, target: Path, changes: dict[int, float]) -> Path:
+    """The run's log with the loss of each iteration in ``changes`` scaled by its factor."""
+    lines = []
+    for line in log.read_text().splitlines():
+        found = re.search(r"iteration\s+(\d+)/.*lm loss: (\S+) \|", line)
+        if found and int(found[1]) in changes:
+            value = float(found[2]) * changes[int(found[1])]
+            line = line.replace(f"lm loss: {found[2]} |", f"lm loss: {value:.6E} |")
+        lines.append(line)
+    target.write_text("\n".join(lines) + "\n")
+    return target
+
+
+@pytest.mark.parametrize(
+    ("changes", "failing"),
+    [
+        ({18: 1 + 1e-3, 19: 1 + 1e-3}, None),  # bf16: later steps within 5e-3 ...
+        ({17: 1 + 1e-5}, 17),  # ... the first step within 1e-6
+        ({18: 1 + 1e-2}, 18),
+    ],
+)
+def test_the_bf16_envelope_holds_the_first_step_to_1e_6_and_later_steps_to_5e_3(
+    trained, tmp_path, changes, failing
+):
+    reference = trained.parent / f"{trained.name}-train.log"
+    before, after = load_steps(reference), load_steps(_perturbed(reference, tmp_path / "after.log", changes))
+    first, later = TOLERANCES["bf16"]
+    settings = load_profile().resume.model_copy(
+        update={"loss_rel_tolerance": later, "first_rel_tolerance": first}
+    )
+    facts = checkpoint_facts(iter_dir(trained, 16))
+    validation = Validator(facts, before, after, settings, None).continuation()
+    loss = by_name(validation)["loss and grad norm"]
+    largest = max(changes.values()) - 1
+    assert validation.largest_difference == pytest.approx(largest, rel=0.05)  # to the printed digits
+    if failing is None:
+        assert loss.outcome.value == "pass" and "within 1e-06 at the first, 0.005 after" in loss.expected
+    else:
+        assert loss.outcome.value == "fail" and f"at iteration {failing}" in loss.expected
+        assert "1e-06 at the first, 0.005 after" in loss.detail

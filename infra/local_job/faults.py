@@ -29,6 +29,9 @@ SAVE_FAULTS = {
     "step-ahead": "the optimizer's step counters one ahead of the iteration (NVRx PR #376)",
     "drop-tensor": "one model tensor left out of the save and its .metadata (Megatron-LM #4378)",
     "spike": "one model weight 100 times larger (a loss spike's start: a warning, not a fault)",
+    "lr-schedule": "the LR scheduler's decay horizon halved: every file whole and consistent, but "
+    "a job that loads the scheduler's own values (--use-checkpoint-opt_param-scheduler) resumes "
+    "on another learning rate",
 }
 CUDA_ERROR_TAIL = (
     "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace "
@@ -205,6 +208,9 @@ class _SaveCorrupter:
             weight = lambda s: model(s) and s.key.endswith("weight")  # noqa: E731
             container, key, sharded = self._first(state["model"], weight)
             self._replace(container, key, sharded, sharded.data.detach() * 100)
+        elif kind == "lr-schedule":
+            scheduler = state["opt_param_scheduler"]
+            state["opt_param_scheduler"] = {**scheduler, "lr_decay_steps": scheduler["lr_decay_steps"] // 2}
         elif kind == "drop-tensor":
             leaves = self._leaves(state["model"])
             last = max(v.key for _, _, v in leaves if isinstance(v, self.tensor) and model(v))

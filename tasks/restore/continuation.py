@@ -12,21 +12,37 @@ nothing is compared that it has not logged yet. The comparison is post-resume va
 printed them over the same iterations, skipped and NaN steps.
 """
 
+import math
 import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.checkpoint.facts import checkpoint_facts
 from tasks.cluster import process
 from tasks.errors import CkptopsError, UsageError
 from tasks.outcome import Check, Outcome
+from tasks.restore.launch import allocation_options, sbatch_wait
 from tasks.resume.checks import Validator
-from tasks.resume.records import load_steps
+from tasks.resume.records import Steps, load_steps
 
-# Relative tolerance of the loss and grad norm, by the profile's word.
-TOLERANCES = {"exact": 0.0, "fp32": 1e-6, "bf16": 5e-3}
+# Relative tolerance of the loss and grad norm at the first iteration and after it, by the
+# profile's word (bf16 as NeMo Automodel's resume tests hold it).
+TOLERANCES = {"exact": (0.0, 0.0), "fp32": (1e-6, 1e-6), "bf16": (1e-6, 5e-3)}
 # Megatron-LM prints its arguments at start: "  save ........ /path" (None when not saving).
 _SAVE_ARG = re.compile(r"^\s*save \.+ (\S+)\s*$", re.M)
+
+
+@dataclass
+class Continued:
+    """A continuation's outcome, what it says, the comparison's checks, and the largest relative
+    difference of the losses and grad norms it compared."""
+
+    outcome: Outcome
+    detail: str
+    checks: list[Check] = field(default_factory=list)
+    largest_difference: float | None = None
+    series: dict | None = None  # per iteration, both runs' loss and learning rate (``series``)
 
 
 def continuation_sources(profile) -> tuple[Path, Path]:
@@ -57,11 +73,11 @@ def continuation_sources(profile) -> tuple[Path, Path]:
 
 
 def continue_training(
-    profile, sources: tuple[Path, Path], restored: Path, scratch: Path, steps: int
-) -> tuple[Outcome, str, list[Check]]:
+    profile, sources: tuple[Path, Path], restored: Path, scratch: Path, steps: int, log: Path
+) -> "Continued":
     """Train ``steps`` iterations on from the restored checkpoint ``restored`` (its
     ``iter_NNNNNNN`` directory) with ``sources`` (``continuation_sources``: the script and the
-    original run's log) and compare: the outcome, what it says, and the comparison's checks."""
+    original run's log) and compare. The run's output goes to ``log``, which the caller keeps."""
     script, reference = sources
     facts = checkpoint_facts(restored)
     n = facts.iteration
@@ -73,15 +89,12 @@ def continue_training(
     wanted = set(range(n + 1, n + steps + 1))
     if not wanted <= logged:
         last = max(logged, default=0)
-        return (
+        return Continued(
             Outcome.UNCHECKED,
             f"not checkable yet: the original run has logged up to iteration {last}, "
             f"the {steps} after {n} are needed",
-            [],
         )
     save_dir = str(profile.job.save_dir.resolve())
-    argv = ["bash", str(script), "--ckpt-step", str(n)]
-    log = scratch / "continuation.log"
     env = {
         **os.environ,
         "CKPT_LOAD": str(restored.parent),
@@ -90,8 +103,13 @@ def continue_training(
         "CKPT_LOG": str(log),
     }
     launcher_log = scratch / "continuation-launcher.log"
-    process.run(argv, launcher_log, profile.drill.continuation.timeout_seconds, env, "the continuation run")
-    output = log if log.is_file() and log.stat().st_size else launcher_log
+    try:
+        _launch(profile, [str(script), "--ckpt-step", str(n)], launcher_log, env)
+    except process.Failed as e:
+        if not _written(log):
+            raise
+        raise CkptopsError(f"{log}: the continuation run exited {e.code}: {process.tail(log)}") from None
+    output = log if _written(log) else launcher_log
     saved_to = {
         Path(p).resolve() for p in _SAVE_ARG.findall(output.read_text(errors="replace")) if p != "None"
     }
@@ -101,23 +119,59 @@ def continue_training(
         )
     after = load_steps(output)
     reached = int(after.iteration.max()) if len(after) else n
-    settings = profile.resume.model_copy(
-        update={"loss_rel_tolerance": TOLERANCES[profile.drill.continuation.tolerance]}
-    )
-    checks = Validator(facts, before, after, settings, None).continuation().checks
+    first, later = TOLERANCES[profile.drill.continuation.tolerance]
+    settings = profile.resume.model_copy(update={"loss_rel_tolerance": later, "first_rel_tolerance": first})
+    validation = Validator(facts, before, after, settings, None).continuation()
+    checks, largest = validation.checks, validation.largest_difference
+    drawn = series(before, after, n + 1, n + steps)
     failed = [c for c in checks if c.failed]
     tolerance = profile.drill.continuation.tolerance
     if reached < n + steps:
-        return Outcome.FAIL, f"the continuation stopped at iteration {reached}, before {n + steps}", checks
+        stopped = f"the continuation stopped at iteration {reached}, before {n + steps}"
+        return Continued(Outcome.FAIL, stopped, checks, largest, drawn)
     if failed:
-        return (
-            Outcome.FAIL,
-            f"iterations {n + 1}-{n + steps} differ from the original run ({failed[0].name})",
-            checks,
-        )
-    return (
+        differ = f"iterations {n + 1}-{n + steps} differ from the original run ({failed[0].name})"
+        return Continued(Outcome.FAIL, differ, checks, largest, drawn)
+    return Continued(
         Outcome.PASS,
         f"iterations {n + 1}-{n + steps} trained from the restored copy match the original run's log "
         f"({tolerance})",
         checks,
+        largest,
+        drawn,
     )
+
+
+def _launch(profile, argv: list[str], log: Path, env: dict) -> None:
+    """The job's script to its end: with bash here, or submitted to the drill's partition and
+    account on Slurm (its own ``#SBATCH`` lines size it: a comparison needs the original's world)."""
+    drill = profile.drill
+    timeout, what = drill.continuation.timeout_seconds, "the continuation run"
+    if drill.launcher != "slurm":
+        process.run(["bash", *argv], log, timeout, env, what)
+        return
+    options = [f"--job-name=ckptops-continue-{profile.job.name}", f"--output={log.with_suffix('.job.log')}"]
+    sbatch_wait([*options, *allocation_options(drill.slurm), *argv], log, timeout, what, env)
+
+
+def _written(log: Path) -> bool:
+    return log.is_file() and log.stat().st_size > 0
+
+
+def series(before: Steps, after: Steps, first: int, last: int) -> dict:
+    """Iterations ``first``..``last`` with each run's loss and learning rate (None where a run
+    did not log one; an iteration's last record wins, a rerun's), for the drill's plot."""
+
+    def by_iteration(steps: Steps, name: str) -> dict[int, float]:
+        values = getattr(steps, name)
+        return {int(i): float(v) for i, v in zip(steps.iteration, values) if first <= i <= last}
+
+    iterations = list(range(first, last + 1))
+    drawn = {"iteration": iterations}
+    for side, steps in (("original", before), ("continued", after)):
+        for name in ("loss", "lr"):
+            found = by_iteration(steps, name)
+            drawn[f"{side}_{name}"] = [
+                found[i] if i in found and math.isfinite(found[i]) else None for i in iterations
+            ]
+    return drawn

@@ -33,7 +33,7 @@ from tasks.checkpoint.state import State, VerifyOptions
 from tasks.checkpoint.verify import record_certification, verify_checkpoint
 from tasks.errors import CkptopsError, UsageError
 from tasks.outcome import Check, Outcome
-from tasks.restore.continuation import continuation_sources, continue_training
+from tasks.restore.continuation import Continued, continuation_sources, continue_training
 from tasks.restore.history import DrillSource, append_drill, drill_files
 from tasks.restore.launch import drill_layout, run_loader
 from tasks.restore.report import LoadReport
@@ -82,6 +82,8 @@ class DrillReport:
     cleared: list[str] = field(default_factory=list)  # earlier drills' scratch, removed: their drill is gone
     continuation_seconds: float | None = None  # training on from the copy (not in the window)
     certified: bool | None = None  # the job's checkpoint recorded as certified by this drill
+    continuation_log: str | None = None  # the continued run's output, kept in the history
+    continuation_series: dict | None = None  # both runs' loss and LR per iteration, for the plot
 
     @property
     def window_seconds(self) -> float:
@@ -101,6 +103,7 @@ class DrillReport:
             f"{self.window_seconds:.2f}s of {self.budget_seconds:g}s budget"
             + (f" [{timings}]" if timings else "")
             + ("" if self.ok else f": {self.reason}")
+            + ("; the checkpoint is certified" if self.certified else "")
         )
 
 
@@ -260,24 +263,32 @@ class _Drill:
         restore window: the budget is for getting a checkpoint back, not for training)."""
         started = time.monotonic()
         restored = self._restored_dir(manifest)
-        outcome, detail, checks = continue_training(
-            self.profile, self.continuation, restored, self.scratch, self.continue_steps
+        kept = Path(self.report.log).with_suffix(".continuation.log")
+        continued = continue_training(
+            self.profile, self.continuation, restored, self.scratch, self.continue_steps, kept
         )
+        self.report.continuation_log = str(kept) if kept.exists() else None
         self.report.continuation_seconds = time.monotonic() - started
-        self.report.checks += [Check(DrillCheck.CONTINUATION, outcome, detail), *checks]
-        if outcome is not Outcome.UNCHECKED:
-            self._certify(manifest, outcome is Outcome.PASS, detail)
+        self.report.continuation_series = continued.series
+        self.report.checks += [
+            Check(DrillCheck.CONTINUATION, continued.outcome, continued.detail),
+            *continued.checks,
+        ]
+        if continued.outcome is not Outcome.UNCHECKED:
+            self._certify(manifest, continued)
 
-    def _certify(self, manifest: Manifest, ok: bool, detail: str) -> None:
+    def _certify(self, manifest: Manifest, continued: Continued) -> None:
         """Record the continuation in the manifest of the job's own checkpoint the drill
         restored (the same files), if it is still there, valid and the same save."""
         original = self.save_dir / layout.iter_dir_name(manifest.iteration)
+        ok, detail = continued.outcome is Outcome.PASS, continued.detail
         record = {
             "ok": ok,
             "drill": self.report.id,
             "source": self.source.value,
             "steps": self.continue_steps,
             "tolerance": self.profile.drill.continuation.tolerance,
+            "largest_difference": continued.largest_difference,
             "at": now_iso(),
             "detail": detail if ok else f"loads, does not resume: {detail}",
         }

@@ -4,12 +4,12 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from tasks.restore.drill import DrillReport, run_drill
-from tasks.restore.history import history, trend_markdown, trend_rows
+from tasks.restore.history import continuation_markdown, history, trend_markdown, trend_rows
 
 
 @task(name="restore-drill", task_run_name="drill-{source}")
-def drill_task(profile, source: str) -> DrillReport:
-    return run_drill(profile, source)
+def drill_task(profile, source: str, continue_steps: int | None = None) -> DrillReport:
+    return run_drill(profile, source, continue_steps=continue_steps)
 
 
 def phase_rows(report: DrillReport) -> list[dict]:
@@ -48,6 +48,12 @@ def publish_drill_report(profile, report: DrillReport) -> None:
     create_table_artifact(
         table=phase_rows(report), key=f"drill-{report.source}-{job}", description=report.line()
     )
+    if report.continuation_series:
+        create_markdown_artifact(
+            markdown=continuation_markdown(report.to_dict()),
+            key=f"drill-continuation-{job}",
+            description="the original and the continued run's loss and learning rate",
+        )
     found = history(profile)
     create_table_artifact(
         table=trend_rows(found.drills), key=f"drill-history-{job}", description="every recorded drill"

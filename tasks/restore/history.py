@@ -135,9 +135,21 @@ def trend_rows(drills: list[dict]) -> list[dict]:
             ("load", phase(d, "load") or {}),
         ):
             row[f"{name} GB/s"] = round(p["bytes"] / p["seconds"] / 1e9, 3) if p.get("seconds") else None
+        row["continued"] = continuation_word(d)
         row["reason"] = "" if d["ok"] else d.get("reason", "")
         rows.append(row)
     return rows
+
+
+def continuation_word(drill: dict) -> str:
+    """What a drill's continuation said: certified, does not resume, not checkable yet, or ''
+    (none ran)."""
+    found = next((c for c in drill.get("checks", []) if c["name"] == "continuation"), None)
+    if found is None:
+        return ""
+    if drill.get("certified"):
+        return "certified"
+    return {"fail": "does not resume", "unchecked": "not checkable yet"}.get(found["outcome"], "passed")
 
 
 def trend_png(drills: list[dict]) -> bytes:
@@ -163,6 +175,9 @@ def trend_png(drills: list[dict]) -> bytes:
         failed = [(i, d["window_seconds"]) for i, d in points if not d["ok"]]
         if failed:
             ax.scatter(*zip(*failed), marker="x", s=80, color="red", zorder=3)
+        certified = [(i, d["window_seconds"]) for i, d in points if d.get("certified")]
+        if certified:
+            ax.scatter(*zip(*certified), marker="*", s=140, color="tab:green", zorder=4)
         ax.axhline(
             points[-1][1]["budget_seconds"],
             color=colour,
@@ -173,7 +188,7 @@ def trend_png(drills: list[dict]) -> bytes:
     ax.set_xticks(
         range(len(drills)), [d["started_at"][5:16].replace("T", "\n") for d in drills], fontsize="x-small"
     )
-    ax.set_xlabel("drill start (UTC; x = failed)")
+    ax.set_xlabel("drill start (UTC; x = failed, * = certified: trained on as the original run did)")
     ax.set_ylabel("restore window (s)")
     ax.set_title("restore drills: copy + verify + load")
     ax.legend(loc="upper left", fontsize="small")
@@ -182,6 +197,54 @@ def trend_png(drills: list[dict]) -> bytes:
     fig.savefig(buffer, format="png")
     plt.close(fig)
     return buffer.getvalue()
+
+
+def continuation_png(drill: dict) -> bytes:
+    """The original and the continued run's loss and learning rate over the drill's continued
+    iterations, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn = drill["continuation_series"]
+    iterations = drawn["iteration"]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), dpi=100)
+    for ax, name, label in ((axes[0], "loss", "loss"), (axes[1], "lr", "learning rate")):
+        for side, style in (("original", "-"), ("continued", "o")):
+            values = [float("nan") if v is None else v for v in drawn[f"{side}_{name}"]]
+            ax.plot(iterations, values, style, label=f"{side} run", markersize=6, fillstyle="none")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(label)
+        ax.legend(fontsize="small")
+    fig.suptitle(
+        f"continuation from iteration {drill['iteration']} ({continuation_word(drill) or 'not run'})",
+        fontsize="medium",
+    )
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def continuation_markdown(drill: dict) -> str:
+    image = base64.b64encode(continuation_png(drill)).decode()
+    lines = [
+        f"# continuation drill: {drill['job']}, iteration {drill['iteration']}",
+        "",
+        f"![loss and learning rate, original and continued](data:image/png;base64,{image})",
+        "",
+        "| iteration | original loss | continued loss | original lr | continued lr |",
+        "|---|---|---|---|---|",
+    ]
+    drawn = drill["continuation_series"]
+    for k, iteration in enumerate(drawn["iteration"]):
+        cells = [
+            drawn[name][k] for name in ("original_loss", "continued_loss", "original_lr", "continued_lr")
+        ]
+        lines.append(f"| {iteration} | " + " | ".join("" if v is None else repr(v) for v in cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def trend_markdown(job: str, found: History) -> str:

@@ -102,13 +102,9 @@ def render_sbatch(slurm, layout: LoaderShape, arguments: list[str], output: Path
         f"--job-name={job_name}",
         f"--nodes={slurm.nodes}",
         f"--ntasks-per-node={slurm.ntasks_per_node}",
-        f"--time={slurm.time_limit}",
         f"--output={output}",
+        *allocation_options(slurm),
     ]
-    directives += [f"--partition={slurm.partition}"] * bool(slurm.partition)
-    directives += [f"--gpus-per-node={slurm.gpus_per_node}"] * bool(slurm.gpus_per_node)
-    directives += [f"--account={slurm.account}"] * bool(slurm.account)
-    directives += ["--exclusive"] * slurm.exclusive
     return Template(SBATCH_TEMPLATE.read_text()).substitute(
         DIRECTIVES="\n".join(f"#SBATCH {shlex.quote(d)}" for d in directives),
         PRELUDE=slurm.prelude,
@@ -175,19 +171,32 @@ def _run_slurm(profile, layout: LoaderShape, arguments: list[str], report: Path,
     output = log.with_suffix(".job.log")
     script.write_text(render_sbatch(slurm, layout, arguments, output, f"ckptops-drill-{profile.job.name}"))
     try:
-        process.run(
-            ["sbatch", "--parsable", "--wait", str(script)],
-            log,
-            profile.drill.load_timeout_seconds,
-            what="the drill's Slurm job",
-        )
+        sbatch_wait([str(script)], log, profile.drill.load_timeout_seconds, "the drill's Slurm job")
+    finally:
+        _append(log, output)
+
+
+def sbatch_wait(
+    arguments: list[str], log: Path, timeout_seconds: float, what: str, env: dict | None = None
+) -> None:
+    """``sbatch --parsable --wait`` with ``arguments``, to the job's end (``process.Failed`` when
+    it failed); its lines in ``log``. A job past ``timeout_seconds`` is cancelled, never left
+    running once the drill's scratch is going away."""
+    try:
+        process.run(["sbatch", "--parsable", "--wait", *arguments], log, timeout_seconds, env, what)
     except FileNotFoundError:
         raise UsageError("sbatch: not found on this host (drill.launcher is slurm)") from None
     except process.TimedOut as e:
-        # Never leave the allocation running once its scratch is going away.
         raise process.TimedOut(f"{e}; {cancel(log)}") from None
-    finally:
-        _append(log, output)
+
+
+def allocation_options(slurm) -> list[str]:
+    """The drill allocation's partition, account, time, GPUs and exclusivity as sbatch options."""
+    options = [f"--time={slurm.time_limit}"]
+    options += [f"--partition={slurm.partition}"] * bool(slurm.partition)
+    options += [f"--gpus-per-node={slurm.gpus_per_node}"] * bool(slurm.gpus_per_node)
+    options += [f"--account={slurm.account}"] * bool(slurm.account)
+    return options + ["--exclusive"] * slurm.exclusive
 
 
 def _append(log: Path, output: Path) -> None:

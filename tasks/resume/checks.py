@@ -45,6 +45,7 @@ class Validation:
     iteration: int
     checks: list[Check] = field(default_factory=list)
     baseline: dict | None = None
+    largest_difference: float | None = None  # of the recomputed losses and grad norms, relative
 
     @property
     def ok(self) -> bool:
@@ -100,7 +101,7 @@ def schedule(facts: CheckpointFacts):
 
 
 def _differ(
-    mine: np.ndarray, theirs: np.ndarray, rel: float, printed: np.ndarray | float = 0.0
+    mine: np.ndarray, theirs: np.ndarray, rel: np.ndarray | float, printed: np.ndarray | float = 0.0
 ) -> np.ndarray:
     """Which pairs differ by more than ``rel`` (relative) and by more than ``printed``, the most
     two rounded values can differ by (half of each side's unit in the last printed place); NaN on
@@ -109,6 +110,17 @@ def _differ(
         close = (mine == theirs) | np.isclose(mine, theirs, rtol=rel, atol=0.0)
         close |= np.abs(mine - theirs) <= np.asarray(printed) * (1 + 1e-9)
     return ~close & ~np.isnan(theirs)
+
+
+def _largest_relative(mine: np.ndarray, theirs: np.ndarray) -> float:
+    """The largest relative difference of the pairs both sides have as finite numbers."""
+    both = np.isfinite(mine) & np.isfinite(theirs)
+    if not both.any():
+        return 0.0
+    m, t = mine[both], theirs[both]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        relative = np.where(m == t, 0.0, np.abs(m - t) / np.abs(t))
+    return float(np.nan_to_num(relative, nan=0.0, posinf=np.inf).max())
 
 
 def _flagged(steps: Steps) -> np.ndarray:
@@ -470,12 +482,17 @@ class Validator:
             self.add(ResumeCheck.LOSS, None, "", "", "no recomputed iterations to compare")
             return
         a, b, tol = self.after, self.before, self.settings.loss_rel_tolerance
+        first_tol = self.settings.first_rel_tolerance
+        first_tol = tol if first_tol is None else first_tol
+        # The first iteration after the checkpoint may be held tighter: nothing has drifted yet.
+        iterations = a.iteration[self.recomputed]
+        tolerances = np.where(iterations == self.facts.iteration + 1, first_tol, tol)
         # A printed loss is a mean over a window of iterations: compared only where both runs
         # printed it over the same window (a log's first lines after a start may not have).
         mine_from, theirs_from = a.loss_from[self.recomputed], b.loss_from[self.recomputed_before]
         same_window = np.isfinite(mine_from) & (mine_from == theirs_from)
         skipped = [int(i) for i in a.iteration[self.recomputed][~same_window]]
-        bad, count, rounded = [], 0, False
+        bad, count, rounded, largest = [], 0, False, 0.0
         for name, rows in (("loss", same_window), ("grad_norm", np.ones_like(same_window))):
             mine = getattr(a, name)[self.recomputed][rows]
             theirs = getattr(b, name)[self.recomputed_before][rows]
@@ -483,7 +500,8 @@ class Validator:
             printed = 0.5 * (
                 getattr(a, unit)[self.recomputed][rows] + getattr(b, unit)[self.recomputed_before][rows]
             )
-            differ = _differ(mine, theirs, tol, printed)
+            differ = _differ(mine, theirs, tolerances[rows], printed)
+            largest = max(largest, _largest_relative(mine, theirs))
             rounded |= bool((printed > 0).any())
             count += int(differ.sum())
             if differ.any():
@@ -496,6 +514,9 @@ class Validator:
             note = f"; loss not compared at {where} (printed over other iterations than before)"
         if rounded:
             note += "; a log's values to the precision it printed"
+        self.result.largest_difference = largest
+        within = f"{tol:g}" if first_tol == tol else f"{first_tol:g} at the first, {tol:g} after"
+        note += f"; largest relative difference {largest:.3g}"
         if bad:
             it, name, expected, observed = min(bad)
             self.add(
@@ -503,10 +524,10 @@ class Validator:
                 False,
                 f"{name} {expected!r} at iteration {it}",
                 repr(observed),
-                f"{count} values outside a relative tolerance of {tol:g}{note}",
+                f"{count} values outside a relative tolerance of {within}{note}",
             )
         else:
-            exact = "bit-exact" if tol == 0 else f"within {tol:g}"
+            exact = "bit-exact" if tol == first_tol == 0 else f"within {within}"
             compared = int(same_window.sum())
             self.add(
                 ResumeCheck.LOSS,
