@@ -2,15 +2,23 @@
 (tasks/checkpoint/batches.py), against what Megatron's own GPTDataset and pretraining sampler
 serve for it."""
 
+import hashlib
 import json
 import shutil
 
+import numpy
 import pytest
 
 from tasks.checkpoint.batches import next_batch
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
-from tests.conftest import iter_dir
+from tasks.checkpoint.facts import checkpoint_facts
+from tasks.checkpoint.manifest import read_manifest
+from tasks.profile import load_profile
+from tasks.resume.checks import Validator
+from tasks.resume.records import load_steps
+from tests.conftest import iter_dir, verify_and_record_here
 from tests.test_cli import ckptops_here
+from tests.test_continuation import by_name
 
 
 def served_by_megatron(checkpoint) -> tuple[list[int], dict[int, list[int]]]:
@@ -49,7 +57,7 @@ def test_the_next_batch_is_what_megatrons_dataset_and_sampler_serve(on_indexed_d
     assert [s.position for s in batch.samples] == sorted(positions)
     assert {s.position: s.documents for s in batch.samples} == documents
     assert len({s.sample for s in batch.samples}) == 8  # eight different samples of the shuffle
-    assert sorted(batch.data_version) == sorted(p.name for p in cache.glob("*.npy"))
+    assert sorted(batch.data_version) == sorted(p.name for p in cache.glob("*-GPTDataset-train-*"))
 
 
 def test_the_cli_prints_the_batch_and_says_in_one_line_what_it_cannot_compute(
@@ -89,3 +97,38 @@ def test_the_cli_prints_the_batch_and_says_in_one_line_what_it_cannot_compute(
     empty.mkdir()
     nothing = ckptops_here("next-batch", checkpoint, "--data-cache-path", empty)
     assert nothing.exit_code == 2 and f"no GPTDataset train indices in {empty}" in nothing.stderr
+
+
+def test_the_manifest_records_the_data_version_and_a_resume_over_changed_indices_fails(
+    on_indexed_data, tmp_path, options
+):
+    trained, cache = on_indexed_data
+    save = shutil.copytree(trained, tmp_path / "checkpoints")
+    for iteration in (4, 8):
+        verify_and_record_here(iter_dir(save, iteration), options)
+    recorded = read_manifest(iter_dir(save, 8)).data_version
+    assert recorded["dataset"]["data_path"] == [str(cache.parent / "tokens")] and recorded["cache"] == str(
+        cache
+    )
+    for name, entry in recorded["indices"].items():
+        assert entry["sha256"] == hashlib.sha256((cache / name).read_bytes()).hexdigest()
+    assert recorded["blend"] == read_manifest(iter_dir(save, 4)).data_version["blend"]
+
+    # Post-resume validation: the indices as recorded, and the batch after the checkpoint named.
+    log = load_steps(trained.parent / f"{trained.name}-train.log")
+    facts = checkpoint_facts(iter_dir(save, 8))
+    settings = load_profile().resume
+    check = by_name(Validator(facts, log, log, settings, None).run())["data version"]
+    batch = next_batch(iter_dir(save, 8))
+    assert check.outcome.value == "pass" and check.detail.endswith(
+        "the batch after it: dataset samples " + ", ".join(str(s.sample) for s in batch.samples)
+    )
+
+    # The job's cache rebuilt under it (here: a copy whose shuffle changed): the same position
+    # would serve other samples.
+    moved = shutil.copytree(cache, tmp_path / "cache")
+    facts.data_version = recorded | {"cache": str(moved)}
+    (shuffle,) = moved.glob("*-train-shuffle_index.npy")
+    numpy.save(shuffle, numpy.load(shuffle)[::-1].copy())
+    check = by_name(Validator(facts, log, log, settings, None).run())["data version"]
+    assert check.outcome.value == "fail" and check.observed.startswith(f"{shuffle.name}: sha256 ")

@@ -105,6 +105,7 @@ def test_resume_from_the_promoted_checkpoint_continues_exactly(failed_run, good_
     assert later.ok and {c.name for c in later.checks if c.outcome == "unchecked"} == {
         "loss and grad norm",
         "data order",
+        "data version",  # mock data: no dataset indices
     }
     # A file the resumed job appended a second attempt to: the last attempt is the one judged.
     appended = tmp_path / "appended.jsonl"

@@ -173,10 +173,71 @@ def next_batch(directory: Path, cache: Path | None = None) -> NextBatch:
     description = find_indices(cache, args, directory)
     consumed, size = int(args.consumed_train_samples), int(args.global_batch_size)
     samples = batch_samples(_load(description), consumed, size)
-    version = {}
-    for path in _index_files(description).values():
-        with open(path, "rb") as f:
-            version[path.name] = hashlib.file_digest(f, "sha256").hexdigest()
+    version = _index_digests(description)
     return NextBatch(
         str(directory), int(common["iteration"]), consumed, size, str(description), version, samples
     )
+
+
+def _index_digests(description: Path, known: dict | None = None) -> dict[str, dict]:
+    """SHA-256, size and mtime of the description and index files; a file whose size and mtime
+    ``known`` has (an earlier record of the same files) keeps its digest there, unread."""
+    found = {}
+    for path in [description, *_index_files(description).values()]:
+        try:
+            stat = path.stat()
+            earlier = (known or {}).get(path.name)
+            if earlier and (earlier["size"], earlier["mtime_ns"]) == (stat.st_size, stat.st_mtime_ns):
+                digest = earlier["sha256"]
+            else:
+                with open(path, "rb") as f:
+                    digest = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError as e:
+            raise UsageError(f"{path}: the dataset index cannot be read ({e.strerror})") from None
+        found[path.name] = {"sha256": digest, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return found
+
+
+def data_version(args, where: Path, known: dict | None = None) -> dict:
+    """What data a checkpoint's run trains on, for its manifest: the dataset or blend and the
+    settings that order it (``blend`` is their SHA-256), and the train indices' files in its
+    data cache with their SHA-256s (``indices``; a file ``known``, an earlier record, has with
+    the same size and mtime is not read again). Where the indices cannot be found, ``note``
+    says why, and ``indices`` is None."""
+    dataset = {
+        "data_path": [str(p) for p in getattr(args, "data_path", None) or []],
+        "split": getattr(args, "split", None),
+        "seed": getattr(args, "seed", None),
+        "seq_length": getattr(args, "seq_length", None),
+        "mock_data": bool(getattr(args, "mock_data", False)),
+    }
+    blend = hashlib.sha256(json.dumps(dataset, sort_keys=True).encode()).hexdigest()
+    cache = getattr(args, "data_cache_path", None)
+    version = {"blend": blend, "dataset": dataset, "cache": cache and str(cache), "indices": None}
+    try:
+        _supported(args, where)
+        if not cache or not Path(cache).is_dir():
+            why = cache or "the job ran without --data-cache-path"
+            raise UsageError(f"{where}: no data cache here ({why})")
+        description = find_indices(Path(cache), args, where)
+        version["indices"] = _index_digests(description, (known or {}).get("indices"))
+    except UsageError as e:
+        version["note"] = str(e)
+    return version
+
+
+def changed_indices(recorded: dict) -> list[str]:
+    """The recorded index files (``data_version``'s) whose bytes are not those recorded now:
+    each named with what changed; read again whatever their size and mtime say."""
+    changed = []
+    for name, was in (recorded.get("indices") or {}).items():
+        path = Path(recorded["cache"]) / name
+        try:
+            with open(path, "rb") as f:
+                now = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError as e:
+            changed.append(f"{name}: {e.strerror}")
+            continue
+        if now != was["sha256"]:
+            changed.append(f"{name}: sha256 {now[:12]}, recorded {was['sha256'][:12]}")
+    return changed

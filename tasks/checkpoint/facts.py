@@ -41,6 +41,7 @@ class CheckpointFacts:
     not_valid: str | None = None  # what its manifest says, when it says it is not valid
     save_interval: int | None = None  # the job's --save-interval
     layout: dict = field(default_factory=dict)  # tensor, pipeline, data parallel sizes
+    data_version: dict | None = None  # what its manifest recorded of the data (batches.data_version)
 
     @property
     def scheduler_unit(self) -> str | None:
@@ -88,4 +89,5 @@ def checkpoint_facts(directory: Path) -> CheckpointFacts:
             "pipeline_parallel": getattr(args, "pipeline_model_parallel_size", None),
             "data_parallel": getattr(args, "data_parallel_size", None),
         },
+        data_version=manifest.data_version if manifest is not None else None,
     )

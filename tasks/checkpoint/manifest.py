@@ -73,6 +73,10 @@ class Manifest:
     # at, detail): ok, it is certified (it resumes as the original run went on); not ok, it loads
     # but does not resume. Kept while re-verification finds the same save valid.
     certification: dict | None = None
+    # The data its run trains on (tasks.checkpoint.batches.data_version): the dataset or blend,
+    # and the SHA-256s of its train indices in the data cache, so that a resume over other data
+    # shows. None in older manifests.
+    data_version: dict | None = None
     schema_version: int = SCHEMA_VERSION
 
     @property

@@ -26,6 +26,7 @@ from pathlib import Path
 from tasks import __version__
 from tasks.checkpoint import content as state_content
 from tasks.checkpoint import layout
+from tasks.checkpoint.batches import data_version
 from tasks.checkpoint.checks import VerifyCheck
 from tasks.checkpoint.dcp import (
     CheckFailed,
@@ -171,6 +172,7 @@ class _Verifier:
         self.backend: dict = {}
         self.scans: dict[str, FileScan] = {}
         self.common: dict | None = None
+        self.previous: Manifest | None = None  # the newest verified checkpoint before this one
         self.common_file: str | None = None
         self.reference = reference
         self.given_reference = reference is not None
@@ -478,7 +480,7 @@ class _Verifier:
         self.object_families = sorted(families | {k for k in self.index.objects if "/shard_" not in k})
         if self.common is not None:
             args = self.common.get("args")
-            previous = None if self.given_reference else self._previous()
+            previous = self.previous = None if self.given_reference else self._previous()
             steps = state_content.step_counters(self.common, self._optimizer_objects(), self.stats)
             self.step = state_content.check_optimizer(content, self.iteration, args, steps, previous)
             frozen = list(self.options.frozen)
@@ -581,7 +583,16 @@ class _Verifier:
             objects=self.object_families,
             optimizer_step=self.step,
             certification=reference.certification if reference and valid else None,
+            data_version=reference.data_version if reference else self._data_version(args),
         )
+
+    def _data_version(self, args) -> dict | None:
+        """The data the run trains on (``batches.data_version``); the index files' digests of
+        the checkpoint before, where the files are unchanged, are not computed again."""
+        if args is None:
+            return None
+        known = self.previous.data_version if self.previous else None
+        return data_version(args, self.directory, known)
 
     def _verifier(self) -> dict:
         """Who read the bytes: this host, or which nodes read which shard."""

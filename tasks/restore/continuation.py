@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.checkpoint.facts import checkpoint_facts
+from tasks.checkpoint.manifest import Manifest
 from tasks.cluster import process
 from tasks.errors import CkptopsError, UsageError
 from tasks.outcome import Check, Outcome
@@ -73,13 +74,21 @@ def continuation_sources(profile) -> tuple[Path, Path]:
 
 
 def continue_training(
-    profile, sources: tuple[Path, Path], restored: Path, scratch: Path, steps: int, log: Path
+    profile,
+    sources: tuple[Path, Path],
+    restored: Path,
+    scratch: Path,
+    steps: int,
+    log: Path,
+    manifest: Manifest,
 ) -> "Continued":
     """Train ``steps`` iterations on from the restored checkpoint ``restored`` (its
-    ``iter_NNNNNNN`` directory) with ``sources`` (``continuation_sources``: the script and the
-    original run's log) and compare. The run's output goes to ``log``, which the caller keeps."""
+    ``iter_NNNNNNN`` directory, copied by ``manifest``) with ``sources``
+    (``continuation_sources``: the script and the original run's log) and compare. The run's
+    output goes to ``log``, which the caller keeps."""
     script, reference = sources
     facts = checkpoint_facts(restored)
+    facts.data_version = manifest.data_version  # the copy has the files, the job's manifest the facts
     n = facts.iteration
     try:
         before = load_steps(reference)

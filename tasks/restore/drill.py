@@ -265,7 +265,7 @@ class _Drill:
         restored = self._restored_dir(manifest)
         kept = Path(self.report.log).with_suffix(".continuation.log")
         continued = continue_training(
-            self.profile, self.continuation, restored, self.scratch, self.continue_steps, kept
+            self.profile, self.continuation, restored, self.scratch, self.continue_steps, kept, manifest
         )
         self.report.continuation_log = str(kept) if kept.exists() else None
         self.report.continuation_seconds = time.monotonic() - started

@@ -11,10 +11,12 @@ the baseline (tasks.resume.baseline).
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 
+from tasks.checkpoint.batches import changed_indices, next_batch
 from tasks.checkpoint.catalog import catalog
 from tasks.checkpoint.facts import CheckpointFacts
 from tasks.checkpoint.pointer import pointer_during, read_pointer
@@ -33,6 +35,7 @@ class ResumeCheck(StrEnum):
     RESUME_POINT = "resume point"
     LEARNING_RATE = "learning rate"
     DATA_ORDER = "data order"
+    DATA_VERSION = "data version"  # the train indices the checkpoint's manifest recorded, unchanged
     LOSS = "loss and grad norm"
     PEAK_MEMORY = "peak memory"
     THROUGHPUT = "throughput"
@@ -202,6 +205,7 @@ class Validator:
         self._resume_point()
         self._learning_rate()
         self._data_order()
+        self._data_version()
         self._loss()
         self._memory()
         self._throughput()
@@ -215,6 +219,7 @@ class Validator:
         belong to the job's own resume on its own nodes."""
         self._resume_point()
         self._learning_rate()
+        self._data_version()
         self._loss()
         self._skipped()
         return self.result
@@ -476,6 +481,43 @@ class Validator:
                 f"{compared} recomputed batches identical, positions contiguous from sample {f.consumed}",
                 "as expected",
             )
+
+    def _data_version(self) -> None:
+        """The train indices the checkpoint's manifest recorded are the bytes in the data cache
+        now (a rebuilt or replaced cache serves other batches from the same position), and the
+        global batch they serve after the checkpoint, reported: the job's records carry digests
+        of the tokens, not the dataset's sample numbers, so it is not compared."""
+        recorded = self.facts.data_version
+        if not recorded or not recorded.get("indices"):
+            why = (recorded or {}).get("note") or "no data version recorded (a manifest of an older ckptops)"
+            self.add(ResumeCheck.DATA_VERSION, None, "", "", why)
+            return
+        changed = changed_indices(recorded)
+        if changed:
+            self.add(
+                ResumeCheck.DATA_VERSION,
+                False,
+                f"the train indices recorded at iteration {self.facts.iteration}",
+                "; ".join(changed),
+                f"the data cache {recorded['cache']} changed since the checkpoint was verified: "
+                "the same position serves other samples",
+            )
+            return
+        try:
+            batch = next_batch(self.facts.directory, Path(recorded["cache"]))
+            served = (
+                f"; the batch after it: dataset samples {', '.join(str(s.sample) for s in batch.samples)}"
+            )
+        except CkptopsError as e:
+            served = f"; the batch after it not computed: {e}"
+        self.add(
+            ResumeCheck.DATA_VERSION,
+            True,
+            f"the train indices recorded at iteration {self.facts.iteration} "
+            f"(blend {recorded['blend'][:12]})",
+            "unchanged",
+            f"{len(recorded['indices'])} files in {recorded['cache']} as recorded{served}",
+        )
 
     def _loss(self) -> None:
         if not self.recomputed.size:
