@@ -30,9 +30,11 @@ from tests.test_slurm import ON_TWO_NODES
 def continuation_profile(
     trained, tmp_path, options, iteration: int, extra=(), train_iters=24, save_interval=4, drill_extra=""
 ):
-    """A copy of the trained job with ``iteration`` promoted, its batch script (the trained run's
+    """A copy of the trained job, verified, with ``iteration`` promoted, its batch script (the trained run's
     arguments, and ``extra``) and its original log as the reference."""
     save = shutil.copytree(trained, tmp_path / "checkpoints")
+    for directory in sorted(save.glob("iter_*")):  # each verified as it was saved
+        verify_and_record_here(directory, options)
     promote(save, options, 30, requested=iteration)
     script = write_job_script(
         tmp_path / "job.sh",
@@ -57,14 +59,17 @@ def by_name(report) -> dict:
 
 
 def test_a_correct_checkpoint_continues_bit_exact_as_the_original_run(trained, tmp_path, options):
-    profile, save = continuation_profile(trained, tmp_path, options, 16, INTEGRITY)
+    # The newest (24) is promoted; the original run has logged up to 24, so the newest checkpoint
+    # whose next 4 iterations it has logged is 20: that one is drilled.
+    profile, save = continuation_profile(trained, tmp_path, options, 24, INTEGRITY)
     before = {str(p): p.stat().st_mtime_ns for p in save.glob("iter_*/*")}
     report = run_drill(profile, "shared", continue_steps=4)
     assert report.ok, report.reason
     assert report.reason.endswith("and trained on 4 iterations as the original run did")
     found = by_name(report)
     assert found["continuation"].detail == (
-        "iterations 17-20 trained from the restored copy match the original run's log (exact)"
+        "iterations 21-24 trained from the restored copy match the original run's log (exact); "
+        "iteration 20, the newest whose next 4 iterations the original run has logged (24 is newer)"
     )
     loss = found["loss and grad norm"]
     assert (
@@ -77,11 +82,11 @@ def test_a_correct_checkpoint_continues_bit_exact_as_the_original_run(trained, t
     # Nothing saved into the job's directory (Megatron saves at --exit-interval when it has --save),
     # but for ckptops' record in the checkpoint's manifest: certified.
     now = {str(p): p.stat().st_mtime_ns for p in save.glob("iter_*/*")}
-    assert {p for p in now if now[p] != before.get(p)} == {str(save / "iter_0000016" / "manifest.json")}
+    assert {p for p in now if now[p] != before.get(p)} == {str(save / "iter_0000020" / "manifest.json")}
     assert report.certified
-    (info,) = [i for i in catalog(save, options) if i.iteration == 16]
-    assert info.certified and info.certification.startswith("iterations 17-20 trained from the restored copy")
-    record = read_manifest(iter_dir(save, 16)).certification
+    (info,) = [i for i in catalog(save, options) if i.iteration == 20]
+    assert info.certified and info.certification.startswith("iterations 21-24 trained from the restored copy")
+    record = read_manifest(iter_dir(save, 20)).certification
     assert (record["drill"], record["steps"], record["tolerance"]) == (report.id, 4, "exact")
     assert record["largest_difference"] == 0.0
     assert report.line().endswith("; the checkpoint is certified")
@@ -89,7 +94,7 @@ def test_a_correct_checkpoint_continues_bit_exact_as_the_original_run(trained, t
     shown = ckptops_here("status", save)
     assert "valid, certified" in shown.stdout
     # Verified again, the same save stays certified; the next continuation is recorded over it.
-    assert verify_and_record_here(iter_dir(save, 16), options).manifest.certified
+    assert verify_and_record_here(iter_dir(save, 20), options).manifest.certified
 
 
 def test_a_continuation_on_another_data_order_fails_naming_the_check_and_iteration(
@@ -156,12 +161,12 @@ def test_a_checkpoint_whose_next_iterations_are_not_logged_yet_is_not_checkable_
     trained, tmp_path, options
 ):
     profile, _ = continuation_profile(trained, tmp_path, options, 24, INTEGRITY)
-    report = run_drill(profile, "shared", continue_steps=4)
+    report = run_drill(profile, "shared", continue_steps=30)  # more than the run has trained
     assert report.ok, report.reason
     found = by_name(report)["continuation"]
     assert (found.outcome.value, found.detail) == (
         "unchecked",
-        "not checkable yet: the original run has logged up to iteration 24, the 4 after 24 are needed",
+        "not checkable yet: the original run has logged up to iteration 24, the 30 after 24 are needed",
     )
 
 

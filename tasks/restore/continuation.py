@@ -73,6 +73,16 @@ def continuation_sources(profile) -> tuple[Path, Path]:
     return script, Path(reference)
 
 
+def checkable_up_to(reference: Path, steps: int) -> int | None:
+    """The newest checkpoint iteration whose next ``steps`` iterations the original run has
+    logged (its log's last iteration less ``steps``); None when it has logged none."""
+    try:
+        logged = load_steps(reference).iteration
+    except FileNotFoundError:
+        raise UsageError(f"{reference}: the original run's log is not there") from None
+    return int(logged.max()) - steps if logged.size else None
+
+
 def continue_training(
     profile,
     sources: tuple[Path, Path],

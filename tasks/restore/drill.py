@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from tasks.archive.copy import archived_manifest, entry_key, newest_committed
+from tasks.archive.copy import archived_manifest, committed_iterations, entry_key, newest_committed
 from tasks.checkpoint import layout
 from tasks.checkpoint.facts import scheduler_unit
 from tasks.checkpoint.lock import job_lock
@@ -33,7 +33,7 @@ from tasks.checkpoint.state import State, VerifyOptions
 from tasks.checkpoint.verify import record_certification, verify_checkpoint
 from tasks.errors import CkptopsError, UsageError
 from tasks.outcome import Check, Outcome
-from tasks.restore.continuation import Continued, continuation_sources, continue_training
+from tasks.restore.continuation import Continued, checkable_up_to, continuation_sources, continue_training
 from tasks.restore.history import DrillSource, append_drill, drill_files
 from tasks.restore.launch import drill_layout, run_loader
 from tasks.restore.report import LoadReport
@@ -122,6 +122,10 @@ class _Drill:
         self.continue_steps = profile.drill.continuation.steps if continue_steps is None else continue_steps
         # A profile that cannot continue fails before the restore.
         self.continuation = continuation_sources(profile) if self.continue_steps else None
+        # A continuation drills the newest checkpoint it can compare (the run has logged what
+        # follows it), which may be older than the newest.
+        self.up_to = checkable_up_to(self.continuation[1], self.continue_steps) if self.continuation else None
+        self.passed_over: int | None = None  # the newest, passed over for one that can be compared
         self.save_dir = profile.job.save_dir
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         self.report = DrillReport(
@@ -168,8 +172,8 @@ class _Drill:
         return self._download(target)
 
     def _copy_shared(self, target: Path) -> Manifest:
-        found = promoted(self.save_dir)
-        iteration, source = found.iteration, found.directory
+        iteration = self._comparable(promoted(self.save_dir).iteration, self._verified_iterations())
+        source = self.save_dir / layout.iter_dir_name(iteration)
         destination = target / layout.iter_dir_name(iteration)
         self.report.iteration, self.report.location = iteration, str(source)
         # The lease keeps retention from deleting the checkpoint while it is being copied.
@@ -200,6 +204,7 @@ class _Drill:
         iteration = newest_committed(store, job)
         if iteration is None:
             raise CkptopsError(f"{store.where(job)}: no committed archive entry to restore")
+        iteration = self._comparable(iteration, committed_iterations(store, job))
         self.report.iteration, self.report.location = iteration, store.where(entry_key(job, iteration))
         manifest = archived_manifest(store, job, iteration)
         destination = target / layout.iter_dir_name(iteration)
@@ -214,6 +219,29 @@ class _Drill:
 
         self._timed("download", download)
         return manifest
+
+    def _comparable(self, newest: int, candidates: list[int]) -> int:
+        """``newest``, or for a continuation that cannot compare it yet the newest of
+        ``candidates`` before it that it can compare, if there is one."""
+        if self.up_to is None or newest <= self.up_to:
+            return newest
+        older = [i for i in candidates if i <= self.up_to]
+        if not older:
+            return newest  # nothing to compare yet: the continuation will say so
+        self.passed_over = newest
+        return max(older)
+
+    def _verified_iterations(self) -> list[int]:
+        """The job's checkpoints whose manifests say valid for the save on disk."""
+        found = []
+        for iteration in layout.list_iterations(self.save_dir):
+            try:
+                manifest = valid_for_this_save(self.save_dir / layout.iter_dir_name(iteration), iteration)
+            except (CkptopsError, FileNotFoundError):
+                continue  # removed by retention meanwhile, or a manifest not to trust
+            if manifest is not None:
+                found.append(iteration)
+        return found
 
     def _restored_dir(self, manifest: Manifest) -> Path:
         return self.scratch / "restore" / layout.iter_dir_name(manifest.iteration)
@@ -270,10 +298,13 @@ class _Drill:
         self.report.continuation_log = str(kept) if kept.exists() else None
         self.report.continuation_seconds = time.monotonic() - started
         self.report.continuation_series = continued.series
-        self.report.checks += [
-            Check(DrillCheck.CONTINUATION, continued.outcome, continued.detail),
-            *continued.checks,
-        ]
+        detail = continued.detail
+        if self.passed_over is not None:
+            detail += (
+                f"; iteration {manifest.iteration}, the newest whose next {self.continue_steps} "
+                f"iterations the original run has logged ({self.passed_over} is newer)"
+            )
+        self.report.checks += [Check(DrillCheck.CONTINUATION, continued.outcome, detail), *continued.checks]
         if continued.outcome is not Outcome.UNCHECKED:
             self._certify(manifest, continued)
 
