@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from tasks.checkpoint.manifest import RESUME_WORDS
 from tasks.checkpoint.state import State
 
 _COLOURS = {State.VALID: "green", State.INVALID: "red", State.IN_PROGRESS: "yellow"}
@@ -52,10 +53,9 @@ def status(console: Console, save_dir: Path, infos, pointer_problem: str | None 
     columns += ["pins"] * show_pins + ["reason"] * show_reason + ["warnings"] * show_warnings
     rows, styles = [], []
     for i in infos:
-        resumes = {True: ", certified", False: ", does not resume"}.get(i.certified, "")
         row = [
             str(i.iteration),
-            i.state.value + resumes,
+            i.state.value + RESUME_WORDS[i.certified],
             f"{i.size_bytes / 1e6:.1f} MB",
             "" if i.consumed_train_samples is None else str(i.consumed_train_samples),
             (i.verified_at or "").replace("T", " ")[:19],

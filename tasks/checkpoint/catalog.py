@@ -87,8 +87,8 @@ def describe(directory: Path, options: VerifyOptions) -> CheckpointInfo:
         info.consumed_train_samples = manifest.consumed_train_samples
         info.optimizer_step = manifest.optimizer_step
         info.warnings = [f"{c.detail} [{c.name}]" for c in manifest.checks if c.outcome == Outcome.WARN]
-        if manifest.valid and manifest.certification is not None:
-            info.certified = manifest.certified
+        info.certified = manifest.resumes
+        if info.certified is not None:
             info.certification = str(manifest.certification.get("detail", ""))
     elif progress.state is State.INVALID:
         info.state, info.reason = progress.state, progress.reason

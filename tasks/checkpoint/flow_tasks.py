@@ -23,6 +23,7 @@ from tasks.checkpoint import layout
 from tasks.checkpoint.catalog import catalog
 from tasks.checkpoint.content import worst_tensors
 from tasks.checkpoint.lock import Held
+from tasks.checkpoint.manifest import RESUME_WORDS
 from tasks.checkpoint.overdue import caught_up
 from tasks.checkpoint.prescan import wait_and_verify
 from tasks.checkpoint.promote import PromotionReport, apply_promotion
@@ -221,8 +222,9 @@ def summary_markdown(
         ]
         for v in checked:
             files = v.manifest.totals["files"] if v.manifest else 0
+            state = v.state.value + (RESUME_WORDS[v.manifest.resumes] if v.manifest else "")
             lines.append(
-                f"| {v.iteration} | {v.state.value} | {files} | {v.bytes_read / 1e9:.3f} | "
+                f"| {v.iteration} | {state} | {files} | {v.bytes_read / 1e9:.3f} | "
                 f"{v.seconds:.2f} | {v.throughput_gbps:.2f} | {v.reason} |"
             )
         total_bytes = sum(v.bytes_read for v in checked)

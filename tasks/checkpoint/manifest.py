@@ -45,6 +45,10 @@ class FileEntry:
     hash: str
 
 
+# How the state is shown with what a continuation drill found (``Manifest.resumes``).
+RESUME_WORDS = {True: ", certified", False: ", does not resume", None: ""}
+
+
 @dataclass
 class Manifest:
     job: str
@@ -82,6 +86,12 @@ class Manifest:
     @property
     def certified(self) -> bool:
         return self.valid and bool(self.certification and self.certification.get("ok"))
+
+    @property
+    def resumes(self) -> bool | None:
+        """Its newest continuation drill: True, certified; False, it loads but does not resume;
+        None, never continued (or not valid)."""
+        return self.certified if self.valid and self.certification is not None else None
 
     @property
     def valid(self) -> bool:
