@@ -50,15 +50,17 @@ LARGE_MODEL = [
 console = Console(highlight=False)
 
 
-def checkpoint(name: str, iterations: int, extra: list[str]) -> Path:
+def checkpoint(name: str, iterations: int, extra: list[str], train_iters: int | None = None) -> Path:
+    """The save of ``iterations`` of a bench job saving every ``iterations`` up to ``train_iters``
+    (default: that one save), trained once and kept in data/bench."""
     save = BENCH / name
-    directory = save / iter_dir_name(iterations)
-    if not (directory / "metadata.json").exists():
+    train_iters = train_iters or iterations
+    if not (save / iter_dir_name(train_iters) / "metadata.json").exists():
         with console.status(f"training the {name} bench checkpoint (local job, CPU)..."):
             run_local_job(
-                save, train_iters=iterations, save_interval=iterations, timeout_seconds=1800, extra=extra
+                save, train_iters=train_iters, save_interval=iterations, timeout_seconds=1800, extra=extra
             )
-    return directory
+    return save / iter_dir_name(iterations)
 
 
 def data_files(directory: Path) -> list[str]:
