@@ -39,6 +39,7 @@ HEAVY_FIXTURES = frozenset(
     {"trained", "medium_trained", "variety", "prefect_api", "cluster", "slurm_conf", "postgres"}
     | {"s3_endpoint", "failed", "ecc_run", "nan_run", "per_iteration_run", "saving"}
     | {"corrupted", "corrupted_distopt", "corrupted_fully_reshardable", "fp16_skipping", "on_indexed_data"}
+    | {"on_blended_data"}
 )
 # Modules whose tests train or start servers themselves (each fault's job, each resumed run, the
 # packaging install, the demo, PostgreSQL).
@@ -220,6 +221,23 @@ def on_indexed_data(tmp_path_factory) -> tuple[Path, Path]:
         str(data / "cache"),
     ]
     return trained_once(tmp_path_factory, train_iters=12, save_interval=4, extra=extra), data / "cache"
+
+
+@pytest.fixture(scope="session")
+def on_blended_data(tmp_path_factory) -> tuple[Path, Path]:
+    """Saves 4 and 8 of the job on a blend of two real indexed datasets (30% and 70%), read by
+    Megatron's BlendedDataset over two GPTDatasets, their indices in a data cache: (save dir, cache)."""
+    from infra.local_job.dataset import build as build_dataset
+
+    def both(folder: Path) -> Path:
+        build_dataset(folder / "tokens-a", seed=11)
+        build_dataset(folder / "tokens-b", seed=12)
+        return folder
+
+    data = once(tmp_path_factory, "blended-data", both)
+    blend = ["0.3", str(data / "tokens-a"), "0.7", str(data / "tokens-b")]
+    extra = ["--data-path", *blend, "--split", "100,0,0", "--data-cache-path", str(data / "cache")]
+    return trained_once(tmp_path_factory, train_iters=8, save_interval=4, extra=extra), data / "cache"
 
 
 @pytest.fixture

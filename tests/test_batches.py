@@ -31,7 +31,7 @@ def served_by_megatron(checkpoint) -> tuple[list[int], dict[int, list[int]]]:
     from infra.local_job.dataset import datasets
 
     args = load_common_state(checkpoint, build_index(load_dcp_metadata(checkpoint / ".metadata")))["args"]
-    samples = [args.train_iters * args.global_batch_size, None, None]
+    samples = [args.train_iters * args.global_batch_size, 0, 0]  # no evaluation, as the job ran
     train, _, _ = datasets(args, build_tokenizer(args), samples)
     dp, mbs = args.data_parallel_size, args.micro_batch_size
     ranks = [
@@ -42,9 +42,19 @@ def served_by_megatron(checkpoint) -> tuple[list[int], dict[int, list[int]]]:
     for _ in range(args.global_batch_size // (mbs * dp)):
         for rank in ranks:
             positions += next(rank)
-    return positions, {
-        p: [int(d) for d in train._query_document_sample_shuffle_indices(p)[1]] for p in positions
-    }
+    return positions, {p: documents_of(train, p) for p in positions}
+
+
+def documents_of(train, position: int) -> tuple[int, list[int]]:
+    """Which dataset of a blend (0 without one) and which of its documents serve ``position``,
+    as Megatron's own datasets look them up."""
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+
+    dataset = 0
+    if isinstance(train, BlendedDataset):
+        dataset = int(train.dataset_index[position])
+        train, position = train.datasets[dataset], int(train.dataset_sample_index[position])
+    return dataset, [int(d) for d in train._query_document_sample_shuffle_indices(position)[1]]
 
 
 @pytest.mark.parametrize("iteration", [4, 8])
@@ -55,9 +65,28 @@ def test_the_next_batch_is_what_megatrons_dataset_and_sampler_serve(on_indexed_d
     positions, documents = served_by_megatron(checkpoint)
     assert batch.consumed == 8 * iteration and batch.global_batch_size == 8
     assert [s.position for s in batch.samples] == sorted(positions)
-    assert {s.position: s.documents for s in batch.samples} == documents
+    assert {s.position: (s.dataset, s.documents) for s in batch.samples} == documents
     assert len({s.sample for s in batch.samples}) == 8  # eight different samples of the shuffle
     assert sorted(batch.data_version) == sorted(p.name for p in cache.glob("*-GPTDataset-train-*"))
+
+
+def test_the_next_batch_of_a_blend_is_what_megatrons_blended_dataset_serves(
+    on_blended_data, tmp_path, options
+):
+    save, cache = on_blended_data
+    checkpoint = iter_dir(save, 4)
+    batch = next_batch(checkpoint)
+    positions, documents = served_by_megatron(checkpoint)
+    assert [s.position for s in batch.samples] == sorted(positions)
+    assert {s.position: (s.dataset, s.documents) for s in batch.samples} == documents
+    assert {s.dataset for s in batch.samples} == {0, 1}  # both datasets serve this batch
+    # The data version holds the blend's indices and each dataset's.
+    kinds = sorted(name.split("-", 1)[1] for name in batch.data_version)
+    assert kinds.count("GPTDataset-train-shuffle_index.npy") == 2
+    assert "BlendedDataset-train-dataset_index.npy" in kinds
+    copy = shutil.copytree(save, tmp_path / "checkpoints")
+    recorded = verify_and_record_here(iter_dir(copy, 4), options).manifest.data_version
+    assert recorded["indices"] == batch.data_version and recorded["dataset"]["data_path"][0] == "0.3"
 
 
 def test_the_cli_prints_the_batch_and_says_in_one_line_what_it_cannot_compute(

@@ -11,7 +11,12 @@ The same arithmetic as ``GPTDataset._query_document_sample_shuffle_indices``, do
 files (``numpy.load`` of plain arrays, no pickles, memory-mapped), with no megatron import and no
 tokenizer.
 
-The index files are found by their description (the dataset path, seed, sequence length and
+A blend (``--data-path W1 P1 W2 P2 ...``) is a ``BlendedDataset`` over one ``GPTDataset`` per
+prefix: its own index files (``dataset_index``, ``dataset_sample_index``) say which dataset and
+which of its samples serve each position, and its description holds each dataset's identifiers,
+whose MD5 names that dataset's index files, as Megatron names them.
+
+The index files are found by their description (the dataset paths, seed, sequence length and
 split of the checkpoint's args, and the samples the run asks for); their SHA-256s are the data
 version, so a resume over rebuilt indices shows.
 """
@@ -27,14 +32,24 @@ from tasks.checkpoint import layout
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
 from tasks.errors import UsageError
 
-_DESCRIPTION = "-GPTDataset-train-description.txt"
-_INDICES = ("document_index", "sample_index", "shuffle_index")
+# Each kind of train dataset Megatron caches: its description file's suffix and its index files.
+_GPT = "GPTDataset"
+_BLENDED = "BlendedDataset"
+_INDICES = {
+    _GPT: ("document_index", "sample_index", "shuffle_index"),
+    _BLENDED: ("dataset_index", "dataset_sample_index"),
+}
+
+
+def _description_suffix(kind: str) -> str:
+    return f"-{kind}-train-description.txt"
 
 
 @dataclass
 class Sample:
     position: int  # in the order the sampler serves the dataset: consumed samples + k
-    sample: int  # the dataset's own sample number (shuffle_index[position])
+    sample: int  # its dataset's own sample number (that dataset's shuffle_index entry)
+    dataset: int  # which dataset of a blend serves it (0 without a blend)
     documents: list[int]  # the documents its tokens come from, in order
     first_offset: int  # token offset of its start in the first document
     end_offset: int  # token offset of its end in the last document (one extra token is read past it)
@@ -46,8 +61,8 @@ class NextBatch:
     iteration: int
     consumed: int
     global_batch_size: int
-    description: str  # the index files' description file
-    data_version: dict[str, str] = field(default_factory=dict)  # index file -> sha256
+    description: str  # the train dataset's description file (the blend's, for a blend)
+    data_version: dict[str, dict] = field(default_factory=dict)  # index file -> sha256, size, mtime
     samples: list[Sample] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -71,39 +86,41 @@ def _supported(args, where: Path) -> None:
             f"{where}: --dataloader-type {args.dataloader_type}: only Megatron-LM's sequential "
             "pretraining sampler (single) serves the dataset in index order"
         )
-    paths = getattr(args, "data_path", None) or []
     if getattr(args, "train_data_path", None) or getattr(args, "per_split_data_args_path", None):
         raise UsageError(f"{where}: per-split data paths are not covered yet; only --data-path with --split")
-    if len(paths) != 1:
-        raise UsageError(
-            f"{where}: --data-path {' '.join(map(str, paths)) or '(none)'}: a blend of several datasets "
-            "is not covered yet; only a single dataset"
-        )
+    if getattr(args, "data_args_path", None):
+        raise UsageError(f"{where}: --data-args-path is not covered yet; only --data-path with --split")
+    _prefixes(args, where)
 
 
-def find_indices(cache: Path, args, where: Path) -> Path:
-    """The description file of the train indices built for this job's dataset and settings."""
+def _prefixes(args, where: Path) -> list[str]:
+    """The dataset prefixes of ``--data-path``: one prefix, or a blend's ``W1 P1 W2 P2 ...``."""
+    paths = [str(p) for p in getattr(args, "data_path", None) or []]
+    if len(paths) == 1:
+        return paths
     try:
-        candidates = sorted(cache.glob(f"*{_DESCRIPTION}"))
-    except OSError as e:
-        raise UsageError(f"{cache}: the data cache cannot be read ({e.strerror})") from None
-    wanted = {
-        "dataset_path": str(args.data_path[0]),
-        "random_seed": getattr(args, "seed", None),
-        "sequence_length": getattr(args, "seq_length", None),
-        "split": getattr(args, "split", None),
-    }
-    matching = []
-    for path in candidates:
-        try:
-            described = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise UsageError(f"{path}: unreadable dataset description ({e})") from None
-        if all(described.get(k) == v for k, v in wanted.items()):
-            matching.append((described.get("num_samples"), path))
+        [float(w) for w in paths[0::2]]
+    except ValueError:
+        paths = []
+    if not paths or len(paths) % 2:
+        raise UsageError(
+            f"{where}: --data-path {' '.join(paths) or '(none)'}: neither one dataset nor a blend "
+            "of weights and prefixes"
+        )
+    return paths[1::2]
+
+
+def _read_description(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: unreadable dataset description ({e})") from None
+
+
+def _pick(matching: list[tuple[int | None, Path]], args, cache: Path, kind: str, where: Path) -> Path:
+    """The description built for the job's train samples, or the only one that fits."""
     if not matching:
-        said = ", ".join(f"{k} {v}" for k, v in wanted.items())
-        raise UsageError(f"{where}: no GPTDataset train indices in {cache} for {said}")
+        raise UsageError(f"{where}: no {kind} train indices in {cache} for {_wanted(args)}")
     samples = _train_samples(args)
     exact = [p for n, p in matching if n == samples]
     if len(exact) == 1:
@@ -116,10 +133,76 @@ def find_indices(cache: Path, args, where: Path) -> Path:
     )
 
 
+def _wanted(args) -> str:
+    return (
+        f"dataset {' '.join(str(p) for p in args.data_path)}, random_seed {getattr(args, 'seed', None)}, "
+        f"sequence_length {getattr(args, 'seq_length', None)}, split {getattr(args, 'split', None)}"
+    )
+
+
+def _fits(described: dict, args, prefix: str) -> bool:
+    wanted = {
+        "dataset_path": prefix,
+        "random_seed": getattr(args, "seed", None),
+        "sequence_length": getattr(args, "seq_length", None),
+        "split": getattr(args, "split", None),
+    }
+    return all(described.get(k) == v for k, v in wanted.items())
+
+
+def _candidates(cache: Path, kind: str) -> list[Path]:
+    try:
+        return sorted(cache.glob(f"*{_description_suffix(kind)}"))
+    except OSError as e:
+        raise UsageError(f"{cache}: the data cache cannot be read ({e.strerror})") from None
+
+
+def find_indices(cache: Path, args, where: Path) -> list[Path]:
+    """The description files of the train indices built for this job's data and settings: the
+    dataset's, or the blend's followed by each of its datasets', in the blend's order."""
+    prefixes = _prefixes(args, where)
+    if len(prefixes) == 1:
+        matching = []
+        for path in _candidates(cache, _GPT):
+            described = _read_description(path)
+            if _fits(described, args, prefixes[0]):
+                matching.append((described.get("num_samples"), path))
+        return [_pick(matching, args, cache, _GPT, where)]
+    given = [float(w) for w in args.data_path[0::2]]
+    weights = [w / sum(given) for w in given]  # as Megatron normalises them
+    matching = []
+    for path in _candidates(cache, _BLENDED):
+        described = _read_description(path)
+        members = described.get("datasets") or []
+        same = len(members) == len(prefixes) == len(described.get("weights") or [])
+        if (
+            same
+            and all(_fits(m, args, prefix) for m, prefix in zip(members, prefixes))
+            and np.allclose(described["weights"], weights, rtol=1e-9, atol=0)
+        ):
+            matching.append((described.get("size"), path))
+    blend = _pick(matching, args, cache, _BLENDED, where)
+    members = []
+    for identifiers in _read_description(blend)["datasets"]:
+        # Megatron names a dataset's files by the MD5 of its description, as it wrote it.
+        text = json.dumps(identifiers, indent=4)
+        member = (
+            cache
+            / f"{hashlib.md5(text.encode(), usedforsecurity=False).hexdigest()}{_description_suffix(_GPT)}"
+        )
+        if not member.is_file():
+            raise UsageError(
+                f"{blend}: the indices of its dataset {identifiers.get('dataset_path')} are not in {cache}"
+            )
+        members.append(member)
+    return [blend, *members]
+
+
 def _index_files(description: Path) -> dict[str, Path]:
-    """The three index files beside a description file, by index name."""
+    """The index files beside a description file, by index name."""
     stem = str(description)[: -len("description.txt")]
-    return {name: Path(f"{stem}{name}.npy") for name in _INDICES}
+    kind = _BLENDED if description.name.endswith(_description_suffix(_BLENDED)) else _GPT
+    return {name: Path(f"{stem}{name}.npy") for name in _INDICES[kind]}
 
 
 def _load(description: Path) -> dict[str, np.ndarray]:
@@ -132,24 +215,32 @@ def _load(description: Path) -> dict[str, np.ndarray]:
     return found
 
 
-def batch_samples(indices: dict[str, np.ndarray], consumed: int, count: int) -> list[Sample]:
-    """The samples at positions ``consumed .. consumed + count - 1`` of the dataset's order."""
-    shuffle, sample_index, document_index = (
-        indices["shuffle_index"],
-        indices["sample_index"],
-        indices["document_index"],
-    )
-    if consumed + count > len(shuffle):
+def _gpt_sample(indices: dict[str, np.ndarray], position: int, s: int, dataset: int) -> Sample:
+    """Sample ``s`` of a GPTDataset, served at ``position``."""
+    sample_index, document_index = indices["sample_index"], indices["document_index"]
+    (begin, first), (end, last) = sample_index[s], sample_index[s + 1]
+    documents = [int(d) for d in document_index[int(begin) : int(end) + 1]]
+    return Sample(position, s, dataset, documents, int(first), int(last))
+
+
+def batch_samples(indices: list[dict[str, np.ndarray]], consumed: int, count: int) -> list[Sample]:
+    """The samples at positions ``consumed .. consumed + count - 1`` of the dataset's order:
+    ``indices`` is one GPTDataset's, or a blend's followed by each of its datasets'."""
+    order = indices[0]["shuffle_index"] if len(indices) == 1 else indices[0]["dataset_index"]
+    if consumed + count > len(order):
         raise UsageError(
-            f"the batch after {consumed} samples runs past the dataset's {len(shuffle)} samples: "
+            f"the batch after {consumed} samples runs past the dataset's {len(order)} samples: "
             "the run's last batch, or indices built for fewer samples"
         )
     found = []
     for position in range(consumed, consumed + count):
-        s = int(shuffle[position])
-        (begin, first), (end, last) = sample_index[s], sample_index[s + 1]
-        documents = [int(d) for d in document_index[int(begin) : int(end) + 1]]
-        found.append(Sample(position, s, documents, int(first), int(last)))
+        if len(indices) == 1:
+            found.append(_gpt_sample(indices[0], position, int(order[position]), 0))
+            continue
+        dataset = int(order[position])
+        member = indices[1 + dataset]
+        s = int(member["shuffle_index"][int(indices[0]["dataset_sample_index"][position])])
+        found.append(_gpt_sample(member, position, s, dataset))
     return found
 
 
@@ -170,20 +261,20 @@ def next_batch(directory: Path, cache: Path | None = None) -> NextBatch:
             f"{directory}: no data cache to read (the job ran without --data-cache-path, or {cache} "
             "is not a folder here): give --data-cache-path"
         )
-    description = find_indices(cache, args, directory)
+    descriptions = find_indices(cache, args, directory)
     consumed, size = int(args.consumed_train_samples), int(args.global_batch_size)
-    samples = batch_samples(_load(description), consumed, size)
-    version = _index_digests(description)
+    samples = batch_samples([_load(d) for d in descriptions], consumed, size)
+    version = _index_digests(descriptions)
     return NextBatch(
-        str(directory), int(common["iteration"]), consumed, size, str(description), version, samples
+        str(directory), int(common["iteration"]), consumed, size, str(descriptions[0]), version, samples
     )
 
 
-def _index_digests(description: Path, known: dict | None = None) -> dict[str, dict]:
+def _index_digests(descriptions: list[Path], known: dict | None = None) -> dict[str, dict]:
     """SHA-256, size and mtime of the description and index files; a file whose size and mtime
     ``known`` has (an earlier record of the same files) keeps its digest there, unread."""
     found = {}
-    for path in [description, *_index_files(description).values()]:
+    for path in [p for d in descriptions for p in [d, *_index_files(d).values()]]:
         try:
             stat = path.stat()
             earlier = (known or {}).get(path.name)
@@ -219,8 +310,8 @@ def data_version(args, where: Path, known: dict | None = None) -> dict:
         if not cache or not Path(cache).is_dir():
             why = cache or "the job ran without --data-cache-path"
             raise UsageError(f"{where}: no data cache here ({why})")
-        description = find_indices(Path(cache), args, where)
-        version["indices"] = _index_digests(description, (known or {}).get("indices"))
+        descriptions = find_indices(Path(cache), args, where)
+        version["indices"] = _index_digests(descriptions, (known or {}).get("indices"))
     except UsageError as e:
         version["note"] = str(e)
     return version
