@@ -46,8 +46,9 @@ class Continued:
     series: dict | None = None  # per iteration, both runs' loss and learning rate (``series``)
 
 
-def continuation_sources(profile) -> tuple[Path, Path]:
-    """The job's batch script and the original run's log, checked before anything is restored."""
+def continuation_sources(profile) -> tuple[Path, Steps]:
+    """The job's batch script and the original run's log (read once, here), checked before
+    anything is restored."""
     settings, recovery = profile.drill.continuation, profile.recovery
     script = settings.script or (recovery.script if recovery else None)
     reference = settings.reference or (recovery.step_records if recovery else None)
@@ -70,40 +71,35 @@ def continuation_sources(profile) -> tuple[Path, Path]:
             f"{script}: does not read CKPT_LOAD: it would train from, and save into, the job's own "
             "checkpoints (docs/archive-and-drills.md#the-continuation-drill: the lines a script needs)"
         )
-    return script, Path(reference)
-
-
-def checkable_up_to(reference: Path, steps: int) -> int | None:
-    """The newest checkpoint iteration whose next ``steps`` iterations the original run has
-    logged (its log's last iteration less ``steps``); None when it has logged none."""
     try:
-        logged = load_steps(reference).iteration
+        return script, load_steps(reference)
     except FileNotFoundError:
         raise UsageError(f"{reference}: the original run's log is not there") from None
-    return int(logged.max()) - steps if logged.size else None
+
+
+def checkable_up_to(before: Steps, steps: int) -> int | None:
+    """The newest checkpoint iteration whose next ``steps`` iterations the original run
+    (``before``, its log) has logged: its last iteration less ``steps``; None when it has none."""
+    return int(before.iteration.max()) - steps if len(before) else None
 
 
 def continue_training(
     profile,
-    sources: tuple[Path, Path],
+    sources: tuple[Path, Steps],
     restored: Path,
     scratch: Path,
     steps: int,
     log: Path,
     manifest: Manifest,
-) -> "Continued":
+) -> Continued:
     """Train ``steps`` iterations on from the restored checkpoint ``restored`` (its
     ``iter_NNNNNNN`` directory, copied by ``manifest``) with ``sources``
     (``continuation_sources``: the script and the original run's log) and compare. The run's
     output goes to ``log``, which the caller keeps."""
-    script, reference = sources
+    script, before = sources
     facts = checkpoint_facts(restored)
     facts.data_version = manifest.data_version  # the copy has the files, the job's manifest the facts
     n = facts.iteration
-    try:
-        before = load_steps(reference)
-    except FileNotFoundError:
-        raise UsageError(f"{reference}: the original run's log is not there") from None
     logged = {int(i) for i in before.iteration}
     wanted = set(range(n + 1, n + steps + 1))
     if not wanted <= logged:
