@@ -3,8 +3,6 @@ times and incidents, and the interval advice from the measured C, M and R (each 
 with the job's current interval from its checkpoint's args; the per-day chart; a simulation
 beside the closed forms and the job's measured recoveries."""
 
-import base64
-import io
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from tasks.goodput.measure import (
     save_times_from_records,
 )
 from tasks.goodput.simulate import Simulation, restart_for, save_cost_for, simulate
+from tasks.plots import markdown_image, png, pyplot
 from tasks.profile import load_profile
 from tasks.recovery.ledger import read_ledger
 from tasks.resume.records import Steps, load_steps
@@ -284,10 +283,7 @@ def ledger_lines(found: GoodputLedger) -> list[str]:
 
 def per_day_png(found: GoodputLedger) -> bytes:
     """One stacked bar per day: productive hours and the hours lost to each incident cause."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(9, 3.5), dpi=100)
     days = [d["day"] for d in found.per_day]
@@ -300,20 +296,16 @@ def per_day_png(found: GoodputLedger) -> bytes:
     ax.set_ylabel("hours")
     ax.set_title(f"goodput of {found.job} per day (UTC)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    return buffer.getvalue()
+    return png(fig)
 
 
 def markdown(found: GoodputLedger, advice_lines: list[str], note: str | None) -> str:
-    image = base64.b64encode(per_day_png(found)).decode() if found.per_day else None
+    image = markdown_image("goodput per day", per_day_png(found)) if found.per_day else None
     parts = [f"# goodput: {found.job}", ""]
     if note:
         parts += [f"**{note}**", ""]
     parts += [f"- {line.strip()}" for line in ledger_lines(found)[1:]]
     parts += ["", "## interval advice", "", *(f"- {line}" for line in advice_lines)]
     if image:
-        parts += ["", f"![goodput per day](data:image/png;base64,{image})"]
+        parts += ["", image]
     return "\n".join(parts)

@@ -1,9 +1,8 @@
 """The incident ledger as people look at it: table rows and a timeline of each incident's phases."""
 
-import base64
-import io
 import time
 
+from tasks.plots import markdown_image, png, pyplot
 from tasks.recovery.ledger import PHASES, Incident
 
 
@@ -39,10 +38,7 @@ def incident_rows(found: list[Incident]) -> list[dict]:
 
 def timeline_png(found: list[Incident]) -> bytes:
     """One bar per incident, split into the spans between its phases (seconds from its start)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(11, 0.6 * max(3, len(found)) + 1.6), dpi=100)
     colours = plt.get_cmap("tab10")
@@ -71,20 +67,13 @@ def timeline_png(found: list[Incident]) -> bytes:
         ax.legend(
             fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="span from", title_fontsize=7
         )
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    return buffer.getvalue()
+    return png(fig)
 
 
 def incidents_markdown(job: str, found: list[Incident]) -> str:
-    image = base64.b64encode(timeline_png(found)).decode()
+    image = markdown_image("recovery phases", timeline_png(found))
     last = found[-1]
-    return (
-        f"# incidents: {job}\n\n**{last.id}: {last.cls} -> {last.outcome}**: {last.reason}\n\n"
-        f"![recovery phases](data:image/png;base64,{image})\n"
-    )
+    return f"# incidents: {job}\n\n**{last.id}: {last.cls} -> {last.outcome}**: {last.reason}\n\n{image}\n"
 
 
 def plan_markdown(plan) -> str:

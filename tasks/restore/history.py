@@ -7,13 +7,12 @@ budget) is drawn from it for the UI and the terminal, and so is the estimate of 
 window at production size.
 """
 
-import base64
-import io
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
 from tasks.checkpoint.layout import HISTORY
+from tasks.plots import markdown_image, png, pyplot
 from tasks.storage.local import append_jsonl, read_jsonl
 
 
@@ -154,10 +153,7 @@ def continuation_word(drill: dict) -> str:
 
 def trend_png(drills: list[dict]) -> bytes:
     """The restore window per drill and source, with each source's budget, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 3.5), dpi=100)
     colours = {DrillSource.SHARED: "tab:blue", DrillSource.ARCHIVE: "tab:orange"}
@@ -192,20 +188,13 @@ def trend_png(drills: list[dict]) -> bytes:
     ax.set_ylabel("restore window (s)")
     ax.set_title("restore drills: copy + verify + load")
     ax.legend(loc="upper left", fontsize="small")
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    return buffer.getvalue()
+    return png(fig)
 
 
 def continuation_png(drill: dict) -> bytes:
     """The original and the continued run's loss and learning rate over the drill's continued
     iterations, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     drawn = drill["continuation_series"]
     iterations = drawn["iteration"]
@@ -221,19 +210,14 @@ def continuation_png(drill: dict) -> bytes:
         f"continuation from iteration {drill['iteration']} ({continuation_word(drill) or 'not run'})",
         fontsize="medium",
     )
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    return buffer.getvalue()
+    return png(fig)
 
 
 def continuation_markdown(drill: dict) -> str:
-    image = base64.b64encode(continuation_png(drill)).decode()
     lines = [
         f"# continuation drill: {drill['job']}, iteration {drill['iteration']}",
         "",
-        f"![loss and learning rate, original and continued](data:image/png;base64,{image})",
+        markdown_image("loss and learning rate, original and continued", continuation_png(drill)),
         "",
         "| iteration | original loss | continued loss | original lr | continued lr |",
         "|---|---|---|---|---|",
@@ -248,11 +232,10 @@ def continuation_markdown(drill: dict) -> str:
 
 
 def trend_markdown(job: str, found: History) -> str:
-    image = base64.b64encode(trend_png(found.drills)).decode()
     lines = [
         f"# restore drills: {job}",
         "",
-        f"![restore window per drill](data:image/png;base64,{image})",
+        markdown_image("restore window per drill", trend_png(found.drills)),
         "",
     ]
     if found.predicted:
