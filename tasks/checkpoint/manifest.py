@@ -10,6 +10,7 @@ changes ``status`` and
 import json
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,9 +18,10 @@ from pathlib import Path
 import pydantic
 
 from tasks import __version__
+from tasks.checkpoint import layout
 from tasks.checkpoint.layout import CORE_FILES, MANIFEST
 from tasks.checkpoint.state import State
-from tasks.errors import Malformed, unreadable
+from tasks.errors import CkptopsError, Malformed, unreadable
 from tasks.outcome import Check
 from tasks.storage.local import atomic_write, list_files, read_json_state
 
@@ -172,6 +174,24 @@ def valid_for_this_save(directory: Path, iteration: int) -> Manifest | None:
     ):
         return None
     return manifest
+
+
+def verified_newest_first(save_dir: Path, below: int | None = None) -> Iterator[tuple[int, Manifest]]:
+    """The job's checkpoints (those before iteration ``below``, if given) whose manifests say
+    valid for the save on disk, newest first, with their manifests; one that cannot be read, or
+    was deleted by retention meanwhile, is passed over."""
+    save_dir = Path(save_dir)
+    try:
+        iterations = layout.list_iterations(save_dir)
+    except OSError as e:
+        raise unreadable(save_dir, e) from None
+    for iteration in reversed([i for i in iterations if below is None or i < below]):
+        try:
+            manifest = valid_for_this_save(save_dir / layout.iter_dir_name(iteration), iteration)
+        except (CkptopsError, FileNotFoundError):
+            continue  # deleted by retention while we listed, or a manifest not to trust
+        if manifest is not None:
+            yield iteration, manifest
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:

@@ -46,6 +46,7 @@ from tasks.checkpoint.manifest import (
     read_manifest,
     save_identity,
     valid_for_this_save,
+    verified_newest_first,
     write_manifest,
 )
 from tasks.checkpoint.scan import FileScan, scan_files
@@ -518,19 +519,8 @@ class _Verifier:
     def _previous(self) -> Manifest | None:
         """The newest verified checkpoint of the job before this one: its manifest, valid for
         the save on disk (one that cannot be read, or describes an older save, is passed over)."""
-        save_dir = self.directory.parent
-        try:
-            earlier = [i for i in layout.list_iterations(save_dir) if i < self.iteration]
-        except OSError as e:
-            raise unreadable(save_dir, e) from None
-        for iteration in reversed(earlier):
-            try:
-                manifest = valid_for_this_save(save_dir / layout.iter_dir_name(iteration), iteration)
-            except (CkptopsError, FileNotFoundError):
-                continue  # deleted by retention while we listed, or a manifest not to trust
-            if manifest is not None:
-                return manifest
-        return None
+        found = next(verified_newest_first(self.directory.parent, below=self.iteration), None)
+        return found[1] if found else None
 
     def _check_layout(self, args) -> None:
         stored = self._layout(args)

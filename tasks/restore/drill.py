@@ -26,7 +26,7 @@ from tasks.archive.copy import archived_manifest, committed_iterations, entry_ke
 from tasks.checkpoint import layout
 from tasks.checkpoint.facts import scheduler_unit
 from tasks.checkpoint.lock import job_lock
-from tasks.checkpoint.manifest import Manifest, now_iso, valid_for_this_save
+from tasks.checkpoint.manifest import Manifest, now_iso, valid_for_this_save, verified_newest_first
 from tasks.checkpoint.pins import pinned
 from tasks.checkpoint.pointer import promoted
 from tasks.checkpoint.state import State, VerifyOptions
@@ -172,7 +172,9 @@ class _Drill:
         return self._download(target)
 
     def _copy_shared(self, target: Path) -> Manifest:
-        iteration = self._comparable(promoted(self.save_dir).iteration, self._verified_iterations())
+        iteration = self._comparable(
+            promoted(self.save_dir).iteration, [i for i, _ in verified_newest_first(self.save_dir)]
+        )
         source = self.save_dir / layout.iter_dir_name(iteration)
         destination = target / layout.iter_dir_name(iteration)
         self.report.iteration, self.report.location = iteration, str(source)
@@ -230,18 +232,6 @@ class _Drill:
             return newest  # nothing to compare yet: the continuation will say so
         self.passed_over = newest
         return max(older)
-
-    def _verified_iterations(self) -> list[int]:
-        """The job's checkpoints whose manifests say valid for the save on disk."""
-        found = []
-        for iteration in layout.list_iterations(self.save_dir):
-            try:
-                manifest = valid_for_this_save(self.save_dir / layout.iter_dir_name(iteration), iteration)
-            except (CkptopsError, FileNotFoundError):
-                continue  # removed by retention meanwhile, or a manifest not to trust
-            if manifest is not None:
-                found.append(iteration)
-        return found
 
     def _restored_dir(self, manifest: Manifest) -> Path:
         return self.scratch / "restore" / layout.iter_dir_name(manifest.iteration)
