@@ -30,7 +30,8 @@ import numpy as np
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
-from tasks.errors import UsageError
+from tasks.errors import Unreadable, UsageError
+from tasks.storage.local import open_regular
 
 # Each kind of train dataset Megatron caches: its description file's suffix and its index files.
 _GPT = "GPTDataset"
@@ -278,15 +279,25 @@ def _index_digests(descriptions: list[Path], known: dict | None = None) -> dict[
         try:
             stat = path.stat()
             earlier = (known or {}).get(path.name)
-            if earlier and (earlier["size"], earlier["mtime_ns"]) == (stat.st_size, stat.st_mtime_ns):
-                digest = earlier["sha256"]
-            else:
-                with open(path, "rb") as f:
-                    digest = hashlib.file_digest(f, "sha256").hexdigest()
+            same = earlier and (earlier["size"], earlier["mtime_ns"]) == (stat.st_size, stat.st_mtime_ns)
+            digest = earlier["sha256"] if same else _sha256(path)
         except OSError as e:
             raise UsageError(f"{path}: the dataset index cannot be read ({e.strerror})") from None
         found[path.name] = {"sha256": digest, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     return found
+
+
+def _sha256(path: Path) -> str:
+    """A dataset index file's SHA-256, read as a regular file only (``open_regular``: anything
+    else put in the cache, a FIFO, would block a plain open); ``UsageError`` naming it when it
+    cannot be read."""
+    try:
+        with open_regular(path) as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except Unreadable as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"{path}: {e.strerror or e}") from None
 
 
 def data_version(args, where: Path, known: dict | None = None) -> dict:
@@ -322,12 +333,10 @@ def changed_indices(recorded: dict) -> list[str]:
     each named with what changed; read again whatever their size and mtime say."""
     changed = []
     for name, was in (recorded.get("indices") or {}).items():
-        path = Path(recorded["cache"]) / name
         try:
-            with open(path, "rb") as f:
-                now = hashlib.file_digest(f, "sha256").hexdigest()
-        except OSError as e:
-            changed.append(f"{name}: {e.strerror}")
+            now = _sha256(Path(recorded["cache"]) / name)
+        except UsageError as e:
+            changed.append(str(e))
             continue
         if now != was["sha256"]:
             changed.append(f"{name}: sha256 {now[:12]}, recorded {was['sha256'][:12]}")
