@@ -53,7 +53,7 @@ def saving(trained, tmp_path):
 def test_files_read_while_the_save_goes_on_give_the_verdict_without_a_second_read(saving, options):
     source, target, write = saving
     options = replace(options, settle_seconds=0, writes_integrity_json=True)
-    prescan = Prescan(target, 0, options.segment_bytes, sha256=True)
+    prescan = Prescan(target, 0, options.hashing, sha256=True)
     write(DATA[0])
     assert prescan.step() == [DATA[0]]
     assert prescan.step() == []  # read once
@@ -76,10 +76,10 @@ def test_the_wait_reads_settled_files_and_leaves_fresh_ones(saving, options):
     _, target, write = saving
     for name in DATA:
         write(name)
-    fresh = Prescan(target, 3600, options.segment_bytes)
+    fresh = Prescan(target, 3600, options.hashing)
     assert wait_until_complete(target, options, 0.3, 0.1, fresh.step).state is State.IN_PROGRESS
     assert fresh.read == {}  # just written: not settled for an hour
-    settled = Prescan(target, 0, options.segment_bytes)
+    settled = Prescan(target, 0, options.hashing)
     wait_until_complete(target, options, 0.3, 0.1, settled.step)
     assert sorted(settled.read) == DATA
 
@@ -89,7 +89,7 @@ def test_a_file_rewritten_after_its_early_reading_is_read_again(saving, options)
     options = replace(options, settle_seconds=0, writes_integrity_json=True)
     for name in DATA:
         write(name)
-    prescan = Prescan(target, 0, options.segment_bytes, sha256=True)
+    prescan = Prescan(target, 0, options.hashing, sha256=True)
     assert prescan.step() == DATA
     # The writer rewrites the first file (a retry of its save) with a damaged byte.
     data = bytearray((target / DATA[0]).read_bytes())

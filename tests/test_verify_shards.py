@@ -26,7 +26,7 @@ from tasks.checkpoint.shards import (
 from tasks.checkpoint.slurm_engine import time_limit_seconds
 from tasks.checkpoint.state import State
 from tasks.errors import Malformed
-from tasks.storage.digest import FileHash, combine, comparable
+from tasks.storage.digest import FileHash, Hashing, combine, comparable
 from tests.conftest import flip_byte, iter_dir, verify_and_record_here
 
 MB = 1 << 20
@@ -34,29 +34,64 @@ MB = 1 << 20
 
 def test_a_file_within_one_segment_keeps_its_plain_xxh3_hash():
     data = os.urandom(3000)
-    hasher = FileHash(4096)
+    hasher = FileHash(Hashing(segment_bytes=4096))
     hasher.update(data)
     assert combine(hasher.finish()) == xxhash.xxh3_128(data).hexdigest()
-    empty = FileHash(4096)
+    empty = FileHash(Hashing(segment_bytes=4096))
     assert combine(empty.finish()) == xxhash.xxh3_128(b"").hexdigest()
 
 
 def test_a_longer_file_hashes_its_segment_digests_however_it_is_fed():
     data = os.urandom(10_000)
-    whole = FileHash(4096)
+    whole = FileHash(Hashing(segment_bytes=4096))
     whole.update(data)
     expected = xxhash.xxh3_128(
         b"".join(xxhash.xxh3_128(data[i : i + 4096]).digest() for i in range(0, len(data), 4096))
     ).hexdigest()
     assert combine(whole.finish()) == expected
     # Two readers, each starting on a segment boundary, in odd-sized writes.
-    first, second = FileHash(4096, 0), FileHash(4096, 8192)
+    first, second = FileHash(Hashing(segment_bytes=4096), 0), FileHash(Hashing(segment_bytes=4096), 8192)
     for i in range(0, 8192, 1000):
         first.update(data[i : min(i + 1000, 8192)])
     second.update(data[8192:])
     assert combine(first.finish() + second.finish()) == expected
     with pytest.raises(ValueError, match="not on a 4096-byte segment boundary"):
-        FileHash(4096, 100)
+        FileHash(Hashing(segment_bytes=4096), 100)
+
+
+# Published values, from implementations other than the ones we call: BLAKE3's official test
+# vectors (github.com/BLAKE3-team/BLAKE3, test_vectors.json: input byte i is i % 251) and FIPS
+# 180-2's SHA-256 of "abc".
+BLAKE3_EMPTY = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+BLAKE3_1024 = "42214739f095a406f3fc83deb889744ac00df831c10daa55189b5d121c855af7"
+SHA256_ABC = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+
+
+def test_cryptographic_digests_within_one_segment_are_the_standard_ones():
+    blake = Hashing("blake3", 4096)
+    assert combine(FileHash(blake).finish(), "blake3") == BLAKE3_EMPTY
+    vector = FileHash(blake)
+    vector.update(bytes(i % 251 for i in range(1024)))
+    assert combine(vector.finish(), "blake3") == BLAKE3_1024
+    sha = FileHash(Hashing("sha256", 4096))
+    sha.update(b"abc")
+    assert combine(sha.finish(), "sha256") == SHA256_ABC
+    with pytest.raises(ValueError, match="unknown hash algorithm 'md5'"):
+        Hashing("md5")
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_spans_of_a_file_read_apart_agree_with_one_reader_for_every_digest(tmp_path, algorithm):
+    path = tmp_path / "a.distcp"
+    path.write_bytes(os.urandom(3 * MB + 5))
+    hashing = Hashing(algorithm, MB)
+    whole = scan_file(path, [], hashing=hashing)
+    spans = [
+        scan_file(path, [], hashing=hashing, span=(a, b)) for a, b in [(0, 2 * MB), (2 * MB, 3 * MB + 5)]
+    ]
+    assert combine([d for s in spans for d in s.segments], algorithm) == whole.hash
+    assert all(len(d) == hashing.digest_bytes == 32 for s in spans for d in s.segments)
+    assert whole.hash != scan_file(path, [], hashing=Hashing("xxh3-128", MB)).hash
 
 
 def test_hashes_are_comparable_only_where_segments_cannot_differ():
@@ -71,11 +106,13 @@ def test_spans_of_a_real_data_file_give_the_whole_files_hash_crcs_and_failures(m
     records = build_index(load_dcp_metadata(directory / ".metadata")).files["__0_0.distcp"]
     path = directory / "__0_0.distcp"
     size = path.stat().st_size
-    whole = scan_file(path, records, segment_bytes=MB)
+    whole = scan_file(path, records, hashing=Hashing(segment_bytes=MB))
     assert whole.failures == [] and whole.records == len(records) and size > 4 * MB
     cuts = [0, 2 * MB, 3 * MB, size]
     spans = [
-        scan_file(path, owned_records(records, a, b, b == size), segment_bytes=MB, span=(a, b))
+        scan_file(
+            path, owned_records(records, a, b, b == size), hashing=Hashing(segment_bytes=MB), span=(a, b)
+        )
         for a, b in zip(cuts, cuts[1:])
     ]
     assert combine([d for s in spans for d in s.segments]) == whole.hash
@@ -148,14 +185,14 @@ def test_a_missing_or_malformed_result_fails_its_shard(tmp_path, damage, message
     else:
         path = _result(tmp_path, shard, damage)
     with pytest.raises(Malformed, match=message):
-        read_result(path, shard, MB)
+        read_result(path, shard, Hashing(segment_bytes=MB))
 
 
 def test_a_result_with_the_wrong_number_of_segment_digests_is_refused(tmp_path):
     shard = Shard(0, [Piece("a.distcp", 0, 3 * MB, 3 * MB)])
     path = _result(tmp_path, shard)
     with pytest.raises(Malformed, match="1 segment digests, 3 expected"):
-        read_result(path, shard, MB)
+        read_result(path, shard, Hashing(segment_bytes=MB))
 
 
 def test_merge_joins_spans_in_order_and_a_resized_file_counts_as_changed(tmp_path):
@@ -190,10 +227,12 @@ def test_merge_joins_spans_in_order_and_a_resized_file_counts_as_changed(tmp_pat
 
 def test_a_span_of_a_file_gone_since_planning_reports_its_span_as_changed(tmp_path):
     shard = Shard(0, [Piece("gone.distcp", 0, 2 * MB, 3 * MB)])
-    scan = scan_file(tmp_path / "gone.distcp", [], segment_bytes=MB, span=(0, 2 * MB))
+    scan = scan_file(tmp_path / "gone.distcp", [], hashing=Hashing(segment_bytes=MB), span=(0, 2 * MB))
     assert scan.changed and (scan.start, scan.end) == (0, 2 * MB)
     ShardResult(0, 0, "n1", 0.1, 0, [PieceResult.of(scan)]).write(tmp_path)
-    result = read_result(result_path(tmp_path, 0, 0), shard, MB)  # accepted: it says changed
+    result = read_result(
+        result_path(tmp_path, 0, 0), shard, Hashing(segment_bytes=MB)
+    )  # accepted: it says changed
     assert merge([shard], {0: result}, {"gone.distcp": None})["gone.distcp"].changed
 
 
@@ -204,11 +243,11 @@ def test_a_result_that_skipped_records_or_a_needed_sha256_is_refused(tmp_path):
     data["pieces"][0]["records"] = 0
     path.write_text(json.dumps(data))
     with pytest.raises(Malformed, match="0 records checked, 4 planned"):
-        read_result(path, shard, MB)
+        read_result(path, shard, Hashing(segment_bytes=MB))
     data["pieces"][0]["records"] = 4
     path.write_text(json.dumps(data))
     with pytest.raises(Malformed, match="no SHA-256, which integrity.json needs"):
-        read_result(path, shard, MB)
+        read_result(path, shard, Hashing(segment_bytes=MB))
 
 
 def test_slurm_time_limits_parse_as_slurm_reads_them():
@@ -221,11 +260,16 @@ def test_slurm_time_limits_parse_as_slurm_reads_them():
 
 def test_an_old_manifest_of_whole_file_hashes_stays_the_reference(medium_save_dir, options):
     directory = iter_dir(medium_save_dir, 4)
-    first = verify_and_record_here(directory, replace(options, segment_bytes=None))  # as before segments
+    first = verify_and_record_here(
+        directory, replace(options, hashing=Hashing(segment_bytes=None))
+    )  # as before segments
     assert first.ok and first.manifest.hash_segment_bytes is None
     # Files of 20 MB in 1 MB segments: the reference's whole-file hashes are taken its way.
-    again = verify_and_record_here(directory, replace(options, segment_bytes=MB))
+    again = verify_and_record_here(directory, replace(options, hashing=Hashing(segment_bytes=MB)))
     assert again.ok and again.manifest.verified_at == first.manifest.verified_at
     assert read_manifest(directory).files == first.manifest.files
     flip_byte(directory / "__0_0.distcp", 100)
-    assert verify_and_record_here(directory, replace(options, segment_bytes=MB)).state is State.INVALID
+    assert (
+        verify_and_record_here(directory, replace(options, hashing=Hashing(segment_bytes=MB))).state
+        is State.INVALID
+    )

@@ -31,7 +31,8 @@ MB = 1 << 20
 
 
 def write_profile(tmp_path: Path, save_dir: Path, layout: str = "data_parallel: 2", **slurm) -> Path:
-    """1 MB hash segments, so the test checkpoints' files are split over the shards."""
+    """1 MB hash segments, so the test checkpoints' files are split over the shards; BLAKE3, whose
+    32-byte segment digests the shard results carry (XXH3's are 16)."""
     settings = {
         "nodes": 3,
         "partition": "debug",
@@ -46,7 +47,13 @@ def write_profile(tmp_path: Path, save_dir: Path, layout: str = "data_parallel: 
             "megatron_core_version": "0.19.2",
             "layout": yaml.safe_load(layout),
         },
-        "verify": {"segment_mb": 1, "lock_timeout_seconds": 30, "engine": "slurm", "slurm": settings},
+        "verify": {
+            "segment_mb": 1,
+            "digest": "blake3",
+            "lock_timeout_seconds": 30,
+            "engine": "slurm",
+            "slurm": settings,
+        },
     }
     path = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*.yaml')))}.yaml"
     path.write_text(yaml.safe_dump(profile))

@@ -123,7 +123,7 @@ def _upload(store: ArchiveStore, job: str, directory: Path, manifest: Manifest, 
 
 def _mismatches(store: ArchiveStore, job: str, manifest: Manifest, progress) -> list[str]:
     expected = {entry_key(job, manifest.iteration, f.path): (f.size, f.hash) for f in manifest.files}
-    found = store.hash_objects(list(expected), progress, manifest.hash_segment_bytes)
+    found = store.hash_objects(list(expected), manifest.hashing, progress)
     return sorted(key for key, want in expected.items() if found.get(key) != want)
 
 

@@ -26,6 +26,7 @@ from tasks.checkpoint.lock import Held
 from tasks.checkpoint.scan import FileScan, Record, scan_file, stat_key
 from tasks.checkpoint.state import VerifyOptions, wait_until_complete
 from tasks.checkpoint.verify import Verification, verify_and_record
+from tasks.storage.digest import Hashing
 
 _EOCD = b"PK\x05\x06"
 _EOCD_SIZE = 22
@@ -67,12 +68,10 @@ def walk_records(path: Path) -> list[tuple[int, int]] | None:
 class Prescan:
     """Early readings of one checkpoint's data files; ``step`` reads what has settled since."""
 
-    def __init__(
-        self, directory: Path, settle_seconds: float, segment_bytes: int | None, sha256: bool = False
-    ):
+    def __init__(self, directory: Path, settle_seconds: float, hashing: Hashing, sha256: bool = False):
         self.directory = Path(directory)
         self.settle_seconds = settle_seconds
-        self.segment_bytes = segment_bytes
+        self.hashing = hashing
         self.sha256 = sha256  # the job writes integrity.json: take its SHA-256s on the way
         self.read: dict[str, tuple[list[int], list[tuple[int, int]], FileScan]] = {}
         self._lock = threading.Lock()
@@ -104,7 +103,7 @@ class Prescan:
             if walked is None:
                 return False
             records = [Record(f"record {i}", path.name, o, n) for i, (o, n) in enumerate(walked)]
-            scan = scan_file(path, records, self.sha256, segment_bytes=self.segment_bytes)
+            scan = scan_file(path, records, self.sha256, hashing=self.hashing)
             if scan.changed or scan.unreadable is not None or stat_key(path.stat()) != stat_key(st):
                 return False
         except (OSError, struct.error):
@@ -148,6 +147,6 @@ def wait_and_verify(
     """Wait for a save to finish, reading its data files as they settle, then verify it and
     record the verdict (under ``held``, the job lock): the verdict comes seconds after the last
     file instead of a whole read later."""
-    prescan = Prescan(directory, options.settle_seconds, options.segment_bytes, options.writes_integrity_json)
+    prescan = Prescan(directory, options.settle_seconds, options.hashing, options.writes_integrity_json)
     wait_until_complete(directory, options, timeout_seconds, poll_seconds, prescan.step)
     return verify_and_record(directory, options, held, progress, watch=watch, prescan=prescan)

@@ -34,7 +34,9 @@ import torch
 from isal import isal_zlib
 
 from tasks.checkpoint.values import RecordValues, ValueScan, tensor_dtype
-from tasks.storage.digest import FileHash, combine
+from tasks.storage.digest import FileHash, Hashing, combine
+
+WHOLE_FILES = Hashing(segment_bytes=None)  # XXH3-128 of each file as one segment, unless told
 
 WINDOW = 1 << 20
 _ALIGN = 64  # bytes: a cache line, and a multiple of every element size
@@ -316,7 +318,7 @@ def scan_file(
     records: list[Record],
     want_sha256: bool = False,
     progress: OnBytes | None = None,
-    segment_bytes: int | None = None,
+    hashing: Hashing = WHOLE_FILES,
     span: tuple[int, int] | None = None,
     uncached: bool = False,
 ) -> FileScan:
@@ -350,7 +352,7 @@ def scan_file(
             os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
         os.posix_fadvise(fd, start, 0, os.POSIX_FADV_SEQUENTIAL)
         ranges = _plan_file(fd, records, scan)
-        hasher = FileHash(segment_bytes, start)
+        hasher = FileHash(hashing, start)
         sha = hashlib.sha256() if want_sha256 else None
         buffer = bytearray(WINDOW + _ALIGN)
         view = memoryview(buffer)
@@ -377,7 +379,7 @@ def scan_file(
         crcs.close(pos)
         scan.start, scan.end = start, end if span else hasher.position
         scan.segments = hasher.finish()
-        scan.hash = combine(scan.segments) if span is None else None
+        scan.hash = combine(scan.segments, hashing.algorithm) if span is None else None
         scan.sha256 = sha.hexdigest() if sha is not None else None
         scan.stat = stat_key(before)
         scan.changed = stat_key(os.fstat(fd)) != stat_key(before) or hasher.position != end
@@ -398,7 +400,7 @@ def scan_files(
     sha256_for: set[str] = frozenset(),
     threads: int = 0,
     progress: OnBytes | None = None,
-    segment_bytes: int | None = None,
+    hashing: Hashing = WHOLE_FILES,
 ) -> dict[str, FileScan]:
     """Scan many files in parallel, largest first so the last thread does not start last."""
     threads = threads or os.cpu_count() or 1
@@ -422,7 +424,7 @@ def scan_files(
                 files[name],
                 name in sha256_for,
                 locked_progress if progress else None,
-                segment_bytes,
+                hashing,
             ),
             order,
         )

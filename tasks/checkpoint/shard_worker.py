@@ -70,7 +70,7 @@ def read_shard(plan: ShardPlan, shard_index: int, attempt: int, node: str, work:
                 records.get(piece.name, []),
                 piece.sha256,
                 counter,
-                plan.segment_bytes,
+                plan.hashing,
                 (piece.start, piece.end),
                 uncached=plan.drop_cache,
             )

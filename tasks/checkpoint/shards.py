@@ -30,7 +30,7 @@ import pydantic
 from tasks.checkpoint.scan import FileScan, Record, owned_records
 from tasks.checkpoint.values import RecordValues
 from tasks.errors import Malformed
-from tasks.storage.digest import combine
+from tasks.storage.digest import XXH3, Hashing, combine
 from tasks.storage.local import atomic_write
 
 PLAN = "plan.json"
@@ -75,6 +75,11 @@ class ShardPlan:
     shards: list[Shard]
     max_read_mbps: float | None = None
     drop_cache: bool = True
+    algorithm: str = XXH3
+
+    @property
+    def hashing(self) -> Hashing:
+        return Hashing(self.algorithm, self.segment_bytes)
 
     def shard_for_task(self, task: int) -> int:
         return (task - self.rotation) % len(self.shards)
@@ -205,7 +210,7 @@ class ShardResult:
         atomic_write(path, json.dumps(asdict(self), sort_keys=True).encode())
 
 
-def read_result(path: Path, shard: Shard, segment_bytes: int | None) -> ShardResult:
+def read_result(path: Path, shard: Shard, hashing: Hashing) -> ShardResult:
     """A task's result, checked against what its shard was planned to read: anything missing,
     unparsable or not matching the plan is ``Malformed`` (the shard failed; never a pass)."""
     try:
@@ -240,9 +245,9 @@ def read_result(path: Path, shard: Shard, segment_bytes: int | None) -> ShardRes
             isinstance(piece.sha256, str) and len(piece.sha256) == 64 and _is_hex(piece.sha256)
         ):
             raise Malformed(f"{path}: {piece.name}: no SHA-256, which integrity.json needs")
-        want = expected_segments(planned, segment_bytes)
+        want = expected_segments(planned, hashing.segment_bytes)
         if len(piece.segments) != want or not all(
-            isinstance(s, str) and len(s) == 32 and _is_hex(s) for s in piece.segments
+            isinstance(s, str) and len(s) == 2 * hashing.digest_bytes and _is_hex(s) for s in piece.segments
         ):
             raise Malformed(
                 f"{path}: {piece.name} at {piece.start}: "
@@ -265,7 +270,10 @@ def _is_hex(text: str) -> bool:
 
 
 def merge(
-    shards: list[Shard], results: dict[int, ShardResult], stats: dict[str, list[int] | None]
+    shards: list[Shard],
+    results: dict[int, ShardResult],
+    stats: dict[str, list[int] | None],
+    algorithm: str = XXH3,
 ) -> dict[str, FileScan]:
     """Per-file scans from every shard's result (each shard must have one): the spans of a file
     joined in order, their segment digests combined into the file's hash. A file counts as
@@ -289,7 +297,7 @@ def merge(
             scan.changed |= result.changed or result.size != planned or result.stat != stats.get(name)
             scan.segments += [bytes.fromhex(s) for s in result.segments]
             scan.sha256 = result.sha256 if piece.sha256 else scan.sha256
-        scan.hash = combine(scan.segments)
+        scan.hash = combine(scan.segments, algorithm)
         scans[name] = scan
     return scans
 

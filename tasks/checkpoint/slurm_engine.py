@@ -42,6 +42,7 @@ from tasks.checkpoint.shards import (
 )
 from tasks.cluster import process, slurm
 from tasks.errors import CkptopsError, Malformed, Unreadable, UsageError, unreadable
+from tasks.storage.digest import Hashing
 
 RETRIES = 2
 WORK_DIR = ".ckptops-verify"
@@ -173,7 +174,7 @@ class SlurmEngine:
         directory: Path,
         files: dict[str, list[Record]],
         sha256_for: set[str],
-        segment_bytes: int | None,
+        hashing: Hashing,
     ) -> dict[str, FileScan]:
         if shutil.which("srun") is None:
             raise UsageError(
@@ -185,16 +186,17 @@ class SlurmEngine:
         sizes = {name: st[1] if st else 0 for name, st in stats.items()}
         per_node = self.settings.ntasks_per_node
         shards, owned = assign_records(
-            plan_shards(sizes, len(nodes) * per_node, segment_bytes, set(sha256_for)), files
+            plan_shards(sizes, len(nodes) * per_node, hashing.segment_bytes, set(sha256_for)), files
         )
         used_nodes = -(-len(shards) // per_node)
         plan = ShardPlan(
             str(directory),
-            segment_bytes,
+            hashing.segment_bytes,
             per_node if used_nodes > 1 else 0,
             shards,
             self.settings.max_read_mbps,
             self.settings.drop_cache,
+            hashing.algorithm,
         )
         root = Path(self.settings.work_dir or directory.parent / WORK_DIR)
         work = root / f"{directory.name}-{uuid.uuid4().hex[:8]}"
@@ -213,7 +215,7 @@ class SlurmEngine:
         if failed:
             raise ShardsFailed(self._failure_line(directory, failed, shards, work))
         shutil.rmtree(work, ignore_errors=True)
-        return merge(shards, {s.index: s.result for s in self.statuses}, stats)
+        return merge(shards, {s.index: s.result for s in self.statuses}, stats, hashing.algorithm)
 
     # -- nodes
 
@@ -324,7 +326,7 @@ class SlurmEngine:
         if not _listed(path) and self._waiting(status.index, attempt.number):
             return
         try:
-            result = read_result(path, plan.shards[status.index], plan.segment_bytes)
+            result = read_result(path, plan.shards[status.index], plan.hashing)
         except Malformed as e:
             self._fail(status, attempt, self._last_words(work, plan, status.index, attempt, str(e)), events)
             return

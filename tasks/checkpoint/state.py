@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tasks.checkpoint import layout
 from tasks.errors import unreadable
-from tasks.storage.digest import DEFAULT_SEGMENT_BYTES
+from tasks.storage.digest import PROFILE_NAMES, Hashing
 from tasks.storage.local import list_files
 
 # Shards are written by many hosts and metadata.json by rank 0: tolerate this much clock skew
@@ -37,7 +37,7 @@ class VerifyOptions:
     settle_seconds: float = 30.0
     threads: int = 0
     layout: tuple[int, int, int] | None = None  # (tensor, pipeline, data) parallel, if known
-    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    hashing: Hashing = Hashing()  # the algorithm and segment size of new manifests' hashes
     engine: str = "local"  # or "slurm": the bytes are read by shard tasks on nodes (slurm_engine)
     slurm: object = None  # the profile's verify.slurm section, for the slurm engine
     overlap_save: bool = False  # read data files while the save still writes others (prescan)
@@ -56,7 +56,7 @@ class VerifyOptions:
             abandon_after_seconds=profile.verify.abandon_after_seconds,
             settle_seconds=profile.verify.settle_seconds,
             threads=profile.verify.threads,
-            segment_bytes=profile.verify.segment_mb << 20,
+            hashing=Hashing(PROFILE_NAMES[profile.verify.digest], profile.verify.segment_mb << 20),
             engine=profile.verify.engine,
             slurm=profile.verify.slurm,
             overlap_save=profile.verify.overlap_save,

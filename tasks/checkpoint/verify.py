@@ -38,7 +38,6 @@ from tasks.checkpoint.dcp import (
 )
 from tasks.checkpoint.lock import Held, job_lock
 from tasks.checkpoint.manifest import (
-    HASH_ALGORITHM,
     CorruptManifest,
     FileEntry,
     Manifest,
@@ -53,7 +52,7 @@ from tasks.checkpoint.scan import FileScan, scan_files
 from tasks.checkpoint.state import State, VerifyOptions, completeness
 from tasks.errors import CkptopsError, UsageError, unreadable
 from tasks.outcome import Check, Outcome, failed, passed
-from tasks.storage.digest import comparable
+from tasks.storage.digest import ALGORITHMS, Hashing, comparable
 from tasks.storage.local import list_files
 
 
@@ -72,6 +71,7 @@ class Verification:
     # False when the directory's manifest cannot be trusted: it is kept as evidence, never
     # replaced (a corruption it would have caught could be accepted as the new reference).
     recordable: bool = True
+    signed_by: str | None = None  # the key that signed the manifest written (signing)
 
     @property
     def ok(self) -> bool:
@@ -183,7 +183,7 @@ class _Verifier:
         self.prescan = prescan
         self.read_early: list[str] = []
         self.shards: list[dict] = []
-        self.segment_bytes = options.segment_bytes
+        self.hashing = options.hashing
         self.stats: dict[str, state_content.TensorStats] | None = None
         self.object_families: list[str] | None = None
         self.step: int | None = None
@@ -258,7 +258,7 @@ class _Verifier:
             manifest is not None
             and manifest.files
             and manifest.verified_at
-            and manifest.hash_algorithm == HASH_ALGORITHM
+            and manifest.hash_algorithm in ALGORITHMS
             and manifest.same_save(self.files)
         ):
             self.reference = manifest
@@ -362,14 +362,16 @@ class _Verifier:
         files = {
             name: [r for r in referenced.get(name, []) if r.offset >= 0 and r.length > 0] for name in present
         }
-        # Hashes are compared with the reference's, taken the way it took them (an older
-        # manifest's whole-file hashes, or another segment size), whatever the profile says now.
-        if self.reference is not None and not comparable(
-            self.reference.hash_segment_bytes, self.segment_bytes, [f.size for f in self.reference.files]
-        ):
-            self.segment_bytes = self.reference.hash_segment_bytes
+        # Hashes are compared with the reference's, taken the way it took them (its algorithm, an
+        # older manifest's whole-file hashes, or another segment size), whatever the profile says now.
+        if self.reference is not None:
+            reference = self.reference
+            segment = self.hashing.segment_bytes
+            if not comparable(reference.hash_segment_bytes, segment, [f.size for f in reference.files]):
+                segment = reference.hash_segment_bytes
+            self.hashing = Hashing(reference.hash_algorithm, segment)
         early = {}
-        if self.prescan is not None and self.segment_bytes == self.prescan.segment_bytes:
+        if self.prescan is not None and self.hashing == self.prescan.hashing:
             early = {n: s for n in files if (s := self.prescan.reuse(n, files[n])) is not None}
             # integrity.json lists SHA-256s: an early reading counts only if it took one too.
             early = {n: s for n, s in early.items() if n not in self.integrity or s.sha256}
@@ -388,13 +390,13 @@ class _Verifier:
         """Every byte read once: by this host's threads, or by shard tasks on Slurm nodes."""
         if self.options.engine != "slurm":
             return scan_files(
-                self.directory, files, sha256_for, self.options.threads, self.progress, self.segment_bytes
+                self.directory, files, sha256_for, self.options.threads, self.progress, self.hashing
             )
         from tasks.checkpoint.slurm_engine import SlurmEngine
 
         engine = SlurmEngine(self.options.slurm, self.progress, self.watch)
         try:
-            return engine.scan(self.directory, files, sha256_for, self.segment_bytes)
+            return engine.scan(self.directory, files, sha256_for, self.hashing)
         finally:
             self.shards = [s.row() for s in engine.statuses]
 
@@ -421,7 +423,9 @@ class _Verifier:
                 self.checks.fail(VerifyCheck.MANIFEST, name, f"size {scan.size}, manifest says {entry.size}")
             elif scan.hash != entry.hash:
                 self.checks.fail(
-                    VerifyCheck.MANIFEST, name, f"content differs from the manifest ({HASH_ALGORITHM})"
+                    VerifyCheck.MANIFEST,
+                    name,
+                    f"content differs from the manifest ({self.hashing.algorithm})",
                 )
         # A data file the save did not have is an error; a file added later by a finalize step
         # (integrity.json, a tokenizer) is not part of what was verified, and is only noted.
@@ -567,7 +571,8 @@ class _Verifier:
             verified_at=reference.verified_at if reference else (checked_at if valid else None),
             checked_at=checked_at,
             save_identity=reference.save_identity if reference else save_identity(self.files),
-            hash_segment_bytes=reference.hash_segment_bytes if reference else self.segment_bytes,
+            hash_algorithm=reference.hash_algorithm if reference else self.hashing.algorithm,
+            hash_segment_bytes=reference.hash_segment_bytes if reference else self.hashing.segment_bytes,
             verifier=self._verifier(),
             tensors={k: asdict(v) for k, v in self.stats.items()} if self.stats is not None else None,
             objects=self.object_families,
@@ -711,7 +716,7 @@ def verify_and_record(
         raise CkptopsError(f"{directory}: recording its manifest needs its save directory's job lock")
     result = verify_checkpoint(directory, options, progress, watch=watch, prescan=prescan)
     if result.manifest is not None and result.recordable:
-        write_manifest(result.directory, result.manifest)
+        result.signed_by = write_manifest(result.directory, result.manifest)
     return result
 
 

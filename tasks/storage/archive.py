@@ -16,7 +16,7 @@ import fsspec
 from fsspec.callbacks import Callback
 
 from tasks.errors import CkptopsError
-from tasks.storage.digest import FileHash, combine
+from tasks.storage.digest import FileHash, Hashing, combine
 from tasks.storage.local import atomic_write, make_durable
 
 READ_BLOCK = 8 << 20
@@ -187,32 +187,32 @@ class ArchiveStore:
         self._parallel(get, pairs)
 
     def hash_object(
-        self, key: str, progress: Callable[[int], None] | None = None, segment_bytes: int | None = None
+        self, key: str, hashing: Hashing, progress: Callable[[int], None] | None = None
     ) -> tuple[int, str]:
-        """Read an object back and hash it the way manifests do (size, segmented XXH3-128)."""
+        """Read an object back and hash it the way its manifest does (size and ``hashing``)."""
 
         def read_back():
-            hasher = FileHash(segment_bytes)
+            hasher = FileHash(hashing)
             with self.fs.open(self._path(key), "rb", block_size=READ_BLOCK) as f:
                 while chunk := f.read(READ_BLOCK):
                     hasher.update(chunk)
                     if progress:
                         progress(len(chunk))
-            return hasher.position, combine(hasher.finish())
+            return hasher.position, combine(hasher.finish(), hashing.algorithm)
 
         return self._call("read-back", key, read_back)
 
     def hash_objects(
         self,
         keys: list[str],
+        hashing: Hashing,
         progress: Callable[[int], None] | None = None,
-        segment_bytes: int | None = None,
     ) -> dict[str, tuple[int, str] | None]:
         """Read back many objects in parallel; None for an object that is not there."""
 
         def one(key):
             try:
-                return key, self.hash_object(key, progress, segment_bytes)
+                return key, self.hash_object(key, hashing, progress)
             except FileNotFoundError:
                 return key, None
 

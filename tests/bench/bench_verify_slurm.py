@@ -26,6 +26,7 @@ from rich.table import Table
 from tasks.checkpoint.state import VerifyOptions
 from tasks.checkpoint.verify import verify_checkpoint
 from tasks.profile import SlurmVerify
+from tasks.storage.digest import Hashing
 from tests.bench.bench_verify import LARGE, LARGE_MODEL, checkpoint, data_files
 
 REPEATS = 3
@@ -64,7 +65,9 @@ def verify(directory: Path, engine: str, nodes: int = 1, cold: bool = False):
     settings = SlurmVerify(
         nodes=nodes, partition="debug", time_limit="00:20:00", drop_cache=cold, straggler_min_seconds=600
     )
-    options = VerifyOptions(job="bench", segment_bytes=SEGMENT, engine=engine, slurm=settings)
+    options = VerifyOptions(
+        job="bench", hashing=Hashing(segment_bytes=SEGMENT), engine=engine, slurm=settings
+    )
 
     def run():
         result = verify_checkpoint(directory, options)
