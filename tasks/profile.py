@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tasks.checkpoint import signing
 from tasks.errors import UsageError
 from tasks.health.xids import CRITICAL_XIDS
 
@@ -107,6 +108,11 @@ class Verify(_Section):
         description="while waiting for a save (--async-save), read each data file once it has "
         "settled; the verdict then comes seconds after the last file (local engine)",
     )
+    digest: Literal["xxh3", "blake3", "sha256"] = Field(
+        default="xxh3",
+        description="each file's hash in new manifests: xxh3 finds accidents; blake3 and sha256 are "
+        "cryptographic (what a signed manifest needs), read in the same pass as the CRCs",
+    )
     segment_mb: Annotated[int, Field(ge=1)] = Field(
         default=1024,
         description="files are hashed in segments of this size: the unit the Slurm engine splits files by",
@@ -146,6 +152,36 @@ class Verify(_Section):
     def _overlap_reads_here(self):
         if self.overlap_save and self.engine == "slurm":
             raise ValueError("overlap_save reads on the verifying host: it needs engine local")
+        return self
+
+
+class Sign(_Section):
+    """Signed manifests (tasks/checkpoint/signing.py): who may vouch for a checkpoint's bytes."""
+
+    key_file: Path | None = Field(
+        default=None,
+        description="an elliptic-curve private key (PEM; P-256, P-384 or P-521), readable by its "
+        "owner only: every manifest written is signed with it",
+    )
+    key_secret: str | None = Field(
+        default=None, description="a Prefect Secret block holding that private key instead of a file"
+    )
+    public_keys: list[Path] = Field(
+        default_factory=list,
+        description="the public keys (PEM) that may sign; a manifest signed by another key is untrusted",
+    )
+    required: bool = Field(
+        default=False,
+        description="an unsigned manifest, or one signed by a key not listed, is untrusted: never "
+        "promoted, copied, drilled or resumed from",
+    )
+
+    @model_validator(mode="after")
+    def _coherent(self):
+        if self.key_file is not None and self.key_secret is not None:
+            raise ValueError("key_file and key_secret: name one place for the key, not both")
+        if self.required and not self.public_keys:
+            raise ValueError("required: true needs public_keys, the keys that may sign")
         return self
 
 
@@ -500,7 +536,17 @@ class Profile(_Section):
     local_job: LocalJob | None = None
     recovery: Recovery | None = None
     notify: Notify | None = None
+    sign: Sign | None = None
     source: Path | None = Field(default=None, exclude=True)
+
+    @model_validator(mode="after")
+    def _signing_needs_a_cryptographic_digest(self):
+        if self.sign and (self.sign.key_file or self.sign.key_secret) and self.verify.digest == "xxh3":
+            raise ValueError(
+                "sign: a signature vouches only for cryptographic digests: "
+                "set verify.digest to blake3 or sha256"
+            )
+        return self
 
     @model_validator(mode="after")
     def _slurm_drill_has_settings(self):
@@ -533,14 +579,22 @@ def _resolve_paths(data: dict, base: Path) -> dict:
         ("recovery", "script"),
         ("recovery", "step_records"),
         ("recovery", "log_dir"),
+        ("sign", "key_file"),
+        ("sign", "public_keys"),
     ):
         values = data
         for key in path[:-1]:
             values = values.get(key) if isinstance(values, dict) else None
         value = values.get(path[-1]) if isinstance(values, dict) else None
-        if isinstance(value, str) and "://" not in value and not Path(value).is_absolute():
-            values[path[-1]] = str((base / value).resolve())
+        if isinstance(value, str):
+            values[path[-1]] = _resolve(value, base)
+        elif isinstance(value, list):
+            values[path[-1]] = [_resolve(v, base) if isinstance(v, str) else v for v in value]
     return data
+
+
+def _resolve(value: str, base: Path) -> str:
+    return value if "://" in value or Path(value).is_absolute() else str((base / value).resolve())
 
 
 def _one_line(error: ValidationError, path: Path) -> str:
@@ -581,4 +635,6 @@ def load_profile(name_or_path: str | Path | None = None) -> Profile:
         profile = Profile.model_validate(_resolve_paths(data, path.resolve().parent))
     except ValidationError as e:
         raise UsageError(_one_line(e, path)) from None
+    # Every manifest of its save directory is signed and checked as its sign section says.
+    signing.register(profile)
     return profile.model_copy(update={"source": path.resolve()})

@@ -24,6 +24,7 @@ METADATA_JSON = "metadata.json"
 DCP_METADATA = ".metadata"
 INTEGRITY_JSON = "integrity.json"
 MANIFEST = "manifest.json"
+SIGNATURE = "manifest.sig"  # tasks.checkpoint.signing
 DATA_SUFFIX = ".distcp"
 KNOWN_BACKENDS = {"torch_dist"}
 
@@ -67,7 +68,7 @@ CORE_FILES = (METADATA_JSON, DCP_METADATA)
 
 def is_own_file(name: str) -> bool:
     """Files ckptops writes into a checkpoint: never part of what is verified."""
-    return name == MANIFEST or name.startswith(MANIFEST + TEMP_MARK)
+    return name in (MANIFEST, SIGNATURE) or name.startswith((MANIFEST + TEMP_MARK, SIGNATURE + TEMP_MARK))
 
 
 def is_checkpoint_content(name: str) -> bool:

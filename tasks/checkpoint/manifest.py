@@ -18,18 +18,18 @@ from pathlib import Path
 import pydantic
 
 from tasks import __version__
-from tasks.checkpoint import layout
+from tasks.checkpoint import layout, signing
 from tasks.checkpoint.layout import CORE_FILES, MANIFEST
 from tasks.checkpoint.state import State
 from tasks.errors import CkptopsError, Malformed, unreadable
 from tasks.outcome import Check
-from tasks.storage.local import atomic_write, list_files, read_json_state
+from tasks.storage.digest import XXH3, Hashing
+from tasks.storage.local import atomic_write, list_files, read_state
 
 # 2: checks carry an outcome word (pass, fail) instead of ok: true/false. Version 1 still reads.
 # 3: per-tensor statistics (tensors), object families (objects) and the optimizer's step.
 SCHEMA_VERSION = 3
 READABLE_SCHEMAS = (1, 2, 3)
-HASH_ALGORITHM = "xxh3-128"
 
 
 def now_iso() -> str:
@@ -38,6 +38,10 @@ def now_iso() -> str:
 
 class CorruptManifest(Malformed):
     """A manifest that is there but cannot be trusted (does not parse, wrong shape or types)."""
+
+
+class UntrustedManifest(CorruptManifest):
+    """A manifest whose signature the profile's ``sign`` policy does not accept (``signing``)."""
 
 
 @dataclass
@@ -67,7 +71,7 @@ class Manifest:
     checked_at: str
     save_identity: dict = field(default_factory=dict)
     verifier: dict = field(default_factory=lambda: {"ckptops": __version__, "host": socket.gethostname()})
-    hash_algorithm: str = HASH_ALGORITHM
+    hash_algorithm: str = XXH3  # see tasks.storage.digest; manifests before BLAKE3 have no other
     hash_segment_bytes: int | None = None  # see tasks.storage.digest; None: whole-file hashes
     archive: dict | None = None
     # Schema 3 (None in older manifests: their lineage is not checkable): each tensor's dtype,
@@ -107,6 +111,11 @@ class Manifest:
         its times kept (a restore) is still recognised as the same save.
         """
         return self.save_identity == save_identity(files)
+
+    @property
+    def hashing(self) -> Hashing:
+        """How its file hashes were taken."""
+        return Hashing(self.hash_algorithm, self.hash_segment_bytes)
 
     def file_map(self) -> dict[str, FileEntry]:
         return {f.path: f for f in self.files}
@@ -151,13 +160,24 @@ def save_identity(files: dict[str, os.stat_result]) -> dict:
 
 def read_manifest(directory: Path) -> Manifest | None:
     """The checkpoint's manifest, or None if it has never been verified (``CorruptManifest`` if
-    it cannot be trusted, ``Unreadable`` if the environment refuses to read it)."""
+    it cannot be trusted, ``UntrustedManifest`` if its signature is not what the profile of its
+    save directory asks for, ``Unreadable`` if the environment refuses to read it)."""
     path = Path(directory) / MANIFEST
+    raw = read_state(path)
+    if raw is None:
+        return None
     try:
-        data = read_json_state(path, "the manifest")
-    except Malformed as e:
-        raise CorruptManifest(str(e)) from None
-    return None if data is None else Manifest.from_dict(data, str(path))
+        data = json.loads(raw)
+    except ValueError as e:
+        raise CorruptManifest(f"{path}: the manifest does not parse ({e})") from None
+    manifest = Manifest.from_dict(data, str(path))
+    trust = signing.trust_for(Path(directory).parent)
+    if trust is not None and trust.checks:
+        try:
+            signing.check(directory, manifest, raw, trust)
+        except signing.BadSignature as e:
+            raise UntrustedManifest(str(e)) from None
+    return manifest
 
 
 def valid_for_this_save(directory: Path, iteration: int) -> Manifest | None:
@@ -194,9 +214,17 @@ def verified_newest_first(save_dir: Path, below: int | None = None) -> Iterator[
             yield iteration, manifest
 
 
-def write_manifest(directory: Path, manifest: Manifest) -> None:
+def write_manifest(directory: Path, manifest: Manifest) -> str | None:
+    """Write the manifest, and sign it where the profile of its save directory has a key
+    (``signing``); which key signed, or None."""
     path = Path(directory) / MANIFEST
+    data = manifest.to_json().encode()
+    trust = signing.trust_for(Path(directory).parent)
     try:
-        atomic_write(path, manifest.to_json().encode())
+        atomic_write(path, data)
+        if trust is None or not trust.signs:
+            return None
+        key = signing.sign(directory, manifest, data, trust)
     except OSError as e:
         raise unreadable(path, e) from None
+    return key.label() if isinstance(key, signing.AllowedKey) else f"key {key}"

@@ -22,7 +22,7 @@ from pathlib import Path
 from tasks.checkpoint import layout
 from tasks.checkpoint.catalog import CheckpointInfo, catalog, describe, resumable
 from tasks.checkpoint.lock import job_lock
-from tasks.checkpoint.manifest import valid_for_this_save
+from tasks.checkpoint.manifest import CorruptManifest, valid_for_this_save
 from tasks.checkpoint.pointer import (
     Hold,
     clear_hold,
@@ -271,6 +271,18 @@ def promote(
         return report
 
 
+def _identity_only(directory: Path, iteration: int) -> Verification:
+    """The save's identity compared with its manifest (which must be trusted: signed, where the
+    profile asks), without reading the data."""
+    try:
+        if valid_for_this_save(directory, iteration) is not None:
+            return Verification(directory, iteration, State.VALID, "the manifest matches the save on disk")
+        why = f"{layout.MANIFEST}: does not say valid for the save on disk"
+    except CorruptManifest as e:
+        why = str(e)
+    return Verification(directory, iteration, State.INVALID, why)
+
+
 def reverify(
     save_dir: Path,
     options: VerifyOptions,
@@ -286,13 +298,7 @@ def reverify(
     save_dir = Path(save_dir)
     directory = save_dir / layout.iter_dir_name(iteration)
     with job_lock(save_dir, lock_timeout_seconds) as held:
-        if full:
-            result = verify_and_record(directory, options, held)
-        elif valid_for_this_save(directory, iteration) is not None:
-            result = Verification(directory, iteration, State.VALID, "the manifest matches the save on disk")
-        else:
-            why = f"{layout.MANIFEST}: does not say valid for the save on disk"
-            result = Verification(directory, iteration, State.INVALID, why)
+        result = verify_and_record(directory, options, held) if full else _identity_only(directory, iteration)
         report = apply_promotion(save_dir, options)
         report.verifications = [result]
         return result, report

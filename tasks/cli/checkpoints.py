@@ -74,6 +74,7 @@ def verify(
                     "seconds": round(result.seconds, 3),
                     "checks": [asdict(c) for c in result.checks],
                     "shards": result.shards,
+                    "signed_by": result.signed_by,
                     "tensors": result.manifest.tensors if result.manifest else None,
                 }
             )
@@ -82,7 +83,8 @@ def verify(
         stats = (
             f" ({result.bytes_read / 1e6:.1f} MB in {result.seconds:.2f}s, {result.throughput_gbps:.2f} GB/s)"
         )
-        out.print(result.line() + (stats if result.ok else ""), markup=False)
+        signed = f"; manifest signed by {result.signed_by}" if result.signed_by else ""
+        out.print(result.line() + (stats if result.ok else "") + signed, markup=False)
     raise typer.Exit(0 if result.ok else 1)
 
 

@@ -1,0 +1,275 @@
+"""Signed manifests: who vouches for a checkpoint's bytes, checked before every use.
+
+A manifest's file hashes find accidents; whoever can write a shard can also write its hash into
+the manifest. With ``sign.key_file`` (or ``sign.key_secret``, a Prefect Secret block) every
+manifest ckptops writes is signed beside it, in ``manifest.sig``: OpenSSF model signing's format,
+an in-toto statement in a DSSE envelope inside a Sigstore bundle, signed with an elliptic-curve
+key. Its subjects (model signing's "resources") are the checkpoint's files with their
+cryptographic digests (BLAKE3 or SHA-256, ``verify.digest``), and ``manifest.json`` itself, so
+neither a shard, nor a hash, nor the verdict can change unseen. The statement's name is
+``<job>/iter_NNNNNNN``: a signature is not valid for another checkpoint.
+
+``sign.public_keys`` lists the keys that may sign; ``sign.required`` makes an unsigned manifest
+untrusted. Every read of a manifest goes through ``manifest.read_manifest``, which checks the
+signature against the policy of the profile loaded for that save directory (``register``): the
+promotion, re-verification, the drill, the archive, the recovery's choice and post-resume
+validation all read manifests that way.
+
+Why model signing's internal modules: its public API (``model_signing.signing.Config.sign``)
+hashes every file itself, a second read of a 7 TB checkpoint that verification has just read.
+Its manifest, payload, signer and verifier classes take digests computed elsewhere; they are
+internal (``model_signing._signing``), hence the exact pin in pyproject.toml. The signature
+verifies with model signing's own CLI for every file within one hash segment
+(``model_signing verify key --signature manifest.sig --public_key KEY --ignore-paths ... DIR``);
+a larger file's digest is over its segments' digests (``tasks.storage.digest``), which it cannot
+recompute.
+"""
+
+import hashlib
+import os
+import stat
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from tasks.checkpoint import layout
+from tasks.errors import CkptopsError, UsageError
+from tasks.storage.digest import ALGORITHMS, CRYPTOGRAPHIC
+from tasks.storage.local import atomic_write
+
+SIGNATURE = layout.SIGNATURE
+
+
+class BadSignature(CkptopsError):
+    """A manifest whose signature is missing where required, does not verify, or comes from a key
+    the profile does not allow: one line naming the file and the key."""
+
+    exit_code = 2
+
+
+def key_id(public_pem: bytes) -> str:
+    """A public key's id: the SHA-256 of its PEM (SubjectPublicKeyInfo), as model signing records
+    it in the bundle's ``publicKey.hint``."""
+    return hashlib.sha256(public_pem).hexdigest()
+
+
+def short(identifier: str) -> str:
+    return identifier[:16]
+
+
+def refuse_open_key_file(path: Path) -> None:
+    """A private key others can read or write is refused, as OpenSSH refuses one."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise UsageError(f"{path}: sign.key_file not found") from None
+    except OSError as e:
+        raise UsageError(f"{path}: sign.key_file unreadable ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise UsageError(f"{path}: sign.key_file is not a regular file")
+    if mode & 0o077:
+        raise UsageError(
+            f"{path}: permissions {stat.S_IMODE(mode):04o} are too open for a private key: "
+            "it must be readable by its owner only (chmod 600)"
+        )
+
+
+@dataclass(frozen=True)
+class AllowedKey:
+    name: str  # the public key file's stem, for messages
+    path: Path
+    identifier: str
+
+    def label(self) -> str:
+        return f"{self.name} ({short(self.identifier)})"
+
+
+def _load_public(path: Path) -> AllowedKey:
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        key = serialization.load_pem_public_key(Path(path).read_bytes())
+        pem = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    except OSError as e:
+        raise UsageError(f"{path}: sign.public_keys: unreadable ({e.strerror})") from None
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"{path}: sign.public_keys: not a PEM public key ({e})") from None
+    return AllowedKey(Path(path).stem, Path(path), key_id(pem))
+
+
+@dataclass
+class Trust:
+    """Who may sign a job's manifests, whether they must be signed, and the key to sign with."""
+
+    keys: dict[str, AllowedKey] = field(default_factory=dict)
+    required: bool = False
+    key_file: Path | None = None
+    key_secret: str | None = None
+    _signer: object = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def from_settings(cls, settings) -> "Trust":
+        if settings is None:
+            return cls()
+        if settings.key_file is not None:
+            refuse_open_key_file(settings.key_file)
+        keys = [_load_public(p) for p in settings.public_keys]
+        return cls({k.identifier: k for k in keys}, settings.required, settings.key_file, settings.key_secret)
+
+    @property
+    def signs(self) -> bool:
+        return self.key_file is not None or self.key_secret is not None
+
+    @property
+    def checks(self) -> bool:
+        return self.required or bool(self.keys)
+
+    def signer(self):
+        """model signing's elliptic-curve signer, the key loaded once per process."""
+        with self._lock:
+            if self._signer is None:
+                self._signer = _load_signer(self)
+            return self._signer
+
+
+def _load_signer(trust: Trust):
+    from model_signing._signing import sign_ec_key
+
+    if trust.key_file is not None:
+        refuse_open_key_file(trust.key_file)
+        try:
+            return sign_ec_key.Signer(Path(trust.key_file))
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"{trust.key_file}: sign.key_file: not an EC private key ({e})") from None
+    from prefect.blocks.system import Secret
+
+    text = Secret.load(trust.key_secret).get()
+    # model signing reads keys from files: a private directory, removed at once.
+    with tempfile.TemporaryDirectory(prefix="ckptops-key-") as folder:
+        path = Path(folder) / "key.pem"
+        path.touch(mode=0o600)
+        path.write_text(text)
+        try:
+            return sign_ec_key.Signer(path)
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"Secret block {trust.key_secret!r}: not an EC private key ({e})") from None
+
+
+# The policy of each profile loaded in this process, by its save directory and by its job (the
+# archive knows an entry by its job). A save directory no profile has named is not checked.
+_BY_SAVE_DIR: dict[Path, Trust] = {}
+_BY_JOB: dict[str, Trust] = {}
+
+
+def register(profile) -> Trust:
+    trust = Trust.from_settings(profile.sign)
+    _BY_SAVE_DIR[Path(profile.job.save_dir).resolve()] = trust
+    _BY_JOB[profile.job.name] = trust
+    return trust
+
+
+def trust_for(save_dir: Path) -> Trust | None:
+    return _BY_SAVE_DIR.get(Path(save_dir).resolve())
+
+
+def trust_for_job(job: str) -> Trust | None:
+    return _BY_JOB.get(job)
+
+
+def _statement(manifest, manifest_bytes: bytes):
+    """The signed content, as model signing's manifest: each file and its digest, and
+    manifest.json's own digest, under the checkpoint's name."""
+    from model_signing import manifest as ms
+    from model_signing._hashing.hashing import Digest
+
+    algorithm = manifest.hash_algorithm
+    own = ALGORITHMS[algorithm]()
+    own.update(manifest_bytes)
+    items = [
+        ms.FileManifestItem(path=PurePosixPath(f.path), digest=Digest(algorithm, bytes.fromhex(f.hash)))
+        for f in manifest.files
+    ]
+    items.append(
+        ms.FileManifestItem(path=PurePosixPath(layout.MANIFEST), digest=Digest(algorithm, own.digest()))
+    )
+    serialization = ms.SerializationType.from_args(
+        {"method": "files", "hash_type": algorithm, "allow_symlinks": False, "ignore_paths": [SIGNATURE]}
+    )
+    return ms.Manifest(name_of(manifest), items, serialization)
+
+
+def name_of(manifest) -> str:
+    return f"{manifest.job}/{layout.iter_dir_name(manifest.iteration)}"
+
+
+def sign(directory: Path, manifest, manifest_bytes: bytes, trust: Trust) -> AllowedKey | str:
+    """Sign a manifest just written (its exact bytes) into ``directory/manifest.sig``; which key
+    signed (its entry in ``sign.public_keys``, or its id if the list does not name it)."""
+    from model_signing._signing import signing as ms_signing
+
+    if manifest.hash_algorithm not in CRYPTOGRAPHIC:
+        raise UsageError(
+            f"{Path(directory) / layout.MANIFEST}: its files are hashed with {manifest.hash_algorithm}, "
+            "which a signature cannot vouch for: set verify.digest to blake3 or sha256"
+        )
+    signer = trust.signer()
+    signature = signer.sign(ms_signing.Payload(_statement(manifest, manifest_bytes)))
+    atomic_write(Path(directory) / SIGNATURE, signature.bundle.to_json().encode())
+    identifier = signature.bundle.verification_material.public_key.hint
+    return trust.keys.get(identifier) or short(identifier)
+
+
+def check(directory: Path, manifest, manifest_bytes: bytes, trust: Trust) -> AllowedKey | None:
+    """The key that signed this manifest, if its signature verifies with an allowed key and its
+    subjects are exactly this manifest's; None if unsigned and not required. ``BadSignature``
+    naming the file (and the key) otherwise."""
+    from model_signing._signing import sign_ec_key, sign_sigstore_pb
+
+    path = Path(directory) / SIGNATURE
+    where = Path(directory) / layout.MANIFEST
+    if not path.exists():
+        if trust.required:
+            raise BadSignature(f"{where}: not signed ({SIGNATURE} missing), and sign.required is set")
+        return None
+    try:
+        signature = sign_sigstore_pb.Signature.read(path)
+        identifier = signature.bundle.verification_material.public_key.hint or ""
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise BadSignature(f"{path}: unreadable signature ({type(e).__name__}: {e})") from None
+    allowed = trust.keys.get(identifier)
+    if allowed is None:
+        raise BadSignature(
+            f"{path}: signed by key {short(identifier) or '(none named)'}, not in sign.public_keys"
+        )
+    if manifest.hash_algorithm not in CRYPTOGRAPHIC:
+        raise BadSignature(
+            f"{where}: files hashed with {manifest.hash_algorithm}, which a signature cannot vouch for"
+        )
+    try:
+        signed = sign_ec_key.Verifier(allowed.path).verify(signature)
+    except Exception as e:  # cryptography's InvalidSignature, model signing's ValueErrors
+        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise BadSignature(f"{path}: does not verify with key {allowed.label()} ({why})") from None
+    if signed.model_name != name_of(manifest):
+        raise BadSignature(
+            f"{path}: signs {signed.model_name}, not {name_of(manifest)} (key {allowed.label()})"
+        )
+    _same_subjects(path, signed, _statement(manifest, manifest_bytes), allowed)
+    return allowed
+
+
+def _same_subjects(path: Path, signed, expected, allowed: AllowedKey) -> None:
+    have = {d.identifier: d.digest for d in signed.resource_descriptors()}
+    want = {d.identifier: d.digest for d in expected.resource_descriptors()}
+    for name in sorted(set(want) | set(have)):
+        if name not in have:
+            problem = "is not among the signed subjects"
+        elif name not in want:
+            problem = "is signed but not in the manifest"
+        elif have[name] != want[name]:
+            problem = "differs from its signed digest"
+        else:
+            continue
+        raise BadSignature(f"{path}: {name} {problem} (key {allowed.label()})")

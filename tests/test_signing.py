@@ -1,0 +1,232 @@
+"""Signed manifests (tasks/checkpoint/signing.py) on real checkpoints: a manifest signed with the
+profile's key, checked with OpenSSF model signing's own CLI; a shard rewritten with valid CRCs
+and its digest updated in the manifest, caught by the signature where the hashes alone pass it;
+unknown keys, unsigned manifests, open key files, and the key from a Prefect Secret block."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import blake3
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from tasks.checkpoint import layout
+from tasks.checkpoint.manifest import UntrustedManifest, read_manifest, verified_newest_first
+from tasks.checkpoint.pointer import read_pointer
+from tasks.checkpoint.promote import promote, reverify
+from tasks.checkpoint.state import State, VerifyOptions
+from tasks.checkpoint.verify import verify_with_profile
+from tasks.errors import UsageError
+from tasks.profile import load_profile
+from tests.conftest import iter_dir
+
+
+def keypair(folder: Path, name: str) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    private = folder / f"{name}.pem"
+    private.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    private.chmod(0o600)
+    public = folder / f"{name}.pub"
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return private, public
+
+
+def profile_for(tmp_path: Path, save_dir: Path, sign: dict | None, digest: str = "blake3", name: str = "p"):
+    lines = [
+        f"job: {{name: signed-job, save_dir: '{save_dir}', megatron_core_version: '0.19.2', "
+        "layout: {data_parallel: 2}}",
+        f"verify: {{digest: {digest}, lock_timeout_seconds: 30}}",
+    ]
+    if sign is not None:
+        lines.append(f"sign: {json.dumps(sign, default=str)}")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return load_profile(path)
+
+
+@pytest.fixture
+def keys(tmp_path) -> dict[str, tuple[Path, Path]]:
+    folder = tmp_path / "keys"
+    folder.mkdir()
+    return {name: keypair(folder, name) for name in ("release", "intruder")}
+
+
+def signing_profile(tmp_path, save_dir, keys, signer="release", allowed=("release",), required=True):
+    sign = {
+        "key_file": keys[signer][0],
+        "public_keys": [keys[name][1] for name in allowed],
+        "required": required,
+    }
+    return profile_for(tmp_path, save_dir, sign, name=f"{signer}-{'-'.join(allowed)}-{required}")
+
+
+def options_of(profile) -> VerifyOptions:
+    return VerifyOptions.from_profile(profile)
+
+
+def _model_signing_cli(directory: Path, public: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "model_signing", "verify", "key", str(directory)]
+    command += ["--signature", str(directory / layout.SIGNATURE), "--public_key", str(public)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("digest", ["blake3", "sha256"])
+def test_a_signed_manifest_names_its_key_and_model_signing_itself_verifies_it(
+    save_dir, keys, tmp_path, digest
+):
+    sign = {"key_file": keys["release"][0], "public_keys": [keys["release"][1]], "required": True}
+    profile = profile_for(tmp_path, save_dir, sign, digest=digest)
+    directory = iter_dir(save_dir, 24)
+    result = verify_with_profile(profile, directory)
+    assert result.ok, result.reason
+    assert result.signed_by.startswith("release (")
+    manifest = read_manifest(directory)
+    assert manifest.hash_algorithm == digest
+    data = (directory / "__1_0.distcp").read_bytes()
+    want = blake3.blake3(data) if digest == "blake3" else hashlib.sha256(data)
+    assert manifest.file_map()["__1_0.distcp"].hash == want.hexdigest()
+    # OpenSSF model signing's own verifier recomputes every digest from the files: its CLI
+    # hashes with SHA-256 only; its Python API takes the algorithm the statement names.
+    if digest == "sha256":
+        checked = _model_signing_cli(directory, keys["release"][1])
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        assert _model_signing_cli(directory, keys["intruder"][1]).returncode != 0
+    else:
+        import model_signing
+
+        verifier = model_signing.verifying.Config().use_elliptic_key_verifier(public_key=keys["release"][1])
+        verifier.verify(directory, directory / layout.SIGNATURE)
+        (directory / "common.pt").write_bytes(b"changed")
+        with pytest.raises(ValueError, match="common.pt"):
+            verifier.verify(directory, directory / layout.SIGNATURE)
+
+
+def _forge(target: Path, name: str, data: bytes) -> None:
+    """Replace a file with its times kept, so the save looks untouched."""
+    before = os.stat(target / name)
+    (target / name).write_bytes(data)
+    os.utime(target / name, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def _tamper(save_dir: Path) -> Path:
+    """Iteration 20's second rank's shard written over 24's (every record's CRC valid: the same model
+    and layout), integrity.json's SHA-256 of it updated, and both files' BLAKE3 put in 24's
+    manifest, times kept: what someone who can write the store could do."""
+    target = iter_dir(save_dir, 24)
+    shard = (iter_dir(save_dir, 20) / "__1_0.distcp").read_bytes()
+    _forge(target, "__1_0.distcp", shard)
+    integrity = json.loads((target / "integrity.json").read_text())
+    integrity["files"]["__1_0.distcp"] = hashlib.sha256(shard).hexdigest()
+    _forge(target, "integrity.json", json.dumps(integrity).encode())
+    path = target / layout.MANIFEST
+    data = json.loads(path.read_text())
+    for entry in data["files"]:
+        if entry["path"] in ("__1_0.distcp", "integrity.json"):
+            content = (target / entry["path"]).read_bytes()
+            entry["hash"], entry["size"] = blake3.blake3(content).hexdigest(), len(content)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return target
+
+
+def test_without_a_signature_a_shard_rewritten_with_valid_crcs_and_its_digest_updated_passes(
+    save_dir, tmp_path
+):
+    """The threat the signature answers: the CRCs and an updated digest all agree with a forgery."""
+    unsigned = profile_for(tmp_path, save_dir, None, name="unsigned")
+    assert verify_with_profile(unsigned, iter_dir(save_dir, 24)).ok
+    _tamper(save_dir)
+    result, _ = reverify(save_dir, options_of(unsigned), 24, 30)
+    assert result.ok, result.reason
+
+
+def test_a_forged_shard_in_a_signed_checkpoint_is_never_promoted_or_chosen(save_dir, keys, tmp_path):
+    profile = signing_profile(tmp_path, save_dir, keys)
+    report = promote(save_dir, options_of(profile), 30)
+    assert report.current == 24 and all(v.signed_by for v in report.verifications)
+    target = _tamper(save_dir)
+    with pytest.raises(UntrustedManifest, match=r"manifest.sig: __1_0.distcp differs from its signed digest"):
+        read_manifest(target)
+    # The recovery's and the drill's choice passes it over; re-verification moves the pointer off.
+    assert next(verified_newest_first(save_dir))[0] == 20
+    result, report = reverify(save_dir, options_of(profile), 24, 30)
+    assert result.state is State.INVALID and "differs from its signed digest" in result.reason
+    assert "key release (" in result.reason
+    assert read_pointer(save_dir) == report.current == 20
+    # The forged manifest is kept as evidence, never replaced by a verdict signed anew.
+    assert "__1_0.distcp" in (target / layout.MANIFEST).read_text()
+    with pytest.raises(UntrustedManifest):
+        read_manifest(target)
+
+
+def test_a_flipped_verdict_or_an_added_subject_breaks_the_signature(save_dir, keys, tmp_path):
+    profile = signing_profile(tmp_path, save_dir, keys)
+    directory = iter_dir(save_dir, 24)
+    assert verify_with_profile(profile, directory).ok
+    path = directory / layout.MANIFEST
+    original = path.read_text()
+    data = json.loads(original)
+    data["files"].append({"path": "__9_0.distcp", "size": 1, "hash": "00" * 32})
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    with pytest.raises(UntrustedManifest, match="__9_0.distcp is not among the signed subjects"):
+        read_manifest(directory)
+    data = json.loads(original)
+    data["reason"] = "all checks passed, honestly"
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    with pytest.raises(UntrustedManifest, match="manifest.json differs from its signed digest"):
+        read_manifest(directory)
+
+
+def test_a_manifest_signed_by_a_key_not_listed_or_not_signed_is_untrusted(save_dir, keys, tmp_path):
+    directory = iter_dir(save_dir, 24)
+    intruder = signing_profile(tmp_path, save_dir, keys, signer="intruder", allowed=("intruder",))
+    assert verify_with_profile(intruder, directory).signed_by.startswith("intruder (")
+    signing_profile(tmp_path, save_dir, keys)  # the job's real policy: only the release key
+    with pytest.raises(
+        UntrustedManifest, match=r"manifest.sig: signed by key [0-9a-f]{16}, not in sign.public_keys"
+    ):
+        read_manifest(directory)
+    assert promote(save_dir, options_of(signing_profile(tmp_path, save_dir, keys)), 30).current != 24
+
+    (directory / layout.SIGNATURE).unlink()
+    with pytest.raises(
+        UntrustedManifest, match="not signed .manifest.sig missing., and sign.required is set"
+    ):
+        read_manifest(directory)
+    signing_profile(tmp_path, save_dir, keys, required=False)
+    assert read_manifest(directory).valid  # unsigned is allowed where not required
+
+
+def test_key_files_others_can_read_and_signing_weak_hashes_are_refused(save_dir, keys, tmp_path):
+    keys["release"][0].chmod(0o644)
+    with pytest.raises(UsageError, match=r"release.pem: permissions 0644 are too open for a private key"):
+        signing_profile(tmp_path, save_dir, keys)
+    keys["release"][0].chmod(0o600)
+    sign = {"key_file": keys["release"][0], "public_keys": [keys["release"][1]]}
+    with pytest.raises(UsageError, match="sign: a signature vouches only for cryptographic digests"):
+        profile_for(tmp_path, save_dir, sign, digest="xxh3")
+    with pytest.raises(UsageError, match="required: true needs public_keys"):
+        profile_for(tmp_path, save_dir, {"required": True})
+
+
+def test_the_key_can_come_from_a_prefect_secret_block(save_dir, keys, tmp_path, prefect_api):
+    from prefect.blocks.system import Secret
+
+    Secret(value=keys["release"][0].read_text()).save("ckptops-signing-key", overwrite=True)
+    sign = {"key_secret": "ckptops-signing-key", "public_keys": [keys["release"][1]], "required": True}
+    profile = profile_for(tmp_path, save_dir, sign, name="secret")
+    result = verify_with_profile(profile, iter_dir(save_dir, 20))
+    assert result.ok and result.signed_by.startswith("release (")
+    assert read_manifest(iter_dir(save_dir, 20)).valid
