@@ -12,19 +12,24 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from infra.local_job.launch import run_local_job
+from tasks.checkpoint import signing
 from tasks.checkpoint.layout import iter_dir_name
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.promote import choose_target, point_to
 from tasks.checkpoint.state import VerifyOptions
 from tasks.checkpoint.verify import verify_and_record, verify_checkpoint
+from tasks.storage.digest import BLAKE3, SHA256, Hashing
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "data" / "bench"
@@ -118,6 +123,12 @@ def main() -> int:
         row("sha256sum", median_seconds(shell(["sha256sum", *files]), repeats=1))
         first = median_seconds(lambda: _verified(large, options))
         row("ckptops verify, first time (CRC + XXH3 + structure + values)", first)
+        for digest in (BLAKE3, SHA256):
+            hashed = replace(options, hashing=Hashing(digest))
+            row(
+                f"ckptops verify, first time, verify.digest {digest}",
+                median_seconds(lambda h=hashed: _verified(large, h)),
+            )
         elements, scan_values = _value_scan(large)
         row("of which the value statistics alone (one core, from memory)", scan_values, elements)
         with job_lock(large.parent, 10) as held:  # the manifest, once: the reference for the next row
@@ -131,6 +142,11 @@ def main() -> int:
                 repeats=3,
             ),
         )
+
+    with console.status("measuring signing..."):
+        signing_seconds = _signing(large, replace(options, hashing=Hashing(BLAKE3)))
+        for step, seconds in signing_seconds.items():
+            rows.append({"step": step, "bytes": 0, "seconds": seconds, "gbps": None})
 
     with console.status("measuring promotion..."):
         promotion = {}
@@ -207,6 +223,42 @@ def _value_scan(directory: Path) -> tuple[int, float]:
                 scan.feed(view[start : start + WINDOW])
 
     return sum(len(d) for _, d in pieces), median_seconds(run)
+
+
+def _signing(directory: Path, options: VerifyOptions) -> dict[str, float]:
+    """Signing a verified manifest and checking its signature (model signing's statement, an
+    ECDSA P-256 key), each the median of 20: what sign and every read of a manifest add."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    manifest = _verified(directory, options).manifest
+    data = manifest.to_json().encode()
+    with tempfile.TemporaryDirectory() as folder:
+        folder = Path(folder)
+        key = ec.generate_private_key(ec.SECP256R1())
+        private, public = folder / "bench.pem", folder / "bench.pub"
+        private.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+        private.chmod(0o600)
+        public.write_bytes(
+            key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        )
+        settings = SimpleNamespace(key_file=private, key_secret=None, public_keys=[public], required=True)
+        trust = signing.Trust.from_settings(settings)
+        files = len(manifest.files)
+        return {
+            f"sign a manifest of {files} files (ECDSA P-256)": median_seconds(
+                lambda: signing.sign(folder, manifest, data, trust), repeats=20
+            ),
+            "check its signature (every read of a manifest)": median_seconds(
+                lambda: signing.check(folder, manifest, data, trust), repeats=20
+            ),
+        }
 
 
 def _verified(directory: Path, options: VerifyOptions):
