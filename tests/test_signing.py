@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from tasks.checkpoint import layout
+from tasks.checkpoint.facts import checkpoint_facts
 from tasks.checkpoint.manifest import UntrustedManifest, read_manifest, verified_newest_first
 from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.promote import promote, reverify
@@ -159,8 +160,11 @@ def test_a_forged_shard_in_a_signed_checkpoint_is_never_promoted_or_chosen(save_
     target = _tamper(save_dir)
     with pytest.raises(UntrustedManifest, match=r"manifest.sig: __1_0.distcp differs from its signed digest"):
         read_manifest(target)
-    # The recovery's and the drill's choice passes it over; re-verification moves the pointer off.
+    # The recovery's and the drill's choice passes it over, post-resume validation refuses it
+    # before loading anything from it, and re-verification moves the pointer off it.
     assert next(verified_newest_first(save_dir))[0] == 20
+    with pytest.raises(UntrustedManifest, match="differs from its signed digest"):
+        checkpoint_facts(target)
     result, report = reverify(save_dir, options_of(profile), 24, 30)
     assert result.state is State.INVALID and "differs from its signed digest" in result.reason
     assert "key release (" in result.reason

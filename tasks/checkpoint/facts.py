@@ -63,9 +63,11 @@ def checkpoint_facts(directory: Path) -> CheckpointFacts:
     iteration = layout.parse_iter_dir(directory.name)
     if iteration is None or not directory.is_dir():
         raise UsageError(f"{directory}: not a checkpoint directory (expected iter_NNNNNNN)")
+    # First: a manifest whose signature the profile does not accept stops here, before any of
+    # the checkpoint is loaded.
+    manifest = read_manifest(directory)
     common = load_common_state(directory, build_index(load_dcp_metadata(directory / layout.DCP_METADATA)))
     args = common.get("args")
-    manifest = read_manifest(directory)
     not_valid = (
         None
         if manifest is None or manifest.valid
