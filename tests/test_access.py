@@ -226,3 +226,25 @@ def test_ckptops_promote_exits_1_with_one_line_per_exposed_path(save_dir):
     assert all("world-writable" in line and "owner root (uid 0)" in line for line in lines)
     data = json.loads(result.stdout)
     assert data["current"] == 4 and len(data["refused"]) == 2 and read_pointer(save_dir) == 4
+
+
+def test_the_flow_fails_naming_the_path_and_deletes_nothing(prefect_api, save_dir, tmp_path):
+    """verify-and-promote on a world-writable save directory: the pointer stays, and retention
+    (which would delete 4, 8 and 12 behind the pointer at 24) deletes nothing; the run fails
+    naming the directory."""
+    from prefect.artifacts import Artifact
+
+    from flows.verify_and_promote import verify_and_promote
+    from tasks.profile import load_profile
+    from tests.test_flow import write_profile
+
+    profile = write_profile(tmp_path, save_dir, "flow-exposed")
+    promote(save_dir, VerifyOptions.from_profile(load_profile(profile)), 10)
+    os.chmod(save_dir, 0o777)
+    state = verify_and_promote(profile=profile, return_state=True)
+    assert state.is_failed() and state.message.startswith(
+        f"not promoted: {save_dir.resolve()}: world-writable"
+    )
+    assert read_pointer(save_dir) == 24 and len(list(save_dir.glob("iter_*"))) == 6
+    summary = Artifact.get("verify-summary-flow-exposed").data
+    assert f"- **not promoted**: `{save_dir.resolve()}: world-writable" in summary
