@@ -64,7 +64,10 @@ def verify_and_promote(
         )
         report = promote_step(save_dir, options, iteration)
         report.verifications = verifications
-        plan, deleted = retention(save_dir, options, prof.retention.keep_verified)
+        # A refused promotion (others can write the save directory or what it trusts) deletes nothing.
+        plan, deleted = (
+            (None, []) if report.refused else retention(save_dir, options, prof.retention.keep_verified)
+        )
     publish_report(
         prof.job.name,
         check_rows(verifications),

@@ -57,6 +57,12 @@ class Job(_Section):
         description="the job saves with --verify-integrity: a checkpoint without integrity.json "
         "is then still being finalised",
     )
+    user: str | None = Field(
+        default=None,
+        description="the user the job runs as (a name or a uid): a save directory, checkpoint, "
+        "manifest or pointer owned by another user (but root or ckptops' own) is not promoted; "
+        "default: the owner of the save directory",
+    )
 
 
 class SlurmVerify(_Section):
@@ -137,6 +143,11 @@ class Verify(_Section):
         default=10,
         description="a weight whose L2 norm moved by more than this factor since the previous "
         "verified checkpoint is a warning (a loss spike often starts there)",
+    )
+    allow_group_write: bool = Field(
+        default=False,
+        description="trust a group-writable save directory, checkpoint, manifest or pointer (a "
+        "shared project group); world-writable ones are never promoted",
     )
     wait_timeout_seconds: Annotated[float, Field(ge=0)] = 900
     poll_seconds: Positive = 10

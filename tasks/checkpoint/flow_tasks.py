@@ -212,6 +212,7 @@ def summary_markdown(
         "",
         f"- save directory: `{profile.job.save_dir}`",
         f"- latest verified: **{report.current}** (was {report.previous}; {report.message})",
+        *(f"- **not promoted**: `{line}`" for line in report.refused),
         "",
     ]
     checked = [v for v in verifications if v.state is not State.IN_PROGRESS]

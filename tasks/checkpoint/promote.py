@@ -8,7 +8,10 @@ Rules the pointer obeys:
   since found invalid (or that was deleted or re-saved);
 - an operator may name an older valid iteration (``--iteration N``, a rollback). That sets a
   hold: the newer checkpoints rolled back from are not promoted again by the next scheduled run;
-  only checkpoints verified after the rollback may move the pointer past N.
+  only checkpoints verified after the rollback may move the pointer past N;
+- nothing others can write is trusted (``access``): if the save directory, the checkpoint, its
+  manifest, the pointer or Megatron's tracker is group- or world-writable or another user's, the
+  run changes nothing (pointer, hold, log) and reports each such path; it fails.
 
 The CLI and the flow run the same two steps under the job lock: ``verify_pending`` then
 ``apply_promotion``; the flow passes Prefect tasks as the verify and wait steps.
@@ -20,6 +23,7 @@ from datetime import datetime
 from pathlib import Path
 
 from tasks.checkpoint import layout
+from tasks.checkpoint.access import unsafe_for_promotion
 from tasks.checkpoint.catalog import CheckpointInfo, catalog, describe, resumable
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.manifest import CorruptManifest, valid_for_this_save
@@ -45,6 +49,7 @@ class PromotionReport:
     current: int | None
     message: str
     verifications: list[Verification] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)  # paths others can write: nothing was changed
 
     @property
     def changed(self) -> bool:
@@ -65,12 +70,12 @@ class PromotionReport:
 
     @property
     def ok(self) -> bool:
-        """Nothing verified failed, and a checkpoint is still there to resume from."""
-        return not self.invalid and not self.cleared
+        """Nothing verified failed, nothing was refused, and a checkpoint is still there to resume from."""
+        return not self.invalid and not self.cleared and not self.refused
 
     def problems(self) -> list[str]:
         """Why the run is not ok, one line each."""
-        lines = [v.line() for v in self.invalid]
+        lines = [v.line() for v in self.invalid] + [f"not promoted: {line}" for line in self.refused]
         return lines + ([f"pointer removed: {self.message}"] if self.cleared else [])
 
     def summary(self, deleted: list[int] = ()) -> str:
@@ -83,6 +88,7 @@ class PromotionReport:
                 f"latest verified: {self.current} ({self.message})",
                 f"; retention deleted {', '.join(map(str, deleted))}" if deleted else "",
                 f"; still in progress: {', '.join(waiting)}" if waiting else "",
+                f"; refused: {'; '.join(self.refused)}" if self.refused else "",
             ]
         )
 
@@ -198,11 +204,21 @@ def point_to(save_dir: Path, iteration: int) -> None:
 
 def apply_promotion(save_dir: Path, options: VerifyOptions, requested: int | None = None) -> PromotionReport:
     """Move the pointer (the caller holds the job lock); the report says from where to where and
-    why (the caller adds the verifications it ran)."""
+    why (the caller adds the verifications it ran). If others can write what the move would
+    trust, nothing is changed, not even the log, and the report lists each such path."""
     save_dir = Path(save_dir)
     previous = read_pointer(save_dir)
-    _reconcile_log(save_dir, previous)
     target, why = choose_target(save_dir, options, requested)
+    refused = unsafe_for_promotion(save_dir, target, options.job_user, options.allow_group_write)
+    if refused:
+        what = "nothing promoted" if target is None else f"{layout.iter_dir_name(target)} not promoted"
+        return PromotionReport(
+            previous,
+            previous,
+            f"{what}: others can write {len(refused)} of the paths it trusts",
+            refused=refused,
+        )
+    _reconcile_log(save_dir, previous)
     changed = False
     if target is None:
         if previous is not None:

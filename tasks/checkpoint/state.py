@@ -43,6 +43,8 @@ class VerifyOptions:
     overlap_save: bool = False  # read data files while the save still writes others (prescan)
     frozen: tuple[str, ...] = ()  # parameters meant to stay frozen (patterns): not stale
     drift_factor: float = 10.0  # a weight's norm moving more than this is a warning
+    job_user: str | None = None  # owner trusted besides root and us; None: the save dir's (access)
+    allow_group_write: bool = False  # a group-writable save dir, manifest or pointer is trusted
 
     @classmethod
     def from_profile(cls, profile, save_dir: Path | None = None, **overrides) -> "VerifyOptions":
@@ -62,6 +64,8 @@ class VerifyOptions:
             overlap_save=profile.verify.overlap_save,
             frozen=tuple(profile.verify.frozen),
             drift_factor=profile.verify.drift_factor,
+            job_user=profile.job.user if own else None,
+            allow_group_write=profile.verify.allow_group_write,
             layout=(job_layout.tensor_parallel, job_layout.pipeline_parallel, job_layout.data_parallel)
             if own
             else None,

@@ -123,6 +123,7 @@ def promote(
                     "current": report_.current,
                     "changed": report_.changed,
                     "message": report_.message,
+                    "refused": report_.refused,
                     "verified": [
                         {"iteration": v.iteration, "state": v.state.value, "reason": v.reason}
                         for v in report_.verifications
@@ -135,6 +136,8 @@ def promote(
             f"{report_.previous} -> {report_.current}" if report_.changed else f"stays at {report_.current}"
         )
         out.print(f"latest verified: {arrow} ({report_.message})", markup=False)
+    for line in report_.refused:
+        err.print(f"ckptops: not promoted: {line}", markup=False, highlight=False)
     if report_.cleared:
         err.print(f"ckptops: {directory}: pointer removed, no valid checkpoint to resume from", markup=False)
     raise typer.Exit(0 if report_.ok else 1)

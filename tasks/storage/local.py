@@ -3,8 +3,13 @@
 ``atomic_write`` is the only way ckptops writes a file that others read (the promotion pointer,
 manifests): a reader sees the old content or the new, never an empty or partial file. Each step
 is its own function so the crash tests can kill the process between any two of them.
+
+Files ckptops writes get mode 0644 whatever the umask (0600 for anything holding a secret), and
+the group of the directory they are written into: a umask of 002 must not make a manifest or the
+pointer writable by the whole group, and the job's project group must be able to read them.
 """
 
+import contextlib
 import json
 import os
 import secrets
@@ -19,6 +24,9 @@ TEMP_MARK = ".tmp-"
 TRASH_PREFIX = ".ckptops-trash-"
 # The longest line a log reader keeps: the rest of a longer line is read past, never held.
 MAX_LINE = 64 << 10
+# The modes of the files ckptops writes: readable by all, or (a secret) by the owner only.
+PUBLIC_MODE = 0o644
+SECRET_MODE = 0o600
 
 _KINDS = {
     stat.S_IFIFO: "a FIFO",
@@ -29,11 +37,24 @@ _KINDS = {
 }
 
 
-def _write_temp(path: Path, data: bytes) -> Path:
+def _set_access(fd: int, directory: Path, mode: int) -> None:
+    """Give a file ckptops just created exactly ``mode`` (the umask may have taken bits away, or
+    left group write in) and the group of the directory it is in. Changing the group is allowed
+    only to a group the writer belongs to: if it is refused the file keeps the writer's group,
+    which 0644 gives nothing more than everybody else gets (and 0600 nothing at all)."""
+    os.fchmod(fd, mode)
+    group = os.stat(directory).st_gid
+    if os.fstat(fd).st_gid != group:
+        with contextlib.suppress(PermissionError):
+            os.fchown(fd, -1, group)
+
+
+def _write_temp(path: Path, data: bytes, mode: int = PUBLIC_MODE) -> Path:
     # O_EXCL: a temp name is never shared, so two writers can never interleave in one file.
     tmp = path.with_name(f"{path.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
+        _set_access(fd, path.parent, mode)
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
@@ -66,10 +87,12 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data``: temp file, fsync, rename, fsync of the directory."""
+def atomic_write(path: Path, data: bytes, secret: bool = False) -> None:
+    """Replace ``path`` with ``data``: temp file, fsync, rename, fsync of the directory. The file
+    gets mode 0644 (0600 if it holds a ``secret``) and its directory's group, set on the temp
+    file before the rename, so no reader ever sees it with other permissions."""
     path = Path(path)
-    tmp = _write_temp(path, data)
+    tmp = _write_temp(path, data, SECRET_MODE if secret else PUBLIC_MODE)
     try:
         _fsync_file(tmp)
         _replace(tmp, path)
@@ -109,7 +132,16 @@ def append_jsonl(path: Path, entry: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = (json.dumps(entry) + "\n").encode()
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL, PUBLIC_MODE)
+    except FileExistsError:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND)  # an existing log keeps its mode and group
+    else:
+        try:
+            _set_access(fd, path.parent, PUBLIC_MODE)
+        except BaseException:
+            os.close(fd)
+            raise
     try:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
