@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from tasks.checkpoint import layout
+from tasks.checkpoint.access import Exposed
 from tasks.checkpoint.facts import checkpoint_facts
 from tasks.checkpoint.manifest import UntrustedManifest, read_manifest, verified_newest_first
 from tasks.checkpoint.pointer import read_pointer
@@ -215,7 +216,7 @@ def test_a_manifest_signed_by_a_key_not_listed_or_not_signed_is_untrusted(save_d
 
 def test_key_files_others_can_read_and_signing_weak_hashes_are_refused(save_dir, keys, tmp_path):
     keys["release"][0].chmod(0o644)
-    with pytest.raises(UsageError, match=r"release.pem: permissions 0644 are too open for a private key"):
+    with pytest.raises(Exposed, match=r"release.pem: sign.key_file refused, .*UNPROTECTED PRIVATE KEY FILE"):
         signing_profile(tmp_path, save_dir, keys)
     keys["release"][0].chmod(0o600)
     sign = {"key_file": keys["release"][0], "public_keys": [keys["release"][1]]}

@@ -26,14 +26,13 @@ recompute.
 """
 
 import hashlib
-import os
-import stat
 import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from tasks.checkpoint import layout
+from tasks.checkpoint.access import refuse_readable_by_others
 from tasks.errors import CkptopsError, UsageError
 from tasks.storage.digest import ALGORITHMS, CRYPTOGRAPHIC
 from tasks.storage.local import atomic_write
@@ -56,23 +55,6 @@ def key_id(public_pem: bytes) -> str:
 
 def short(identifier: str) -> str:
     return identifier[:16]
-
-
-def refuse_open_key_file(path: Path) -> None:
-    """A private key others can read or write is refused, as OpenSSH refuses one."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise UsageError(f"{path}: sign.key_file not found") from None
-    except OSError as e:
-        raise UsageError(f"{path}: sign.key_file unreadable ({e.strerror})") from None
-    if not stat.S_ISREG(mode):
-        raise UsageError(f"{path}: sign.key_file is not a regular file")
-    if mode & 0o077:
-        raise UsageError(
-            f"{path}: permissions {stat.S_IMODE(mode):04o} are too open for a private key: "
-            "it must be readable by its owner only (chmod 600)"
-        )
 
 
 @dataclass(frozen=True)
@@ -114,7 +96,7 @@ class Trust:
         if settings is None:
             return cls()
         if settings.key_file is not None:
-            refuse_open_key_file(settings.key_file)
+            refuse_readable_by_others(settings.key_file, "sign.key_file")
         keys = [_load_public(p) for p in settings.public_keys]
         return cls({k.identifier: k for k in keys}, settings.required, settings.key_file, settings.key_secret)
 
@@ -138,7 +120,7 @@ def _load_signer(trust: Trust):
     from model_signing._signing import sign_ec_key
 
     if trust.key_file is not None:
-        refuse_open_key_file(trust.key_file)
+        refuse_readable_by_others(trust.key_file, "sign.key_file")
         try:
             return sign_ec_key.Signer(Path(trust.key_file))
         except (ValueError, TypeError) as e:
