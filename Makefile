@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv sshd slurm slurm-down postgres chromium b3sum lint test test-quick demo demo-down screenshots bench clean
+.PHONY: venv sshd slurm slurm-down postgres chromium b3sum lint test test-quick demo demo-up demo-down screenshots bench clean
 
 venv: $(STAMP)
 
@@ -66,6 +66,10 @@ demo: venv
 # (the same pages and checks as the browser test).
 screenshots: demo chromium
 	$(BIN)/python -m tests.helpers.ui http://127.0.0.1:4200/api docs/images
+
+# Only the services make demo starts (server, deployments, worker, watchdog), without the story.
+demo-up: venv
+	$(BIN)/python -m infra.demo up
 
 # Stops the Prefect server and the worker that make demo left running.
 demo-down: venv

@@ -162,6 +162,13 @@ def main(profile_name: str | None = None) -> int:
     return 0 if ok else 1
 
 
+def up(profile_name: str | None = None) -> int:
+    """Only the services: the server, the deployments, the worker and the watchdog, started or
+    reused (after a reboot, say), without training the job again."""
+    _serve(load_profile(profile_name))
+    return 0
+
+
 def _serve(profile) -> str:
     """The Prefect server (started or reused), the deployments, a worker and the watchdog."""
     api_url, home = profile.prefect.api_url, profile.prefect.home
@@ -316,8 +323,8 @@ def down(profile_name: str | None = None) -> int:
 if __name__ == "__main__":
     args = sys.argv[1:]
     try:
-        if args[:1] == ["down"]:
-            sys.exit(down(args[1] if len(args) > 1 else None))
+        if args[:1] in (["down"], ["up"]):
+            sys.exit((down if args[0] == "down" else up)(args[1] if len(args) > 1 else None))
         sys.exit(main(args[0] if args else None))
     except CkptopsError as e:
         Console(stderr=True).print(f"demo: {e}", markup=False)

@@ -1,6 +1,6 @@
 """``make demo`` end to end, on a profile of its own with a Prefect server of its own: the
 deployments registered, a worker running the triggered and requested runs, the job's failure
-recovered; a second demo reuses the server and the worker; ``demo down`` stops both."""
+recovered; a second start (``demo up``) reuses the server and the worker; ``demo down`` stops both."""
 
 import json
 import os
@@ -127,9 +127,9 @@ def test_the_ui_shows_deployments_checks_the_drill_plot_and_the_node_table_in_a_
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_second_demo_reuses_the_server_and_the_worker(demo_run):
+def test_a_second_start_reuses_the_server_and_the_worker(demo_run):
     _, profile, _, first = demo_run
     assert first.returncode == 0
-    second = demo(str(profile))
+    second = demo("up", str(profile))  # the demo's own start of the services, without the story
     assert second.returncode == 0, second.stdout[-3000:]
     assert "Prefect server: reused" in second.stdout and "worker reused" in second.stdout
