@@ -186,39 +186,62 @@ def name_of(manifest) -> str:
     return f"{manifest.job}/{layout.iter_dir_name(manifest.iteration)}"
 
 
-def sign(directory: Path, manifest, manifest_bytes: bytes, trust: Trust) -> AllowedKey | str:
-    """Sign a manifest just written (its exact bytes) into ``directory/manifest.sig``; which key
-    signed (its entry in ``sign.public_keys``, or its id if the list does not name it)."""
+def signature_for(
+    manifest, manifest_bytes: bytes, trust: Trust, where: str
+) -> tuple[bytes, AllowedKey | str]:
+    """The signature of a manifest (its exact bytes), and which key signed: its entry in
+    ``sign.public_keys``, or its id if the list does not name it. ``where`` names the manifest."""
     from model_signing._signing import signing as ms_signing
 
     if manifest.hash_algorithm not in CRYPTOGRAPHIC:
         raise UsageError(
-            f"{Path(directory) / layout.MANIFEST}: its files are hashed with {manifest.hash_algorithm}, "
+            f"{where}: its files are hashed with {manifest.hash_algorithm}, "
             "which a signature cannot vouch for: set verify.digest to blake3 or sha256"
         )
-    signer = trust.signer()
-    signature = signer.sign(ms_signing.Payload(_statement(manifest, manifest_bytes)))
-    atomic_write(Path(directory) / SIGNATURE, signature.bundle.to_json().encode())
+    signature = trust.signer().sign(ms_signing.Payload(_statement(manifest, manifest_bytes)))
     identifier = signature.bundle.verification_material.public_key.hint
-    return trust.keys.get(identifier) or short(identifier)
+    return signature.bundle.to_json().encode(), trust.keys.get(identifier) or short(identifier)
+
+
+def sign(directory: Path, manifest, manifest_bytes: bytes, trust: Trust) -> AllowedKey | str:
+    """Sign a manifest just written into ``directory/manifest.sig``; which key signed."""
+    data, key = signature_for(manifest, manifest_bytes, trust, str(Path(directory) / layout.MANIFEST))
+    atomic_write(Path(directory) / SIGNATURE, data)
+    return key
 
 
 def check(directory: Path, manifest, manifest_bytes: bytes, trust: Trust) -> AllowedKey | None:
-    """The key that signed this manifest, if its signature verifies with an allowed key and its
-    subjects are exactly this manifest's; None if unsigned and not required. ``BadSignature``
-    naming the file (and the key) otherwise."""
-    from model_signing._signing import sign_ec_key, sign_sigstore_pb
-
+    """``check_signature`` of ``directory/manifest.sig``."""
     path = Path(directory) / SIGNATURE
-    where = Path(directory) / layout.MANIFEST
-    if not path.exists():
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        data = None
+    except OSError as e:
+        raise BadSignature(f"{path}: unreadable signature ({e.strerror})") from None
+    return check_signature(
+        data, str(path), str(Path(directory) / layout.MANIFEST), manifest, manifest_bytes, trust
+    )
+
+
+def check_signature(
+    data: bytes | None, path: str, where: str, manifest, manifest_bytes: bytes, trust: Trust
+) -> AllowedKey | None:
+    """The key that signed this manifest (``where``), if its signature (``data``, read from
+    ``path``; None: not there) verifies with an allowed key and its subjects are exactly this
+    manifest's; None if unsigned and not required. ``BadSignature`` naming the file (and the
+    key) otherwise."""
+    from model_signing._signing import sign_ec_key, sign_sigstore_pb
+    from sigstore_models.bundle import v1 as bundle_pb
+
+    if data is None:
         if trust.required:
             raise BadSignature(f"{where}: not signed ({SIGNATURE} missing), and sign.required is set")
         return None
     try:
-        signature = sign_sigstore_pb.Signature.read(path)
+        signature = sign_sigstore_pb.Signature(bundle_pb.Bundle.from_json(data))
         identifier = signature.bundle.verification_material.public_key.hint or ""
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except Exception as e:  # whatever a damaged bundle makes the parser raise
         raise BadSignature(f"{path}: unreadable signature ({type(e).__name__}: {e})") from None
     allowed = trust.keys.get(identifier)
     if allowed is None:
@@ -242,7 +265,7 @@ def check(directory: Path, manifest, manifest_bytes: bytes, trust: Trust) -> All
     return allowed
 
 
-def _same_subjects(path: Path, signed, expected, allowed: AllowedKey) -> None:
+def _same_subjects(path: str, signed, expected, allowed: AllowedKey) -> None:
     have = {d.identifier: d.digest for d in signed.resource_descriptors()}
     want = {d.identifier: d.digest for d in expected.resource_descriptors()}
     for name in sorted(set(want) | set(have)):
