@@ -66,6 +66,7 @@ def test_killed_upload_is_not_committed_and_the_next_run_completes_it(archived_p
     child = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "helpers" / "archive_child.py"), str(archived_profile.source)],
         cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},  # this tree's code, whatever is installed
         timeout=300,
         capture_output=True,
         text=True,
