@@ -332,6 +332,32 @@ def copies(save_dir: Path) -> list[dict]:
     return [entry for entry in read_jsonl(copies_path(save_dir)) if isinstance(entry, dict)]
 
 
+def status_lines(save_dir: Path) -> list[str]:
+    """What ``ckptops status`` says about the archive: the newest copy in the archive's log, how it
+    was checked, its encryption and Object Lock as the store reported them at the commit."""
+    logged = copies(save_dir)
+    if not logged:
+        return []
+    last = logged[-1]
+    lines = [
+        f"archive: {len(logged)} copies logged; newest: iteration {last.get('iteration')} at "
+        f"{last.get('url')}, committed {last.get('committed_at')}"
+    ]
+    check = "CRC64NVME by the store" if last.get("crc64nvme") else "read back"
+    if last.get("crc64nvme"):
+        check += ", read back too" if last.get("read_back") else ", not read back (not in the sample)"
+    lines.append(f"archive check: {check}")
+    encryption = last.get("encryption")
+    if encryption:
+        key = f" key {encryption['kms_key_id']}" if encryption.get("kms_key_id") else ""
+        bucket_key = ", bucket key" if encryption.get("bucket_key") else ""
+        lines.append(f"archive encryption: {encryption.get('sse')}{key}{bucket_key}")
+    lock = last.get("object_lock")
+    if lock:
+        lines.append(f"archive object lock: {lock['mode']} until {lock['retain_until']}")
+    return lines
+
+
 def reads_back(save_dir: Path, settings) -> bool:
     """Whether the next copy is read back in full: always on a local directory; on S3 a rotating,
     deterministic sample of ``readback_fraction`` of the copies, by the count of copies so far
@@ -397,6 +423,8 @@ def archive_checkpoint(
                 "copy is kept, the next promoted iteration will be archived",
             )
         started = time.monotonic()
+        if profile.archive.object_lock is not None:
+            store.check_object_lock()
         read_back = reads_back(save_dir, profile.archive)
         with pinned(save_dir, iteration, f"archive-{os.getpid()}", "archive copy reading"):
             if store.is_local:

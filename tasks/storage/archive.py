@@ -301,6 +301,19 @@ class ArchiveStore:
     def heads(self, keys: list[str]) -> dict[str, Stored | None]:
         return dict(self._parallel(lambda key: (key, self.head(key)), keys))
 
+    def check_object_lock(self) -> None:
+        """Before anything goes up: the bucket must have Object Lock enabled, or the archive's
+        ``object_lock`` could not be kept (the store's own error code if it says so)."""
+        bucket, _ = self._bucket_key("")
+        answer = self._call(
+            "object lock configuration", "", self.client.get_object_lock_configuration, Bucket=bucket
+        )
+        enabled = answer.get("ObjectLockConfiguration", {}).get("ObjectLockEnabled")
+        if enabled != "Enabled":
+            raise ArchiveUnavailable(
+                f"{self.url}: the bucket's Object Lock is {enabled or 'not enabled'}; nothing uploaded"
+            )
+
     def lock(self, keys: list[str], until: datetime) -> None:
         """Object Lock retention on objects already there (the committed copy's data objects)."""
         mode = self.settings.object_lock.mode
