@@ -63,6 +63,7 @@ class ArchiveResult:
     seconds: float = 0.0
     deleted: list[int] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)  # why archive retention kept a copy it could drop
+    read_back: bool = True  # the copy was read back in full (else checked by the store's checksums)
 
     @property
     def throughput_gbps(self) -> float:
@@ -469,7 +470,7 @@ def archive_checkpoint(
             )
         )
         return ArchiveResult(
-            iteration, status["url"], True, message, uploaded, reused, seconds, deleted, kept
+            iteration, status["url"], True, message, uploaded, reused, seconds, deleted, kept, read_back
         )
 
 
