@@ -26,9 +26,9 @@ from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.promote import promote
 from tasks.errors import UsageError
 from tasks.profile import load_profile
-from tasks.storage.archive import ArchiveStore, ArchiveUnavailable
+from tasks.storage.archive import ArchiveStore, ArchiveUnavailable, SourceChanged
 from tasks.storage.local import append_jsonl
-from tests.conftest import iter_dir, s3_bucket, write_job_profile
+from tests.conftest import flip_byte, iter_dir, s3_bucket, write_job_profile
 
 JOB = "test-job"
 
@@ -342,3 +342,65 @@ def test_protection_needs_an_s3_archive(tmp_path):
             load_profile(write_job_profile(tmp_path, tmp_path, str(tmp_path / "a"), extra_archive=extra))
     with pytest.raises(UsageError, match="kms_key_id needs sse: aws:kms"):
         load_profile(write_job_profile(tmp_path, tmp_path, "s3://b/c", extra_archive=", kms_key_id: k"))
+
+
+def _medium_profile(tmp_path, medium_save_dir, s3_endpoint, options, extra=""):
+    promote(medium_save_dir, options, 30)
+    bucket = s3_bucket(s3_endpoint, f"parts-{uuid.uuid4().hex[:12]}")
+    profile = s3_profile(tmp_path, medium_save_dir, s3_endpoint, bucket, ", multipart_chunk_mb: 5" + extra)
+    return bucket, profile
+
+
+def _nothing_left(endpoint, bucket, profile) -> None:
+    s3 = boto3.client("s3", endpoint_url=endpoint)
+    assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []  # aborted
+    assert committed_iterations(ArchiveStore.from_settings(profile.archive), JOB) == []
+
+
+def test_a_source_file_changed_since_verification_is_not_archived(
+    medium_save_dir, tmp_path, s3_endpoint, options
+):
+    """The read that uploads also re-hashes: a file that no longer hashes as its manifest says
+    (bit rot after the verification) is not archived, its multipart upload aborted."""
+    bucket, profile = _medium_profile(tmp_path, medium_save_dir, s3_endpoint, options)
+    big = max(read_manifest(iter_dir(medium_save_dir, 4)).files, key=lambda f: f.size)
+    assert big.size > 2 * (5 << 20)
+    flip_byte(iter_dir(medium_save_dir, 4) / big.path, big.size - 10)  # in its last part
+    with pytest.raises(SourceChanged) as failed:
+        archive_checkpoint(medium_save_dir, profile)
+    line = str(failed.value)
+    assert "\n" not in line and line.startswith(f"{iter_dir(medium_save_dir, 4) / big.path}: reads ")
+    assert line.endswith("the source changed since it was verified; not archived")
+    _nothing_left(s3_endpoint, bucket, profile)
+    assert head_or_none(s3_endpoint, bucket, f"{JOB}/iter_0000004/{big.path}") is None
+
+
+def head_or_none(endpoint, bucket, key):
+    try:
+        return head(endpoint, bucket, key)
+    except ClientError:
+        return None
+
+
+def test_a_part_the_store_refuses_is_one_line_and_the_upload_is_aborted(
+    medium_save_dir, tmp_path, s3_endpoint, options, monkeypatch
+):
+    from moto.s3.exceptions import S3ClientError
+    from moto.s3.models import S3Backend
+
+    real = S3Backend.upload_part
+
+    def upload_part(self, bucket_name, multipart_id, part_id, value):
+        if part_id == 2:
+            raise S3ClientError("SlowDown", "Please reduce your request rate.")
+        return real(self, bucket_name, multipart_id, part_id, value)
+
+    monkeypatch.setattr(S3Backend, "upload_part", upload_part)
+    # One attempt: botocore would retry a SlowDown, and the injected one answers every time.
+    bucket, profile = _medium_profile(tmp_path, medium_save_dir, s3_endpoint, options, ", max_attempts: 1")
+    with pytest.raises(ArchiveUnavailable) as failed:
+        archive_checkpoint(medium_save_dir, profile)
+    line = str(failed.value)
+    assert "\n" not in line and line.startswith(f"s3://{bucket}/c/{JOB}/iter_0000004/")
+    assert line.endswith(": upload refused by the store (SlowDown: Please reduce your request rate.)")
+    _nothing_left(s3_endpoint, bucket, profile)

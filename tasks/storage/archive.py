@@ -91,6 +91,24 @@ def checksum_file(local: Path, segment_bytes: int | None) -> Sent:
     return Sent(hasher.position, combine(hasher.finish()), crc64nvme_b64(crc), False)
 
 
+class _PartsPool(ThreadPoolExecutor):
+    """The multipart parts in flight, for all files: ``room`` bounds the parts read into memory
+    and not yet uploaded (taken before a part is read, given back when it is up or failed)."""
+
+    def __init__(self, concurrency: int):
+        super().__init__(max_workers=concurrency)
+        self.room = threading.BoundedSemaphore(concurrency)
+
+    def submit(self, fn, *args):
+        def run():
+            try:
+                return fn(*args)
+            finally:
+                self.room.release()
+
+        return super().submit(run)
+
+
 class _Relay(Callback):
     """Passes fsspec's byte counts on to our progress callback."""
 
@@ -367,11 +385,15 @@ class ArchiveStore:
         want: tuple[int, str],
         segment_bytes: int | None,
         progress: Callable[[int], None] | None = None,
+        parts_pool: "_PartsPool | None" = None,
     ) -> Sent:
         """Upload one file in one read that also re-hashes it as its manifest does (``want``: size,
         hash) and computes its CRC64NVME, sent with it: a single PUT up to one part, else a
         multipart upload of checksum type FULL_OBJECT. A file that no longer matches its manifest
         is not uploaded (the multipart upload is aborted), and raises SourceChanged."""
+        if parts_pool is None:
+            with _PartsPool(self.concurrency) as pool:
+                return self.put_checked(local, key, want, segment_bytes, progress, pool)
         bucket, name = self._bucket_key(key)
         hasher, crc, size = FileHash(segment_bytes), 0, local.stat().st_size
 
@@ -413,29 +435,33 @@ class ArchiveStore:
                 ChecksumType="FULL_OBJECT",
                 **self._protection(),
             )["UploadId"]
+            # The file is read and hashed in order (one CRC over all of it); its parts go up in
+            # parallel on the parts pool, at most ``concurrency`` parts in memory across files.
+            pending = []
             try:
-                parts = []
-                while data := f.read(self.chunk_bytes):
-                    hasher.update(data)
-                    crc = _crc64nvme(data, crc)
-                    part_crc = crc64nvme_b64(_crc64nvme(data))
-                    answer = self._call(
-                        "upload",
-                        key,
-                        self.client.upload_part,
-                        Bucket=bucket,
-                        Key=name,
-                        UploadId=upload,
-                        PartNumber=len(parts) + 1,
-                        Body=data,
-                        ChecksumAlgorithm="CRC64NVME",
-                        ChecksumCRC64NVME=part_crc,
-                    )
-                    parts.append(
-                        {"PartNumber": len(parts) + 1, "ETag": answer["ETag"], "ChecksumCRC64NVME": part_crc}
-                    )
-                    if progress:
-                        progress(len(data))
+                while True:
+                    failed = next((p for p in pending if p.done() and p.exception()), None)
+                    if failed is not None:  # a part failed: stop reading, report it below
+                        break
+                    parts_pool.room.acquire()
+                    try:
+                        data = f.read(self.chunk_bytes)
+                        if data:
+                            hasher.update(data)
+                            crc = _crc64nvme(data, crc)
+                            number = len(pending) + 1
+                            pending.append(
+                                parts_pool.submit(
+                                    self._put_part, bucket, name, key, upload, number, data, progress
+                                )
+                            )
+                    except BaseException:
+                        parts_pool.room.release()
+                        raise
+                    if not data:
+                        parts_pool.room.release()
+                        break
+                parts = [part.result() for part in pending]
                 mismatch()
                 self._call(
                     "upload",
@@ -449,10 +475,31 @@ class ArchiveStore:
                     ChecksumType="FULL_OBJECT",
                 )
             except BaseException:
+                for part in pending:  # no part may land after the abort
+                    with contextlib.suppress(BaseException):
+                        part.result()
                 with contextlib.suppress(Exception):
                     self.client.abort_multipart_upload(Bucket=bucket, Key=name, UploadId=upload)
                 raise
         return Sent(hasher.position, combine(hasher.digests), crc64nvme_b64(crc), True)
+
+    def _put_part(self, bucket, name, key, upload, number, data, progress) -> dict:
+        part_crc = crc64nvme_b64(_crc64nvme(data))
+        answer = self._call(
+            "upload",
+            key,
+            self.client.upload_part,
+            Bucket=bucket,
+            Key=name,
+            UploadId=upload,
+            PartNumber=number,
+            Body=data,
+            ChecksumAlgorithm="CRC64NVME",
+            ChecksumCRC64NVME=part_crc,
+        )
+        if progress:
+            progress(len(data))
+        return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC64NVME": part_crc}
 
     def remove(self, key: str, recursive: bool = False) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -489,13 +536,18 @@ class ArchiveStore:
         segment_bytes: int | None,
         progress: Callable[[int], None] | None = None,
     ) -> dict[str, Sent]:
-        """``put_checked`` for many files in parallel: (local, key, (size, hash)) each."""
-        return dict(
-            self._parallel(
-                lambda item: (item[1], self.put_checked(item[0], item[1], item[2], segment_bytes, progress)),
-                items,
+        """``put_checked`` for many files in parallel: (local, key, (size, hash)) each; the parts
+        of large files go up in parallel too."""
+        with _PartsPool(self.concurrency) as parts:
+            return dict(
+                self._parallel(
+                    lambda item: (
+                        item[1],
+                        self.put_checked(item[0], item[1], item[2], segment_bytes, progress, parts),
+                    ),
+                    items,
+                )
             )
-        )
 
     def get_files(self, pairs: list[tuple[str, Path]], progress: Callable[[int], None] | None = None) -> None:
         def get(pair):
