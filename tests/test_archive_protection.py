@@ -202,7 +202,14 @@ def test_sse_kms_with_a_bucket_key_is_sent_checked_and_recorded(save_dir, tmp_pa
         assert stored["BucketKeyEnabled"] is True
     (logged,) = copies(save_dir)
     assert logged["encryption"] == {"sse": "aws:kms", "kms_key_id": key_id, "bucket_key": True}
-    assert f"archive encryption: aws:kms key {key_id}, bucket key" in status_lines(save_dir)
+    from typer.testing import CliRunner
+
+    from tasks.cli import app
+
+    shown = CliRunner().invoke(app, ["status", "--profile", str(profile.source)])
+    assert shown.exit_code == 0, shown.output
+    assert f"archive encryption: aws:kms key {key_id}, bucket key\n" in shown.output
+    assert f"newest: iteration 24 at s3://{bucket}/c/{JOB}/iter_0000024, committed " in shown.output
 
 
 def test_sse_s3_and_the_stores_default_are_recorded_as_the_store_reports_them(
