@@ -204,6 +204,15 @@ class Retention(_Section):
     )
 
 
+class ObjectLock(_Section):
+    """S3 Object Lock on a committed archive copy: no one (COMPLIANCE), or no one without the
+    bypass permission (GOVERNANCE), may delete or overwrite its objects for ``days`` after the
+    commit; archive retention waits for that date."""
+
+    mode: Literal["GOVERNANCE", "COMPLIANCE"]
+    days: Annotated[int, Field(ge=1)]
+
+
 class Archive(_Section):
     """The independent archive: an S3-compatible bucket, or a local directory (same code path)."""
 
@@ -223,10 +232,40 @@ class Archive(_Section):
     connect_timeout_seconds: Positive = 5
     read_timeout_seconds: Positive = 60
     max_attempts: Annotated[int, Field(ge=1, le=10)] = 3
+    readback_fraction: Annotated[float, Field(ge=0, le=1)] = Field(
+        default=1 / 7,
+        description="S3: the share of copies also read back in full (a rotating choice by the count "
+        "of copies so far; the others are checked by the store's CRC64NVME); a local directory "
+        "is always read back",
+    )
+    keep_days: Positive | None = Field(
+        default=None,
+        description="also keep every copy committed within this many days (a copy goes only when "
+        "both keep and keep_days let it)",
+    )
+    sse: Literal["none", "AES256", "aws:kms"] = Field(
+        default="none",
+        description="server-side encryption asked for on upload; none: the store's default "
+        "(S3: SSE-S3), recorded as the store reports it",
+    )
+    kms_key_id: str | None = Field(default=None, description="sse aws:kms: the key (id, ARN or alias)")
+    bucket_key: bool = Field(default=True, description="sse aws:kms: S3 Bucket Keys (fewer KMS calls)")
+    object_lock: ObjectLock | None = Field(
+        default=None,
+        description="Object Lock on committed copies (the bucket must have Object Lock enabled)",
+    )
 
     @property
     def is_s3(self) -> bool:
         return self.url.startswith("s3://")
+
+    @model_validator(mode="after")
+    def _protection_needs_s3(self):
+        if not self.is_s3 and (self.sse != "none" or self.object_lock is not None):
+            raise ValueError("sse and object_lock need an s3:// archive")
+        if self.kms_key_id is not None and self.sse != "aws:kms":
+            raise ValueError("kms_key_id needs sse: aws:kms")
+        return self
 
 
 class Budget(_Section):

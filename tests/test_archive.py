@@ -1,6 +1,7 @@
 """The archive tier against a real S3-compatible server (moto, over HTTP, with s3fs) and against
 a local directory, and restore drills from it with the real load."""
 
+import base64
 import json
 import os
 import re
@@ -66,6 +67,7 @@ def test_killed_upload_is_not_committed_and_the_next_run_completes_it(archived_p
     child = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "helpers" / "archive_child.py"), str(archived_profile.source)],
         cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},  # this tree's code, whatever is installed
         timeout=300,
         capture_output=True,
         text=True,
@@ -197,6 +199,17 @@ def test_multipart_upload_of_large_files(medium_save_dir, tmp_path, s3_endpoint,
         Bucket=bucket, Key="c/test-job/iter_0000004/__0_0.distcp"
     )
     assert re.search(r"-[2-9]$", head["ETag"].strip('"'))  # a multipart object's ETag counts its parts
+    # Its full-object CRC64NVME, as the store computed it from the parts it got (moto does), is
+    # the one computed from the local bytes that hashed as the manifest.
+    from awscrt.checksums import crc64nvme
+
+    checked = boto3.client("s3", endpoint_url=s3_endpoint).head_object(
+        Bucket=bucket, Key="c/test-job/iter_0000004/__0_0.distcp", ChecksumMode="ENABLED"
+    )
+    local = (iter_dir(medium_save_dir, 4) / "__0_0.distcp").read_bytes()
+    assert checked["ChecksumType"] == "FULL_OBJECT"
+    assert checked["ChecksumCRC64NVME"] == base64.b64encode(crc64nvme(local).to_bytes(8, "big")).decode()
+    assert copies(medium_save_dir)[-1]["crc64nvme"]["__0_0.distcp"] == checked["ChecksumCRC64NVME"]
     assert run_drill(profile, "archive").ok
 
 

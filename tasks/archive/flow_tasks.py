@@ -21,9 +21,11 @@ def archive_markdown(job: str, result: ArchiveResult) -> str:
     if result.committed:
         lines += [
             f"- uploaded {result.uploaded_bytes / 1e9:.3f} GB (reused {result.reused_bytes / 1e9:.3f} GB "
-            f"from an earlier interrupted run) and read every object back in {result.seconds:.2f} s "
-            f"({result.throughput_gbps:.2f} GB/s)",
+            f"from an earlier interrupted run), "
+            + ("read every object back" if result.read_back else "checked by the store's CRC64NVME")
+            + f" and committed in {result.seconds:.2f} s ({result.throughput_gbps:.2f} GB/s)",
             f"- archive retention deleted: {result.deleted or 'nothing'}",
+            *(f"- {line}" for line in result.kept),
         ]
     return "\n".join(lines) + "\n"
 

@@ -29,21 +29,23 @@ def archive(
     ] = False,
     profile: ProfileOpt = None,
 ):
-    """Copy the promoted checkpoint to the archive: upload, read back, commit, retention."""
+    """Copy the promoted checkpoint to the archive: upload, check, commit, retention."""
     with expected_errors():
         from tasks.archive.copy import archive_checkpoint, progress_total
 
         prof = profile_for(profile, save_dir)
-        with byte_progress("archive", progress_total(prof.job.save_dir), True) as progress:
+        with byte_progress("archive", progress_total(prof.job.save_dir, prof.archive), True) as progress:
             result = archive_checkpoint(prof.job.save_dir, prof, force, progress)
     out.print(f"iteration {result.iteration} -> {result.location}: {result.message}", markup=False)
     if result.committed:
         out.print(
             f"uploaded {result.uploaded_bytes / 1e6:.1f} MB, reused {result.reused_bytes / 1e6:.1f} MB, "
-            f"read back and committed in {result.seconds:.2f}s; archive retention deleted: "
+            f"checked and committed in {result.seconds:.2f}s; archive retention deleted: "
             f"{', '.join(map(str, result.deleted)) or 'nothing'}",
             markup=False,
         )
+        for line in result.kept:
+            out.print(line, markup=False)
 
 
 @commands.command()

@@ -176,6 +176,11 @@ def status(
         render.status(out, directory, infos, problem)
     if late is not None:
         (err if as_json else out).print(late.line(), markup=False)
+    if prof.archive and not as_json:
+        from tasks.archive.copy import status_lines
+
+        for line in status_lines(directory):
+            out.print(line, markup=False)
     if prof.drill and not as_json:
         from tasks.restore.scratch import stale_scratch
 

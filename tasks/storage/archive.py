@@ -4,12 +4,23 @@ fsspec is the storage protocol (isdir, ls, rm, put, get, open) so the local-dire
 S3 share every line above this module; s3fs speaks S3 (multipart uploads for large files,
 parallel parts). Every call is bounded: botocore's connect and read timeouts and a fixed number
 of attempts, so an unreachable store fails with one clear line instead of hanging a drill.
+
+On S3 the data files go up through botocore directly (``put_checked``), as s3fs cannot send a
+full-object checksum: one read of each source file both re-hashes it the way its manifest does
+and computes the CRC64NVME the store keeps for the object (the same CRC botocore computes, from
+awscrt), sent with the upload (a multipart upload is of checksum type FULL_OBJECT), so the store
+refuses bytes that differ on arrival. ``head`` then reads the store's own checksum, size,
+encryption and Object Lock back without a download.
 """
 
+import base64
 import contextlib
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import fsspec
@@ -28,6 +39,74 @@ class ArchiveUnavailable(CkptopsError):
 
 class AccessDenied(ArchiveUnavailable):
     """The store refused this one object (permissions), while it answers otherwise."""
+
+
+class SourceChanged(CkptopsError):
+    """A source file no longer hashes as its manifest says: it is not archived."""
+
+
+def crc64nvme_b64(crc: int) -> str:
+    """The form S3 keeps a CRC64NVME in (``ChecksumCRC64NVME``): 8 big-endian bytes, base64."""
+    return base64.b64encode(crc.to_bytes(8, "big")).decode()
+
+
+def _crc64nvme(data, previous: int = 0) -> int:
+    from awscrt.checksums import crc64nvme  # what botocore itself uses for CRC64NVME
+
+    return crc64nvme(data, previous)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What the store says about one object (HeadObject with ChecksumMode=ENABLED)."""
+
+    size: int
+    crc64nvme: str | None
+    checksum_type: str | None
+    sse: str | None
+    kms_key_id: str | None
+    bucket_key: bool
+    lock_mode: str | None
+    retain_until: str | None
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One source file as it went up (or was found up already): its size, manifest hash and the
+    CRC64NVME of the very bytes that were hashed."""
+
+    size: int
+    hash: str
+    crc64nvme: str
+    uploaded: bool
+
+
+def checksum_file(local: Path, segment_bytes: int | None) -> Sent:
+    """One read of a local file: its size, its manifest hash and its CRC64NVME (not uploaded)."""
+    hasher, crc = FileHash(segment_bytes), 0
+    with open(local, "rb") as f:
+        while data := f.read(READ_BLOCK):
+            hasher.update(data)
+            crc = _crc64nvme(data, crc)
+    return Sent(hasher.position, combine(hasher.finish()), crc64nvme_b64(crc), False)
+
+
+class _PartsPool(ThreadPoolExecutor):
+    """The multipart parts in flight, for all files: ``room`` bounds the parts read into memory
+    and not yet uploaded (taken before a part is read, given back when it is up or failed)."""
+
+    def __init__(self, concurrency: int):
+        super().__init__(max_workers=concurrency)
+        self.room = threading.BoundedSemaphore(concurrency)
+
+    def submit(self, fn, *args):
+        def run():
+            try:
+                return fn(*args)
+            finally:
+                self.room.release()
+
+        return super().submit(run)
 
 
 class _Relay(Callback):
@@ -57,6 +136,8 @@ class ArchiveStore:
         self.fs, self.root, self.url = fs, root.rstrip("/"), url.rstrip("/")
         self.is_local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
         self.chunk_bytes, self.concurrency = chunk_bytes, concurrency
+        self.settings = None
+        self._client, self._client_lock = None, threading.Lock()
 
     @classmethod
     def from_settings(cls, settings) -> "ArchiveStore":
@@ -83,7 +164,49 @@ class ArchiveStore:
         else:
             fs = fsspec.filesystem("file", auto_mkdir=True)
             root = str(Path(settings.url).resolve())
-        return cls(fs, root, settings.url, chunk, settings.max_concurrency)
+        store = cls(fs, root, settings.url, chunk, settings.max_concurrency)
+        store.settings = settings
+        return store
+
+    @property
+    def client(self):
+        """A botocore S3 client with the same endpoint, credentials, timeouts and attempts as s3fs."""
+        with self._client_lock:
+            if self._client is None:
+                import boto3
+                from botocore.config import Config
+
+                st = self.settings
+                session = boto3.session.Session(profile_name=st.aws_profile, region_name=st.region)
+                self._client = session.client(
+                    "s3",
+                    endpoint_url=st.endpoint_url,
+                    config=Config(
+                        connect_timeout=st.connect_timeout_seconds,
+                        read_timeout=st.read_timeout_seconds,
+                        retries={"max_attempts": st.max_attempts, "mode": "standard"},
+                        max_pool_connections=max(10, st.max_concurrency),
+                    ),
+                )
+            return self._client
+
+    def _bucket_key(self, key: str) -> tuple[str, str]:
+        bucket, _, prefix = self.root.partition("/")
+        return bucket, f"{prefix}/{key}" if prefix else key
+
+    def _protection(self, lock_until: datetime | None = None) -> dict:
+        """The upload parameters for the archive's encryption and, for a committed object, its lock."""
+        st, params = self.settings, {}
+        if st.sse != "none":
+            params["ServerSideEncryption"] = st.sse
+        if st.sse == "aws:kms":
+            if st.kms_key_id:
+                params["SSEKMSKeyId"] = st.kms_key_id
+            params["BucketKeyEnabled"] = st.bucket_key
+        if lock_until is not None and st.object_lock is not None:
+            params["ObjectLockMode"] = st.object_lock.mode
+            params["ObjectLockRetainUntilDate"] = lock_until
+        return params
 
     def where(self, key: str) -> str:
         """The human-readable location of a key, for messages."""
@@ -93,10 +216,21 @@ class ArchiveStore:
         return f"{self.root}/{key}" if key else self.root
 
     def _call(self, what: str, key: str, fn, *args, **kwargs):
+        from botocore.exceptions import ClientError
+
         try:
             return fn(*args, **kwargs)
         except FileNotFoundError:
             raise
+        except ClientError as e:  # the store's own error code, in one line
+            error = e.response.get("Error", {})
+            code = str(error.get("Code") or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode"))
+            if code in ("404", "NoSuchKey", "NotFound"):
+                raise FileNotFoundError(self.where(key)) from None
+            message = (error.get("Message") or "").strip().splitlines()
+            detail = f"{code}: {message[0]}" if message else code
+            line = f"{self.where(key)}: {what} refused by the store ({detail})"
+            raise (AccessDenied if code in ("AccessDenied", "403") else ArchiveUnavailable)(line) from None
         except PermissionError as e:  # one object refused (s3fs: AccessDenied): not an outage
             raise AccessDenied(f"{self.where(key)}: {what} refused ({e})") from None
         except CkptopsError:
@@ -139,14 +273,233 @@ class ArchiveStore:
     def read(self, key: str) -> bytes:
         return self._call("read", key, self.fs.cat_file, self._path(key))
 
-    def write(self, key: str, data: bytes) -> None:
-        """A small object, all or nothing: an S3 PUT is atomic; on a directory it is written to a
-        temporary name and renamed, as a manifest (the commit marker) must never be half there."""
+    def write(self, key: str, data: bytes, lock_until: datetime | None = None) -> None:
+        """A small object, all or nothing: an S3 PUT is atomic (sent with its CRC64NVME, the
+        archive's encryption and, given ``lock_until``, its Object Lock); on a directory it is
+        written to a temporary name and renamed, as a manifest (the commit marker) must never be
+        half there."""
         path = self._path(key)
         if self.is_local:
             self._call("write", key, _write_local, Path(path), data)
         else:
-            self._call("write", key, self.fs.pipe_file, path, data)
+            bucket, name = self._bucket_key(key)
+            self._call(
+                "write",
+                key,
+                self.client.put_object,
+                Bucket=bucket,
+                Key=name,
+                Body=data,
+                ChecksumAlgorithm="CRC64NVME",
+                ChecksumCRC64NVME=crc64nvme_b64(_crc64nvme(data)),
+                **self._protection(lock_until),
+            )
+
+    def head(self, key: str) -> Stored | None:
+        """The store's own facts about an object, nothing downloaded; None if it is not there."""
+        bucket, name = self._bucket_key(key)
+        try:
+            h = self._call(
+                "head", key, self.client.head_object, Bucket=bucket, Key=name, ChecksumMode="ENABLED"
+            )
+        except FileNotFoundError:
+            return None
+        until = h.get("ObjectLockRetainUntilDate")
+        return Stored(
+            size=int(h["ContentLength"]),
+            crc64nvme=h.get("ChecksumCRC64NVME"),
+            checksum_type=h.get("ChecksumType"),
+            sse=h.get("ServerSideEncryption"),
+            kms_key_id=h.get("SSEKMSKeyId"),
+            bucket_key=bool(h.get("BucketKeyEnabled")),
+            lock_mode=h.get("ObjectLockMode"),
+            retain_until=until.isoformat() if until is not None else None,
+        )
+
+    def heads(self, keys: list[str]) -> dict[str, Stored | None]:
+        return dict(self._parallel(lambda key: (key, self.head(key)), keys))
+
+    def check_object_lock(self) -> None:
+        """Before anything goes up: the bucket must have Object Lock enabled, or the archive's
+        ``object_lock`` could not be kept (the store's own error code if it says so)."""
+        bucket, _ = self._bucket_key("")
+        answer = self._call(
+            "object lock configuration", "", self.client.get_object_lock_configuration, Bucket=bucket
+        )
+        enabled = answer.get("ObjectLockConfiguration", {}).get("ObjectLockEnabled")
+        if enabled != "Enabled":
+            raise ArchiveUnavailable(
+                f"{self.url}: the bucket's Object Lock is {enabled or 'not enabled'}; nothing uploaded"
+            )
+
+    def lock(self, keys: list[str], until: datetime) -> None:
+        """Object Lock retention on objects already there (the committed copy's data objects)."""
+        mode = self.settings.object_lock.mode
+
+        def one(key):
+            bucket, name = self._bucket_key(key)
+            self._call(
+                "object lock",
+                key,
+                self.client.put_object_retention,
+                Bucket=bucket,
+                Key=name,
+                Retention={"Mode": mode, "RetainUntilDate": until},
+                ChecksumAlgorithm="CRC64NVME",
+            )
+
+        self._parallel(one, keys)
+
+    def remove_versions(self, key: str) -> None:
+        """Every version of every object under ``key`` (on a versioned bucket, as an Object Lock
+        bucket is, a plain delete only hides an object behind a delete marker)."""
+        bucket, prefix = self._bucket_key(key)
+        paginator = self.client.get_paginator("list_object_versions")
+        pages = self._call(
+            "list versions", key, lambda: list(paginator.paginate(Bucket=bucket, Prefix=prefix + "/"))
+        )
+        versions = [
+            {"Key": v["Key"], "VersionId": v["VersionId"]}
+            for page in pages
+            for v in page.get("Versions", []) + page.get("DeleteMarkers", [])
+        ]
+        for start in range(0, len(versions), 1000):
+            answer = self._call(
+                "delete",
+                key,
+                self.client.delete_objects,
+                Bucket=bucket,
+                Delete={"Objects": versions[start : start + 1000], "Quiet": True},
+                ChecksumAlgorithm="CRC64NVME",
+            )
+            for error in answer.get("Errors", []):
+                raise ArchiveUnavailable(
+                    f"{self.url}/{error['Key'].removeprefix(self._bucket_key('')[1])}: delete refused "
+                    f"by the store ({error.get('Code')}: {error.get('Message', '').strip()})"
+                )
+
+    def put_checked(
+        self,
+        local: Path,
+        key: str,
+        want: tuple[int, str],
+        segment_bytes: int | None,
+        progress: Callable[[int], None] | None = None,
+        parts_pool: "_PartsPool | None" = None,
+    ) -> Sent:
+        """Upload one file in one read that also re-hashes it as its manifest does (``want``: size,
+        hash) and computes its CRC64NVME, sent with it: a single PUT up to one part, else a
+        multipart upload of checksum type FULL_OBJECT. A file that no longer matches its manifest
+        is not uploaded (the multipart upload is aborted), and raises SourceChanged."""
+        if parts_pool is None:
+            with _PartsPool(self.concurrency) as pool:
+                return self.put_checked(local, key, want, segment_bytes, progress, pool)
+        bucket, name = self._bucket_key(key)
+        hasher, crc, size = FileHash(segment_bytes), 0, local.stat().st_size
+
+        def mismatch():
+            got = (hasher.position, combine(hasher.finish()))
+            if got != want:
+                raise SourceChanged(
+                    f"{local}: reads {got[0]} bytes, hash {got[1]}; its manifest says {want[0]} bytes, "
+                    f"hash {want[1]}: the source changed since it was verified; not archived"
+                )
+
+        with open(local, "rb") as f:
+            if size <= self.chunk_bytes:
+                data = f.read()
+                hasher.update(data)
+                crc = _crc64nvme(data)
+                mismatch()
+                self._call(
+                    "upload",
+                    key,
+                    self.client.put_object,
+                    Bucket=bucket,
+                    Key=name,
+                    Body=data,
+                    ChecksumAlgorithm="CRC64NVME",
+                    ChecksumCRC64NVME=crc64nvme_b64(crc),
+                    **self._protection(),
+                )
+                if progress:
+                    progress(len(data))
+                return Sent(hasher.position, combine(hasher.digests), crc64nvme_b64(crc), True)
+            upload = self._call(
+                "upload",
+                key,
+                self.client.create_multipart_upload,
+                Bucket=bucket,
+                Key=name,
+                ChecksumAlgorithm="CRC64NVME",
+                ChecksumType="FULL_OBJECT",
+                **self._protection(),
+            )["UploadId"]
+            # The file is read and hashed in order (one CRC over all of it); its parts go up in
+            # parallel on the parts pool, at most ``concurrency`` parts in memory across files.
+            pending = []
+            try:
+                while True:
+                    failed = next((p for p in pending if p.done() and p.exception()), None)
+                    if failed is not None:  # a part failed: stop reading, report it below
+                        break
+                    parts_pool.room.acquire()
+                    try:
+                        data = f.read(self.chunk_bytes)
+                        if data:
+                            hasher.update(data)
+                            crc = _crc64nvme(data, crc)
+                            number = len(pending) + 1
+                            pending.append(
+                                parts_pool.submit(
+                                    self._put_part, bucket, name, key, upload, number, data, progress
+                                )
+                            )
+                    except BaseException:
+                        parts_pool.room.release()
+                        raise
+                    if not data:
+                        parts_pool.room.release()
+                        break
+                parts = [part.result() for part in pending]
+                mismatch()
+                self._call(
+                    "upload",
+                    key,
+                    self.client.complete_multipart_upload,
+                    Bucket=bucket,
+                    Key=name,
+                    UploadId=upload,
+                    MultipartUpload={"Parts": parts},
+                    ChecksumCRC64NVME=crc64nvme_b64(crc),
+                    ChecksumType="FULL_OBJECT",
+                )
+            except BaseException:
+                for part in pending:  # no part may land after the abort
+                    with contextlib.suppress(BaseException):
+                        part.result()
+                with contextlib.suppress(Exception):
+                    self.client.abort_multipart_upload(Bucket=bucket, Key=name, UploadId=upload)
+                raise
+        return Sent(hasher.position, combine(hasher.digests), crc64nvme_b64(crc), True)
+
+    def _put_part(self, bucket, name, key, upload, number, data, progress) -> dict:
+        part_crc = crc64nvme_b64(_crc64nvme(data))
+        answer = self._call(
+            "upload",
+            key,
+            self.client.upload_part,
+            Bucket=bucket,
+            Key=name,
+            UploadId=upload,
+            PartNumber=number,
+            Body=data,
+            ChecksumAlgorithm="CRC64NVME",
+            ChecksumCRC64NVME=part_crc,
+        )
+        if progress:
+            progress(len(data))
+        return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC64NVME": part_crc}
 
     def remove(self, key: str, recursive: bool = False) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -175,6 +528,25 @@ class ArchiveStore:
                 make_durable,
                 [Path(self._path(key)) for _, key in pairs],
                 Path(self.root),
+            )
+
+    def put_checked_files(
+        self,
+        items: list[tuple[Path, str, tuple[int, str]]],
+        segment_bytes: int | None,
+        progress: Callable[[int], None] | None = None,
+    ) -> dict[str, Sent]:
+        """``put_checked`` for many files in parallel: (local, key, (size, hash)) each; the parts
+        of large files go up in parallel too."""
+        with _PartsPool(self.concurrency) as parts:
+            return dict(
+                self._parallel(
+                    lambda item: (
+                        item[1],
+                        self.put_checked(item[0], item[1], item[2], segment_bytes, progress, parts),
+                    ),
+                    items,
+                )
             )
 
     def get_files(self, pairs: list[tuple[str, Path]], progress: Callable[[int], None] | None = None) -> None:
