@@ -54,7 +54,10 @@ def test_archive_commits_manifest_last_and_records_status(archived_profile, save
     assert committed_iterations(store, "test-job") == [24] and newest_committed(store, "test-job") == 24
     manifest = read_manifest(iter_dir(save_dir, 24))
     for entry in manifest.files:
-        assert store.hash_object(f"test-job/iter_0000024/{entry.path}") == (entry.size, entry.hash)
+        assert store.hash_object(f"test-job/iter_0000024/{entry.path}", manifest.hashing) == (
+            entry.size,
+            entry.hash,
+        )
     # The copy is the archive's own record; the shared-store manifest stays the verifier's.
     (copy,) = copies(save_dir)
     assert copy["iteration"] == 24 and copy["url"] == result.location and "read back" in copy["verified"]

@@ -165,8 +165,8 @@ def test_an_object_changed_before_the_check_is_uploaded_again_or_nothing_is_comm
     real = ArchiveStore.put_checked_files
     times = {"left": 1}
 
-    def upload_then_overwrite(self, items, segment_bytes, progress=None):
-        sent = real(self, items, segment_bytes, progress)
+    def upload_then_overwrite(self, items, hashing, progress=None):
+        sent = real(self, items, hashing, progress)
         if times["left"] and key in sent:
             times["left"] -= 1
             _overwrite(s3_endpoint, bucket, key, b"\0" * sent[key].size)

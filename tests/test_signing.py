@@ -15,6 +15,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from tasks.archive.copy import UnreadableManifest, archive_checkpoint, archived_manifest
 from tasks.checkpoint import layout
 from tasks.checkpoint.access import Exposed
 from tasks.checkpoint.facts import checkpoint_facts
@@ -25,6 +26,7 @@ from tasks.checkpoint.state import State, VerifyOptions
 from tasks.checkpoint.verify import verify_with_profile
 from tasks.errors import UsageError
 from tasks.profile import load_profile
+from tasks.storage.archive import ArchiveStore
 from tests.conftest import iter_dir
 
 
@@ -46,8 +48,11 @@ def keypair(folder: Path, name: str) -> tuple[Path, Path]:
     return private, public
 
 
-def profile_for(tmp_path: Path, save_dir: Path, sign: dict | None, digest: str = "blake3", name: str = "p"):
+def profile_for(
+    tmp_path: Path, save_dir: Path, sign: dict | None, digest: str = "blake3", name: str = "p", *extra: str
+):
     lines = [
+        *extra,
         f"job: {{name: signed-job, save_dir: '{save_dir}', megatron_core_version: '0.19.2', "
         "layout: {data_parallel: 2}}",
         f"verify: {{digest: {digest}, lock_timeout_seconds: 30}}",
@@ -235,3 +240,25 @@ def test_the_key_can_come_from_a_prefect_secret_block(save_dir, keys, tmp_path, 
     result = verify_with_profile(profile, iter_dir(save_dir, 20))
     assert result.ok and result.signed_by.startswith("release (")
     assert read_manifest(iter_dir(save_dir, 20)).valid
+
+
+def test_the_archive_signs_its_entry_and_an_altered_archived_manifest_is_not_used(save_dir, keys, tmp_path):
+    sign = {"key_file": keys["release"][0], "public_keys": [keys["release"][1]], "required": True}
+    archive = f"archive: {{url: '{tmp_path / 'archive'}', keep: 2}}"
+    profile = profile_for(tmp_path, save_dir, sign, "blake3", "archived", archive)
+    assert promote(save_dir, options_of(profile), 30).current == 24
+    assert archive_checkpoint(save_dir, profile).committed
+    store = ArchiveStore.from_settings(profile.archive)
+    assert archived_manifest(store, "signed-job", 24).valid
+    entry = tmp_path / "archive" / "signed-job" / "iter_0000024"
+    assert (entry / layout.SIGNATURE).is_file()
+    data = json.loads((entry / layout.MANIFEST).read_text())
+    data["files"][0]["size"] += 1
+    (entry / layout.MANIFEST).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    with pytest.raises(UnreadableManifest, match="manifest.json differs from its signed digest .key release"):
+        archived_manifest(store, "signed-job", 24)
+    (entry / layout.SIGNATURE).unlink()
+    with pytest.raises(
+        UnreadableManifest, match="not signed .manifest.sig missing., and sign.required is set"
+    ):
+        archived_manifest(store, "signed-job", 24)

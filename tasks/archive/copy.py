@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from tasks.checkpoint import layout
+from tasks.checkpoint import layout, signing
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.manifest import CorruptManifest, Manifest, now_iso
 from tasks.checkpoint.pins import pinned, pins
@@ -93,9 +93,12 @@ class NoEntry(CkptopsError):
 
 
 def archived_manifest(store: ArchiveStore, job: str, iteration: int) -> Manifest:
+    """A committed entry's manifest, its signature checked as the job's profile asks (``sign``):
+    one that does not verify is unreadable, never used."""
     key = entry_key(job, iteration, layout.MANIFEST)
     try:
-        data = json.loads(store.read(key))
+        raw = store.read(key)
+        data = json.loads(raw)
     except FileNotFoundError:
         raise NoEntry(f"{store.where(key)}: no committed archive entry") from None
     except AccessDenied as e:
@@ -103,9 +106,30 @@ def archived_manifest(store: ArchiveStore, job: str, iteration: int) -> Manifest
     except ValueError as e:
         raise UnreadableManifest(f"{store.where(key)}: unreadable archived manifest ({e})") from None
     try:
-        return Manifest.from_dict(data, store.where(key))
+        manifest = Manifest.from_dict(data, store.where(key))
     except CorruptManifest as e:
         raise UnreadableManifest(f"{e} (unreadable archived manifest)") from None
+    trust = signing.trust_for_job(job)
+    if trust is not None and trust.checks:
+        _check_archived_signature(store, job, iteration, manifest, raw, trust)
+    return manifest
+
+
+def _check_archived_signature(
+    store: ArchiveStore, job: str, iteration: int, manifest: Manifest, raw: bytes, trust
+) -> None:
+    key = entry_key(job, iteration, layout.SIGNATURE)
+    try:
+        signature = store.read(key)
+    except FileNotFoundError:
+        signature = None
+    except AccessDenied as e:
+        raise UnreadableManifest(f"{e} (unreadable signature)") from None
+    where = store.where(entry_key(job, iteration, layout.MANIFEST))
+    try:
+        signing.check_signature(signature, store.where(key), where, manifest, raw, trust)
+    except signing.BadSignature as e:
+        raise UnreadableManifest(f"{e} (untrusted archived manifest)") from None
 
 
 def newest_committed(store: ArchiveStore, job: str) -> int | None:
@@ -153,7 +177,7 @@ def _upload_checked(
     ]
     sent: dict[str, Sent] = {}
     for key, local in store._parallel(
-        lambda key: (key, checksum_file(directory / files[key].path, manifest.hash_segment_bytes)),
+        lambda key: (key, checksum_file(directory / files[key].path, manifest.hashing)),
         candidates,
     ):
         f = files[key]
@@ -165,7 +189,7 @@ def _upload_checked(
         if local.crc64nvme == found[key].crc64nvme:
             sent[key] = local
     todo = [(directory / f.path, key, (f.size, f.hash)) for key, f in files.items() if key not in sent]
-    sent.update(store.put_checked_files(todo, manifest.hash_segment_bytes, progress))
+    sent.update(store.put_checked_files(todo, manifest.hashing, progress))
     uploaded = sum(files[key].size for key, s in sent.items() if s.uploaded)
     return sent, uploaded, sum(files[key].size for key, s in sent.items() if not s.uploaded)
 
@@ -231,11 +255,13 @@ def _commit(
     }
     archived = copy.deepcopy(manifest)
     archived.archive = status
-    store.write(
-        entry_key(job, manifest.iteration, layout.MANIFEST),
-        archived.to_json().encode(),
-        lock_until=lock_until,
-    )
+    data = archived.to_json().encode()
+    key = entry_key(job, manifest.iteration, layout.MANIFEST)
+    trust = signing.trust_for_job(job)
+    if trust is not None and trust.signs:  # before the manifest: it commits the entry
+        signature, _ = signing.signature_for(archived, data, trust, store.where(key))
+        store.write(entry_key(job, manifest.iteration, layout.SIGNATURE), signature, lock_until=lock_until)
+    store.write(key, data, lock_until=lock_until)
     store.write(f"{job}/{POINTER_OBJECT}", f"{manifest.iteration}\n".encode())
     return status
 
@@ -485,7 +511,7 @@ def _upload_and_check(
         by_key = {entry_key(job, manifest.iteration, f.path): f for f in manifest.files}
         again = store.put_checked_files(
             [(directory / by_key[k].path, k, (by_key[k].size, by_key[k].hash)) for k in bad],
-            manifest.hash_segment_bytes,
+            manifest.hashing,
             progress,
         )
         sent.update(again)
@@ -522,7 +548,7 @@ def _read_back(store: ArchiveStore, job: str, directory: Path, manifest: Manifes
             files = {f.path: f for f in manifest.files}
             store.put_checked_files(
                 [(local, key, (files[local.name].size, files[local.name].hash)) for local, key in pairs],
-                manifest.hash_segment_bytes,
+                manifest.hashing,
                 progress,
             )
         bad = _mismatches(store, job, manifest, progress)

@@ -81,14 +81,14 @@ class Sent:
     uploaded: bool
 
 
-def checksum_file(local: Path, segment_bytes: int | None) -> Sent:
+def checksum_file(local: Path, hashing: Hashing) -> Sent:
     """One read of a local file: its size, its manifest hash and its CRC64NVME (not uploaded)."""
-    hasher, crc = FileHash(segment_bytes), 0
+    hasher, crc = FileHash(hashing), 0
     with open(local, "rb") as f:
         while data := f.read(READ_BLOCK):
             hasher.update(data)
             crc = _crc64nvme(data, crc)
-    return Sent(hasher.position, combine(hasher.finish()), crc64nvme_b64(crc), False)
+    return Sent(hasher.position, combine(hasher.finish(), hashing.algorithm), crc64nvme_b64(crc), False)
 
 
 class _PartsPool(ThreadPoolExecutor):
@@ -383,7 +383,7 @@ class ArchiveStore:
         local: Path,
         key: str,
         want: tuple[int, str],
-        segment_bytes: int | None,
+        hashing: Hashing,
         progress: Callable[[int], None] | None = None,
         parts_pool: "_PartsPool | None" = None,
     ) -> Sent:
@@ -393,12 +393,12 @@ class ArchiveStore:
         is not uploaded (the multipart upload is aborted), and raises SourceChanged."""
         if parts_pool is None:
             with _PartsPool(self.concurrency) as pool:
-                return self.put_checked(local, key, want, segment_bytes, progress, pool)
+                return self.put_checked(local, key, want, hashing, progress, pool)
         bucket, name = self._bucket_key(key)
-        hasher, crc, size = FileHash(segment_bytes), 0, local.stat().st_size
+        hasher, crc, size = FileHash(hashing), 0, local.stat().st_size
 
         def mismatch():
-            got = (hasher.position, combine(hasher.finish()))
+            got = (hasher.position, combine(hasher.finish(), hashing.algorithm))
             if got != want:
                 raise SourceChanged(
                     f"{local}: reads {got[0]} bytes, hash {got[1]}; its manifest says {want[0]} bytes, "
@@ -424,7 +424,9 @@ class ArchiveStore:
                 )
                 if progress:
                     progress(len(data))
-                return Sent(hasher.position, combine(hasher.digests), crc64nvme_b64(crc), True)
+                return Sent(
+                    hasher.position, combine(hasher.digests, hashing.algorithm), crc64nvme_b64(crc), True
+                )
             upload = self._call(
                 "upload",
                 key,
@@ -481,7 +483,7 @@ class ArchiveStore:
                 with contextlib.suppress(Exception):
                     self.client.abort_multipart_upload(Bucket=bucket, Key=name, UploadId=upload)
                 raise
-        return Sent(hasher.position, combine(hasher.digests), crc64nvme_b64(crc), True)
+        return Sent(hasher.position, combine(hasher.digests, hashing.algorithm), crc64nvme_b64(crc), True)
 
     def _put_part(self, bucket, name, key, upload, number, data, progress) -> dict:
         part_crc = crc64nvme_b64(_crc64nvme(data))
@@ -533,7 +535,7 @@ class ArchiveStore:
     def put_checked_files(
         self,
         items: list[tuple[Path, str, tuple[int, str]]],
-        segment_bytes: int | None,
+        hashing: Hashing,
         progress: Callable[[int], None] | None = None,
     ) -> dict[str, Sent]:
         """``put_checked`` for many files in parallel: (local, key, (size, hash)) each; the parts
@@ -543,7 +545,7 @@ class ArchiveStore:
                 self._parallel(
                     lambda item: (
                         item[1],
-                        self.put_checked(item[0], item[1], item[2], segment_bytes, progress, parts),
+                        self.put_checked(item[0], item[1], item[2], hashing, progress, parts),
                     ),
                     items,
                 )

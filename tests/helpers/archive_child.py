@@ -23,8 +23,8 @@ def first_file_then_die(self, pairs, progress=None):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def first_checked_file_then_die(self, items, segment_bytes, progress=None):
-    real_put_checked_files(self, items[:1], segment_bytes, progress)
+def first_checked_file_then_die(self, items, hashing, progress=None):
+    real_put_checked_files(self, items[:1], hashing, progress)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
