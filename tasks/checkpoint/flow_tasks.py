@@ -218,15 +218,15 @@ def summary_markdown(
     checked = [v for v in verifications if v.state is not State.IN_PROGRESS]
     if checked:
         lines += [
-            "| iteration | state | files | GB | seconds | GB/s | reason |",
-            "|---:|---|---:|---:|---:|---:|---|",
+            "| iteration | state | files | GB | seconds | GB/s | reason | manifest signed by |",
+            "|---:|---|---:|---:|---:|---:|---|---|",
         ]
         for v in checked:
             files = v.manifest.totals["files"] if v.manifest else 0
             state = v.state.value + (RESUME_WORDS[v.manifest.resumes] if v.manifest else "")
             lines.append(
                 f"| {v.iteration} | {state} | {files} | {v.bytes_read / 1e9:.3f} | "
-                f"{v.seconds:.2f} | {v.throughput_gbps:.2f} | {v.reason} |"
+                f"{v.seconds:.2f} | {v.throughput_gbps:.2f} | {v.reason} | {v.signed_by or 'not signed'} |"
             )
         total_bytes = sum(v.bytes_read for v in checked)
         total_seconds = sum(v.seconds for v in checked)
