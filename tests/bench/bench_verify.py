@@ -193,6 +193,9 @@ def main() -> int:
         f"{'met' if ratio <= 1.5 else 'NOT met'}"
     )
     console.print(
+        "signing: " + ", ".join(f"{step} {seconds * 1e3:.2f} ms" for step, seconds in signing_seconds.items())
+    )
+    console.print(
         f"promotion: small {promotion['small'] * 1e3:.2f} ms, large {promotion['large'] * 1e3:.2f} ms "
         f"(target: independent of size)"
     )
