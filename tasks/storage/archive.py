@@ -282,18 +282,23 @@ class ArchiveStore:
         if self.is_local:
             self._call("write", key, _write_local, Path(path), data)
         else:
-            bucket, name = self._bucket_key(key)
-            self._call(
-                "write",
-                key,
-                self.client.put_object,
-                Bucket=bucket,
-                Key=name,
-                Body=data,
-                ChecksumAlgorithm="CRC64NVME",
-                ChecksumCRC64NVME=crc64nvme_b64(_crc64nvme(data)),
-                **self._protection(lock_until),
-            )
+            self._put("write", key, data, _crc64nvme(data), lock_until)
+
+    def _put(self, what: str, key: str, data: bytes, crc: int, lock_until: datetime | None = None) -> None:
+        """One PUT with its CRC64NVME (which the store checks the body against), the archive's
+        encryption and, given ``lock_until``, its Object Lock."""
+        bucket, name = self._bucket_key(key)
+        self._call(
+            what,
+            key,
+            self.client.put_object,
+            Bucket=bucket,
+            Key=name,
+            Body=data,
+            ChecksumAlgorithm="CRC64NVME",
+            ChecksumCRC64NVME=crc64nvme_b64(crc),
+            **self._protection(lock_until),
+        )
 
     def head(self, key: str) -> Stored | None:
         """The store's own facts about an object, nothing downloaded; None if it is not there."""
@@ -411,17 +416,7 @@ class ArchiveStore:
                 hasher.update(data)
                 crc = _crc64nvme(data)
                 mismatch()
-                self._call(
-                    "upload",
-                    key,
-                    self.client.put_object,
-                    Bucket=bucket,
-                    Key=name,
-                    Body=data,
-                    ChecksumAlgorithm="CRC64NVME",
-                    ChecksumCRC64NVME=crc64nvme_b64(crc),
-                    **self._protection(),
-                )
+                self._put("upload", key, data, crc)
                 if progress:
                     progress(len(data))
                 return Sent(
