@@ -191,8 +191,11 @@ class Sign(_Section):
     def _coherent(self):
         if self.key_file is not None and self.key_secret is not None:
             raise ValueError("key_file and key_secret: name one place for the key, not both")
-        if self.required and not self.public_keys:
-            raise ValueError("required: true needs public_keys, the keys that may sign")
+        if (self.required or self.key_file or self.key_secret) and not self.public_keys:
+            raise ValueError(
+                "public_keys: name the keys that may sign (the signer's own among them): "
+                "signatures nobody checks vouch for nothing"
+            )
         return self
 
 

@@ -6,6 +6,7 @@ unknown keys, unsigned manifests, open key files, and the key from a Prefect Sec
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,11 +50,17 @@ def keypair(folder: Path, name: str) -> tuple[Path, Path]:
 
 
 def profile_for(
-    tmp_path: Path, save_dir: Path, sign: dict | None, digest: str = "blake3", name: str = "p", *extra: str
+    tmp_path: Path,
+    save_dir: Path,
+    sign: dict | None,
+    digest: str = "blake3",
+    name: str = "p",
+    *extra: str,
+    job: str = "signed-job",
 ):
     lines = [
         *extra,
-        f"job: {{name: signed-job, save_dir: '{save_dir}', megatron_core_version: '0.19.2', "
+        f"job: {{name: {job}, save_dir: '{save_dir}', megatron_core_version: '0.19.2', "
         "layout: {data_parallel: 2}}",
         f"verify: {{digest: {digest}, lock_timeout_seconds: 30}}",
     ]
@@ -208,7 +215,7 @@ def test_a_manifest_signed_by_a_key_not_listed_or_not_signed_is_untrusted(save_d
         UntrustedManifest, match=r"manifest.sig: signed by key [0-9a-f]{16}, not in sign.public_keys"
     ):
         read_manifest(directory)
-    assert promote(save_dir, options_of(signing_profile(tmp_path, save_dir, keys)), 30).current != 24
+    assert promote(save_dir, options_of(signing_profile(tmp_path, save_dir, keys)), 30).current == 20
 
     (directory / layout.SIGNATURE).unlink()
     with pytest.raises(
@@ -227,7 +234,7 @@ def test_key_files_others_can_read_and_signing_weak_hashes_are_refused(save_dir,
     sign = {"key_file": keys["release"][0], "public_keys": [keys["release"][1]]}
     with pytest.raises(UsageError, match="sign: a signature vouches only for cryptographic digests"):
         profile_for(tmp_path, save_dir, sign, digest="xxh3")
-    with pytest.raises(UsageError, match="required: true needs public_keys"):
+    with pytest.raises(UsageError, match="public_keys: name the keys that may sign"):
         profile_for(tmp_path, save_dir, {"required": True})
 
 
@@ -262,3 +269,85 @@ def test_the_archive_signs_its_entry_and_an_altered_archived_manifest_is_not_use
         UnreadableManifest, match="not signed .manifest.sig missing., and sign.required is set"
     ):
         archived_manifest(store, "signed-job", 24)
+
+
+def _copy_signed(source: Path, target: Path) -> None:
+    for name in (layout.MANIFEST, layout.SIGNATURE):
+        shutil.copy2(source / name, target / name)
+
+
+def test_a_signature_holds_only_for_its_own_job_and_iteration(save_dir, keys, tmp_path):
+    other_dir = shutil.copytree(save_dir, tmp_path / "other", copy_function=shutil.copy2)
+    sign = {"key_file": keys["release"][0], "public_keys": [keys["release"][1]], "required": True}
+    profile = profile_for(tmp_path, save_dir, sign, name="a")
+    assert verify_with_profile(profile, iter_dir(save_dir, 24)).ok
+    # The same key signs another job: job A's signed manifest, put beside job B's same bytes.
+    profile_for(tmp_path, other_dir, sign, name="b", job="other-job")
+    _copy_signed(iter_dir(save_dir, 24), iter_dir(other_dir, 24))
+    with pytest.raises(UntrustedManifest, match="signs signed-job/iter_0000024, not other-job/iter_0000024"):
+        read_manifest(iter_dir(other_dir, 24))
+    _copy_signed(iter_dir(save_dir, 24), iter_dir(save_dir, 20))  # another iteration of the same job
+    with pytest.raises(UntrustedManifest, match="signs signed-job/iter_0000024, not signed-job/iter_0000020"):
+        read_manifest(iter_dir(save_dir, 20))
+
+
+def test_a_digest_that_is_not_hex_is_one_line_not_a_crash(save_dir, keys, tmp_path):
+    profile = signing_profile(tmp_path, save_dir, keys)
+    directory = iter_dir(save_dir, 24)
+    assert verify_with_profile(profile, directory).ok
+    data = json.loads((directory / layout.MANIFEST).read_text())
+    data["files"][0]["hash"] = "not-a-digest"
+    (directory / layout.MANIFEST).write_text(json.dumps(data))
+    with pytest.raises(UntrustedManifest, match=r"manifest.json: \S+: its digest 'not-a-digest' is not hex"):
+        read_manifest(directory)
+    assert [i for i, _ in verified_newest_first(save_dir)] == []
+
+
+def test_turning_signing_on_judges_an_xxh3_checkpoint_afresh_and_signs_it(save_dir, keys, tmp_path):
+    unsigned = profile_for(tmp_path, save_dir, None, digest="xxh3", name="before")
+    assert verify_with_profile(unsigned, iter_dir(save_dir, 24)).ok
+    profile = signing_profile(tmp_path, save_dir, keys, required=False)
+    assert read_manifest(iter_dir(save_dir, 24)).hash_algorithm == "xxh3-128"  # unsigned, not required
+    result, _ = reverify(save_dir, options_of(profile), 24, 30)
+    assert result.ok and result.signed_by.startswith("release (")
+    assert any("judged afresh with blake3, to be signed" in c.detail for c in result.checks)
+    signing_profile(tmp_path, save_dir, keys)  # now required
+    assert read_manifest(iter_dir(save_dir, 24)).hash_algorithm == "blake3"
+
+
+def test_a_copy_that_differs_from_its_manifest_is_not_unpickled(save_dir, keys, tmp_path, monkeypatch):
+    from tasks.checkpoint import verify as verify_module
+
+    profile = signing_profile(tmp_path, save_dir, keys)
+    assert verify_with_profile(profile, iter_dir(save_dir, 24)).ok
+    reference = read_manifest(iter_dir(save_dir, 24))
+    copy = shutil.copytree(iter_dir(save_dir, 24), tmp_path / "restored" / "iter_0000024")
+    options = options_of(profile)
+
+    def never(*args, **kwargs):
+        raise AssertionError("a file of the copy was unpickled before its bytes matched the manifest")
+
+    # Another save's shard (every CRC valid), its times kept.
+    _forge(copy, "__1_0.distcp", (iter_dir(save_dir, 20) / "__1_0.distcp").read_bytes())
+    monkeypatch.setattr(verify_module, "load_common_state", never)
+    result = verify_module.verify_checkpoint(copy, options, reference=reference)
+    differs = [c for c in result.checks if c.name == "manifest" and c.failed]
+    assert result.state is State.INVALID and [c.file for c in differs] == ["__1_0.distcp"]
+    _forge(copy, layout.DCP_METADATA, (copy / layout.DCP_METADATA).read_bytes() + b"\0")  # .metadata itself
+    monkeypatch.setattr(verify_module, "load_dcp_metadata", never)
+    result = verify_module.verify_checkpoint(copy, options, reference=reference)
+    differs = [c for c in result.checks if c.name == "manifest" and c.failed]
+    assert result.state is State.INVALID and layout.DCP_METADATA in [c.file for c in differs]
+
+
+def test_an_archive_that_could_not_sign_under_required_uploads_nothing(save_dir, keys, tmp_path):
+    archive = f"archive: {{url: '{tmp_path / 'archive'}', keep: 2}}"
+    sign = {"key_file": keys["release"][0], "public_keys": [keys["release"][1]], "required": True}
+    assert promote(save_dir, options_of(profile_for(tmp_path, save_dir, sign, "blake3", "k", archive)), 30)
+    checks_only = {"public_keys": [keys["release"][1]], "required": True}  # a host without the key
+    profile = profile_for(tmp_path, save_dir, checks_only, "blake3", "nokey", archive)
+    with pytest.raises(
+        UsageError, match="not archived: sign.required is set but its archived manifest could"
+    ):
+        archive_checkpoint(save_dir, profile)
+    assert not (tmp_path / "archive").exists() or not any((tmp_path / "archive").rglob("*.distcp"))

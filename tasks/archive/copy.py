@@ -126,8 +126,9 @@ def _check_archived_signature(
     except AccessDenied as e:
         raise UnreadableManifest(f"{e} (unreadable signature)") from None
     where = store.where(entry_key(job, iteration, layout.MANIFEST))
+    name = signing.name_of(job, iteration)  # from where it is kept, not from what it says
     try:
-        signing.check_signature(signature, store.where(key), where, manifest, raw, trust)
+        signing.check_signature(signature, store.where(key), where, manifest, raw, trust, name)
     except signing.BadSignature as e:
         raise UnreadableManifest(f"{e} (untrusted archived manifest)") from None
 
@@ -243,6 +244,23 @@ def _mismatches(store: ArchiveStore, job: str, manifest: Manifest, progress) -> 
     return sorted(key for key, want in expected.items() if found.get(key) != want)
 
 
+def _refuse_an_entry_nobody_could_read(job: str, manifest: Manifest) -> None:
+    """Under ``sign.required`` an archived manifest this host cannot sign (no key here, or XXH3
+    digests) would be unreadable once committed: refused before anything is uploaded."""
+    trust = signing.trust_for_job(job)
+    if trust is None or not trust.required or (trust.signs and signing.signable(manifest)):
+        return
+    why = (
+        "no sign.key_file or key_secret here"
+        if not trust.signs
+        else f"its digests are {manifest.hash_algorithm}"
+    )
+    raise UsageError(
+        f"{layout.iter_dir_name(manifest.iteration)}: not archived: sign.required is set but its archived "
+        f"manifest could not be signed ({why}); nothing uploaded"
+    )
+
+
 def _commit(
     store: ArchiveStore, job: str, manifest: Manifest, source: Path, checked: dict, lock_until
 ) -> dict:
@@ -258,8 +276,9 @@ def _commit(
     data = archived.to_json().encode()
     key = entry_key(job, manifest.iteration, layout.MANIFEST)
     trust = signing.trust_for_job(job)
-    if trust is not None and trust.signs:  # before the manifest: it commits the entry
-        signature, _ = signing.signature_for(archived, data, trust, store.where(key))
+    if trust is not None and trust.signs and signing.signable(archived):  # before the commit marker
+        name = signing.name_of(job, manifest.iteration)
+        signature, _ = signing.signature_for(archived, data, trust, store.where(key), name)
         store.write(entry_key(job, manifest.iteration, layout.SIGNATURE), signature, lock_until=lock_until)
     store.write(key, data, lock_until=lock_until)
     store.write(f"{job}/{POINTER_OBJECT}", f"{manifest.iteration}\n".encode())
@@ -419,6 +438,7 @@ def archive_checkpoint(
     with job_lock(save_dir, profile.verify.lock_timeout_seconds, name=layout.ARCHIVE_LOCK):
         found = promoted(save_dir)
         iteration, directory, manifest = found.iteration, found.directory, found.manifest
+        _refuse_an_entry_nobody_could_read(job, manifest)
         committed = committed_iterations(store, job)
         commit_times, unreadable = _by_commit_time(store, job, committed)
         if iteration in unreadable:

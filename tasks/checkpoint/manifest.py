@@ -24,7 +24,7 @@ from tasks.checkpoint.state import State
 from tasks.errors import CkptopsError, Malformed, unreadable
 from tasks.outcome import Check
 from tasks.storage.digest import XXH3, Hashing
-from tasks.storage.local import atomic_write, list_files, read_state
+from tasks.storage.local import atomic_write_together, list_files, read_state
 
 # 2: checks carry an outcome word (pass, fail) instead of ok: true/false. Version 1 still reads.
 # 3: per-tensor statistics (tensors), object families (objects) and the optimizer's step.
@@ -176,6 +176,10 @@ def read_manifest(directory: Path) -> Manifest | None:
         try:
             signing.check(directory, manifest, raw, trust)
         except signing.BadSignature as e:
+            # A writer renames the signature and the manifest in turn: read once more, in case
+            # this read fell between the two renames.
+            if read_state(path) != raw:
+                return read_manifest(directory)
             raise UntrustedManifest(str(e)) from None
     return manifest
 
@@ -215,16 +219,22 @@ def verified_newest_first(save_dir: Path, below: int | None = None) -> Iterator[
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> str | None:
-    """Write the manifest, and sign it where the profile of its save directory has a key
-    (``signing``); which key signed, or None."""
+    """Write the manifest, signed where the profile of its save directory has a key and its
+    digests are cryptographic (``signing``): the signature is made first, so a key that cannot
+    sign changes nothing, and the two files are renamed into place together. Which key signed,
+    or None."""
     path = Path(directory) / MANIFEST
     data = manifest.to_json().encode()
     trust = signing.trust_for(Path(directory).parent)
+    files, key = [(path, data)], None
+    if trust is not None and trust.signs and signing.signable(manifest):
+        name = signing.local_name(trust, directory, manifest)
+        signature, key = signing.signature_for(manifest, data, trust, str(path), name)
+        files.insert(0, (Path(directory) / layout.SIGNATURE, signature))
     try:
-        atomic_write(path, data)
-        if trust is None or not trust.signs:
-            return None
-        key = signing.sign(directory, manifest, data, trust)
+        atomic_write_together(files)
     except OSError as e:
         raise unreadable(path, e) from None
+    if key is None:
+        return None
     return key.label() if isinstance(key, signing.AllowedKey) else f"key {key}"

@@ -35,7 +35,6 @@ from tasks.checkpoint import layout
 from tasks.checkpoint.access import refuse_readable_by_others
 from tasks.errors import CkptopsError, UsageError
 from tasks.storage.digest import ALGORITHMS, CRYPTOGRAPHIC
-from tasks.storage.local import atomic_write
 
 SIGNATURE = layout.SIGNATURE
 
@@ -88,17 +87,20 @@ class Trust:
     required: bool = False
     key_file: Path | None = None
     key_secret: str | None = None
+    job: str | None = None  # whose checkpoints: a signature names the job and the iteration
     _signer: object = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
-    def from_settings(cls, settings) -> "Trust":
+    def from_settings(cls, settings, job: str | None = None) -> "Trust":
         if settings is None:
-            return cls()
+            return cls(job=job)
         if settings.key_file is not None:
             refuse_readable_by_others(settings.key_file, "sign.key_file")
         keys = [_load_public(p) for p in settings.public_keys]
-        return cls({k.identifier: k for k in keys}, settings.required, settings.key_file, settings.key_secret)
+        return cls(
+            {k.identifier: k for k in keys}, settings.required, settings.key_file, settings.key_secret, job
+        )
 
     @property
     def signs(self) -> bool:
@@ -127,7 +129,12 @@ def _load_signer(trust: Trust):
             raise UsageError(f"{trust.key_file}: sign.key_file: not an EC private key ({e})") from None
     from prefect.blocks.system import Secret
 
-    text = Secret.load(trust.key_secret).get()
+    try:
+        text = Secret.load(trust.key_secret).get()
+    except Exception as e:  # no such block, no server: Prefect's own errors
+        raise CkptopsError(
+            f"sign.key_secret {trust.key_secret!r}: cannot load the key ({type(e).__name__}: {e})"
+        ) from None
     # model signing reads keys from files: a private directory, removed at once.
     with tempfile.TemporaryDirectory(prefix="ckptops-key-") as folder:
         path = Path(folder) / "key.pem"
@@ -146,7 +153,7 @@ _BY_JOB: dict[str, Trust] = {}
 
 
 def register(profile) -> Trust:
-    trust = Trust.from_settings(profile.sign)
+    trust = Trust.from_settings(profile.sign, profile.job.name)
     _BY_SAVE_DIR[Path(profile.job.save_dir).resolve()] = trust
     _BY_JOB[profile.job.name] = trust
     return trust
@@ -160,58 +167,85 @@ def trust_for_job(job: str) -> Trust | None:
     return _BY_JOB.get(job)
 
 
-def _statement(manifest, manifest_bytes: bytes):
+def _statement(manifest, manifest_bytes: bytes, name: str, where: str):
     """The signed content, as model signing's manifest: each file and its digest, and
-    manifest.json's own digest, under the checkpoint's name."""
+    manifest.json's own digest, under the checkpoint's name (``<job>/iter_NNNNNNN``, from where
+    the manifest is). A manifest listing a file twice, or its own name, or a digest that is not
+    hex, is no manifest to sign or to trust: ``BadSignature``."""
     from model_signing import manifest as ms
     from model_signing._hashing.hashing import Digest
 
+    paths = [f.path for f in manifest.files]
+    if len(set(paths)) != len(paths) or layout.MANIFEST in paths or SIGNATURE in paths:
+        raise BadSignature(f"{where}: lists a file twice, or its own name, among its files")
     algorithm = manifest.hash_algorithm
     own = ALGORITHMS[algorithm]()
     own.update(manifest_bytes)
-    items = [
-        ms.FileManifestItem(path=PurePosixPath(f.path), digest=Digest(algorithm, bytes.fromhex(f.hash)))
-        for f in manifest.files
-    ]
+    try:
+        items = [
+            ms.FileManifestItem(path=PurePosixPath(f.path), digest=Digest(algorithm, bytes.fromhex(f.hash)))
+            for f in manifest.files
+        ]
+    except ValueError:
+        bad = next(f for f in manifest.files if not _is_hex(f.hash))
+        raise BadSignature(f"{where}: {bad.path}: its digest {bad.hash[:70]!r} is not hex") from None
     items.append(
         ms.FileManifestItem(path=PurePosixPath(layout.MANIFEST), digest=Digest(algorithm, own.digest()))
     )
     serialization = ms.SerializationType.from_args(
         {"method": "files", "hash_type": algorithm, "allow_symlinks": False, "ignore_paths": [SIGNATURE]}
     )
-    return ms.Manifest(name_of(manifest), items, serialization)
+    return ms.Manifest(name, items, serialization)
 
 
-def name_of(manifest) -> str:
-    return f"{manifest.job}/{layout.iter_dir_name(manifest.iteration)}"
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True
+
+
+def name_of(job: str, iteration: int) -> str:
+    """What a signature of checkpoint ``iteration`` of ``job`` is named: it is valid for that one
+    checkpoint of that one job, wherever its files are copied."""
+    return f"{job}/{layout.iter_dir_name(iteration)}"
+
+
+def local_name(trust: Trust, directory: Path, manifest) -> str:
+    """The name a manifest in ``directory`` must be signed under: the job of the profile that
+    names its save directory, and the iteration of the directory itself (not what the manifest
+    says of itself, which a manifest copied from another job or iteration would say too)."""
+    iteration = layout.parse_iter_dir(Path(directory).name)
+    return name_of(trust.job or manifest.job, manifest.iteration if iteration is None else iteration)
+
+
+def signable(manifest) -> bool:
+    """Only cryptographic digests are signed: a signature over XXH3 would vouch for nothing."""
+    return manifest.hash_algorithm in CRYPTOGRAPHIC
 
 
 def signature_for(
-    manifest, manifest_bytes: bytes, trust: Trust, where: str
+    manifest, manifest_bytes: bytes, trust: Trust, where: str, name: str
 ) -> tuple[bytes, AllowedKey | str]:
-    """The signature of a manifest (its exact bytes), and which key signed: its entry in
-    ``sign.public_keys``, or its id if the list does not name it. ``where`` names the manifest."""
+    """The signature of a manifest (its exact bytes) under ``name``, and which key signed: its
+    entry in ``sign.public_keys``, or its id if the list does not name it. ``where`` names the
+    manifest in messages."""
     from model_signing._signing import signing as ms_signing
 
-    if manifest.hash_algorithm not in CRYPTOGRAPHIC:
+    if not signable(manifest):
         raise UsageError(
             f"{where}: its files are hashed with {manifest.hash_algorithm}, "
             "which a signature cannot vouch for: set verify.digest to blake3 or sha256"
         )
-    signature = trust.signer().sign(ms_signing.Payload(_statement(manifest, manifest_bytes)))
+    statement = _statement(manifest, manifest_bytes, name, where)
+    signature = trust.signer().sign(ms_signing.Payload(statement))
     identifier = signature.bundle.verification_material.public_key.hint
     return signature.bundle.to_json().encode(), trust.keys.get(identifier) or short(identifier)
 
 
-def sign(directory: Path, manifest, manifest_bytes: bytes, trust: Trust) -> AllowedKey | str:
-    """Sign a manifest just written into ``directory/manifest.sig``; which key signed."""
-    data, key = signature_for(manifest, manifest_bytes, trust, str(Path(directory) / layout.MANIFEST))
-    atomic_write(Path(directory) / SIGNATURE, data)
-    return key
-
-
 def check(directory: Path, manifest, manifest_bytes: bytes, trust: Trust) -> AllowedKey | None:
-    """``check_signature`` of ``directory/manifest.sig``."""
+    """``check_signature`` of ``directory/manifest.sig``, for the checkpoint of that directory."""
     path = Path(directory) / SIGNATURE
     try:
         data = path.read_bytes()
@@ -219,18 +253,18 @@ def check(directory: Path, manifest, manifest_bytes: bytes, trust: Trust) -> All
         data = None
     except OSError as e:
         raise BadSignature(f"{path}: unreadable signature ({e.strerror})") from None
-    return check_signature(
-        data, str(path), str(Path(directory) / layout.MANIFEST), manifest, manifest_bytes, trust
-    )
+    where = str(Path(directory) / layout.MANIFEST)
+    name = local_name(trust, directory, manifest)
+    return check_signature(data, str(path), where, manifest, manifest_bytes, trust, name)
 
 
 def check_signature(
-    data: bytes | None, path: str, where: str, manifest, manifest_bytes: bytes, trust: Trust
+    data: bytes | None, path: str, where: str, manifest, manifest_bytes: bytes, trust: Trust, name: str
 ) -> AllowedKey | None:
-    """The key that signed this manifest (``where``), if its signature (``data``, read from
-    ``path``; None: not there) verifies with an allowed key and its subjects are exactly this
-    manifest's; None if unsigned and not required. ``BadSignature`` naming the file (and the
-    key) otherwise."""
+    """The key that signed this manifest (``where``) under ``name``, if its signature (``data``,
+    read from ``path``; None: not there) verifies with an allowed key and its subjects are
+    exactly this manifest's; None if unsigned and not required. ``BadSignature`` naming the file
+    (and the key) otherwise."""
     from model_signing._signing import sign_ec_key, sign_sigstore_pb
     from sigstore_models.bundle import v1 as bundle_pb
 
@@ -248,7 +282,7 @@ def check_signature(
         raise BadSignature(
             f"{path}: signed by key {short(identifier) or '(none named)'}, not in sign.public_keys"
         )
-    if manifest.hash_algorithm not in CRYPTOGRAPHIC:
+    if not signable(manifest):
         raise BadSignature(
             f"{where}: files hashed with {manifest.hash_algorithm}, which a signature cannot vouch for"
         )
@@ -257,11 +291,9 @@ def check_signature(
     except Exception as e:  # cryptography's InvalidSignature, model signing's ValueErrors
         why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         raise BadSignature(f"{path}: does not verify with key {allowed.label()} ({why})") from None
-    if signed.model_name != name_of(manifest):
-        raise BadSignature(
-            f"{path}: signs {signed.model_name}, not {name_of(manifest)} (key {allowed.label()})"
-        )
-    _same_subjects(path, signed, _statement(manifest, manifest_bytes), allowed)
+    if signed.model_name != name:
+        raise BadSignature(f"{path}: signs {signed.model_name}, not {name} (key {allowed.label()})")
+    _same_subjects(path, signed, _statement(manifest, manifest_bytes, name, where), allowed)
     return allowed
 
 

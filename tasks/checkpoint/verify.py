@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tasks import __version__
 from tasks.checkpoint import content as state_content
-from tasks.checkpoint import layout
+from tasks.checkpoint import layout, signing
 from tasks.checkpoint.batches import data_version
 from tasks.checkpoint.checks import VerifyCheck
 from tasks.checkpoint.dcp import (
@@ -48,7 +48,7 @@ from tasks.checkpoint.manifest import (
     verified_newest_first,
     write_manifest,
 )
-from tasks.checkpoint.scan import FileScan, scan_files
+from tasks.checkpoint.scan import FileScan, scan_file, scan_files
 from tasks.checkpoint.state import State, VerifyOptions, completeness
 from tasks.errors import CkptopsError, UsageError, unreadable
 from tasks.outcome import Check, Outcome, failed, passed
@@ -192,7 +192,11 @@ class _Verifier:
         self._check_metadata_json()
         if not self.given_reference:
             self._load_reference()
-        self._load_index()
+        # Against a manifest (signed, where the profile asks), nothing is unpickled from files
+        # whose bytes differ from it: .metadata is hashed before it is loaded, the common state
+        # and the optimizer's objects only once every file matched.
+        if self._metadata_as_referenced():
+            self._load_index()
         if self.index is not None:
             self._check_files()
             self._check_records()
@@ -202,9 +206,19 @@ class _Verifier:
         self._scan_content()
         self._check_integrity_json()
         self._check_against_reference()
-        if self.index is not None:
+        differs = any(c.name == VerifyCheck.MANIFEST for c in self.checks.failures)
+        if self.index is not None and not (self.reference is not None and differs):
             self._check_state()
             self._check_content()
+
+    def _metadata_as_referenced(self) -> bool:
+        """Whether ``.metadata`` may be loaded: there is no reference, or its bytes are the
+        reference's (the reference check then names it if not)."""
+        if self.reference is None:
+            return True
+        entry = self.reference.file_map().get(layout.DCP_METADATA)
+        scan = scan_file(self.directory / layout.DCP_METADATA, [], hashing=self.reference.hashing)
+        return entry is not None and (scan.size, scan.hash) == (entry.size, entry.hash)
 
     def _check_metadata_json(self) -> None:
         name = layout.METADATA_JSON
@@ -261,7 +275,23 @@ class _Verifier:
             and manifest.hash_algorithm in ALGORITHMS
             and manifest.same_save(self.files)
         ):
+            if self._to_be_signed_anew(manifest):
+                return
             self.reference = manifest
+
+    def _to_be_signed_anew(self, manifest: Manifest) -> bool:
+        """A manifest hashed with XXH3 before its job signed manifests: a signature cannot vouch
+        for its hashes, so the checkpoint is judged afresh (every check, the profile's digest)
+        and its new manifest signed."""
+        trust = signing.trust_for(self.directory.parent)
+        if trust is None or not trust.signs or signing.signable(manifest) or not self.hashing.cryptographic:
+            return False
+        self.checks.passed(
+            VerifyCheck.MANIFEST,
+            f"hashed with {manifest.hash_algorithm} before signing: judged afresh with "
+            f"{self.hashing.algorithm}, to be signed",
+        )
+        return True
 
     def _load_index(self) -> None:
         try:

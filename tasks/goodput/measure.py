@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from tasks.checkpoint import layout
-from tasks.errors import Unreadable, UsageError
+from tasks.errors import Malformed, Unreadable, UsageError
 from tasks.recovery.ledger import Incident, IncidentOutcome
 from tasks.resume.records import Steps
 
@@ -261,5 +261,5 @@ def job_save_interval(directory: Path) -> int | None:
 
     try:
         return checkpoint_facts(directory).save_interval
-    except (UsageError, Unreadable):
+    except (UsageError, Unreadable, Malformed):  # Malformed: a manifest not to trust
         return None

@@ -91,15 +91,25 @@ def atomic_write(path: Path, data: bytes, secret: bool = False) -> None:
     """Replace ``path`` with ``data``: temp file, fsync, rename, fsync of the directory. The file
     gets mode 0644 (0600 if it holds a ``secret``) and its directory's group, set on the temp
     file before the rename, so no reader ever sees it with other permissions."""
-    path = Path(path)
-    tmp = _write_temp(path, data, SECRET_MODE if secret else PUBLIC_MODE)
+    atomic_write_together([(Path(path), data)], secret)
+
+
+def atomic_write_together(files: list[tuple[Path, bytes]], secret: bool = False) -> None:
+    """``atomic_write`` of files in one directory that belong together (a manifest and its
+    signature): every temp file written and synced first, then the renames back to back, in the
+    order given, so a reader or a crash can find them apart only between two renames."""
+    temps = []
     try:
-        _fsync_file(tmp)
-        _replace(tmp, path)
+        for path, data in files:
+            temps.append(_write_temp(Path(path), data, SECRET_MODE if secret else PUBLIC_MODE))
+            _fsync_file(temps[-1])
+        for tmp, (path, _) in zip(temps, files):
+            _replace(tmp, Path(path))
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        for tmp in temps:
+            tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    _fsync_dir(Path(files[0][0]).parent)
 
 
 def read_state(path: Path) -> bytes | None:
