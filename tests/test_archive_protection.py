@@ -3,6 +3,7 @@ rest (SSE-KMS with bucket keys, Object Lock, a retention period), against the re
 server the archive tests start (moto in server mode, over HTTP)."""
 
 import base64
+import dataclasses
 import json
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -106,6 +107,32 @@ def test_a_copy_is_checked_by_the_stores_crc64nvme_and_only_the_sample_is_read_b
     assert "archive check: CRC64NVME by the store, not read back (not in the sample)" in status_lines(
         save_dir
     )
+
+
+def test_a_store_that_keeps_no_checksums_gets_every_copy_read_back(
+    save_dir, tmp_path, options, s3_endpoint, monkeypatch
+):
+    """An older MinIO or Ceph answers HeadObject without ChecksumCRC64NVME: not a mismatch, but
+    nothing proved by it, so the copy is read back whatever the sample says."""
+    real = ArchiveStore.head
+    monkeypatch.setattr(
+        ArchiveStore,
+        "head",
+        lambda self, key: (lambda s: s and dataclasses.replace(s, crc64nvme=None))(real(self, key)),
+    )
+    bucket = s3_bucket(s3_endpoint, f"nocrc-{uuid.uuid4().hex[:12]}")
+    profile = s3_profile(tmp_path, save_dir, s3_endpoint, bucket)
+    for iteration in (20, 24):
+        promote(save_dir, options, 30, requested=iteration)
+        assert archive_checkpoint(save_dir, profile, force=True).committed
+    logged = copies(save_dir)
+    assert [c["read_back"] for c in logged] == [True, True]  # the second is outside the sample
+    assert logged[1]["checksum"] == "none kept by the store"
+    assert logged[1]["verified"].startswith(
+        "the store keeps no checksums: sizes only; every object read back"
+    )
+    again = archive_checkpoint(save_dir, profile)  # not taken for a damaged copy on the next run
+    assert not again.committed and again.message == "iteration 24 is already archived"
 
 
 def test_a_local_directory_archive_still_reads_every_copy_back(save_dir, tmp_path, options, monkeypatch):

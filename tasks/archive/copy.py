@@ -199,14 +199,20 @@ def _stored_mismatches(
     store: ArchiveStore, sent: dict[str, Sent]
 ) -> tuple[list[str], dict[str, Stored | None]]:
     """Keys whose stored size or full-object CRC64NVME (the store's own, read by HeadObject) is not
-    that of the bytes that hashed as the manifest; and what the store said."""
+    that of the bytes that hashed as the manifest; and what the store said. A store that keeps no
+    checksum (an older MinIO or Ceph) answers none: that object is not bad, but unchecked
+    (``_unchecked``), and the copy is read back instead."""
     found = store.heads(list(sent))
     bad = [
         key
         for key, s in sent.items()
-        if found[key] is None or found[key].size != s.size or found[key].crc64nvme != s.crc64nvme
+        if found[key] is None or found[key].size != s.size or found[key].crc64nvme not in (s.crc64nvme, None)
     ]
     return sorted(bad), found
+
+
+def _unchecked(found: dict[str, Stored | None]) -> list[str]:
+    return sorted(key for key, stored in found.items() if stored is not None and stored.crc64nvme is None)
 
 
 def _encryption(store: ArchiveStore, found: dict[str, Stored | None]) -> dict:
@@ -479,9 +485,13 @@ def archive_checkpoint(
                 checked = {"read_back": True}
             else:
                 uploaded, reused, checked = _upload_and_check(store, job, directory, manifest, progress)
+                # A store that keeps no checksums proves nothing by them: read this copy back.
+                read_back = read_back or checked["checksum"] != "CRC64NVME"
             if read_back:
                 _read_back(store, job, directory, manifest, progress)
-            checked["verified"] = _verified(store, manifest, read_back, profile.archive.readback_fraction)
+            checked["verified"] = _verified(
+                store, manifest, read_back, profile.archive.readback_fraction, checked.get("checksum")
+            )
             checked["read_back"] = read_back
             lock_until = None
             if profile.archive.object_lock is not None:
@@ -550,7 +560,7 @@ def _upload_and_check(
                 "not committed"
             )
     checked = {
-        "checksum": "CRC64NVME",
+        "checksum": "none kept by the store" if _unchecked(found) else "CRC64NVME",
         "crc64nvme": {key.rsplit("/", 1)[-1]: s.crc64nvme for key, s in sorted(sent.items())},
         "encryption": _encryption(store, found),
     }
@@ -579,13 +589,17 @@ def _read_back(store: ArchiveStore, job: str, directory: Path, manifest: Manifes
             )
 
 
-def _verified(store: ArchiveStore, manifest: Manifest, read_back: bool, fraction: float) -> str:
+def _verified(
+    store: ArchiveStore, manifest: Manifest, read_back: bool, fraction: float, checksum: str | None
+) -> str:
     read = f"every object read back: size and {manifest.hash_algorithm} match"
     if store.is_local:
         return read
     checked = (
         f"the store's CRC64NVME and size of every object match those of the bytes that hashed as the "
         f"manifest ({manifest.hash_algorithm})"
+        if checksum == "CRC64NVME"
+        else "the store keeps no checksums: sizes only"
     )
     return f"{checked}; {read}" if read_back else f"{checked}; not read back (sampled copies: {fraction:.3g})"
 
@@ -619,7 +633,7 @@ def _uncommit_if_damaged(
         damaged = sorted(
             name
             for key, name in keys.items()
-            if stored[key] is None or stored[key].crc64nvme != recorded[name]
+            if stored[key] is None or stored[key].crc64nvme not in (recorded[name], None)
         )
         if not damaged:
             return None
