@@ -23,6 +23,7 @@ from tasks.checkpoint.facts import checkpoint_facts
 from tasks.checkpoint.manifest import UntrustedManifest, read_manifest, verified_newest_first
 from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.promote import promote, reverify
+from tasks.checkpoint.signing import CannotSign
 from tasks.checkpoint.state import State, VerifyOptions
 from tasks.checkpoint.verify import verify_with_profile
 from tasks.errors import UsageError
@@ -107,6 +108,7 @@ def test_a_signed_manifest_names_its_key_and_model_signing_itself_verifies_it(
     result = verify_with_profile(profile, directory)
     assert result.ok, result.reason
     assert result.signed_by.startswith("release (")
+    assert verify_with_profile(profile, directory, read_only=True).signed_by == result.signed_by
     manifest = read_manifest(directory)
     assert manifest.hash_algorithm == digest
     data = (directory / "__1_0.distcp").read_bytes()
@@ -351,3 +353,9 @@ def test_an_archive_that_could_not_sign_under_required_uploads_nothing(save_dir,
     ):
         archive_checkpoint(save_dir, profile)
     assert not (tmp_path / "archive").exists() or not any((tmp_path / "archive").rglob("*.distcp"))
+    # Nor does that host rewrite a manifest: an unsigned one would void the signed one.
+    before = (iter_dir(save_dir, 24) / layout.MANIFEST).read_bytes()
+    with pytest.raises(CannotSign, match="manifest.json: not written: the profile checks signatures"):
+        verify_with_profile(profile, iter_dir(save_dir, 24))
+    assert (iter_dir(save_dir, 24) / layout.MANIFEST).read_bytes() == before
+    assert read_manifest(iter_dir(save_dir, 24)).valid

@@ -200,6 +200,20 @@ def valid_for_this_save(directory: Path, iteration: int) -> Manifest | None:
     return manifest
 
 
+def signer_of(directory: Path) -> str | None:
+    """Which allowed key signed the manifest in ``directory``, for messages (None: unsigned, or
+    no policy for its save directory, or a manifest that does not verify)."""
+    trust = signing.trust_for(Path(directory).parent)
+    raw = read_state(Path(directory) / MANIFEST)
+    if trust is None or not trust.keys or raw is None:
+        return None
+    try:
+        key = signing.check(directory, Manifest.from_dict(json.loads(raw), MANIFEST), raw, trust)
+    except (CkptopsError, ValueError):
+        return None
+    return key.label() if key else None
+
+
 def verified_newest_first(save_dir: Path, below: int | None = None) -> Iterator[tuple[int, Manifest]]:
     """The job's checkpoints (those before iteration ``below``, if given) whose manifests say
     valid for the save on disk, newest first, with their manifests; one that cannot be read, or
@@ -227,6 +241,10 @@ def write_manifest(directory: Path, manifest: Manifest) -> str | None:
     data = manifest.to_json().encode()
     trust = signing.trust_for(Path(directory).parent)
     files, key = [(path, data)], None
+    if trust is not None and trust.checks and not trust.signs:
+        raise signing.CannotSign(
+            f"{path}: not written: the profile checks signatures (sign) and this host has no signing key"
+        )
     if trust is not None and trust.signs and signing.signable(manifest):
         name = signing.local_name(trust, directory, manifest)
         signature, key = signing.signature_for(manifest, data, trust, str(path), name)

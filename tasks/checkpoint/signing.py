@@ -46,6 +46,11 @@ class BadSignature(CkptopsError):
     exit_code = 2
 
 
+class CannotSign(CkptopsError):
+    """A manifest this host may not write: its profile checks signatures, and it has no key to
+    sign with (an unsigned manifest would replace, and so void, a signed one)."""
+
+
 def key_id(public_pem: bytes) -> str:
     """A public key's id: the SHA-256 of its PEM (SubjectPublicKeyInfo), as model signing records
     it in the bundle's ``publicKey.hint``."""

@@ -44,6 +44,7 @@ from tasks.checkpoint.manifest import (
     now_iso,
     read_manifest,
     save_identity,
+    signer_of,
     valid_for_this_save,
     verified_newest_first,
     write_manifest,
@@ -71,7 +72,7 @@ class Verification:
     # False when the directory's manifest cannot be trusted: it is kept as evidence, never
     # replaced (a corruption it would have caught could be accepted as the new reference).
     recordable: bool = True
-    signed_by: str | None = None  # the key that signed the manifest written (signing)
+    signed_by: str | None = None  # the key that signed its manifest (signing)
 
     @property
     def ok(self) -> bool:
@@ -726,6 +727,10 @@ def verify_checkpoint(
         verifier.shards,
         verifier.read_early,
         recordable=not verifier.manifest_unreadable,
+        # Who signed the manifest it was checked against (verify_and_record: the one it writes).
+        signed_by=signer_of(directory)
+        if verifier.reference is not None and not verifier.given_reference
+        else None,
     )
 
 
@@ -761,7 +766,10 @@ def record_certification(directory: Path, files: list[FileEntry], record: dict, 
     if manifest is None or manifest.file_map() != {f.path: f for f in files}:
         return False
     manifest.certification = record
-    write_manifest(directory, manifest)
+    try:
+        write_manifest(directory, manifest)
+    except signing.CannotSign:
+        return False  # the drill's result stands in its history; the manifest stays as signed
     return True
 
 
