@@ -521,6 +521,12 @@ class Recovery(_Section):
         default=None, description="where relaunched jobs write their output (default: <save_dir>/../logs)"
     )
     max_per_hour: Annotated[int, Field(ge=1)] = 3
+    fallback_within_iterations: Annotated[int, Field(ge=1)] = Field(
+        default=50,
+        description="a numerical failure (NaN, Inf, a loss spike) this soon after the checkpoint the "
+        "last relaunch loaded: that checkpoint is suspect, the next recovery falls back to the "
+        "verified one before it (pinned); a second time, the stop rules stop",
+    )
     auto_approve: list[
         Literal["hardware", "network", "numerics", "oom", "software", "hang", "preempted", "unknown"]
     ] = Field(default_factory=list, description="classes relaunched without asking, while budget is left")

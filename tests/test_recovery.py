@@ -12,7 +12,7 @@ from tasks.errors import Unreadable, UsageError
 from tasks.profile import Recovery
 from tasks.recovery import job as jobs
 from tasks.recovery.ledger import Incident, incidents, ledger_path, lost_gpu_hours, record
-from tasks.recovery.rules import Failure, fired, stop_rules
+from tasks.recovery.rules import Failure, fired, soon_after_resume, stop_rules
 
 NOW = 1_800_000_000.0
 
@@ -87,6 +87,53 @@ def test_numerics_after_a_resume_oom_and_exit_17_stop():
     assert names(stop_rules(Failure("numerics", 300, 1, 100, NOW), [], 9)) == []
     assert names(stop_rules(Failure("oom", 300, 1, 100, NOW), [], 9)) == ["out-of-memory"]
     assert names(stop_rules(Failure("numerics", 300, 17, 100, NOW), [], 9)) == ["result-validation-failed"]
+
+
+def test_numerics_soon_after_a_resume_falls_back_once_before_it_stops():
+    resumed = past("hardware", 120, 100)
+    resumed.checkpoint = 100
+    # Three iterations after the relaunch loaded 100: 100 is suspect, no rule stops yet.
+    failure = Failure("numerics", 103, 1, 100, NOW)
+    assert names(stop_rules(failure, [resumed], 9, fallback_within=50)) == []
+    assert soon_after_resume(failure, [resumed], 50) is resumed
+    # Far from the load, or not numerical: not the checkpoint's doing.
+    assert soon_after_resume(Failure("numerics", 190, 1, 100, NOW), [resumed], 50) is None
+    assert soon_after_resume(Failure("hardware", 103, 1, 100, NOW), [resumed], 50) is None
+    # Numerics soon after a resume that itself followed numerics: still one fall back first.
+    earlier = past("numerics", 110, 100, n=1)
+    earlier.checkpoint = 100
+    assert names(stop_rules(failure, [earlier], 9, fallback_within=50)) == []
+    # After a fall back, numerics again is not the checkpoint: stop.
+    fell = past("numerics", 103, 100, n=2)
+    fell.checkpoint, fell.fallback_from = 96, 100
+    again = stop_rules(Failure("numerics", 99, 1, 100, NOW), [earlier, fell], 9, fallback_within=50)
+    assert names(again) == ["numerics-reproduced"]
+    assert "fell back from checkpoint 100 to 96" in fired(again)[0].detail
+
+
+def test_a_job_that_nans_three_iterations_after_every_load_is_relaunched_at_most_twice():
+    """Megatron-LM #5281's loop (NaN three iterations after each load, 44 restarts by hand) run
+    through the stop rules and the fall-back choice: the job saves every 4 iterations and has
+    checkpoints up to 100 when it first fails, at 103, after a relaunch from 100."""
+    checkpoints = list(range(4, 101, 4))
+    history: list[Incident] = []
+    relaunches, loaded, failing_at = 0, 100, 103
+    for n in range(44):
+        failure = Failure("numerics", failing_at, 1, 100, NOW + n, key=f"f{n}")
+        if fired(stop_rules(failure, history, 99, fallback_within=50)):
+            break
+        resumed = soon_after_resume(failure, history, 50)
+        before = resumed.checkpoint if resumed else failing_at  # else: before the anomaly
+        chosen = max(c for c in checkpoints if c < before)
+        incident = past("numerics", failing_at, 100, ago=-n, n=n)
+        incident.failure_key, incident.checkpoint = f"f{n}", chosen
+        incident.fallback_from = resumed.checkpoint if resumed else None
+        history.append(incident)
+        relaunches += 1
+        loaded, failing_at = chosen, chosen + 3
+    assert relaunches <= 2, [(i.checkpoint, i.fallback_from) for i in history]
+    assert [i.checkpoint for i in history] == [100, 96] and history[-1].fallback_from == 100
+    assert loaded == 96
 
 
 def test_the_ledger_appends_one_line_per_incident_and_survives_a_torn_line(tmp_path):

@@ -122,6 +122,10 @@ class Incident:
     health: str | None = None  # the suspects' health verdicts
     promoted_at_failure: int | None = None  # the pointer when the failure was triaged
     checkpoint: int | None = None  # the iteration relaunched from
+    # A numerical failure soon after the last relaunch loaded its checkpoint: this recovery fell
+    # back to the verified checkpoint before that one (``fallback_from``), and says why.
+    fallback_from: int | None = None
+    fallback: str | None = None
     failure_iteration: int | None = None
     recomputed_iterations: int | None = None
     recomputed_tokens: int | None = None

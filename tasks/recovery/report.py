@@ -90,6 +90,7 @@ def plan_markdown(plan) -> str:
         else "- first error: none found",
         f"- suspect nodes: {', '.join(tri.suspect_nodes) or 'none'}",
         f"- checkpoint: **{plan.checkpoint}** (verified candidates: {', '.join(map(str, plan.choices))})",
+        *([f"- **fall back**: {incident.fallback}"] if incident.fallback else []),
         *_certification_lines(plan),
         *(_reverified_line(r) for r in incident.reverified),
         f"- node health: {incident.health}",

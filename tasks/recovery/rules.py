@@ -56,11 +56,34 @@ def _since_progress(history: list[Incident], promoted: int | None) -> list[Incid
     return [i for i in history if i.promoted_at_failure == promoted]
 
 
-def stop_rules(failure: Failure, history: list[Incident], max_per_hour: int) -> list[Rule]:
-    """Every rule's verdict for ``failure``, given the job's earlier incidents (oldest first)."""
-    attempts = [
-        i for i in history if _relaunched(i) and (failure.key is None or i.failure_key != failure.key)
-    ]
+def _attempts(failure: Failure, history: list[Incident]) -> list[Incident]:
+    return [i for i in history if _relaunched(i) and (failure.key is None or i.failure_key != failure.key)]
+
+
+def soon_after_resume(failure: Failure, history: list[Incident], within: int | None) -> Incident | None:
+    """The last relaunch, if ``failure`` is numerical and came at most ``within`` iterations after
+    the checkpoint that relaunch loaded (Megatron-LM #5281: NaN three iterations after every load
+    of a corrupt checkpoint, 44 restarts in a row): that checkpoint is suspect."""
+    attempts = _attempts(failure, history)
+    last = attempts[-1] if attempts else None
+    if (
+        within is None
+        or last is None
+        or failure.cls != FailureClass.NUMERICS
+        or last.checkpoint is None
+        or failure.iteration is None
+        or not 0 <= failure.iteration - last.checkpoint <= within
+    ):
+        return None
+    return last
+
+
+def stop_rules(
+    failure: Failure, history: list[Incident], max_per_hour: int, fallback_within: int | None = None
+) -> list[Rule]:
+    """Every rule's verdict for ``failure``, given the job's earlier incidents (oldest first).
+    ``fallback_within``: recovery.fallback_within_iterations (``soon_after_resume``)."""
+    attempts = _attempts(failure, history)
     recent = _since_progress(attempts, failure.promoted)
     same = [
         i
@@ -70,13 +93,24 @@ def stop_rules(failure: Failure, history: list[Incident], max_per_hour: int) -> 
     hour = [i for i in attempts if failure.at - i.times.get("detected", 0) < 3600]
     stuck = recent
     reproduced = [i for i in recent if i.cls == FailureClass.NUMERICS]
+    # Numerics soon after a resume: the checkpoint it loaded is suspect, and one fall back to the
+    # checkpoint before it is tried before a human is paged; after a fall back, it is not the
+    # checkpoint.
+    resumed = soon_after_resume(failure, history, fallback_within)
+    fell_back = [i for i in reproduced if i.fallback_from is not None]
+    may_fall_back = resumed is not None and not fell_back
     return [
         Rule(
             "same-failure-again",
-            len(same) >= SAME_FAILURE_RETRIES,
+            len(same) >= SAME_FAILURE_RETRIES and not may_fall_back,
             f"{failure.cls} at iteration {failure.iteration} "
             + (
                 f"already happened in {', '.join(i.id for i in same)} with no checkpoint progress since"
+                + (
+                    "; soon after its resume: falling back to the checkpoint before first"
+                    if may_fall_back
+                    else ""
+                )
                 if same
                 else "not seen before since the last promotion"
             ),
@@ -97,10 +131,8 @@ def stop_rules(failure: Failure, history: list[Incident], max_per_hour: int) -> 
         ),
         Rule(
             "numerics-reproduced",
-            failure.cls == FailureClass.NUMERICS and bool(reproduced),
-            f"numerics again after the resume of {reproduced[-1].id}: the data or the code, not a node"
-            if failure.cls == FailureClass.NUMERICS and reproduced
-            else "no numerics failure after a resume",
+            failure.cls == FailureClass.NUMERICS and bool(reproduced) and not may_fall_back,
+            _numerics_detail(failure, reproduced, fell_back, may_fall_back),
         ),
         Rule(
             "out-of-memory",
@@ -117,6 +149,25 @@ def stop_rules(failure: Failure, history: list[Incident], max_per_hour: int) -> 
             else f"exit code {failure.exit_code} is not Megatron's 17",
         ),
     ]
+
+
+def _numerics_detail(
+    failure: Failure, reproduced: list[Incident], fell_back: list[Incident], may_fall_back: bool
+) -> str:
+    if failure.cls != FailureClass.NUMERICS or not reproduced:
+        return "no numerics failure after a resume"
+    if fell_back:
+        last = fell_back[-1]
+        return (
+            f"numerics again after {last.id} fell back from checkpoint {last.fallback_from} to "
+            f"{last.checkpoint}: not the checkpoint, the data or the code"
+        )
+    if may_fall_back:
+        return (
+            f"numerics again soon after the resume of {reproduced[-1].id}: "
+            "falling back to the checkpoint before the one it loaded"
+        )
+    return f"numerics again after the resume of {reproduced[-1].id}: the data or the code, not a node"
 
 
 def fired(rules: list[Rule]) -> list[Rule]:

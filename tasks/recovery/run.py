@@ -31,6 +31,7 @@ import numpy as np
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.lock import job_lock
+from tasks.checkpoint.pins import pin
 from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.state import State
 from tasks.cluster import process, slurm
@@ -63,7 +64,7 @@ from tasks.recovery.phases import (
     roll_back,
     unusable,
 )
-from tasks.recovery.rules import Failure, Rule, fired, stop_rules
+from tasks.recovery.rules import Failure, Rule, fired, soon_after_resume, stop_rules
 from tasks.recovery.triage import Triage, triage
 from tasks.recovery.triage.model import FailureClass
 from tasks.resume.records import Steps, load_steps
@@ -135,6 +136,7 @@ class _Recovery:
         self.detected: Detected | None = None
         self.tri: Triage | None = None
         self.rules: list[Rule] = []
+        self.resumed: Incident | None = None  # the last relaunch, if it turned numerically bad soon
 
     def _save(self) -> None:
         try:
@@ -389,9 +391,11 @@ class _Recovery:
         history = [
             i for i in read_ledger(self.save_dir).incidents if i.job == incident.job and i.id != incident.id
         ]
-        rules = self._do("stop-rules", stop_rules, failure, history, self.settings.max_per_hour)
+        within = self.settings.fallback_within_iterations
+        rules = self._do("stop-rules", stop_rules, failure, history, self.settings.max_per_hour, within)
         incident.rules = [r.to_dict() for r in rules]
         self.rules = rules
+        self.resumed = soon_after_resume(failure, history, within)
         if fired(rules):
             # A human decides from here: nothing is drained, chosen or relaunched.
             self._stop("stop rule: " + "; ".join(f"{r.name}: {r.detail}" for r in fired(rules)))
@@ -403,6 +407,16 @@ class _Recovery:
         """The checkpoint to resume from, verified again: one that no longer verifies is marked
         invalid (the pointer moves off it) and the next is chosen."""
         before = anomaly(self.tri, self.steps) if self.tri.cls == FailureClass.NUMERICS else None
+        if self.resumed is not None:  # the checkpoint the last relaunch loaded is suspect
+            before, incident = self.resumed.checkpoint, self.incident
+            incident.fallback_from = before
+            incident.fallback = (
+                f"numerics at iteration {incident.failure_iteration}, "
+                f"{incident.failure_iteration - before} iterations after {self.resumed.id} resumed from "
+                f"checkpoint {before} (recovery.fallback_within_iterations "
+                f"{self.settings.fallback_within_iterations}): "
+                "falling back to the verified checkpoint before it"
+            )
         while True:
             failed = tuple(r["iteration"] for r in self.incident.reverified if r["outcome"] != "pass")
             chosen, choices = self._do(
@@ -493,6 +507,10 @@ class _Recovery:
             # A rollback (numerics, or the approver's pick) goes through the pointer, with a hold,
             # as an operator's would: the pointer stays the one record of what the job resumed from.
             self._do("roll-back-pointer", roll_back, self.profile, chosen)
+        if incident.fallback_from is not None:
+            # Kept whatever retention or a later rollback decides, until an operator unpins it.
+            why = f"fallen back to from {incident.fallback_from} by {incident.id}"
+            self._do("pin-fallback", pin, self.save_dir, chosen, f"recovery-{incident.id}", why)
         running = self._do("already-running", self._running_copy)
         if running:
             raise CkptopsError(f"{running}: not relaunching a second copy")
