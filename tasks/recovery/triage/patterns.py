@@ -124,7 +124,7 @@ TORCHRUN_FIELD = re.compile(r"^\s*(time|host|rank|local_rank|exitcode|error_file
 
 # Where a line names its node or rank.
 _MEGATRON_NODE = re.compile(r"\bRank -?\d+, node ([^\s,]+), device\b")
-_NCCL_HOST = re.compile(r"(?:^|(?<=[\s\]>]))([A-Za-z0-9][\w.-]*):\d+:\d+ \[\d+\]")
+NCCL_HOST = re.compile(r"(?:^|(?<=[\s\]>]))([A-Za-z0-9][\w.-]*):\d+:\d+ \[\d+\]")
 _KERNEL_HOST = re.compile(
     rf"^(?:(?:{_MON}) +\d\d? \d\d:\d\d:\d\d(?:\.\d+)?Z?"
     r"|\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?)\s+(\S+)\s+(?:kernel|[\w.-]+\[\d+\]):"
@@ -206,7 +206,7 @@ def rank_of(text: str) -> int | None:
 def nodes_of(text: str, layout: dict[int, str]) -> tuple[str, ...]:
     """The node a root line names: Megatron's ``node N``, NCCL's ``host:pid:tid [gpu]``, a kernel
     log's host, a launcher's ``bench.node [stderr]``, else its rank through the layout."""
-    for pattern in (_MEGATRON_NODE, _NCCL_HOST, _KERNEL_HOST, _MILABENCH):
+    for pattern in (_MEGATRON_NODE, NCCL_HOST, _KERNEL_HOST, _MILABENCH):
         m = pattern.search(text)
         if m:
             return (next(g for g in m.groups() if g),)
