@@ -184,7 +184,7 @@ class Scan(Decide):
                         f.task_failed = True
                 f.counts[FailureClass.HANG] = f.counts.get(FailureClass.HANG, 0) + 1
                 keep_first(f.cascades, hit)
-        elif "OVERFLOW!" in text and OVERFLOW.search(text):
+        elif ("OVERFLOW!" in text or "overflow detected" in text) and OVERFLOW.search(text):
             self._overflow(f, number, text)
         f.nvrm = [hit, number, text, text, f.last_ts] if "NVRM:" in text else None
 
@@ -327,13 +327,18 @@ class Scan(Decide):
         return f.iteration
 
     def _overflow(self, f: _File, number: int, text: str) -> None:
-        """DeepSpeed's fp16 ``OVERFLOW! ... Skipping step``: normal now and then, and normal in a
-        row while DeepSpeed searches its initial loss scale down from 2^16..2^32. Five in a row
-        (the scale halving each time, no good step between) that take the scale down to
-        OVERFLOW_SCALE_FLOOR or below are a numerical problem."""
+        """DeepSpeed's fp16 ``OVERFLOW! ... Skipping step`` (fairseq's ``overflow detected,
+        setting loss scale to``): normal now and then, and normal in a row while DeepSpeed
+        searches its initial loss scale down from 2^16..2^32. Five in a row (the scale halving
+        each time, no good step between) that take the scale down to OVERFLOW_SCALE_FLOOR or
+        below are a numerical problem."""
         m = OVERFLOW.search(text)
-        attempted, reduced = as_number(m[1] or ""), as_number(m[2] or "")
-        if f.overflow_run and attempted is not None and attempted != f.overflow_scale:
+        attempted, reduced = as_number(m[1] or ""), as_number(m[2] or m[3] or "")
+        previous = f.overflow_scale
+        grew = (attempted is not None and attempted != previous) or (
+            attempted is None and reduced is not None and previous is not None and reduced >= previous
+        )
+        if f.overflow_run and grew:
             f.overflow_run, f.overflows = 0, []  # the scale grew back: good steps in between
         f.overflow_run += 1
         f.overflow_scale = (
