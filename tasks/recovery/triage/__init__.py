@@ -30,7 +30,10 @@ a row only once the loss scale is down to OVERFLOW_SCALE_FLOOR: the initial loss
 Suspect nodes come only from the root lines of the chosen class (never from cascades: the rank
 whose collective timed out is a victim), except for a hang where one task exited before the
 timeouts (that task's node), and for a task that exited with Megatron's 16 or 17. A preempted job
-has no suspects (a preempted node is not faulty), unless Slurm says NODE FAILURE.
+has no suspects (a preempted node is not faulty), unless Slurm says NODE FAILURE. A root line
+names its node itself (Megatron's ``node N``, NCCL's ``host:pid:tid [local rank]``, a kernel log's
+host), through its rank and the layout, or else by the file it is in: a per-rank log whose NCCL
+lines name exactly one host (``[rank5]: ... uncorrectable ECC error`` in that file is that host's).
 
 Timestamps are taken as UTC. Formats without a year (glog ``E0817 17:40:34``, syslog
 ``Dec  2 11:38:47``) take the year of the first dated timestamp in any of the files, else the

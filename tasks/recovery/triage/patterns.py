@@ -54,7 +54,7 @@ _OOM = re.compile(
     r"CUDA out of memory|OutOfMemoryError|\bTried to allocate\b|Failed to CUDA calloc|cudaMalloc\w* failed"
     r"|Cuda failure (?:\d+ )?'out of memory'|CUBLAS_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation"
     r"|CUDA error: out of memory|NCCL WARN.*\bout of memory\b|RESOURCE_EXHAUSTED"
-    r"|Out of memory: Kill(?:ed)? process|invoked oom-killer"
+    r"|(?:Memory cgroup o|O)ut of memory: Kill(?:ed)? process|invoked oom-killer"
 )
 _IB_ASYNC = re.compile(r"Got async (?:error )?event\s*:\s*(.*)", re.I)
 _IB_BENIGN = re.compile(r"port active|GID table change|LID change|SM change|client reregister", re.I)
@@ -87,6 +87,10 @@ _SOFTWARE = re.compile(
     r"|Segmentation fault|\(SIGSEGV\)"
 )
 
+# torchrun's agent on a worker that died of SIGSEGV (exit -11): that worker's own crash, as its
+# summary's `Signal 11 (SIGSEGV)` is, not a consequence like -9 (killed) or -6 (aborted).
+_SEGV_EXIT = re.compile(r"failed \(exitcode: -11\)")
+
 # A CUDA failure reported through NCCL: this rank's own error, even inside a DistBackendError.
 _CUDA_FAILURE = re.compile(r"Cuda failure (?:\d+ )?'|unhandled cuda error|ncclUnhandledCudaError")
 
@@ -107,6 +111,9 @@ _CASCADE = re.compile(
     r"|Connection closed by (?:remote )?peer|Connection closed by localRank|Connection reset by peer"
     r"|remote process exited|NCCL communicator was aborted|Socket recv failed"
     r"|Sending process \d+ closing signal|Received SIGTERM|failed \(exitcode: "
+    # A DataLoader worker killed from outside (the kernel's OOM killer, a job kill): the killer
+    # is the evidence, not the worker.
+    r"|DataLoader worker \(pid \d+\) is killed by signal: Killed"
 )
 _TIMEOUT = re.compile(r"timed? ?out|got stuck", re.I)
 
@@ -124,7 +131,8 @@ TORCHRUN_FIELD = re.compile(r"^\s*(time|host|rank|local_rank|exitcode|error_file
 
 # Where a line names its node or rank.
 _MEGATRON_NODE = re.compile(r"\bRank -?\d+, node ([^\s,]+), device\b")
-_NCCL_HOST = re.compile(r"(?:^|(?<=[\s\]>]))([A-Za-z0-9][\w.-]*):\d+:\d+ \[\d+\]")
+# NCCL's `host:pid:tid [local rank]`, also behind Open MPI's --tag-output `[1,0]<stdout>:`.
+NCCL_HOST = re.compile(r"(?:^|(?<=[\s\]>])|(?<=>:))([A-Za-z0-9][\w.-]*):\d+:\d+ \[\d+\]")
 _KERNEL_HOST = re.compile(
     rf"^(?:(?:{_MON}) +\d\d? \d\d:\d\d:\d\d(?:\.\d+)?Z?"
     r"|\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?)\s+(\S+)\s+(?:kernel|[\w.-]+\[\d+\]):"
@@ -143,7 +151,12 @@ LOCAL_ITER = re.compile(r"\biteration (\d+) consumed \d+ lr \S+ loss (\S+) grad_
 NANOGPT_ITER = re.compile(r"\biter (\d+): loss ([-+\w.]+)")
 EXPLICIT_ITER = re.compile(r"\biteration (-?\d+): Unexpected result")
 RERUN_ITER = re.compile(r"Unexpected result \S+ on rank \d+ at iteration #\d+")
-OVERFLOW = re.compile(r"OVERFLOW!.*Skipping step(?:.*Attempted loss scale:\s*(\S+?),\s*reducing to\s*(\S+))?")
+# DeepSpeed's `OVERFLOW! ... Skipping step. Attempted loss scale: A, reducing to R`, fairseq's
+# `overflow detected, setting loss scale to: R`.
+OVERFLOW = re.compile(
+    r"OVERFLOW!.*Skipping step(?:.*Attempted loss scale:\s*(\S+?),\s*reducing to\s*(\S+))?"
+    r"|overflow detected, setting loss scale to:\s*(\S+)"
+)
 NVRM_CONTINUATION = re.compile(r"^\s+NVRM: ")
 
 
@@ -206,7 +219,7 @@ def rank_of(text: str) -> int | None:
 def nodes_of(text: str, layout: dict[int, str]) -> tuple[str, ...]:
     """The node a root line names: Megatron's ``node N``, NCCL's ``host:pid:tid [gpu]``, a kernel
     log's host, a launcher's ``bench.node [stderr]``, else its rank through the layout."""
-    for pattern in (_MEGATRON_NODE, _NCCL_HOST, _KERNEL_HOST, _MILABENCH):
+    for pattern in (_MEGATRON_NODE, NCCL_HOST, _KERNEL_HOST, _MILABENCH):
         m = pattern.search(text)
         if m:
             return (next(g for g in m.groups() if g),)
@@ -238,7 +251,7 @@ def classify_line(text: str, critical: frozenset) -> tuple[str, str, frozenset] 
         failed = exited["code"] not in (None, "0") or exited[0].endswith("Killed")
         tags = {"task-exit"} if failed else set()
         return "cascade", FailureClass.HANG, frozenset(tags)
-    if _CUDA_FAILURE.search(text):
+    if _CUDA_FAILURE.search(text) or _SEGV_EXIT.search(text):
         return "root", FailureClass.SOFTWARE, frozenset()
     if _CASCADE.search(text) or _NCCL_SYSTEM.search(text):
         return "cascade", FailureClass.HANG, frozenset({"timeout"} if _TIMEOUT.search(text) else ())

@@ -29,6 +29,7 @@ from tasks.recovery.triage.patterns import (
     MEGATRON_NANS,
     MEGATRON_SKIPPED,
     NANOGPT_ITER,
+    NCCL_HOST,
     NODE_FAILURE,
     NVRM_CONTINUATION,
     OVERFLOW,
@@ -71,6 +72,7 @@ class _File:
     lines: int = 0
     frame: int | None = None  # column of `File "..."` on the line before (a traceback frame)
     summaries: dict = field(default_factory=dict)  # torchrun's root-cause blocks open, by label
+    hosts: set = field(default_factory=set)  # hosts NCCL's `host:pid:tid [local rank]` lines name (2 at most)
 
 
 class Scan(Decide):
@@ -93,6 +95,21 @@ class Scan(Decide):
         for summary in state.summaries.values():  # a log cut short inside torchrun's summary
             self._torchrun_exit(state, summary)
         state.summaries.clear()
+        self._file_host(state)
+
+    def _file_host(self, f: _File) -> None:
+        """A per-rank log names its host in NCCL's ``host:pid:tid [local rank]`` lines: a root line
+        of that file without a node of its own (``[rank5]: ... uncorrectable ECC error``, no layout)
+        happened on that host, if the file's NCCL lines name exactly one. A file that names two or
+        more (several nodes' output in one file) says nothing of where such a line came from. A
+        preempted job still has no suspects."""
+        if len(f.hosts) != 1:
+            return
+        (host,) = f.hosts
+        for hits in f.roots.values():
+            for hit in hits:
+                if not hit.nodes and hit.cls != FailureClass.PREEMPTED:
+                    hit.nodes = (host,)
 
     def _block(self, f: _File, block: list[str]) -> None:
         """Lines in blocks: most blocks of a big log hold no word of _SCREEN at all, and one
@@ -111,6 +128,10 @@ class Scan(Decide):
                 f.first_ts = stamp
             if self.year is None and stamp[0] is not None:
                 self.year = stamp[0]
+        if "NCCL" in text and len(f.hosts) < 2:
+            host = NCCL_HOST.search(text)
+            if host is not None:
+                f.hosts.add(host[1])
         if f.nvrm is not None and text[:1].isspace() and NVRM_CONTINUATION.match(text):
             self._continue_nvrm(f, text)
             return
@@ -163,7 +184,7 @@ class Scan(Decide):
                         f.task_failed = True
                 f.counts[FailureClass.HANG] = f.counts.get(FailureClass.HANG, 0) + 1
                 keep_first(f.cascades, hit)
-        elif "OVERFLOW!" in text and OVERFLOW.search(text):
+        elif ("OVERFLOW!" in text or "overflow detected" in text) and OVERFLOW.search(text):
             self._overflow(f, number, text)
         f.nvrm = [hit, number, text, text, f.last_ts] if "NVRM:" in text else None
 
@@ -306,13 +327,18 @@ class Scan(Decide):
         return f.iteration
 
     def _overflow(self, f: _File, number: int, text: str) -> None:
-        """DeepSpeed's fp16 ``OVERFLOW! ... Skipping step``: normal now and then, and normal in a
-        row while DeepSpeed searches its initial loss scale down from 2^16..2^32. Five in a row
-        (the scale halving each time, no good step between) that take the scale down to
-        OVERFLOW_SCALE_FLOOR or below are a numerical problem."""
+        """DeepSpeed's fp16 ``OVERFLOW! ... Skipping step`` (fairseq's ``overflow detected,
+        setting loss scale to``): normal now and then, and normal in a row while DeepSpeed
+        searches its initial loss scale down from 2^16..2^32. Five in a row (the scale halving
+        each time, no good step between) that take the scale down to OVERFLOW_SCALE_FLOOR or
+        below are a numerical problem."""
         m = OVERFLOW.search(text)
-        attempted, reduced = as_number(m[1] or ""), as_number(m[2] or "")
-        if f.overflow_run and attempted is not None and attempted != f.overflow_scale:
+        attempted, reduced = as_number(m[1] or ""), as_number(m[2] or m[3] or "")
+        previous = f.overflow_scale
+        grew = (attempted is not None and attempted != previous) or (
+            attempted is None and reduced is not None and previous is not None and reduced >= previous
+        )
+        if f.overflow_run and grew:
             f.overflow_run, f.overflows = 0, []  # the scale grew back: good steps in between
         f.overflow_run += 1
         f.overflow_scale = (
