@@ -198,11 +198,11 @@ def daily(steps: Steps, seq_length: int | None, target: float, ettr: float | Non
             found.append({**entry, "end": None, "note": "target reached"})
             continue
         try:
-            end = project(done, tps, min(ratio, 1.0), target, cutoff).end
+            end = project(done, tps, min(ratio, 1.0), target, cutoff)
         except UsageError as e:
             found.append({**entry, "end": None, "note": str(e)})
             continue
-        found.append({**entry, "end": end})
+        found.append({**entry, "end": end.end, "end_ts": end.end_ts})
     return found
 
 
