@@ -1,7 +1,9 @@
 """goodput-report: the job's goodput ledger and checkpoint-interval advice, daily.
 
 Publishes the ledger as a table and the advice with a per-day chart as markdown; says so when
-the advised interval differs from the job's --save-interval by more than a quarter.
+the advised interval differs from the job's --save-interval by more than a quarter. Given the
+job's target token count, also the calendar: the projected end date, now and at the advised
+interval, with a chart of the projection day by day.
 """
 
 from prefect import flow
@@ -15,7 +17,7 @@ from tasks.profile import load_profile
 
 
 @flow(name="goodput-report", log_prints=True)
-def goodput_report(profile: str = "local"):
+def goodput_report(profile: str = "local", target_tokens: float | None = None):
     prof = load_profile(profile)
     found = ledger(prof, warn=print)
     rows = [
@@ -41,5 +43,24 @@ def goodput_report(profile: str = "local"):
     )
     ettr = f"ETTR {found.ettr:.2%}" if found.ettr is not None else "ETTR not measured"
     message = f"{ettr}, {found.incidents} incidents" + (f"; {note}" if note else "")
+    if target_tokens is not None:
+        message += "; " + _calendar(prof, target_tokens, found)
     print(message)
     return Completed(message=message)
+
+
+def _calendar(prof, target_tokens: float, measured) -> str:
+    """Publish the calendar (``goodput-calendar-<job>``); its line for the summary."""
+    from tasks.goodput.calendar import calendar
+    from tasks.goodput.calendar import markdown as calendar_markdown
+
+    try:
+        found = calendar(prof, target_tokens, measured=measured)
+    except UsageError as e:  # nothing to measure from yet, or the target is reached
+        text, line = f"# calendar: {prof.job.name}\n\nno calendar: {e}", f"no calendar: {e}"
+    else:
+        text, line = calendar_markdown(found), f"projected end {found.projection.end}"
+    create_markdown_artifact(
+        markdown=text, key=f"goodput-calendar-{prof.job.name}", description="projected end date"
+    )
+    return line

@@ -1,5 +1,6 @@
-"""``ckptops goodput [advise | simulate]``: the job's effective training time, the checkpoint
-interval that would lose least, and a simulation of the job's wall clock."""
+"""``ckptops goodput [advise | simulate | calendar]``: the job's effective training time, the
+checkpoint interval that would lose least, a simulation of the job's wall clock, and the date the
+job reaches its target token count."""
 
 import json
 from pathlib import Path
@@ -14,7 +15,7 @@ from tasks.profile import load_profile
 commands = typer.Typer(help="Effective training time and checkpoint-interval advice.")
 
 
-def _since(value: str | None) -> float | None:
+def _since(value: str | None, option: str = "--since") -> float | None:
     if value is None:
         return None
     from datetime import UTC, datetime
@@ -22,7 +23,7 @@ def _since(value: str | None) -> float | None:
     try:
         moment = datetime.fromisoformat(value)
     except ValueError:
-        raise UsageError(f"--since {value!r}: not a date (YYYY-MM-DD or an ISO time)") from None
+        raise UsageError(f"{option} {value!r}: not a date (YYYY-MM-DD or an ISO time)") from None
     return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
 
 
@@ -69,17 +70,28 @@ def goodput_advise(
     gpus: Annotated[
         int | None, typer.Option("--gpus", help="[default: recovery.gpus or the world size]")
     ] = None,
+    checkpoint_tb: Annotated[
+        float | None,
+        typer.Option("--checkpoint-tb", help="one checkpoint's size [default: the newest checkpoint's]"),
+    ] = None,
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ):
     """Young's and Daly's checkpoint intervals, the expected ETTR now and at the advised interval,
-    and the GPU-hours a day the change would save."""
+    the GPU-hours a day the change would save, and the storage written a day at each interval."""
     with expected_errors():
         from tasks.goodput.report import advice, interval_note, ledger
 
         prof = load_profile(profile)
         found = advice(
-            prof, ledger(prof, warn=warn), save_seconds, mtbf_hours, restart_minutes, interval_minutes, gpus
+            prof,
+            ledger(prof, warn=warn),
+            save_seconds,
+            mtbf_hours,
+            restart_minutes,
+            interval_minutes,
+            gpus,
+            checkpoint_tb,
         )
     if as_json:
         out.print_json(json.dumps(found.to_dict()))
@@ -134,4 +146,62 @@ def goodput_simulate(
         out.print_json(json.dumps(report.to_dict()))
         return
     for line in report.lines():
+        out.print(line, markup=False)
+
+
+@commands.command("calendar")
+def goodput_calendar(
+    target_tokens: Annotated[
+        float, typer.Option("--target-tokens", help="the tokens to train on, e.g. 10e12")
+    ],
+    log: Annotated[
+        Path | None, typer.Option("--log", help="the job's Megatron-LM log [default: the step records]")
+    ] = None,
+    start: Annotated[
+        str | None, typer.Option("--start", help="project from this date or time (UTC) [default: now]")
+    ] = None,
+    tokens_done: Annotated[float | None, typer.Option("--tokens-done", help="[default: measured]")] = None,
+    tokens_per_second: Annotated[
+        float | None, typer.Option("--tokens-per-second", help="[default: the measured steady state]")
+    ] = None,
+    ettr: Annotated[float | None, typer.Option("--ettr", help="[default: the ledger's]")] = None,
+    save_seconds: Annotated[
+        float | None, typer.Option("--save-seconds", help="C, for the advice [default: measured]")
+    ] = None,
+    mtbf_hours: Annotated[float | None, typer.Option("--mtbf-hours", help="M [default: measured]")] = None,
+    restart_minutes: Annotated[
+        float | None, typer.Option("--restart-minutes", help="R [default: measured]")
+    ] = None,
+    interval_minutes: Annotated[
+        float | None, typer.Option("--interval-minutes", help="the current interval [default: the job's]")
+    ] = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+):
+    """When the job reaches --target-tokens: tokens so far, the steady-state tokens/s, ETTR from
+    the ledger, the days of compute and the projected end date, now and at the advised
+    checkpoint interval; day by day in --json."""
+    with expected_errors():
+        from tasks.goodput.calendar import calendar
+
+        found = calendar(
+            load_profile(profile),
+            target_tokens,
+            log,
+            _since(start, "--start"),
+            tokens_done,
+            tokens_per_second,
+            ettr,
+            {
+                "save": save_seconds,
+                "mtbf_hours": mtbf_hours,
+                "restart_minutes": restart_minutes,
+                "interval_minutes": interval_minutes,
+            },
+            warn,
+        )
+    if as_json:
+        out.print_json(json.dumps(found.to_dict()))
+        return
+    for line in found.lines():
         out.print(line, markup=False)

@@ -80,6 +80,9 @@ class Advice:
     ettr_advised: float
     gpu_hours_per_day: float | None  # saved per day by moving to Daly's interval
     sources: dict[str, str]
+    checkpoint_bytes: float | None = None  # one checkpoint's size, for the storage written a day
+    write_bytes_per_day_now: float | None = None  # at the current interval
+    write_bytes_per_day_advised: float | None = None  # at Daly's interval
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -100,7 +103,28 @@ class Advice:
                 f"{self.sources.get('interval', 'given')}): {self.ettr_now:.2%}; moving saves "
                 f"{self.gpu_hours_per_day:.1f} GPU-hours a day at {self.gpus} GPUs"
             )
+        if self.checkpoint_bytes is not None:
+            now = (
+                f"{tb(self.write_bytes_per_day_now)} a day at the current interval, "
+                if self.write_bytes_per_day_now is not None
+                else ""
+            )
+            out.append(
+                f"storage written: {now}{tb(self.write_bytes_per_day_advised)} a day at Daly's "
+                f"(a checkpoint of {tb(self.checkpoint_bytes)}, {self.sources.get('checkpoint', 'given')})"
+            )
         return out
+
+
+def tb(size: float) -> str:
+    """Bytes in decimal terabytes (7e12: 7.00 TB), as storage is sold and billed."""
+    return f"{size / 1e12:,.2f} TB"
+
+
+def write_per_day(checkpoint_bytes: float, interval: float) -> float:
+    """Bytes written a day by saving a checkpoint of this size every ``interval`` seconds."""
+    positive(checkpoint_bytes=checkpoint_bytes, interval_seconds=interval)
+    return checkpoint_bytes * 86400 / interval
 
 
 def advise(
@@ -110,8 +134,13 @@ def advise(
     interval: float | None,
     gpus: int,
     sources: dict[str, str] | None = None,
+    checkpoint_bytes: float | None = None,
 ) -> Advice:
+    """The advice; with ``checkpoint_bytes``, also the storage written a day at the current
+    and at Daly's interval."""
     check_gpus(gpus)
+    if checkpoint_bytes is not None:
+        positive(checkpoint_bytes=checkpoint_bytes)
     t_young = young(save, mtbf)
     t_daly, note = daly(save, mtbf)
     advised = ettr(save, mtbf, restart, t_daly)
@@ -129,4 +158,7 @@ def advise(
         advised,
         None if now is None else gpus * 24 * (advised - now),
         dict(sources or {}),
+        checkpoint_bytes,
+        None if checkpoint_bytes is None or interval is None else write_per_day(checkpoint_bytes, interval),
+        None if checkpoint_bytes is None else write_per_day(checkpoint_bytes, t_daly),
     )

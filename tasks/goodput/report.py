@@ -88,6 +88,30 @@ def _interval(save_interval: int | None, steps: Steps | None) -> Figure:
     )
 
 
+def checkpoint_size(save_dir: Path) -> Figure:
+    """The newest checkpoint's size in bytes (in ``Figure.seconds``' place): its manifest's file
+    sizes, else its files on disk."""
+    from tasks.checkpoint.manifest import read_manifest
+    from tasks.errors import CkptopsError
+    from tasks.storage.local import list_files
+
+    newest = _newest_checkpoint(save_dir)
+    if newest is None or not newest.is_dir():
+        return Figure(None, f"not measured: no checkpoint in {save_dir}")
+    try:
+        manifest = read_manifest(newest)
+    except CkptopsError:  # a manifest not to trust: the files on disk still have their sizes
+        manifest = None
+    if manifest is not None and manifest.files:
+        return Figure(float(sum(f.size for f in manifest.files)), f"manifest of {newest.name}")
+    try:
+        files = list_files(newest)
+    except OSError as e:
+        raise unreadable(newest, e) from None
+    total = sum(st.st_size for st in files.values())
+    return Figure(float(total), f"files of {newest.name} on disk") if total else Figure(None, "not measured")
+
+
 def ledger(profile, since: float | None = None, log: Path | None = None, warn=None) -> GoodputLedger:
     """The job's ledger, its records, checkpoint args and incidents each read once; ``warn``
     gets the incident ledger's lines that could not be used."""
@@ -110,10 +134,12 @@ def advice(
     restart_minutes: float | None = None,
     interval_minutes: float | None = None,
     gpus: int | None = None,
+    checkpoint_tb: float | None = None,
 ) -> Advice:
     """The advice from the given values, else the measured ones; a value neither given nor
     measured is a usage error naming the option. ``gpus`` defaults to recovery.gpus, else the
-    job's world size."""
+    job's world size; the checkpoint's size (for the storage written a day) to the newest
+    checkpoint's, left out when there is none."""
     sources: dict[str, str] = {}
 
     def pick(given, figure_seconds, figure_source, option, scale):
@@ -138,6 +164,10 @@ def advice(
         gpus = (
             profile.recovery.gpus if profile.recovery and profile.recovery.gpus else None
         ) or profile.job.layout.world_size
+    if checkpoint_tb is not None:
+        size = Figure(checkpoint_tb * 1e12, "given")
+    else:
+        size = checkpoint_size(profile.job.save_dir)
     return advise(
         c,
         m,
@@ -149,7 +179,9 @@ def advice(
             "mtbf": sources["mtbf"],
             "restart": sources["restart"],
             "interval": sources["interval"],
+            "checkpoint": size.source,
         },
+        size.seconds,
     )
 
 

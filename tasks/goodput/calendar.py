@@ -1,0 +1,373 @@
+"""The calendar: when the job reaches its target token count, from what it measured.
+
+- tokens so far: the last step's consumed samples x the sequence length (checkpoint args), else
+  (step records, which carry tokens/s) tokens/s x step time summed over the surviving lineage;
+- steady-state tokens/s: the median of the last WINDOW_STEPS steps (records, or log lines) that
+  are not among the first WARMUP_STEPS of a run: warm-up, and each restart (a new attempt, an
+  iteration at or below the one before it, a newly loaded checkpoint) starts a run; a log gives
+  samples/s, turned into tokens/s with the checkpoint's sequence length;
+- ETTR: the goodput ledger's productive / wall (the incidents' downtime and the saves are in the
+  wall time); where the ledger has no wall time, 1.0, and the calendar says it was assumed;
+- the projected end: start + (target - tokens so far) / tokens/s / ETTR; the same at the advised
+  checkpoint interval, with the measured ETTR moved by the gain the advice predicts
+  (ETTR at Daly's interval less ETTR at the job's own, tasks.goodput.advice);
+- day by day (UTC): the projection as it stood at the end of each day the steps cover, from the
+  steps up to then.
+"""
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+from tasks.errors import Malformed, Unreadable, UsageError
+from tasks.goodput.measure import _lineage
+from tasks.resume.records import Steps
+
+# The first steps of each run are warm-up (compilation, allocator, data loader): left out.
+WARMUP_STEPS = 10
+# The steady state is the median over this many of the last steps past warm-up.
+WINDOW_STEPS = 100
+DAY = 86400.0
+# The last moment a date can name (datetime's 9999-12-31 23:59:59 UTC).
+LAST_DATE = 253402300799.0
+
+
+def rate(tokens_per_second: float) -> str:
+    """Tokens/s as a person reads them: whole numbers, three figures below 100."""
+    return f"{tokens_per_second:,.0f}" if tokens_per_second >= 100 else f"{tokens_per_second:.3g}"
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
+
+
+@dataclass
+class Projection:
+    ettr: float
+    compute_days: float  # the remaining tokens at the steady tokens/s, every second productive
+    wall_days: float  # compute_days / ETTR
+    end: str  # UTC, ISO 8601
+    end_ts: float
+
+
+def project(
+    tokens_done: float, tokens_per_second: float, ettr: float, target: float, start: float
+) -> Projection:
+    """The projected end: ``start`` + (target - tokens_done) / tokens_per_second / ettr."""
+    for name, value in (("target tokens", target), ("tokens/s", tokens_per_second)):
+        if not math.isfinite(value) or value <= 0:
+            raise UsageError(f"{name}: must be a positive number, got {value}")
+    if not math.isfinite(tokens_done) or tokens_done < 0:
+        raise UsageError(f"tokens so far: must be a finite number, not negative, got {tokens_done}")
+    if not math.isfinite(ettr) or not 0 < ettr <= 1:
+        raise UsageError(f"ETTR: must be above 0 and at most 1, got {ettr}")
+    if tokens_done >= target:
+        raise UsageError(f"the target is reached: {tokens_done:,.0f} tokens so far, target {target:,.0f}")
+    compute = (target - tokens_done) / tokens_per_second
+    end = start + compute / ettr
+    if end >= LAST_DATE:
+        raise UsageError(
+            f"the projected end is past the year 9999: {compute / ettr / DAY:,.0f} days at "
+            f"{rate(tokens_per_second)} tokens/s"
+        )
+    return Projection(ettr, compute / DAY, compute / ettr / DAY, iso(end), end)
+
+
+def run_position(steps: Steps) -> np.ndarray:
+    """Each row's place in its run (0 for a run's first step): a run starts at the first row, a
+    new attempt (records), an iteration at or below the one before it, a newly loaded
+    checkpoint (Megatron-LM's log says which)."""
+    n = len(steps)
+    new = np.zeros(n, dtype=bool)
+    if not n:
+        return np.zeros(0, dtype=np.int64)
+    new[0] = True
+    it = steps.iteration
+    new[1:] |= it[1:] <= it[:-1]
+    if steps.attempt.size == n:
+        new[1:] |= steps.attempt[1:] != steps.attempt[:-1]
+    if "loaded" in steps.columns:
+        loaded = steps.loaded
+        same = (loaded[1:] == loaded[:-1]) | (np.isnan(loaded[1:]) & np.isnan(loaded[:-1]))
+        new[1:] |= ~same
+    rows = np.arange(n)
+    return rows - np.maximum.accumulate(np.where(new, rows, 0))
+
+
+def tokens_per_second_column(steps: Steps, seq_length: int | None) -> np.ndarray:
+    if steps.throughput_unit == "tokens/s":
+        return steps.throughput
+    if seq_length:
+        return steps.throughput * seq_length
+    raise UsageError(
+        f"{steps.source}: the log gives samples/s and no checkpoint says the sequence length; "
+        "give --tokens-per-second"
+    )
+
+
+def steady_throughput(
+    steps: Steps, seq_length: int | None, rows: np.ndarray | None = None
+) -> tuple[float, str]:
+    """The median tokens/s of the last WINDOW_STEPS of ``rows`` past each run's warm-up."""
+    rows = np.arange(len(steps)) if rows is None else rows
+    tps = tokens_per_second_column(steps, seq_length)
+    past = rows[run_position(steps)[rows] >= WARMUP_STEPS]
+    past = past[np.isfinite(tps[past]) & (tps[past] > 0)]
+    if not past.size:
+        raise UsageError(
+            f"{steps.source}: no step with a throughput past the first {WARMUP_STEPS} of its run "
+            "(warm-up); give --tokens-per-second"
+        )
+    window = past[-WINDOW_STEPS:]
+    unit = "" if steps.throughput_unit == "tokens/s" else f" (samples/s x sequence length {seq_length})"
+    first, last = int(steps.iteration[window[0]]), int(steps.iteration[window[-1]])
+    return float(np.median(tps[window])), (
+        f"median of {window.size} steps (iterations {first}-{last}) past the first {WARMUP_STEPS} "
+        f"of each run{unit}, {steps.source}"
+    )
+
+
+def tokens_done(steps: Steps, seq_length: int | None, rows: np.ndarray | None = None) -> tuple[float, str]:
+    rows = np.arange(len(steps)) if rows is None else rows
+    consumed = steps.consumed[rows]
+    finite = consumed[np.isfinite(consumed)]
+    if seq_length and finite.size:
+        return float(finite[-1]) * seq_length, (
+            f"consumed samples {finite[-1]:,.0f} x sequence length {seq_length} (checkpoint args), "
+            f"{steps.source}"
+        )
+    if steps.throughput_unit == "tokens/s" and rows.size:
+        picked = steps.take(rows)
+        keep = _lineage(picked)
+        tokens = picked.throughput[keep] * picked.step_seconds[keep]
+        if np.isfinite(tokens).any():
+            return float(
+                np.nansum(tokens)
+            ), f"tokens/s x step time over the surviving lineage, {steps.source}"
+    raise UsageError(
+        f"{steps.source}: no tokens so far in it (no consumed samples with a sequence length, "
+        "no tokens/s); give --tokens-done"
+    )
+
+
+def ettr_until(steps: Steps, rows: np.ndarray) -> float | None:
+    """Productive / wall over these rows, as the goodput ledger computes it (tasks.goodput.measure)."""
+    if not rows.size:
+        return None
+    picked = steps.take(rows)
+    productive = float(np.nansum(picked.step_seconds[_lineage(picked)]))
+    times = picked.time[np.isfinite(picked.time)]
+    if not times.size:
+        return None
+    first_step = picked.step_seconds[0]
+    wall = float(times.max()) - float(times.min() - (first_step if np.isfinite(first_step) else 0))
+    return productive / wall if wall > 0 else None
+
+
+def daily(steps: Steps, seq_length: int | None, target: float, ettr: float | None = None) -> list[dict]:
+    """The projection at the end of each UTC day the steps cover (the last day: at its last
+    step), from the steps up to then; ``ettr`` (given) instead of each day's measured one."""
+    times = steps.time
+    finite = np.isfinite(times)
+    if not finite.any():
+        return []
+    found = []
+    last = float(times[finite].max())
+    day = datetime.fromtimestamp(float(times[finite].min()), UTC).replace(
+        hour=0, minute=0, second=0, microsecond=0
+    )
+    while day.timestamp() <= last:
+        cutoff = min(day.timestamp() + DAY, last)
+        rows = np.nonzero(finite & (times <= cutoff))[0]
+        entry = {"day": day.strftime("%Y-%m-%d"), "at": iso(cutoff)}
+        day = datetime.fromtimestamp(day.timestamp() + DAY, UTC)
+        try:
+            done, _ = tokens_done(steps, seq_length, rows)
+            tps, _ = steady_throughput(steps, seq_length, rows)
+        except UsageError as e:
+            found.append({**entry, "end": None, "note": str(e)})
+            continue
+        measured = ettr if ettr is not None else ettr_until(steps, rows)
+        ratio = measured if measured is not None and measured > 0 else 1.0
+        entry.update(tokens_done=done, tokens_per_second=tps, ettr=ratio)
+        if done >= target:
+            found.append({**entry, "end": None, "note": "target reached"})
+            continue
+        try:
+            end = project(done, tps, min(ratio, 1.0), target, cutoff)
+        except UsageError as e:
+            found.append({**entry, "end": None, "note": str(e)})
+            continue
+        found.append({**entry, "end": end.end, "end_ts": end.end_ts})
+    return found
+
+
+@dataclass
+class Calendar:
+    job: str
+    target_tokens: float
+    tokens_done: float
+    tokens_source: str
+    tokens_per_second: float
+    throughput_source: str
+    ettr_source: str
+    start: str
+    projection: Projection
+    advised: Projection | None
+    advised_note: str
+    days: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        p = self.projection
+        lines = [
+            f"calendar of {self.job}: {self.target_tokens:,.0f} tokens, projected from {self.start}",
+            f"  tokens so far: {self.tokens_done:,.0f} ({self.tokens_done / self.target_tokens:.2%} of the "
+            f"target; {self.tokens_source})",
+            f"  steady-state throughput: {rate(self.tokens_per_second)} tokens/s ({self.throughput_source})",
+            f"  remaining: {self.target_tokens - self.tokens_done:,.0f} tokens, "
+            f"{p.compute_days:.2f} days of compute",
+            f"  ETTR {p.ettr:.2%} ({self.ettr_source}): {p.wall_days:.2f} days; projected end {p.end}",
+        ]
+        if self.advised is not None:
+            a = self.advised
+            sooner = (p.end_ts - a.end_ts) / DAY
+            which = "sooner" if sooner >= 0 else "later"
+            lines.append(
+                f"  at the advised interval: ETTR {a.ettr:.2%} ({self.advised_note}): "
+                f"{a.wall_days:.2f} days; projected end {a.end} ({abs(sooner):.2f} days {which})"
+            )
+        else:
+            lines.append(f"  at the advised interval: {self.advised_note}")
+        return lines
+
+
+def _seq_length(save_dir: Path) -> int | None:
+    """The newest checkpoint's --seq-length (None without one: then torch is never imported)."""
+    from tasks.goodput.report import _newest_checkpoint
+
+    newest = _newest_checkpoint(save_dir)
+    if newest is None:
+        return None
+    from tasks.checkpoint.facts import checkpoint_facts
+
+    try:
+        return checkpoint_facts(newest).seq_length
+    except (UsageError, Unreadable, Malformed):
+        return None
+
+
+def calendar(
+    profile,
+    target: float,
+    log: Path | None = None,
+    start: float | None = None,
+    done: float | None = None,
+    tps: float | None = None,
+    ettr: float | None = None,
+    advice_inputs: dict | None = None,
+    warn=None,
+    measured=None,
+) -> Calendar:
+    """The calendar of the profile's job: each of tokens so far, tokens/s and ETTR given, else
+    measured (records or ``log``, the goodput ledger); the advice from the ledger with
+    ``advice_inputs`` (report.advice's save, mtbf_hours, restart_minutes, interval_minutes);
+    ``measured``: the job's ledger when the caller has read it already (with the same ``log``)."""
+    from tasks.goodput.report import _steps, advice, ledger
+
+    if not math.isfinite(target) or target <= 0:
+        raise UsageError(f"--target-tokens: must be a positive number, got {target}")
+    start = time.time() if start is None else start
+    steps = _steps(profile, log)
+    if steps is not None and not len(steps):
+        steps = None
+    if steps is None and (done is None or tps is None):
+        where = f"{log}" if log else "recovery.step_records"
+        raise UsageError(
+            f"no step records or log to measure from ({where}); "
+            "give --log, or --tokens-done and --tokens-per-second"
+        )
+    seq = _seq_length(profile.job.save_dir) if steps is not None else None
+    if done is not None:
+        tokens_source = "given"
+    else:
+        done, tokens_source = tokens_done(steps, seq)
+    if tps is not None:
+        throughput_source = "given"
+    else:
+        tps, throughput_source = steady_throughput(steps, seq)
+    found = measured if measured is not None else ledger(profile, log=log, warn=warn)
+    if ettr is not None:
+        ratio, ettr_source = ettr, "given"
+    elif found.ettr is not None and found.ettr > 0:
+        ratio = min(found.ettr, 1.0)
+        ettr_source = f"productive / wall, goodput ledger, {found.incidents} incidents"
+    else:
+        ratio, ettr_source = 1.0, f"assumed 1.0: the ledger has none ({found.wall.source})"
+    now = project(done, tps, ratio, target, start)
+    advised, note = None, ""
+    try:
+        adv = advice(profile, found, **(advice_inputs or {}))
+    except UsageError as e:
+        note = f"no advice: {e}"
+    else:
+        if adv.ettr_now is None:
+            note = "the job's current interval is not measured; give --interval-minutes"
+        else:
+            gain = adv.ettr_advised - adv.ettr_now
+            moved = min(1.0, ratio + gain)
+            if moved <= 0:
+                note = f"ETTR {ratio:.2%} {gain:+.2%} at Daly's interval: no progress"
+            else:
+                advised = project(done, tps, moved, target, start)
+                note = (
+                    f"Daly's {adv.daly_minutes:.1f} min instead of {adv.interval_seconds / 60:.1f} min: "
+                    f"{gain * 100:+.2f} points, as the advice predicts"
+                )
+    days = daily(steps, seq, target, ettr) if steps is not None else []
+    return Calendar(
+        profile.job.name,
+        float(target),
+        float(done),
+        tokens_source,
+        float(tps),
+        throughput_source,
+        ettr_source,
+        iso(start),
+        now,
+        advised,
+        note,
+        days,
+    )
+
+
+def end_date_png(found: Calendar) -> bytes:
+    """The projected end date as it stood at the end of each day."""
+    from tasks.plots import png, pyplot
+
+    plt = pyplot()
+    points = [(d["day"], d["end"]) for d in found.days if d.get("end")]
+    fig, ax = plt.subplots(figsize=(9, 3.5), dpi=100)
+    days = [datetime.fromisoformat(day).replace(tzinfo=UTC) for day, _ in points]
+    ends = [datetime.fromisoformat(end) for _, end in points]
+    ax.plot(days, ends, marker="o")
+    ax.set_xlabel("day (UTC)")
+    ax.set_ylabel("projected end (UTC)")
+    ax.set_title(f"{found.job}: projected end of {found.target_tokens:,.0f} tokens, day by day")
+    fig.autofmt_xdate()
+    return png(fig)
+
+
+def markdown(found: Calendar) -> str:
+    from tasks.plots import markdown_image
+
+    parts = [f"# calendar: {found.job}", "", *(f"- {line.strip()}" for line in found.lines()[1:])]
+    if any(d.get("end") for d in found.days):
+        parts += ["", markdown_image("projected end date by day", end_date_png(found))]
+    return "\n".join(parts)
