@@ -80,6 +80,10 @@ def owned_pids(ctx: Context) -> dict[int, str] | HealthCheck:
     )
 
 
+def counted(n: int) -> str:
+    return f"{n} compute process{'es' if n > 1 else ''}"
+
+
 def run(ctx: Context) -> HealthCheck:
     output = ctx.command(NAME, QUERY)
     failed = failed_to_run(NAME, output)
@@ -100,7 +104,7 @@ def run(ctx: Context) -> HealthCheck:
         return result(
             NAME,
             Verdict.PASS,
-            Evidence(f"{len(apps)} compute processes, all in running Slurm jobs ({', '.join(jobs)})"),
+            Evidence(f"{counted(len(apps))}, all in running Slurm jobs ({', '.join(jobs)})"),
             exit_code=0,
         )
     evidence = [
