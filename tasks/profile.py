@@ -485,6 +485,10 @@ class Health(_Section):
             raise ValueError("name the nodes: nodes, slurm_partition or slurm_nodelist")
         if self.pairs.enabled and not self.pairs.known_good:
             raise ValueError("pairs.enabled needs pairs.known_good")
+        if self.nvrx_segment_dir is not None and not self.nvrx_segment_dir.is_absolute():
+            raise ValueError(
+                "nvrx_segment_dir must be absolute: ft_launcher reads the same path on every node"
+            )
         return self
 
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tasks.errors import UsageError
 from tasks.health import nvrx
 from tasks.health.history import (
     counted_suspicions,
@@ -201,7 +202,24 @@ def test_nvrx_segment_files_follow_the_verdicts(tmp_path):
     assert sorted(p.name for p in directory.iterdir() if not p.name.startswith(".")) == [other.name]
     assert other.read_text() == "excluded by another tool\n"  # never ours to remove
 
-    # A directory that is not there, and a node Slurm refuses: one line each, naming it.
+    # A relative directory is refused when the profile loads; one that is not there, and a node
+    # Slurm refuses, are one line each, naming it.
+    relative = tmp_path / "relative.yaml"
+    relative.write_text(
+        json.dumps(
+            {
+                "job": {"name": "h", "save_dir": str(tmp_path)},
+                "health": {
+                    "nodes": ["n1"],
+                    "transport": "local",
+                    "raw_dir": str(tmp_path),
+                    "nvrx_segment_dir": "seg",
+                },
+            }
+        )
+    )
+    with pytest.raises(UsageError, match="nvrx_segment_dir must be absolute"):
+        load_profile(relative)
     missing = nvrx.publish([bad], SimpleNamespace(nvrx_segment_dir=tmp_path / "nowhere"), running.get)
     assert missing.errors == [f"health.nvrx_segment_dir {tmp_path / 'nowhere'}: not a directory"]
 
