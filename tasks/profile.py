@@ -424,6 +424,23 @@ class Drain(_Section):
     )
 
 
+class SuspectRule(_Section):
+    """A node named as suspect in ``repeat`` incidents within ``window_days`` (since it last passed
+    the spare admission set) is drained and replaced even when its own checks pass."""
+
+    repeat: Annotated[int, Field(ge=1)] = 2
+    window_days: Positive = 14
+
+
+class GpuProcesses(_Section):
+    """The gpu-processes check: compute processes on a node's GPUs that no running Slurm job owns."""
+
+    listpids_node_name: bool = Field(
+        default=False,
+        description="name the node to `scontrol listpids` (hosts running several slurmd, `slurmd -N`)",
+    )
+
+
 class Health(_Section):
     nodes: list[str] = Field(default_factory=list)
     slurm_partition: str | None = None
@@ -440,8 +457,10 @@ class Health(_Section):
     )
     node_timeout_seconds: Positive = 10800
     checks: list[
-        Literal["gpu-count", "recovery-action", "row-remap", "xid", "nvlink", "dcgm-diag", "nccl"]
-    ] = ["gpu-count", "recovery-action", "row-remap", "xid", "nvlink", "dcgm-diag", "nccl"]
+        Literal[
+            "gpu-count", "gpu-processes", "recovery-action", "row-remap", "xid", "nvlink", "dcgm-diag", "nccl"
+        ]
+    ] = ["gpu-count", "gpu-processes", "recovery-action", "row-remap", "xid", "nvlink", "dcgm-diag", "nccl"]
     critical_xids: list[int] = Field(
         default_factory=lambda: sorted(CRITICAL_XIDS),
         description="XIDs that fail a node (tasks/health/xids.py)",
@@ -449,6 +468,13 @@ class Health(_Section):
     nccl: Nccl = Nccl()
     pairs: Pairs = Pairs()
     drain: Drain = Drain()
+    suspect: SuspectRule = SuspectRule()
+    gpu_processes: GpuProcesses = GpuProcesses()
+    nvrx_segment_dir: Path | None = Field(
+        default=None,
+        description="NVRx's --ft-segment-health-check-dir: a segment file for each running job on a "
+        "node judged unhealthy, removed when the node passes again",
+    )
     raw_dir: Path
 
     @model_validator(mode="after")
@@ -459,6 +485,10 @@ class Health(_Section):
             raise ValueError("name the nodes: nodes, slurm_partition or slurm_nodelist")
         if self.pairs.enabled and not self.pairs.known_good:
             raise ValueError("pairs.enabled needs pairs.known_good")
+        if self.nvrx_segment_dir is not None and not self.nvrx_segment_dir.is_absolute():
+            raise ValueError(
+                "nvrx_segment_dir must be absolute: ft_launcher reads the same path on every node"
+            )
         return self
 
 

@@ -360,3 +360,126 @@ def test_dcgm_json_of_unexpected_shapes_is_one_line_naming_the_field(mangle, whe
     )
     assert done.returncode == 2 and done.stderr.startswith(f"ckptops: {path}: ") and where in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+# gpu-processes: nvidia-smi --query-compute-apps against the running job steps (scontrol listpids).
+
+
+def _gpu_processes_ctx(tmp_path, answers: dict[str, tuple[str, str, int]], node_name: bool = False):
+    """A check context whose node answers each tool (nvidia-smi, scontrol) with a recording."""
+    from types import SimpleNamespace
+
+    from tasks.cluster.process import Output
+    from tasks.health.checks import Context
+
+    class Replay:
+        def run(self, argv, timeout):
+            stdout, stderr, rc = answers[argv[0]]
+            return Output(argv, rc, stdout, stderr, 0.01)
+
+    settings = SimpleNamespace(
+        command_timeout_seconds=5, gpu_processes=SimpleNamespace(listpids_node_name=node_name)
+    )
+    return Context("gpu7", Replay(), settings, 1, tmp_path)
+
+
+def test_gpu_processes_parse_the_recorded_h200_output_and_slurm_listpids():
+    from tasks.health.checks.gpu_processes import compute_apps, listpids
+
+    apps = compute_apps(read("nvidia_smi_compute_apps_8xH200_before.csv"))
+    assert len(apps) == 8 and apps[0].gpu == "GPU-a44622e3-2296-6285-0a86-84d0f6c67900"
+    assert (apps[0].pid, apps[0].name, apps[0].memory) == (1328667, "/usr/local/bin/python3.10", "130004 MiB")
+    assert (apps[-1].pid, apps[-1].name) == (1758887, "[Not Found]")  # another pid namespace
+    assert compute_apps(read("nvidia_smi_compute_apps_header_only.csv")) == []
+    # A process name holding commas (a command line) stays one name.
+    comma = "gpu_uuid, pid, process_name, used_gpu_memory [MiB]\nGPU-1, 42, python -c a,b, 10 MiB\n"
+    assert compute_apps(comma)[0].name == "python -c a,b"
+    assert listpids(read("slurm22_scontrol_listpids_job440.txt")) == {
+        26790: "440",
+        26803: "440",
+        26800: "440",
+        26825: "440",
+    }
+    with pytest.raises(ValueError, match="not a --query-compute-apps output"):
+        compute_apps(read("synthetic_row_remap_ok.csv"))
+
+
+def test_gpu_processes_fail_a_node_whose_gpus_hold_processes_of_no_running_job(tmp_path):
+    from tasks.health.checks import gpu_processes
+
+    before = read("nvidia_smi_compute_apps_8xH200_before.csv")
+    job = read("synthetic_scontrol_listpids_h200_job.txt")
+    check = gpu_processes.run(
+        _gpu_processes_ctx(tmp_path, {"nvidia-smi": (before, "", 0), "scontrol": (job, "", 0)})
+    )
+    assert check.verdict is Verdict.FAIL_CONFIG
+    orphans = [e.value for e in check.evidence]
+    assert orphans == [1425258, 1425259, 1425260, 1425261, 1758887]  # job 7001's 3 pids are not named
+    assert check.detail.startswith(
+        "GPU GPU-4e9e74b7-4977-f04d-3af3-ccfe5f570e90: pid 1425258 (python3, 105842 MiB) belongs to no "
+        "running Slurm job (and 4 more)"
+    )
+    assert "pid 1758887 ([Not Found], 58060 MiB)" in check.evidence[-1].detail
+
+    # Every process in a running job: a pass that names the job.
+    owned = job + "".join(f"{pid} 7002 0 0 0\n" for pid in (1425258, 1425259, 1425260, 1425261, 1758887))
+    check = gpu_processes.run(
+        _gpu_processes_ctx(tmp_path, {"nvidia-smi": (before, "", 0), "scontrol": (owned, "", 0)})
+    )
+    assert check.verdict is Verdict.PASS and "all in running Slurm jobs (7001, 7002)" in check.detail
+
+    # A node without job steps (the real Slurm answer: exit 1): every GPU process is left over.
+    no_steps = (
+        read("slurm22_scontrol_listpids_no_steps.stdout"),
+        read("slurm22_scontrol_listpids_no_steps.stderr"),
+        1,
+    )
+    after = read("nvidia_smi_compute_apps_8xH200_after.csv")
+    check = gpu_processes.run(
+        _gpu_processes_ctx(tmp_path, {"nvidia-smi": (after, "", 0), "scontrol": no_steps})
+    )
+    assert check.verdict is Verdict.FAIL_CONFIG and len(check.evidence) == 4
+
+    # No GPU process: no need to ask Slurm at all (scontrol would fail here).
+    empty = read("nvidia_smi_compute_apps_header_only.csv")
+    check = gpu_processes.run(
+        _gpu_processes_ctx(tmp_path, {"nvidia-smi": (empty, "", 0), "scontrol": ("", "", 127)})
+    )
+    assert check.verdict is Verdict.PASS and check.detail == "no compute processes on the GPUs"
+
+
+def test_gpu_processes_never_pass_when_a_tool_cannot_answer(tmp_path):
+    from tasks.health.checks import gpu_processes
+
+    before = read("nvidia_smi_compute_apps_8xH200_before.csv")
+    refused = (
+        "",
+        "scontrol: error: Domain socket directory /var/spool/slurmd: No such file or directory\n"
+        "No job steps exist on this node.\n",
+        1,
+    )
+    cases = {
+        "no scontrol": ({"nvidia-smi": (before, "", 0), "scontrol": ("", "", 127)}, "command not found"),
+        "slurmd unreachable": ({"nvidia-smi": (before, "", 0), "scontrol": refused}, "Domain socket"),
+        "no nvidia-smi": ({"nvidia-smi": ("", "", 127), "scontrol": ("", "", 0)}, "command not found"),
+        "nvidia-smi failed": ({"nvidia-smi": ("", "NVML error\n", 9), "scontrol": ("", "", 0)}, "exited 9"),
+        "another output": (
+            {"nvidia-smi": (read("synthetic_recovery_none.csv"), "", 0), "scontrol": ("", "", 0)},
+            "not a --query-compute-apps output",
+        ),
+    }
+    for case, (answers, says) in cases.items():
+        check = gpu_processes.run(_gpu_processes_ctx(tmp_path, answers))
+        assert check.verdict is Verdict.TOOL_ERROR and says in check.detail, (case, check.detail)
+
+
+def test_gpu_processes_names_the_node_to_listpids_only_when_told(tmp_path):
+    from tasks.health.checks.gpu_processes import listpids_argv
+
+    assert listpids_argv(_gpu_processes_ctx(tmp_path, {})) == ["scontrol", "listpids"]
+    assert listpids_argv(_gpu_processes_ctx(tmp_path, {}, node_name=True)) == [
+        "scontrol",
+        "listpids",
+        "*",
+        "gpu7",
+    ]

@@ -1,7 +1,8 @@
-"""``ckptops health run | classify``: node health checks across the cluster, and the verdict on
-one saved tool output."""
+"""``ckptops health run | classify | history``: node health checks across the cluster, the verdict
+on one saved tool output, and a node's record (its verdicts and the incidents naming it)."""
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -55,11 +56,14 @@ def health_run(
                     "rerun": plan.rerun,
                     "page": plan.page,
                     "spares": done.spares,
+                    "nvrx_segments": asdict(done.segments) if done.segments else None,
                 }
             )
         )
     else:
         render.health(out, done)
+        if done.segments and done.segments.message():
+            out.print(done.segments.message(), markup=False)
     raise typer.Exit(done.exit_code)
 
 
@@ -92,3 +96,51 @@ def health_classify(
         for item in check.evidence[1:]:
             out.print(f"  {item.detail}", markup=False)
     raise typer.Exit(check.verdict.exit_code)
+
+
+@commands.command("history")
+def health_history(
+    node: Annotated[str, typer.Argument(help="the node's name, as the profile names it")],
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+):
+    """A node's record: every health verdict on it and every incident that named it a suspect,
+    oldest first, then whether the repeat-suspect rule (health.suspect) drains it."""
+    with expected_errors():
+        from tasks.cluster.transport import check_node_name
+        from tasks.health.history import counted_suspicions, describe, read_history
+
+        prof = load_profile(profile)
+        if prof.health is None:
+            raise UsageError(f"{prof.source}: no health section")
+        node = check_node_name(node)
+        entries = read_history(prof.health.raw_dir, node)
+        rule = prof.health.suspect
+        counted = counted_suspicions(entries, rule.window_days)
+    repeat = len(counted) >= rule.repeat
+    verdict = (
+        f"{node}: named as suspect in {len(counted)} incidents within {rule.window_days:g} days "
+        f"(the rule: {rule.repeat}): "
+        + (
+            "a repeat suspect, drained and replaced even when its checks pass"
+            if repeat
+            else "not a repeat suspect"
+        )
+    )
+    if as_json:
+        out.print_json(
+            json.dumps(
+                {
+                    "node": node,
+                    "entries": entries,
+                    "counted_incidents": [e.get("incident") for e in counted],
+                    "repeat_suspect": repeat,
+                }
+            )
+        )
+    else:
+        if not entries:
+            out.print(f"{node}: no history in {prof.health.raw_dir}", markup=False)
+        for entry in entries:
+            out.print(describe(entry), markup=False)
+        out.print(verdict, markup=False)

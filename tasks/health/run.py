@@ -2,7 +2,8 @@
 bounded, tool errors retried once (then SUSPECT), raw outputs and a history kept per node.
 
 Raw outputs: ``<raw_dir>/<node>/<time>-<check>-<n>.txt``; history: ``<raw_dir>/<node>/history.jsonl``
-(one line per check run of the node), which also tells the XID check where to start reading.
+(tasks/health/history.py: one line per check run of the node, and one per incident that named it),
+which also tells the XID check where to start reading.
 """
 
 import os
@@ -23,14 +24,24 @@ from tasks.cluster.transport import (
     check_node_name,
 )
 from tasks.errors import Unreadable
-from tasks.health.checks import Context, dcgm_diag, gpu_count, nccl, nvlink, recovery, row_remap, xid
+from tasks.health.checks import (
+    Context,
+    dcgm_diag,
+    gpu_count,
+    gpu_processes,
+    nccl,
+    nvlink,
+    recovery,
+    row_remap,
+    xid,
+)
+from tasks.health.history import HISTORY, VERDICT, kind, record_verdict, suspect_check
 from tasks.health.nccl import Gates, classify_allreduce
 from tasks.health.verdict import CheckName, Evidence, HealthCheck, result
 from tasks.outcome import Verdict, worst
-from tasks.storage.local import append_jsonl, read_jsonl
+from tasks.storage.local import read_jsonl
 
-CHECKS = {m.NAME: m for m in (gpu_count, recovery, row_remap, xid, nvlink, dcgm_diag, nccl)}
-HISTORY = "history.jsonl"
+CHECKS = {m.NAME: m for m in (gpu_count, gpu_processes, recovery, row_remap, xid, nvlink, dcgm_diag, nccl)}
 
 
 @dataclass
@@ -111,6 +122,8 @@ def last_clean_xid_check(raw_dir: Path, node: str) -> float | None:
     except Unreadable:
         return None
     for entry in reversed(entries):
+        if not isinstance(entry, dict) or kind(entry) != VERDICT:
+            continue
         try:
             checks = {c["check"]: c["verdict"] for c in entry["checks"]}
             if checks.get(xid.NAME) in (Verdict.PASS.value, Verdict.WARN.value):
@@ -118,19 +131,6 @@ def last_clean_xid_check(raw_dir: Path, node: str) -> float | None:
         except (ValueError, KeyError, TypeError):
             continue
     return None
-
-
-def _append_history(raw_dir: Path, report: NodeReport) -> None:
-    line = {
-        "started_at": report.started_at,
-        "verdict": report.verdict.value,
-        "summary": report.summary,
-        "checks": [
-            {"check": c.name, "verdict": c.verdict.value, "summary": c.detail, "raw": c.raw}
-            for c in report.checks
-        ],
-    }
-    append_jsonl(Path(raw_dir) / report.node / HISTORY, line)
 
 
 def _attempt(name: str, run: Callable[[Context], HealthCheck], ctx: Context) -> HealthCheck:
@@ -194,8 +194,15 @@ def _connect(node: str, settings, key_text: str | None):
 
 
 def check_node(
-    node: str, settings, level: int, key_text: str | None = None, checks: list[str] | None = None
+    node: str,
+    settings,
+    level: int,
+    key_text: str | None = None,
+    checks: list[str] | None = None,
+    suspects: bool = True,
 ) -> NodeReport:
+    """The node's checks, in the profile's order; with ``suspects``, its incident history too
+    (a repeat suspect fails even when its checks pass, tasks.health.history)."""
     started = time.monotonic()
     report = NodeReport(node, Verdict.PASS, started_at=datetime.now(UTC).isoformat(timespec="seconds"))
     since = last_clean_xid_check(settings.raw_dir, node)
@@ -220,9 +227,12 @@ def check_node(
                 report.checks.append(outcome)
                 if gpu_count.no_gpus(outcome):
                     break  # nothing else can run on a node without GPUs or GPU tools
+    repeat = suspect_check(settings.raw_dir, node, settings) if suspects else None
+    if repeat is not None:
+        report.checks.append(repeat)
     report.verdict = worst(c.verdict for c in report.checks)
     report.seconds = time.monotonic() - started
-    _append_history(settings.raw_dir, report)
+    record_verdict(settings.raw_dir, report)
     return report
 
 
@@ -279,7 +289,7 @@ def run_health(
     os.makedirs(settings.raw_dir, exist_ok=True)
 
     def one(node):
-        report = check_node(node, settings, level, key_text)
+        report = check_node(node, settings, level, key_text, suspects=not admit)
         if (
             (admit or settings.pairs.enabled)
             and settings.pairs.known_good

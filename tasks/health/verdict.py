@@ -16,6 +16,7 @@ class CheckName(StrEnum):
 
     SSH = "ssh"  # the node could not be reached to run the others
     GPU_COUNT = "gpu-count"
+    GPU_PROCESSES = "gpu-processes"  # compute processes on the GPUs that no running Slurm job owns
     NVLINK = "nvlink"
     ROW_REMAP = "row-remap"
     RECOVERY_ACTION = "recovery-action"
@@ -23,6 +24,7 @@ class CheckName(StrEnum):
     DCGM_DIAG = "dcgm-diag"
     NCCL = "nccl"
     NCCL_PAIR = "nccl-pair"  # named with its known-good peer: nccl-pair-<node>
+    SUSPECT_HISTORY = "suspect-history"  # a repeat suspect of incidents (tasks/health/history.py)
 
     def with_peer(self, node: str) -> str:
         return f"{self.value}-{node}"

@@ -164,7 +164,7 @@ def nodes_phase(profile, incident: Incident, suspects: list[str], job_nodes: lis
         suspects = [n for n in suspects if n in job_nodes] or suspects
     if not (health and suspects):
         return [], list(suspects), [], "no health checks (no suspects or no health section)"
-    checked = sweep(health, suspects, reason=f"ckptops {incident.id} {incident.cls}")
+    checked = sweep(health, suspects, reason=f"ckptops {incident.id} {incident.cls}", incident=incident.id)
     drained = list(checked.plan.drained)
     note = "; ".join(f"{r.node} {r.verdict.value}: {r.summary}" for r in checked.run.reports)
     if checked.plan.page:

@@ -12,12 +12,13 @@ from pathlib import Path
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "health"
 STANDIN = Path(__file__).resolve().parent / "standin.py"
-TOOLS = ("dcgmi", "nvidia-smi", "all_reduce_perf", "journalctl", "mpirun")
+TOOLS = ("dcgmi", "nvidia-smi", "all_reduce_perf", "journalctl", "mpirun", "scontrol")
 SSHD = "/usr/sbin/sshd"
 
 # What a healthy node says (recordings; sources in tests/data/health/SOURCES.md).
 HEALTHY = {
     "discovery": "dcgm3_discovery_l_8xH800_llm_action.txt",
+    "compute-apps": "nvidia_smi_compute_apps_header_only.csv",
     "recovery": "synthetic_recovery_none.csv",
     "row-remap": "synthetic_row_remap_ok.csv",
     "journal": "synthetic_journal_clean.txt",

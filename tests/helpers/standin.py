@@ -1,7 +1,7 @@
 """A GPU-tool stand-in for nodes without GPUs: replays a recorded output and exit code.
 
 Installed as small launchers under the tools' names (dcgmi, nvidia-smi, all_reduce_perf,
-journalctl, mpirun) in a directory on the test sshd's PATH; the launcher passes the tool's name.
+journalctl, mpirun, scontrol) in a directory on the test sshd's PATH; the launcher passes the tool's name.
 Which node it is comes from $SSH_CONNECTION (the address the client connected to); the recording
 comes from $STANDIN_ROOT/scenarios/<address>/<key>.out (else .../default/<key>.out), with
 <key>.rc for the exit code and <key>.sleep for how long the real tool takes (a hang is a long
@@ -21,7 +21,11 @@ def key(tool: str, args: list[str]) -> str:
             args[0] if args else "", "dcgmi"
         )
     if tool == "nvidia-smi":
+        if any("compute-apps" in a for a in args):
+            return "compute-apps"
         return "row-remap" if any("remapped" in a for a in args) else "recovery"
+    if tool == "scontrol":
+        return "listpids" if args[:1] == ["listpids"] else "scontrol"
     return {"journalctl": "journal", "all_reduce_perf": "nccl", "mpirun": "pair"}.get(tool, tool)
 
 

@@ -1,0 +1,134 @@
+"""A node's history: every health verdict on it and every incident that named it a suspect, one
+JSON line each in ``<raw_dir>/<node>/history.jsonl``. The one place node health and recovery
+both write to, and the one they both read.
+
+Lines (``kind``; a line without one is a verdict, as ckptops wrote them before):
+- ``verdict``: a check run of the node (its verdict, summary and every check with its raw file);
+- ``suspect``: an incident named the node (``incident``, ``at``, ``detail``); one line per
+  incident, however often its recovery is run again;
+- ``admitted``: the node passed the spare admission set (r3, NCCL, pair test); suspicions from
+  before it no longer count.
+
+The repeat-suspect rule (after NVRx 0.7's node-suspect history): a node named as suspect in
+``health.suspect.repeat`` incidents within ``health.suspect.window_days`` (since its last
+admission) fails the ``suspect-history`` check, even when its own checks pass: the sweep drains
+it (within the drain caps) and a recovery replaces it with a spare.
+"""
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from tasks.health.verdict import CheckName, Evidence, HealthCheck, result
+from tasks.outcome import Verdict
+from tasks.storage.local import append_jsonl, read_jsonl
+
+HISTORY = "history.jsonl"
+VERDICT, SUSPECT, ADMITTED = "verdict", "suspect", "admitted"
+
+
+def history_path(raw_dir: Path, node: str) -> Path:
+    return Path(raw_dir) / node / HISTORY
+
+
+def read_history(raw_dir: Path, node: str) -> list[dict]:
+    """The node's lines, oldest first (none for a node never checked or named); an unreadable
+    file is an ``Unreadable`` error naming it."""
+    return [e for e in read_jsonl(history_path(raw_dir, node)) if isinstance(e, dict)]
+
+
+def kind(entry: dict) -> str:
+    return entry.get("kind", VERDICT)
+
+
+def _now(now: datetime | None) -> datetime:
+    return now or datetime.now(UTC)
+
+
+def record_verdict(raw_dir: Path, report) -> None:
+    """One line per check run of the node (``report``: a tasks.health.run.NodeReport)."""
+    append_jsonl(
+        history_path(raw_dir, report.node),
+        {
+            "kind": VERDICT,
+            "started_at": report.started_at,
+            "verdict": report.verdict.value,
+            "summary": report.summary,
+            "checks": [
+                {"check": c.name, "verdict": c.verdict.value, "summary": c.detail, "raw": c.raw}
+                for c in report.checks
+            ],
+        },
+    )
+
+
+def record_suspect(
+    raw_dir: Path, node: str, incident: str, detail: str = "", now: datetime | None = None
+) -> bool:
+    """The node was named a suspect by ``incident``; False if that incident is already recorded
+    (a recovery run again counts once)."""
+    if any(kind(e) == SUSPECT and e.get("incident") == incident for e in read_history(raw_dir, node)):
+        return False
+    at = _now(now).isoformat(timespec="seconds")
+    append_jsonl(
+        history_path(raw_dir, node), {"kind": SUSPECT, "at": at, "incident": incident, "detail": detail}
+    )
+    return True
+
+
+def record_admitted(raw_dir: Path, node: str, now: datetime | None = None) -> None:
+    at = _now(now).isoformat(timespec="seconds")
+    append_jsonl(history_path(raw_dir, node), {"kind": ADMITTED, "at": at})
+
+
+def _at(entry: dict) -> datetime | None:
+    try:
+        at = datetime.fromisoformat(entry.get("at") or entry["started_at"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+
+def counted_suspicions(entries: list[dict], window_days: float, now: datetime | None = None) -> list[dict]:
+    """The suspect lines that count now: within the window, and after the last admission."""
+    now = _now(now)
+    since = now - timedelta(days=window_days)
+    admitted = [a for e in entries if kind(e) == ADMITTED and (a := _at(e)) is not None]
+    if admitted:
+        since = max(since, max(admitted))
+    counted = []
+    for entry in entries:
+        at = _at(entry)
+        if kind(entry) == SUSPECT and at is not None and since <= at <= now + timedelta(minutes=5):
+            counted.append(entry)
+    return counted
+
+
+def suspect_check(raw_dir: Path, node: str, settings, now: datetime | None = None) -> HealthCheck | None:
+    """FAIL_HARDWARE (drain and replace) when the node was a suspect in ``repeat`` incidents
+    within the window; None otherwise (nothing to add to the node's report)."""
+    rule = settings.suspect
+    counted = counted_suspicions(read_history(raw_dir, node), rule.window_days, now)
+    if len(counted) < rule.repeat:
+        return None
+    named = ", ".join(f"{e.get('incident')} ({e.get('at')})" for e in counted)
+    return result(
+        CheckName.SUSPECT_HISTORY,
+        Verdict.FAIL_HARDWARE,
+        Evidence(
+            f"named as suspect in {len(counted)} incidents within {rule.window_days:g} days: {named}",
+            value=len(counted),
+            gate=rule.repeat,
+        ),
+    )
+
+
+def describe(entry: dict) -> str:
+    """One line for ``ckptops health history``."""
+    match kind(entry):
+        case "suspect":
+            detail = f": {entry['detail']}" if entry.get("detail") else ""
+            return f"{entry.get('at')}  suspect   incident {entry.get('incident')}{detail}"
+        case "admitted":
+            return f"{entry.get('at')}  admitted  passed the spare admission set (earlier suspicions lapse)"
+        case _:
+            return f"{entry.get('started_at')}  {entry.get('verdict', '?'):<9} {entry.get('summary', '')}"
