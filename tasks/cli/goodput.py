@@ -55,18 +55,21 @@ def goodput(
         out.print(line, markup=False)
 
 
+# The advice's inputs, for advise and calendar alike (each measured unless given).
+SaveSecondsOpt = Annotated[float | None, typer.Option("--save-seconds", help="C [default: measured]")]
+MtbfHoursOpt = Annotated[float | None, typer.Option("--mtbf-hours", help="M [default: measured]")]
+RestartMinutesOpt = Annotated[float | None, typer.Option("--restart-minutes", help="R [default: measured]")]
+IntervalMinutesOpt = Annotated[
+    float | None, typer.Option("--interval-minutes", help="the current interval [default: the job's]")
+]
+
+
 @commands.command("advise")
 def goodput_advise(
-    save_seconds: Annotated[
-        float | None, typer.Option("--save-seconds", help="C [default: measured]")
-    ] = None,
-    mtbf_hours: Annotated[float | None, typer.Option("--mtbf-hours", help="M [default: measured]")] = None,
-    restart_minutes: Annotated[
-        float | None, typer.Option("--restart-minutes", help="R [default: measured]")
-    ] = None,
-    interval_minutes: Annotated[
-        float | None, typer.Option("--interval-minutes", help="the current interval [default: the job's]")
-    ] = None,
+    save_seconds: SaveSecondsOpt = None,
+    mtbf_hours: MtbfHoursOpt = None,
+    restart_minutes: RestartMinutesOpt = None,
+    interval_minutes: IntervalMinutesOpt = None,
     gpus: Annotated[
         int | None, typer.Option("--gpus", help="[default: recovery.gpus or the world size]")
     ] = None,
@@ -165,16 +168,10 @@ def goodput_calendar(
         float | None, typer.Option("--tokens-per-second", help="[default: the measured steady state]")
     ] = None,
     ettr: Annotated[float | None, typer.Option("--ettr", help="[default: the ledger's]")] = None,
-    save_seconds: Annotated[
-        float | None, typer.Option("--save-seconds", help="C, for the advice [default: measured]")
-    ] = None,
-    mtbf_hours: Annotated[float | None, typer.Option("--mtbf-hours", help="M [default: measured]")] = None,
-    restart_minutes: Annotated[
-        float | None, typer.Option("--restart-minutes", help="R [default: measured]")
-    ] = None,
-    interval_minutes: Annotated[
-        float | None, typer.Option("--interval-minutes", help="the current interval [default: the job's]")
-    ] = None,
+    save_seconds: SaveSecondsOpt = None,
+    mtbf_hours: MtbfHoursOpt = None,
+    restart_minutes: RestartMinutesOpt = None,
+    interval_minutes: IntervalMinutesOpt = None,
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ):
