@@ -109,7 +109,9 @@ def test_a_repeat_suspect_is_drained_within_the_caps_and_the_approval_form_shows
     form = plan_markdown(
         SimpleNamespace(
             triage=SimpleNamespace(cls="hang", reason="no progress", first_error=None, suspect_nodes=[A, B]),
-            incident=SimpleNamespace(id="inc-2", job="j", failed_job="7", reverified=[], health=note),
+            incident=SimpleNamespace(
+                id="inc-2", job="j", failed_job="7", reverified=[], health=note, fallback=None
+            ),
             checkpoint=20,
             choices=[20],
             certified={20: None},
