@@ -49,6 +49,7 @@ FAULT = "1:14:ecc"
 POOL = "ckptops"
 # The worker asks for work this often (Prefect's default is 10 s): the demo waits on it.
 WORKER_POLL_SECONDS = "2"
+STOP_GRACE_SECONDS = 10  # demo down: SIGTERM, then SIGKILL after this long
 
 
 def _ui_url(api_url: str) -> str:
@@ -308,7 +309,8 @@ def down(profile_name: str | None = None) -> int:
         pid = _alive(pid_file, needle)
         if pid:
             os.killpg(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 30
+            # The demo's runs are disposable: a worker waiting for them is killed after a while.
+            deadline = time.monotonic() + STOP_GRACE_SECONDS
             while _alive(pid_file, needle) and time.monotonic() < deadline:
                 time.sleep(0.2)
             if _alive(pid_file, needle):
