@@ -273,22 +273,7 @@ def _running_on(job: str) -> dict[str, str]:
     return dict(line.split() for line in out.splitlines() if line.strip())
 
 
-@pytest.fixture(scope="module")
-def local_slurm():
-    """The local Slurm cluster (infra/slurm/local_cluster.sh), started if it is not running. Its
-    nodes are not resumed here: a node someone drained stays drained."""
-    done = subprocess.run(
-        [str(ROOT / "infra" / "slurm" / "local_cluster.sh"), "up"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, f"the local Slurm cluster did not start: {done.stderr or done.stdout}"
-    os.environ["SLURM_CONF"] = done.stdout.strip().rsplit("=", 1)[-1]
-    return os.environ["SLURM_CONF"]
-
-
-def test_gpus_held_outside_any_job_and_nvrx_exclusion_on_real_slurm(local_slurm, tmp_path, monkeypatch):
+def test_gpus_held_outside_any_job_and_nvrx_exclusion_on_real_slurm(slurm_conf, tmp_path, monkeypatch):
     out, seg = tmp_path / "out", tmp_path / "segments"
     out.mkdir()
     seg.mkdir()
