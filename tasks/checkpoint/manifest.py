@@ -162,26 +162,33 @@ def read_manifest(directory: Path) -> Manifest | None:
     """The checkpoint's manifest, or None if it has never been verified (``CorruptManifest`` if
     it cannot be trusted, ``UntrustedManifest`` if its signature is not what the profile of its
     save directory asks for, ``Unreadable`` if the environment refuses to read it)."""
+    return read_signed_manifest(directory)[0]
+
+
+def read_signed_manifest(directory: Path) -> tuple[Manifest | None, str | None]:
+    """``read_manifest``, with the allowed key that signed it, for messages (None: unsigned, or
+    no signing policy for its save directory)."""
     path = Path(directory) / MANIFEST
     raw = read_state(path)
     if raw is None:
-        return None
+        return None, None
     try:
         data = json.loads(raw)
     except ValueError as e:
         raise CorruptManifest(f"{path}: the manifest does not parse ({e})") from None
     manifest = Manifest.from_dict(data, str(path))
     trust = signing.trust_for(Path(directory).parent)
-    if trust is not None and trust.checks:
-        try:
-            signing.check(directory, manifest, raw, trust)
-        except signing.BadSignature as e:
-            # A writer renames the signature and the manifest in turn: read once more, in case
-            # this read fell between the two renames.
-            if read_state(path) != raw:
-                return read_manifest(directory)
-            raise UntrustedManifest(str(e)) from None
-    return manifest
+    if trust is None or not trust.checks:
+        return manifest, None
+    try:
+        key = signing.check(directory, manifest, raw, trust)
+    except signing.BadSignature as e:
+        # A writer renames the signature and the manifest in turn: read once more, in case this
+        # read fell between the two renames.
+        if read_state(path) != raw:
+            return read_signed_manifest(directory)
+        raise UntrustedManifest(str(e)) from None
+    return manifest, key.label() if key else None
 
 
 def valid_for_this_save(directory: Path, iteration: int) -> Manifest | None:
@@ -198,20 +205,6 @@ def valid_for_this_save(directory: Path, iteration: int) -> Manifest | None:
     ):
         return None
     return manifest
-
-
-def signer_of(directory: Path) -> str | None:
-    """Which allowed key signed the manifest in ``directory``, for messages (None: unsigned, or
-    no policy for its save directory, or a manifest that does not verify)."""
-    trust = signing.trust_for(Path(directory).parent)
-    raw = read_state(Path(directory) / MANIFEST)
-    if trust is None or not trust.keys or raw is None:
-        return None
-    try:
-        key = signing.check(directory, Manifest.from_dict(json.loads(raw), MANIFEST), raw, trust)
-    except (CkptopsError, ValueError):
-        return None
-    return key.label() if key else None
 
 
 def verified_newest_first(save_dir: Path, below: int | None = None) -> Iterator[tuple[int, Manifest]]:

@@ -42,9 +42,8 @@ from tasks.checkpoint.manifest import (
     FileEntry,
     Manifest,
     now_iso,
-    read_manifest,
+    read_signed_manifest,
     save_identity,
-    signer_of,
     valid_for_this_save,
     verified_newest_first,
     write_manifest,
@@ -179,6 +178,7 @@ class _Verifier:
         self.reference = reference
         self.given_reference = reference is not None
         self.manifest_unreadable = False
+        self.reference_signer: str | None = None  # who signed the manifest taken as reference
         self.integrity: dict[str, str] = {}
         self.watch = watch
         self.prescan = prescan
@@ -248,7 +248,7 @@ class _Verifier:
 
     def _load_reference(self) -> None:
         try:
-            manifest = read_manifest(self.directory)
+            manifest, signer = read_signed_manifest(self.directory)
         except CorruptManifest as e:
             # Kept as evidence: a manifest we cannot read is never replaced by a new one, or a
             # corruption it would have caught could be accepted as the new reference.
@@ -278,7 +278,7 @@ class _Verifier:
         ):
             if self._to_be_signed_anew(manifest):
                 return
-            self.reference = manifest
+            self.reference, self.reference_signer = manifest, signer
 
     def _to_be_signed_anew(self, manifest: Manifest) -> bool:
         """A manifest hashed with XXH3 before its job signed manifests: a signature cannot vouch
@@ -728,9 +728,7 @@ def verify_checkpoint(
         verifier.read_early,
         recordable=not verifier.manifest_unreadable,
         # Who signed the manifest it was checked against (verify_and_record: the one it writes).
-        signed_by=signer_of(directory)
-        if verifier.reference is not None and not verifier.given_reference
-        else None,
+        signed_by=verifier.reference_signer,
     )
 
 
