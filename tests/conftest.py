@@ -563,6 +563,20 @@ def variant_profile(variety, name: str, tmp_path: Path, **kwargs) -> Path:
     )
 
 
+@pytest.fixture
+def scontrol(tmp_path, monkeypatch) -> Path:
+    """Slurm's scontrol stand-in on this host: records its argv in the returned log (a successful
+    update, a drain, prints nothing)."""
+    folder = tmp_path / "slurm-bin"
+    folder.mkdir()
+    log = tmp_path / "scontrol.log"
+    script = folder / "scontrol"
+    script.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$*\" >> {log}\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    return log
+
+
 @pytest.fixture(scope="session")
 def slurm_conf() -> str:
     """The local Slurm cluster (``make slurm``: slurmctld, nodes n1-n3, munge), started if it is

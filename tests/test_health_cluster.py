@@ -37,19 +37,6 @@ def cluster(tmp_path_factory):
     fake.stop()
 
 
-@pytest.fixture
-def scontrol(tmp_path, monkeypatch):
-    """Slurm's scontrol stand-in on this host: records its argv (a successful update prints nothing)."""
-    folder = tmp_path / "slurm-bin"
-    folder.mkdir()
-    log = tmp_path / "scontrol.log"
-    script = folder / "scontrol"
-    script.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$*\" >> {log}\n")
-    script.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
-    return log
-
-
 def make_profile(cluster, tmp_path, nodes=NODES, **extra):
     known_hosts = cluster.known_hosts(
         tmp_path / "known_hosts", wrong_key_for=(KEY_CHANGED,), missing=(KEY_UNKNOWN,)

@@ -41,18 +41,6 @@ def cluster(tmp_path_factory):
     fake.stop()
 
 
-@pytest.fixture
-def scontrol(tmp_path, monkeypatch):
-    """Slurm's scontrol stand-in on this host: records its argv (a drain prints nothing)."""
-    folder = tmp_path / "slurm-bin"
-    folder.mkdir()
-    log = tmp_path / "scontrol.log"
-    (folder / "scontrol").write_text(f"#!/bin/sh\nprintf '%s\\n' \"$*\" >> {log}\n")
-    (folder / "scontrol").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
-    return log
-
-
 def make_profile(cluster, tmp_path, **extra):
     path = tmp_path / "health.yaml"
     known_hosts = cluster.known_hosts(tmp_path / "known_hosts")
