@@ -576,6 +576,13 @@ class Recovery(_Section):
         description="how long a recovery of another failure waits for the one in progress "
         "(one recovery per job at a time)",
     )
+    job_python: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        description="the command that starts the job's Python (its venv's python, or srun into its "
+        "container): before a relaunch ckptops runs it with -c to read megatron-core, torch, CUDA and "
+        "NCCL versions (bounded by 120 s) and warns where they differ from the checkpoint's writer",
+    )
 
 
 class Notify(_Section):

@@ -57,6 +57,17 @@ def wsd_decay_steps(args) -> int | None:
     return None if samples is None else int(samples)
 
 
+def saved_args(directory: Path) -> tuple[object, dict]:
+    """The job's Megatron-LM arguments as the checkpoint saved them (its common state, read with
+    the safe loader), and the writer's versions its manifest recorded (empty if never verified)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    common = load_common_state(directory, build_index(load_dcp_metadata(directory / layout.DCP_METADATA)))
+    if common.get("args") is None:
+        raise UsageError(f"{directory}: its common state holds no Megatron-LM args")
+    return common["args"], (manifest.writer if manifest is not None else {})
+
+
 def checkpoint_facts(directory: Path) -> CheckpointFacts:
     """What the checkpoint says it is (its own common state, read with the safe loader)."""
     directory = Path(directory)

@@ -103,7 +103,7 @@ def check_script(script: Path) -> str:
     return text
 
 
-def _step_passing(settings, step: int) -> tuple[dict[str, str], list[str]]:
+def step_passing(settings, step: int) -> tuple[dict[str, str], list[str]]:
     env = {"CKPT_STEP": str(step)} if "env" in settings.pass_step else {}
     args = ["--ckpt-step", str(step)] if "arg" in settings.pass_step else []
     return env, args
@@ -118,7 +118,7 @@ COMMENT_PREFIX = "ckptops:"
 def sbatch_command(
     settings, job_name: str, step: int, exclude: list[str], log_dir: Path, token: str | None = None
 ) -> list[str]:
-    env, args = _step_passing(settings, step)
+    env, args = step_passing(settings, step)
     argv = [
         "sbatch",
         "--parsable",
@@ -155,7 +155,7 @@ def start_local(settings, job: str, step: int, log_dir: Path, token: str) -> tup
     (``local:PID``) and its process's identity (so a later recovery never takes another process
     that got the pid for it). The job's name and ``token`` go in its environment."""
     check_script(settings.script)
-    env, args = _step_passing(settings, step)
+    env, args = step_passing(settings, step)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"relaunch-{time.strftime('%Y%m%d-%H%M%S')}.out"
     env = {**os.environ, **env, TOKEN_ENV: token, JOB_ENV: job}

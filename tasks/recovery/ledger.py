@@ -149,6 +149,9 @@ class Incident:
     relaunch_token: str | None = None
     relaunch_process: Holder | None = None  # a local relaunch's process
     reverified: list[Reverified] = field(default_factory=list)  # each re-verification before relaunch
+    # The relaunch script's Megatron-LM flags against the checkpoint's args (tasks.resume.compat):
+    # its summary, then each difference as "<kind>: <words>".
+    relaunch_args: list[str] = field(default_factory=list)
 
     def mark(self, phase: str, at: float | None = None) -> None:
         """``phase`` happened at ``at`` (now, if None); a time that is not a number (a NaN from

@@ -6,6 +6,7 @@ are tasks.recovery.run.
 """
 
 import hashlib
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from tasks.health.sweep import HELD_STATES, sweep
 from tasks.recovery import job as jobs
 from tasks.recovery.ledger import Incident, lost_gpu_hours
 from tasks.recovery.triage import Triage
+from tasks.resume import compat
 from tasks.resume.records import Steps, load_steps
 from tasks.storage.local import open_regular
 
@@ -119,6 +121,14 @@ def certifications(profile, iterations: list[int]) -> dict[int, bool | None]:
     infos = catalog(profile.job.save_dir, VerifyOptions.from_profile(profile))
     found = {i.iteration: i.certified for i in infos}
     return {iteration: found.get(iteration) for iteration in iterations}
+
+
+def relaunch_compatibility(profile, iteration: int) -> compat.Compatibility:
+    """The relaunch script's Megatron-LM flags against what checkpoint ``iteration`` saved, in
+    the environment the relaunch inherits (tasks.resume.compat)."""
+    env, _ = jobs.step_passing(profile.recovery, iteration)
+    directory = Path(profile.job.save_dir) / layout.iter_dir_name(iteration)
+    return compat.checkpoint_fit(profile, directory, profile.recovery.script, {**os.environ, **env})
 
 
 def unusable(profile) -> str:

@@ -97,12 +97,22 @@ def plan_markdown(plan) -> str:
         f"- drained: {', '.join(plan.drained) or 'none'}; excluded: {', '.join(plan.exclude) or 'none'}; "
         f"spares admitted: {', '.join(plan.admitted) or 'none'}",
         f"- relaunch: `{plan.relaunch}`",
+        *_fits_lines(plan.fits),
         "",
         "| stop rule | fired | detail |",
         "|---|---|---|",
         *(f"| {r.name} | {'YES' if r.fired else 'no'} | {r.detail} |" for r in plan.rules),
     ]
     return "\n".join(lines)
+
+
+def _fits_lines(fits) -> list[str]:
+    """The relaunch script against the checkpoint, in words: what needs this approval first."""
+    if fits is None:
+        return []
+    approve = [f"  - **needs your approval**: {d.words}" for d in fits.needs_approval]
+    rest = [f"  - {d.kind}: {d.words}" for d in fits.differences if d not in fits.needs_approval]
+    return [f"- relaunch arguments: {fits.summary()}", *approve, *rest]
 
 
 def _certification_lines(plan) -> list[str]:

@@ -60,6 +60,7 @@ from tasks.recovery.phases import (
     promote_pending,
     read_records,
     records_path,
+    relaunch_compatibility,
     reverify_checkpoint,
     roll_back,
     unusable,
@@ -67,6 +68,7 @@ from tasks.recovery.phases import (
 from tasks.recovery.rules import Failure, Rule, fired, soon_after_resume, stop_rules
 from tasks.recovery.triage import Triage, triage
 from tasks.recovery.triage.model import FailureClass
+from tasks.resume.compat import Compatibility
 from tasks.resume.records import Steps, load_steps
 from tasks.resume.validate import validate_resume
 
@@ -85,6 +87,7 @@ class RecoveryPlan:
     admitted: list[str]
     relaunch: str  # the command that will run, for the record
     certified: dict[int, bool | None] = field(default_factory=dict)  # each choice's continuation drill
+    fits: Compatibility | None = None  # the relaunch script's flags against the checkpoint's args
 
 
 @dataclass
@@ -359,6 +362,10 @@ class _Recovery:
         if self._rules_stop():
             return
         chosen, choices = self._choose()
+        # Before any node is drained: a relaunch its own script would refuse is not prepared for.
+        fits = self._fits(chosen) if chosen is not None else None
+        if chosen is not None and fits is None:
+            return
         drained, exclude, admitted, health_note = self._do(
             "nodes", nodes_phase, self.profile, incident, incident.suspect_nodes, self.detected.nodes
         )
@@ -371,7 +378,7 @@ class _Recovery:
         if chosen is None:
             self._stop(f"no usable checkpoint to resume from: {unusable(self.profile)}")
             return
-        chosen = self._approval(chosen, choices, drained, exclude, admitted)
+        chosen = self._approval(chosen, choices, drained, exclude, admitted, fits)
         if chosen is None:
             return
         self._relaunch(chosen, exclude)
@@ -466,7 +473,7 @@ class _Recovery:
     def _log_dir(self) -> Path:
         return self.settings.log_dir or self.save_dir.parent / "logs"
 
-    def _approval(self, chosen, choices, drained, exclude, admitted) -> int | None:
+    def _approval(self, chosen, choices, drained, exclude, admitted, fits) -> int | None:
         """The approver's decision; the checkpoint to relaunch from, or None (stopped)."""
         incident, settings = self.incident, self.settings
         relaunch = (
@@ -476,12 +483,22 @@ class _Recovery:
         )
         certified = certifications(self.profile, choices)
         plan = RecoveryPlan(
-            incident, self.tri, self.rules, chosen, choices, drained, exclude, admitted, relaunch, certified
+            incident,
+            self.tri,
+            self.rules,
+            chosen,
+            choices,
+            drained,
+            exclude,
+            admitted,
+            relaunch,
+            certified,
+            fits,
         )
         incident.mark("approval_requested")
         self._save()
         self.phase = "approval"
-        if self.tri.cls in settings.auto_approve:
+        if self.tri.cls in settings.auto_approve and not fits.needs_approval:
             decision = Decision(True, f"auto: {self.tri.cls} is in recovery.auto_approve")
         else:
             decision = self.approve(plan)
@@ -498,7 +515,32 @@ class _Recovery:
             if not self._reverified(chosen):
                 self._stop(f"checkpoint {chosen}, the approver's choice, failed re-verification")
                 return None
+            other = self._fits(chosen)
+            if other is None:
+                return None
+            shown = {d.words for d in fits.needs_approval}
+            unseen = [d.words for d in other.needs_approval if d.words not in shown]
+            if unseen:
+                self._stop(
+                    f"checkpoint {chosen}, the approver's choice, differs from the relaunch in what the "
+                    f"approval form did not show: {'; '.join(unseen)}"
+                )
+                return None
         return chosen
+
+    def _fits(self, chosen: int) -> Compatibility | None:
+        """The relaunch script against checkpoint ``chosen`` (kept in the incident); None, with
+        the incident stopped, when a difference refuses the relaunch outright."""
+        fits = self._do("compare-args", relaunch_compatibility, self.profile, chosen)
+        self.incident.relaunch_args = [fits.summary(), *fits.lines()]
+        self._save()
+        if fits.refused:
+            self._stop(
+                f"relaunch refused: the script does not fit checkpoint {chosen}: "
+                + "; ".join(d.words for d in fits.refused)
+            )
+            return None
+        return fits
 
     def _relaunch(self, chosen: int, exclude: list[str]) -> None:
         incident, settings = self.incident, self.settings

@@ -25,6 +25,7 @@ from tasks.errors import CkptopsError, UsageError
 from tasks.outcome import Check, Outcome
 from tasks.restore.launch import allocation_options, sbatch_wait
 from tasks.resume.checks import Validator
+from tasks.resume.compat import Kind, checkpoint_fit
 from tasks.resume.records import Steps, load_steps
 
 # Relative tolerance of the loss and grad norm at the first iteration and after it, by the
@@ -117,6 +118,12 @@ def continue_training(
         "CKPT_EXIT_INTERVAL": str(n + steps),
         "CKPT_LOG": str(log),
     }
+    fits = checkpoint_fit(profile, restored, script, env)
+    if fits.refused or fits.needs_approval:
+        # Not the checkpoint's failing: the script would not resume it as the original run went.
+        said = "; ".join(d.words for d in fits.refused + fits.needs_approval)
+        return Continued(Outcome.UNCHECKED, f"not run: {script} does not fit checkpoint {n}: {said}")
+    warned = [Check("relaunch arguments", Outcome.WARN, d.words) for d in fits.of(Kind.WARN)]
     launcher_log = scratch / "continuation-launcher.log"
     try:
         _launch(profile, [str(script), "--ckpt-step", str(n)], launcher_log, env)
@@ -137,7 +144,7 @@ def continue_training(
     first, later = TOLERANCES[profile.drill.continuation.tolerance]
     settings = profile.resume.model_copy(update={"loss_rel_tolerance": later, "first_rel_tolerance": first})
     validation = Validator(facts, before, after, settings, None).continuation()
-    checks, largest = validation.checks, validation.largest_difference
+    checks, largest = warned + validation.checks, validation.largest_difference
     drawn = series(before, after, n + 1, n + steps)
     failed = [c for c in checks if c.failed]
     tolerance = profile.drill.continuation.tolerance

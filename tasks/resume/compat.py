@@ -1,0 +1,499 @@
+"""Before a resume: does the command that will run fit the checkpoint it loads?
+
+A relaunch (and a continuation drill) runs the job's own batch script. The Megatron-LM flags
+written in it are compared with the arguments the checkpoint saved (its common state), the
+way an operator would read both side by side:
+
+- architecture or vocabulary differ: refused (the weights cannot mean the same model);
+- TP, PP or EP differ: refused, unless a passing restore drill loaded this job's checkpoints
+  onto that layout (a resharding ckptops has drilled), and then only with a person's approval;
+- global batch, sequence length, data path or blend, split or seed differ (the data order and
+  what a sample is), or the precision: refused unless a person approves;
+- optimizer and schedule settings differ: a warning;
+- the relaunch environment's megatron-core, torch, CUDA and NCCL against the writer's: a
+  warning (the checkpoint records megatron-core and torch; CUDA and NCCL only where known).
+
+The script is read, never run: its tokens (``shlex``), its own scalar assignments and the
+environment the relaunch inherits resolve ``$VAR`` and ``${VAR:-default}``; a value still
+holding a ``$`` (a positional parameter, a command substitution) is named as not compared.
+Flags are recognised and typed by Megatron-LM's own argument parser, so ``--lr=6e-5`` and
+``--lr 0.00006`` are the same. Only flags the script writes are compared: a flag a wrapper sets
+(or a default) is not seen here, and the comparison says how many it compared.
+"""
+
+import argparse
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import cache
+from pathlib import Path
+
+from tasks.checkpoint import layout
+from tasks.checkpoint.facts import saved_args
+from tasks.cluster import process
+from tasks.errors import CkptopsError, unreadable
+from tasks.restore.history import drilled_layouts
+
+
+class Kind(StrEnum):
+    REFUSE = "refuse"  # never resumed with this difference
+    RESHARD = "reshard"  # refused unless drilled onto this layout, and then approved
+    APPROVE = "approve"  # refused unless a person approves
+    WARN = "warn"  # said, not stopped on
+    NOTE = "note"  # what could not be compared, and why
+
+
+ARCHITECTURE = {
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "group_query_attention",
+    "num_query_groups",
+    "kv_channels",
+    "max_position_embeddings",
+    "position_embedding_type",
+    "rotary_percent",
+    "normalization",
+    "swiglu",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "untie_embeddings_and_output_weights",
+    "apply_layernorm_1p",
+    "num_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "multi_latent_attention",
+}
+PRECISION = {"fp16", "bf16", "fp8"}
+VOCABULARY = {
+    "vocab_size",
+    "tokenizer_type",
+    "tokenizer_model",
+    "vocab_file",
+    "merge_file",
+    "make_vocab_size_divisible_by",
+}
+LAYOUT = {
+    "tensor_model_parallel_size": "TP",
+    "pipeline_model_parallel_size": "PP",
+    "expert_model_parallel_size": "EP",
+}
+DATA = {
+    "global_batch_size",
+    "rampup_batch_size",
+    "seq_length",
+    "data_path",
+    "train_data_path",
+    "data_args_path",
+    "per_split_data_args_path",
+    "split",
+    "mock_data",
+    "seed",
+}
+OPTIMIZER = {
+    "optimizer",
+    "lr",
+    "min_lr",
+    "lr_decay_style",
+    "lr_decay_iters",
+    "lr_decay_samples",
+    "lr_warmup_iters",
+    "lr_warmup_fraction",
+    "lr_warmup_samples",
+    "lr_warmup_init",
+    "lr_wsd_decay_style",
+    "lr_wsd_decay_iters",
+    "train_iters",
+    "train_samples",
+    "weight_decay",
+    "start_weight_decay",
+    "end_weight_decay",
+    "weight_decay_incr_style",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+    "sgd_momentum",
+    "clip_grad",
+    "use_distributed_optimizer",
+}
+KIND_OF = {
+    **{d: Kind.REFUSE for d in ARCHITECTURE | VOCABULARY},
+    **{d: Kind.RESHARD for d in LAYOUT},
+    **{d: Kind.APPROVE for d in DATA | PRECISION},
+    **{d: Kind.WARN for d in OPTIMIZER},
+}
+WHAT = {
+    **{d: "architecture" for d in ARCHITECTURE},
+    **{d: "vocabulary" for d in VOCABULARY},
+    **{d: "layout" for d in LAYOUT},
+    **{d: "data" for d in DATA},
+    **{d: "precision" for d in PRECISION},
+    **{d: "optimizer" for d in OPTIMIZER},
+}
+
+
+class _Refusal(Exception):
+    """argparse's error, as an exception: one bad value is reported, never an exit."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise _Refusal(message)
+
+
+@cache
+def megatron_parser() -> _Parser:
+    """Megatron-LM's own argument parser (megatron.training.arguments), with no defaults: a
+    parse yields exactly the flags it was given. Importing it takes seconds; done once."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(_Parser(allow_abbrev=False, add_help=False))
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return parser
+
+
+# ---------------------------------------------------------------- the script's flags
+
+_ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
+_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+_SHELL = set("();|&<>")
+
+
+@dataclass
+class ScriptArgs:
+    """The Megatron-LM flags a batch script writes: resolved values by argument name, the flag
+    as written, and the arguments whose value the script leaves to run time."""
+
+    script: Path
+    values: dict[str, object] = field(default_factory=dict)
+    flags: dict[str, str] = field(default_factory=dict)
+    unresolved: dict[str, str] = field(default_factory=dict)  # name -> the value as written
+
+
+def _tokens(text: str) -> list[str]:
+    lexer = shlex.shlex(text.replace("\\\n", " "), posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    try:
+        return list(lexer)
+    except ValueError:  # an unbalanced quote: read what the line-by-line split can
+        return [t for line in text.splitlines() for t in line.split() if not t.startswith("#")]
+
+
+def _assignments(tokens: list[str]) -> dict[str, str | None]:
+    """The script's scalar assignments; a name assigned two different values is None (which
+    one holds depends on a branch taken at run time)."""
+    found: dict[str, str | None] = {}
+    for token in tokens:
+        match = _ASSIGNMENT.match(token)
+        if match and not token.startswith("-"):
+            name, value = match.groups()
+            found[name] = value if found.get(name, value) == value else None
+    return found
+
+
+def _resolve(value: str, assigned: dict, environ: dict, depth: int = 0) -> str:
+    """``value`` with its variable references replaced where the script or the environment
+    settles them; what is left unsettled keeps its ``$``."""
+
+    def one(match: re.Match) -> str:
+        name = match.group(1) or match.group(3)
+        default = match.group(2)
+        if default is not None:  # ${NAME:-default}: the environment's value wins
+            found = environ.get(name) or assigned.get(name) or default
+        else:
+            found = assigned.get(name) if assigned.get(name) is not None else environ.get(name)
+        if found is None or depth > 8:
+            return match.group(0)
+        return _resolve(found, assigned, environ, depth + 1)
+
+    return _REFERENCE.sub(one, value)
+
+
+def script_args(script: Path, environ: dict[str, str]) -> ScriptArgs:
+    """The Megatron-LM flags ``script`` writes, typed by Megatron-LM's parser; ``environ`` is
+    what the relaunch inherits (sbatch --export=ALL, or the local launcher's environment)."""
+    try:
+        text = Path(script).read_text(errors="replace")
+    except OSError as e:
+        raise unreadable(script, e) from None
+    parser, found = megatron_parser(), ScriptArgs(Path(script))
+    tokens = _tokens(text)
+    assigned = _assignments(tokens)
+    known = parser._option_string_actions
+    for i, token in enumerate(tokens):
+        flag = token.split("=", 1)[0]
+        if not flag.startswith("--") or flag not in known:
+            continue
+        segment = [token]
+        for value in tokens[i + 1 :]:
+            if value in _SHELL or (value[:1] in _SHELL) or (value.startswith("-") and not _number(value)):
+                break
+            segment.append(value)
+        dest = known[flag].dest
+        written = segment if "=" not in token else [flag, token.split("=", 1)[1]]
+        resolved = [written[0], *(_resolve(v, assigned, environ) for v in written[1:])]
+        if any("$" in v for v in resolved[1:]):
+            shown, settled = " ".join(written[1:]), " ".join(resolved[1:])
+            found.unresolved[dest] = shown if shown == settled else f"{shown}, that is {settled}"
+            found.values.pop(dest, None)
+            continue
+        try:
+            parsed, _ = parser.parse_known_args(resolved)
+        except _Refusal as e:
+            raise CkptopsError(f"{script}: {flag} {' '.join(resolved[1:])}: {e}") from None
+        if dest in vars(parsed):
+            found.values[dest] = getattr(parsed, dest)
+            found.flags[dest] = flag
+            found.unresolved.pop(dest, None)
+    return found
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- the comparison
+
+
+@dataclass
+class Difference:
+    name: str  # Megatron-LM's argument name
+    kind: Kind
+    words: str
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": str(self.kind), "words": self.words}
+
+
+@dataclass
+class Compatibility:
+    checkpoint: int
+    script: str
+    compared: int
+    differences: list[Difference] = field(default_factory=list)
+
+    def of(self, *kinds: Kind) -> list[Difference]:
+        return [d for d in self.differences if d.kind in kinds]
+
+    @property
+    def refused(self) -> list[Difference]:
+        return self.of(Kind.REFUSE, Kind.RESHARD)
+
+    @property
+    def needs_approval(self) -> list[Difference]:
+        return self.of(Kind.APPROVE)
+
+    def summary(self) -> str:
+        counted = {k: len(self.of(k)) for k in (Kind.REFUSE, Kind.RESHARD, Kind.APPROVE, Kind.WARN)}
+        said = ", ".join(f"{n} {k}" for k, n in counted.items() if n) or "no difference"
+        return (
+            f"{self.script} against checkpoint {self.checkpoint}: {self.compared} Megatron-LM arguments "
+            f"compared, {said}"
+        )
+
+    def lines(self) -> list[str]:
+        return [f"{d.kind}: {d.words}" for d in self.differences]
+
+    def to_dict(self) -> dict:
+        return {
+            "checkpoint": self.checkpoint,
+            "script": self.script,
+            "compared": self.compared,
+            "differences": [d.to_dict() for d in self.differences],
+        }
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a == b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return float(a) == float(b)
+    return str(a) == str(b)
+
+
+def _shown(value) -> str:
+    if isinstance(value, list | tuple):
+        return " ".join(map(str, value))
+    return str(getattr(value, "name", value))
+
+
+def compare(
+    iteration: int,
+    saved,
+    script: ScriptArgs,
+    drilled: dict[tuple[int, int, int], str] | None = None,
+    writer: dict | None = None,
+    versions: dict | None = None,
+) -> Compatibility:
+    """The script's flags against the checkpoint's saved ``args``. ``drilled``: the layouts
+    (TP, PP, EP) a passing restore drill loaded this job's checkpoints onto, with that drill's
+    id. ``writer``: the versions the manifest recorded; ``versions``: the relaunch
+    environment's (``job_versions``), None when not asked."""
+    found = Compatibility(iteration, str(script.script), 0)
+    add = lambda kind, name, words: found.differences.append(Difference(name, kind, words))  # noqa: E731
+    takes_architecture = bool(script.values.get("use_checkpoint_args"))
+    layout_changed = False
+    for name, value in sorted(script.values.items()):
+        kind = KIND_OF.get(name)
+        if kind is None:
+            continue
+        if not hasattr(saved, name):
+            add(Kind.NOTE, name, f"{script.flags[name]}: the checkpoint's args do not have {name}")
+            continue
+        found.compared += 1
+        before = getattr(saved, name)
+        if _same(before, value):
+            continue
+        said = f"{script.flags[name]} is {_shown(value)}, the checkpoint was saved with {_shown(before)}"
+        if name in ARCHITECTURE and takes_architecture:
+            add(Kind.NOTE, name, f"{said} (--use-checkpoint-args: Megatron-LM takes the checkpoint's)")
+        elif kind is Kind.RESHARD:
+            layout_changed = True
+        else:
+            add(kind, name, f"{WHAT[name]}: {said}: {CONSEQUENCE[WHAT[name]]}")
+    if layout_changed:
+        _layout(found, saved, script, drilled or {})
+    for name, written in sorted(script.unresolved.items()):
+        if name in KIND_OF:
+            add(Kind.NOTE, name, f"{name}: the script sets it at run time ({written}): not compared")
+    if versions is not None:
+        _versions(found, writer or {}, versions)
+    return found
+
+
+CONSEQUENCE = {
+    "architecture": "the checkpoint's weights are not this model's",
+    "vocabulary": "the embedding's rows would stand for other tokens",
+    "data": "the data order, or what a sample is, changes from here on",
+    "precision": "the model computes in another precision from here on",
+    "optimizer": "the optimizer goes on differently than it would have",
+}
+
+
+def layout_of(args) -> tuple[int, int, int]:
+    get = lambda name: int(getattr(args, name, None) or 1)  # noqa: E731
+    return (
+        get("tensor_model_parallel_size"),
+        get("pipeline_model_parallel_size"),
+        get("expert_model_parallel_size"),
+    )
+
+
+def _layout(found: Compatibility, saved, script: ScriptArgs, drilled: dict) -> None:
+    before = layout_of(saved)
+    after = tuple(int(script.values.get(name, value)) for name, value in zip(LAYOUT, before, strict=True))
+    labels = zip(LAYOUT.values(), before, after, strict=True)
+    words = " x ".join(f"{label} {b}->{a}" for label, b, a in labels if a != b)
+    drill = drilled.get(after)
+    if drill is None:
+        found.differences.append(
+            Difference(
+                "layout",
+                Kind.RESHARD,
+                f"layout: {words}: a resharding no restore drill of this job has loaded "
+                "(drill onto it first: drill.layout), refused",
+            )
+        )
+    else:
+        found.differences.append(
+            Difference(
+                "layout",
+                Kind.APPROVE,
+                f"layout: {words}: a resharding drill {drill} loaded this job's checkpoint onto; "
+                "needs a person's approval",
+            )
+        )
+
+
+def _versions(found: Compatibility, writer: dict, versions: dict) -> None:
+    add = lambda kind, name, words: found.differences.append(Difference(name, kind, words))  # noqa: E731
+    if "error" in versions:
+        add(Kind.NOTE, "versions", f"the relaunch environment's versions: {versions['error']}")
+        return
+    for name, label in (("megatron_core", "megatron-core"), ("torch", "torch")):
+        wrote, now = writer.get(name), versions.get(name)
+        if wrote is None or now is None:
+            said = f"the writer's {wrote or 'unrecorded'}, the relaunch's {now or 'unknown'}"
+            add(Kind.NOTE, name, f"{label}: {said}")
+        elif str(wrote) != str(now):
+            add(Kind.WARN, name, f"{label}: the relaunch runs {now}, the checkpoint was written by {wrote}")
+    for name, label in (("cuda", "CUDA"), ("nccl", "NCCL")):
+        wrote, now = writer.get(name), versions.get(name)
+        if wrote is not None and now is not None and str(wrote) != str(now):
+            add(Kind.WARN, name, f"{label}: the relaunch runs {now}, the checkpoint was written with {wrote}")
+        elif wrote is None:
+            said = f"the relaunch runs {now or 'none'}; the checkpoint does not record the writer's"
+            add(Kind.NOTE, name, f"{label}: {said}")
+
+
+# What the job's Python reports of itself: run with recovery.job_python, bounded by a timeout.
+VERSIONS_SNIPPET = """
+import json, importlib.metadata as m
+found = {}
+for key, dist in (("megatron_core", "megatron-core"), ("torch", "torch")):
+    try:
+        found[key] = m.version(dist)
+    except m.PackageNotFoundError:
+        found[key] = None
+try:
+    import torch
+    found["cuda"] = torch.version.cuda
+    found["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+except Exception:
+    found["cuda"] = found["nccl"] = None
+print(json.dumps(found))
+"""
+
+
+def job_versions(job_python: list[str], timeout_seconds: float) -> dict:
+    """megatron-core, torch, CUDA and NCCL as the job's own Python reports them (the command
+    that starts it: a venv's python, or srun into the job's container); ``{"error": why}`` if
+    it cannot say."""
+    output = process.capture([*job_python, "-c", VERSIONS_SNIPPET], timeout_seconds)
+    if output.timed_out:
+        return {"error": f"{job_python[0]} timed out after {timeout_seconds:.0f}s"}
+    if output.exit_code != 0:
+        last = (output.stderr.strip().splitlines() or [""])[-1]
+        return {"error": f"{job_python[0]} exited {output.exit_code}: {last[:200]}"}
+    try:
+        found = json.loads(output.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"error": f"{job_python[0]} printed no versions"}
+    return found if isinstance(found, dict) else {"error": f"{job_python[0]} printed no versions"}
+
+
+# How long the job's Python may take to say its versions (recovery.job_python; srun may queue).
+JOB_PYTHON_TIMEOUT_SECONDS = 120.0
+
+
+def checkpoint_fit(profile, directory: Path, script: Path, environ: dict[str, str]) -> Compatibility:
+    """``script`` (run in ``environ``) against the checkpoint in ``directory``: its saved args,
+    the job's drilled layouts, and the relaunch environment's versions against the writer's when
+    ``recovery.job_python`` says how to ask."""
+    saved, writer = saved_args(directory)
+    found = script_args(script, environ)
+    recovery = getattr(profile, "recovery", None)
+    versions = (
+        job_versions(recovery.job_python, JOB_PYTHON_TIMEOUT_SECONDS)
+        if recovery is not None and recovery.job_python
+        else {"error": "not asked (recovery.job_python is not set)"}
+    )
+    return compare(
+        layout.parse_iter_dir(Path(directory).name),
+        saved,
+        found,
+        drilled_layouts(profile.job.save_dir),
+        writer,
+        versions,
+    )
