@@ -39,7 +39,7 @@ class Job:
     profile: Path
 
 
-def _script(root: Path, save: Path, records: Path) -> Path:
+def _script(root: Path, save: Path, records: Path, extra: tuple[str, ...] = ()) -> Path:
     return write_job_script(
         root / "job.sh",
         save,
@@ -48,7 +48,7 @@ def _script(root: Path, save: Path, records: Path) -> Path:
         port=free_port(),
         train_iters=TRAIN_ITERS,
         save_interval=4,
-        extra=["--slow-step-ms", str(SLOW_MS)],
+        extra=["--slow-step-ms", str(SLOW_MS), *extra],
     )
 
 
@@ -64,12 +64,13 @@ def failed(tmp_path_factory) -> Job:
     return Job(root, save, records, script, log, Path())
 
 
-def job_copy(failed: Job, tmp_path: Path, **recovery) -> Job:
-    """A private copy of the failed job (checkpoints, records, log) with its script and profile."""
+def job_copy(failed: Job, tmp_path: Path, extra: tuple[str, ...] = (), **recovery) -> Job:
+    """A private copy of the failed job (checkpoints, records, log) with its script (``extra``:
+    flags the script adds since the failure) and profile."""
     save = shutil.copytree(failed.save, tmp_path / "checkpoints")
     records = Path(shutil.copy(failed.records, tmp_path / "records.jsonl"))
     log = Path(shutil.copy(failed.log, tmp_path / "train.out"))
-    script = _script(tmp_path, save, records)
+    script = _script(tmp_path, save, records, extra)
     profile = tmp_path / "profile.yaml"
     profile.write_text(
         yaml.safe_dump(
@@ -319,3 +320,48 @@ def test_the_checkpoint_an_approver_picks_is_verified_again_before_it_is_used(fa
     assert incident.reason == "checkpoint 4, the approver's choice, failed re-verification"
     assert [(r["iteration"], r["outcome"]) for r in incident.reverified] == [(8, "pass"), (4, "fail")]
     assert read_manifest(iter_dir(job.save, 4)).status == "invalid"
+
+
+def _recovered(job: Job, approver) -> "Incident":  # noqa: F821
+    from tasks.profile import load_profile
+    from tasks.recovery.run import Source
+    from tasks.recovery.run import recover as run_recovery
+
+    return run_recovery(load_profile(job.profile), Source(logs=[job.log]), "test", approver)
+
+
+def test_a_relaunch_script_that_changed_the_model_is_refused_before_any_node_is_touched(failed, tmp_path):
+    job = job_copy(failed, tmp_path, extra=("--num-layers", "3", "--lr", "2e-3"))
+    asked = []
+    incident = _recovered(job, lambda plan: asked.append(plan))
+    assert not asked and incident.outcome == "stopped" and incident.relaunched_job is None
+    assert incident.reason == (
+        "relaunch refused: the script does not fit checkpoint 8: architecture: --num-layers is 3, the "
+        "checkpoint was saved with 2: the checkpoint's weights are not this model's"
+    )
+    assert "health_done" not in incident.times  # no node drained, no spare taken for it
+    summary, *lines = incident.relaunch_args
+    assert summary.endswith("compared, 1 refuse, 1 warn")
+    assert any(
+        line.startswith("warn: optimizer: --lr is 0.002, the checkpoint was saved with 0.001")
+        for line in lines
+    )
+    assert not processes_of(job.save)
+
+
+def test_a_data_change_waits_for_a_person_even_where_its_class_is_auto_approved(failed, tmp_path):
+    from tasks.recovery.report import plan_markdown
+    from tasks.recovery.run import Decision
+
+    every = ["hardware", "network", "numerics", "oom", "software", "hang", "preempted", "unknown"]
+    job = job_copy(failed, tmp_path, extra=("--global-batch-size", "16"), auto_approve=every)
+    asked = []
+    incident = _recovered(job, lambda plan: asked.append(plan) or Decision(False, "an approver who says no"))
+    (plan,) = asked
+    form = plan_markdown(plan)
+    assert (
+        "**needs your approval**: data: --global-batch-size is 16, the checkpoint was saved with 8: the "
+        "data order, or what a sample is, changes from here on"
+    ) in form
+    assert "not asked (recovery.job_python is not set)" in form
+    assert incident.outcome == "aborted" and incident.relaunched_job is None

@@ -161,7 +161,7 @@ def megatron_parser() -> _Parser:
 
 _ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 _REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
-_SHELL = set("();|&<>")
+_SHELL = set("();|&<>#")
 
 
 @dataclass
@@ -175,13 +175,18 @@ class ScriptArgs:
     unresolved: dict[str, str] = field(default_factory=dict)  # name -> the value as written
 
 
-def _tokens(text: str) -> list[str]:
-    lexer = shlex.shlex(text.replace("\\\n", " "), posix=True, punctuation_chars=True)
-    lexer.whitespace_split = True
-    try:
-        return list(lexer)
-    except ValueError:  # an unbalanced quote: read what the line-by-line split can
-        return [t for line in text.splitlines() for t in line.split() if not t.startswith("#")]
+def _lines(text: str) -> list[list[str]]:
+    """The script's commands, each as its tokens (continued lines joined, comments dropped): a
+    flag's values never run on into the next command."""
+    lines = []
+    for line in text.replace("\\\n", " ").splitlines():
+        lexer = shlex.shlex(line, posix=True)
+        lexer.whitespace_split = True
+        try:
+            lines.append(list(lexer))
+        except ValueError:  # a quote that spans lines: its words as they stand
+            lines.append(line.split("#", 1)[0].split())
+    return lines
 
 
 def _assignments(tokens: list[str]) -> dict[str, str | None]:
@@ -203,8 +208,8 @@ def _resolve(value: str, assigned: dict, environ: dict, depth: int = 0) -> str:
     def one(match: re.Match) -> str:
         name = match.group(1) or match.group(3)
         default = match.group(2)
-        if default is not None:  # ${NAME:-default}: the environment's value wins
-            found = environ.get(name) or assigned.get(name) or default
+        if default is not None:  # ${NAME:-default}: the environment's value, else the default
+            found = environ.get(name) or default
         else:
             found = assigned.get(name) if assigned.get(name) is not None else environ.get(name)
         if found is None or depth > 8:
@@ -222,35 +227,50 @@ def script_args(script: Path, environ: dict[str, str]) -> ScriptArgs:
     except OSError as e:
         raise unreadable(script, e) from None
     parser, found = megatron_parser(), ScriptArgs(Path(script))
-    tokens = _tokens(text)
-    assigned = _assignments(tokens)
+    lines = _lines(text)
+    assigned = _assignments([token for line in lines for token in line])
     known = parser._option_string_actions
-    for i, token in enumerate(tokens):
-        flag = token.split("=", 1)[0]
-        if not flag.startswith("--") or flag not in known:
-            continue
-        segment = [token]
-        for value in tokens[i + 1 :]:
-            if value in _SHELL or (value[:1] in _SHELL) or (value.startswith("-") and not _number(value)):
-                break
-            segment.append(value)
-        dest = known[flag].dest
-        written = segment if "=" not in token else [flag, token.split("=", 1)[1]]
-        resolved = [written[0], *(_resolve(v, assigned, environ) for v in written[1:])]
-        if any("$" in v for v in resolved[1:]):
-            shown, settled = " ".join(written[1:]), " ".join(resolved[1:])
-            found.unresolved[dest] = shown if shown == settled else f"{shown}, that is {settled}"
-            found.values.pop(dest, None)
-            continue
-        try:
-            parsed, _ = parser.parse_known_args(resolved)
-        except _Refusal as e:
-            raise CkptopsError(f"{script}: {flag} {' '.join(resolved[1:])}: {e}") from None
-        if dest in vars(parsed):
-            found.values[dest] = getattr(parsed, dest)
-            found.flags[dest] = flag
-            found.unresolved.pop(dest, None)
+    for tokens in lines:
+        for i, token in enumerate(tokens):
+            if token.split("=", 1)[0] in known and token.startswith("--"):
+                _read_flag(found, parser, tokens[i:], assigned, environ)
     return found
+
+
+def _values(tokens: list[str], nargs) -> list[str]:
+    """The words after a flag that are its values: as many as its ``nargs`` takes, up to the
+    next flag or the end of the command."""
+    taken = []
+    for value in tokens:
+        if value[:1] in _SHELL or (value.startswith("-") and not _number(value)):
+            break
+        taken.append(value)
+    wanted = {None: 1, "?": 1}.get(nargs, nargs)
+    return taken[:wanted] if isinstance(wanted, int) else taken
+
+
+def _read_flag(found: ScriptArgs, parser: _Parser, tokens: list[str], assigned: dict, environ: dict) -> None:
+    """One flag as written (``tokens`` from it to the end of its command) into ``found``."""
+    token = tokens[0]
+    flag = token.split("=", 1)[0]
+    action = parser._option_string_actions[flag]
+    segment = [token, *([] if "=" in token else _values(tokens[1:], action.nargs))]
+    dest = action.dest
+    written = segment if "=" not in token else [flag, token.split("=", 1)[1]]
+    resolved = [written[0], *(_resolve(v, assigned, environ) for v in written[1:])]
+    if any("$" in v for v in resolved[1:]):
+        shown, settled = " ".join(written[1:]), " ".join(resolved[1:])
+        found.unresolved[dest] = shown if shown == settled else f"{shown}, that is {settled}"
+        found.values.pop(dest, None)
+        return
+    try:
+        parsed, _ = parser.parse_known_args(resolved)
+    except _Refusal as e:
+        raise CkptopsError(f"{found.script}: {flag} {' '.join(resolved[1:])}: {e}") from None
+    if dest in vars(parsed):
+        found.values[dest] = getattr(parsed, dest)
+        found.flags[dest] = flag
+        found.unresolved.pop(dest, None)
 
 
 def _number(text: str) -> bool:

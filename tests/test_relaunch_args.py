@@ -1,0 +1,165 @@
+"""Before a relaunch: the job script's Megatron-LM flags against the args a real checkpoint
+saved (the local job: Megatron-LM's own pretrain on CPU), read from the job's own batch script
+and from Megatron-LM's example launch script, which we did not write."""
+
+import json
+import shutil
+import sys
+from importlib.metadata import version
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from infra.local_job.launch import write_job_script
+from tasks.checkpoint.facts import saved_args
+from tasks.checkpoint.state import VerifyOptions
+from tasks.restore.history import append_drill
+from tasks.resume.compat import Kind, checkpoint_fit, compare, job_versions, script_args
+from tests.conftest import iter_dir, verify_and_record_here
+
+DATA = Path(__file__).parent / "data" / "scripts"
+MEGATRON_175B = DATA / "megatron_lm_train_gpt3_175b_distributed.sh"
+
+
+def test_megatron_lms_own_launch_script_is_read_as_megatron_lm_parses_it():
+    found = script_args(MEGATRON_175B, {})
+    values = found.values
+    assert (values["num_layers"], values["hidden_size"], values["num_attention_heads"]) == (96, 12288, 96)
+    assert (values["tensor_model_parallel_size"], values["pipeline_model_parallel_size"]) == (8, 16)
+    # Typed by Megatron-LM's parser: a list of ints, floats from "6.0e-5" and ".001", a flag.
+    assert values["rampup_batch_size"] == [16, 16, 5859375]
+    assert values["lr"] == pytest.approx(6e-5) and values["lr_warmup_fraction"] == pytest.approx(0.001)
+    assert values["fp16"] is True and values["split"] == "949,50,1"
+    # The comment inside the GPT_MODEL_ARGS array is not a value.
+    assert values["max_position_embeddings"] == 2048
+    # Paths from positional parameters stay unresolved, and say what they come from.
+    assert found.unresolved["data_path"] == "$DATA_PATH, that is $5"
+    assert "data_path" not in values
+
+
+def test_variables_resolve_from_the_script_and_the_environment_the_relaunch_inherits(tmp_path):
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\nGBS=16\nTP=${TP:-4}\nSEQ=$(cat seq.txt)\n"
+        "ARGS=(\n  --global-batch-size $GBS # the batch\n  --tensor-model-parallel-size ${TP}\n)\n"
+        'torchrun pretrain_gpt.py "${ARGS[@]}" --seq-length $SEQ --lr=${LR} \\\n  --num-layers 2\n'
+    )
+    found = script_args(script, {"TP": "2", "LR": "3e-4"})
+    assert found.values["global_batch_size"] == 16
+    assert found.values["tensor_model_parallel_size"] == 2  # the environment's TP wins over the default
+    assert found.values["lr"] == pytest.approx(3e-4) and found.values["num_layers"] == 2
+    assert found.unresolved["seq_length"].startswith("$SEQ, that is $(cat")
+    without = script_args(script, {})
+    assert without.values["tensor_model_parallel_size"] == 4 and "lr" in without.unresolved
+
+
+def test_a_value_megatron_lm_would_reject_names_the_script_and_the_flag(tmp_path):
+    script = tmp_path / "job.sh"
+    script.write_text("python pretrain_gpt.py --num-layers two\n")
+    with pytest.raises(Exception, match=r"job\.sh: --num-layers two: argument --num-layers"):
+        script_args(script, {})
+
+
+def _job_script(tmp_path: Path, saved, extra: list[str]) -> Path:
+    """The job's own batch script as a team hands it to ckptops, for the trained job."""
+    return write_job_script(
+        tmp_path / "job.sh",
+        tmp_path / "checkpoints",
+        tmp_path / "records.jsonl",
+        train_iters=saved.train_iters,
+        save_interval=saved.save_interval,
+        extra=extra,
+    )
+
+
+def _compared(trained, tmp_path, extra, drilled=None):
+    saved, writer = saved_args(iter_dir(trained, 24))
+    found = script_args(_job_script(tmp_path, saved, extra), {})
+    return compare(24, saved, found, drilled or {}, writer, None)
+
+
+def test_the_jobs_own_script_fits_its_checkpoint(trained, tmp_path):
+    fits = _compared(trained, tmp_path, ["--global-batch-size", "8", "--seq-length", "32"])
+    assert fits.compared == 3 and fits.differences == []  # train iters, global batch, sequence length
+    assert "3 Megatron-LM arguments compared, no difference" in fits.summary()
+
+
+def test_each_kind_of_difference_is_said_in_words_and_sorted_by_what_it_risks(trained, tmp_path):
+    fits = _compared(
+        trained,
+        tmp_path,
+        [
+            "--num-layers",
+            "3",
+            "--global-batch-size",
+            "16",
+            "--lr",
+            "2e-3",
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+        ],
+    )
+    words = {d.name: (d.kind, d.words) for d in fits.differences}
+    assert words["num_layers"] == (
+        Kind.REFUSE,
+        "architecture: --num-layers is 3, the checkpoint was saved with 2: the checkpoint's weights are "
+        "not this model's",
+    )
+    assert words["tokenizer_type"][0] is Kind.REFUSE and "NullTokenizer" in words["tokenizer_type"][1]
+    assert words["global_batch_size"][0] is Kind.APPROVE and "saved with 8" in words["global_batch_size"][1]
+    assert (
+        words["lr"][0] is Kind.WARN and "--lr is 0.002, the checkpoint was saved with 0.001" in words["lr"][1]
+    )
+    assert [d.name for d in fits.refused] == ["num_layers", "tokenizer_type"]
+    assert [d.name for d in fits.needs_approval] == ["global_batch_size"]
+
+
+def test_a_resharding_is_refused_until_a_passing_drill_loaded_the_job_onto_that_layout(trained, tmp_path):
+    fits = _compared(trained, tmp_path, ["--tensor-model-parallel-size", "2"])
+    (layout,) = fits.refused
+    assert layout.kind is Kind.RESHARD and layout.words.startswith("layout: TP 1->2: a resharding no restore")
+    drilled = {(2, 1, 1): "shared-20261203T010000-ab12"}
+    fits = _compared(trained, tmp_path, ["--tensor-model-parallel-size", "2"], drilled)
+    assert fits.refused == []
+    (layout,) = fits.needs_approval
+    assert "drill shared-20261203T010000-ab12 loaded" in layout.words
+    # A drill onto another layout proves nothing about this one.
+    fits = _compared(trained, tmp_path, ["--pipeline-model-parallel-size", "2"], drilled)
+    assert [d.name for d in fits.refused] == ["layout"]
+
+
+def test_the_fit_reads_drills_from_the_jobs_history_and_the_versions_from_the_jobs_python(trained, tmp_path):
+    save = tmp_path / "save"
+    directory = save / "iter_0000024"
+    shutil.copytree(iter_dir(trained, 24), directory)
+    # The manifest records the writer's megatron-core as the job's profile pins it.
+    verify_and_record_here(directory, VerifyOptions(job="fit", megatron_core_version="0.18.0"))
+    saved, _ = saved_args(directory)
+    drill = {"id": "d1", "ok": True, "layout": {"tensor_parallel": 2, "pipeline_parallel": 1}}
+    append_drill(save, SimpleNamespace(to_dict=lambda: drill))
+    profile = SimpleNamespace(
+        job=SimpleNamespace(save_dir=save), recovery=SimpleNamespace(job_python=[sys.executable])
+    )
+    script = _job_script(tmp_path, saved, ["--tensor-model-parallel-size", "2"])
+    fits = checkpoint_fit(profile, directory, script, {})
+    assert [d.words.split(":")[0] for d in fits.needs_approval] == ["layout"]
+    versions = {d.name: d for d in fits.differences if d.name in ("megatron_core", "torch", "cuda", "nccl")}
+    assert versions["megatron_core"].kind is Kind.WARN
+    assert versions["megatron_core"].words == (
+        f"megatron-core: the relaunch runs {version('megatron-core')}, the checkpoint was written by 0.18.0"
+    )
+    assert versions["torch"].kind is Kind.NOTE and version("torch") in versions["torch"].words
+    assert "does not record the writer's" in versions["nccl"].words
+
+
+def test_the_jobs_python_that_cannot_say_its_versions_is_named_not_trusted(tmp_path):
+    missing = str(tmp_path / "no-python")
+    assert job_versions([missing], 5) == {"error": f"{missing} exited 127: {missing}: command not found"}
+    hung = job_versions(["bash", "-c", "sleep 30", "hung"], 1)
+    assert hung == {"error": "bash timed out after 1s"}
+    silent = job_versions(["bash", "-c", "echo not json", "silent"], 5)
+    assert silent == {"error": "bash printed no versions"}
+    real = job_versions([sys.executable], 60)
+    assert set(real) == {"megatron_core", "torch", "cuda", "nccl"}
+    json.dumps(real)
