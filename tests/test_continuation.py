@@ -97,10 +97,13 @@ def test_a_correct_checkpoint_continues_bit_exact_as_the_original_run(trained, t
     assert verify_and_record_here(iter_dir(save, 20), options).manifest.certified
 
 
-def test_a_continuation_on_another_data_order_fails_naming_the_check_and_iteration(
+def test_a_continuation_that_trains_otherwise_fails_naming_the_check_and_iteration(
     trained, tmp_path, options
 ):
-    profile, save = continuation_profile(trained, tmp_path, options, 16, extra=[*INTEGRITY, "--seed", "99"])
+    # Dropout: a flag the relaunch comparison does not weigh, which changes every loss from 17 on.
+    profile, save = continuation_profile(
+        trained, tmp_path, options, 16, extra=[*INTEGRITY, "--hidden-dropout", "0.1"]
+    )
     report = run_drill(profile, "shared", continue_steps=4)
     assert not report.ok
     assert report.reason == "continuation: iterations 17-20 differ from the original run (loss and grad norm)"
@@ -110,6 +113,21 @@ def test_a_continuation_on_another_data_order_fails_naming_the_check_and_iterati
     (info,) = [i for i in catalog(save, options) if i.iteration == 16]
     assert info.state.value == "valid" and info.certified is False
     assert info.certification.startswith("loads, does not resume: iterations 17-20 differ")
+
+
+def test_a_script_on_another_data_order_is_not_run_and_the_checkpoint_is_not_blamed(
+    trained, tmp_path, options
+):
+    profile, save = continuation_profile(trained, tmp_path, options, 16, extra=[*INTEGRITY, "--seed", "99"])
+    report = run_drill(profile, "shared", continue_steps=4)
+    assert not report.ok and report.continuation_log is None
+    assert by_name(report)["continuation"].detail == "not run"
+    assert report.reason.startswith("relaunch arguments: ") and report.reason.endswith(
+        "does not fit checkpoint 16: data: --seed is 99, the checkpoint was saved with 1234: the data order, "
+        "or what a sample is, changes from here on"
+    )
+    (info,) = [i for i in catalog(save, options) if i.iteration == 16]
+    assert info.state.value == "valid" and info.certified is None
 
 
 def test_a_checkpoint_whose_scheduler_was_changed_loads_verifies_and_fails_on_the_learning_rate(

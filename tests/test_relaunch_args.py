@@ -54,11 +54,16 @@ def test_variables_resolve_from_the_script_and_the_environment_the_relaunch_inhe
     assert without.values["tensor_model_parallel_size"] == 4 and "lr" in without.unresolved
 
 
-def test_a_value_megatron_lm_would_reject_names_the_script_and_the_flag(tmp_path):
+def test_a_value_megatron_lm_would_reject_is_refused_naming_the_flag(tmp_path):
     script = tmp_path / "job.sh"
-    script.write_text("python pretrain_gpt.py --num-layers two\n")
-    with pytest.raises(Exception, match=r"job\.sh: --num-layers two: argument --num-layers"):
-        script_args(script, {})
+    script.write_text("python pretrain_gpt.py --num-layers two --log-interval often\n")
+    found = script_args(script, {})
+    assert found.refused["num_layers"] == (
+        "--num-layers two: Megatron-LM's parser refuses it (argument --num-layers: invalid int value: 'two')"
+    )
+    saved = SimpleNamespace(num_layers=2, log_interval=1)
+    (refused,) = compare(8, saved, found).refused  # the log interval is never compared
+    assert refused.words.startswith("architecture: --num-layers two: Megatron-LM's parser refuses it")
 
 
 def _job_script(tmp_path: Path, saved, extra: list[str]) -> Path:

@@ -31,6 +31,7 @@ from tasks.resume.records import Steps, load_steps
 # Relative tolerance of the loss and grad norm at the first iteration and after it, by the
 # profile's word (bf16 as NeMo Automodel's resume tests hold it).
 TOLERANCES = {"exact": (0.0, 0.0), "fp32": (1e-6, 1e-6), "bf16": (1e-6, 5e-3)}
+ARGUMENTS = "relaunch arguments"  # the job's script against the checkpoint (tasks.resume.compat)
 # Megatron-LM prints its arguments at start: "  save ........ /path" (None when not saving).
 _SAVE_ARG = re.compile(r"^\s*save \.+ (\S+)\s*$", re.M)
 
@@ -120,10 +121,13 @@ def continue_training(
     }
     fits = checkpoint_fit(profile, restored, script, env)
     if fits.refused or fits.needs_approval:
-        # Not the checkpoint's failing: the script would not resume it as the original run went.
-        said = "; ".join(d.words for d in fits.refused + fits.needs_approval)
-        return Continued(Outcome.UNCHECKED, f"not run: {script} does not fit checkpoint {n}: {said}")
-    warned = [Check("relaunch arguments", Outcome.WARN, d.words) for d in fits.of(Kind.WARN)]
+        # The drill fails, and the checkpoint is not blamed (not checked, nothing certified): the
+        # script would not resume it as the original run went.
+        said = f"{script} does not fit checkpoint {n}: " + "; ".join(
+            d.words for d in fits.refused + fits.needs_approval
+        )
+        return Continued(Outcome.UNCHECKED, "not run", [Check(ARGUMENTS, Outcome.FAIL, said)])
+    warned = [Check(ARGUMENTS, Outcome.WARN, d.words) for d in fits.of(Kind.WARN)]
     launcher_log = scratch / "continuation-launcher.log"
     try:
         _launch(profile, [str(script), "--ckpt-step", str(n)], launcher_log, env)

@@ -33,7 +33,7 @@ from pathlib import Path
 from tasks.checkpoint import layout
 from tasks.checkpoint.facts import saved_args
 from tasks.cluster import process
-from tasks.errors import CkptopsError, unreadable
+from tasks.errors import unreadable
 from tasks.restore.history import drilled_layouts
 
 
@@ -173,6 +173,7 @@ class ScriptArgs:
     values: dict[str, object] = field(default_factory=dict)
     flags: dict[str, str] = field(default_factory=dict)
     unresolved: dict[str, str] = field(default_factory=dict)  # name -> the value as written
+    refused: dict[str, str] = field(default_factory=dict)  # name -> what Megatron-LM's parser says
 
 
 def _lines(text: str) -> list[list[str]]:
@@ -180,13 +181,28 @@ def _lines(text: str) -> list[list[str]]:
     flag's values never run on into the next command."""
     lines = []
     for line in text.replace("\\\n", " ").splitlines():
-        lexer = shlex.shlex(line, posix=True)
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
         lexer.whitespace_split = True
         try:
-            lines.append(list(lexer))
+            lines.append(_substitutions(list(lexer)))
         except ValueError:  # a quote that spans lines: its words as they stand
             lines.append(line.split("#", 1)[0].split())
     return lines
+
+
+def _substitutions(tokens: list[str]) -> list[str]:
+    """``$(...)`` back in one word (the lexer splits its parentheses off, as it must for arrays)."""
+    joined, depth = [], 0
+    for token in tokens:
+        if depth:
+            joined[-1] += token if token in "()" or joined[-1].endswith("(") else f" {token}"
+            depth += token.count("(") - token.count(")")
+        elif joined and joined[-1].endswith("$") and token == "(":
+            joined[-1] += token
+            depth = 1
+        else:
+            joined.append(token)
+    return joined
 
 
 def _assignments(tokens: list[str]) -> dict[str, str | None]:
@@ -265,8 +281,9 @@ def _read_flag(found: ScriptArgs, parser: _Parser, tokens: list[str], assigned: 
         return
     try:
         parsed, _ = parser.parse_known_args(resolved)
-    except _Refusal as e:
-        raise CkptopsError(f"{found.script}: {flag} {' '.join(resolved[1:])}: {e}") from None
+    except _Refusal as e:  # Megatron-LM would exit at start, before loading anything
+        found.refused[dest] = f"{flag} {' '.join(resolved[1:])}: Megatron-LM's parser refuses it ({e})"
+        return
     if dest in vars(parsed):
         found.values[dest] = getattr(parsed, dest)
         found.flags[dest] = flag
@@ -384,6 +401,9 @@ def compare(
             add(kind, name, f"{WHAT[name]}: {said}: {CONSEQUENCE[WHAT[name]]}")
     if layout_changed:
         _layout(found, saved, script, drilled or {})
+    for name, said in sorted(script.refused.items()):
+        if name in KIND_OF:
+            add(Kind.REFUSE, name, f"{WHAT[name]}: {said}")
     for name, written in sorted(script.unresolved.items()):
         if name in KIND_OF:
             add(Kind.NOTE, name, f"{name}: the script sets it at run time ({written}): not compared")
