@@ -20,6 +20,7 @@ from tasks.checkpoint.promote import promote, reverify
 from tasks.checkpoint.state import VerifyOptions
 from tasks.cluster import slurm
 from tasks.errors import CkptopsError, Unreadable, UsageError
+from tasks.health import fleet
 from tasks.health.sweep import HELD_STATES, sweep
 from tasks.recovery import job as jobs
 from tasks.recovery.ledger import Incident, lost_gpu_hours
@@ -179,6 +180,20 @@ def nodes_phase(profile, incident: Incident, suspects: list[str], job_nodes: lis
         if admitted:
             note += f"; spares admitted: {', '.join(admitted)}"
     return drained, list(suspects), admitted, note
+
+
+def relaunched_facts(profile, job: str) -> dict[str, dict | None] | None:
+    """The relaunched Slurm job's nodes and their recorded conformance facts, which a resume
+    validation names the odd ones of when throughput dropped; None without a health section or
+    nodes to name (a local relaunch, a job slurmctld no longer knows: nothing to say, and no
+    reason to fail the validation)."""
+    if profile.health is None or profile.recovery.launcher != "slurm":
+        return None
+    try:
+        nodes = jobs.slurm_job(job).nodes
+    except CkptopsError:
+        return None
+    return fleet.recorded(profile.health.raw_dir, nodes) if nodes else None
 
 
 def failed_attempt(steps: Steps | None, slurm_job: str | None) -> Steps | None:
