@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tasks.health.history import latest_facts, read_history, record_facts
+from tasks.health.history import describe, latest_facts, read_history, record_facts
 from tasks.health.run import run_health
 from tasks.health.sweep import sweep
 from tasks.outcome import Verdict
@@ -57,6 +57,11 @@ def test_the_node_that_differs_from_the_fleet_majority_alone_fails_naming_the_fa
     assert latest_facts(raw, FLEET[0]) == got[FLEET[0]].facts and got[FLEET[0]].facts["cuda"] == "12.7"
     verdicts = [e for e in read_history(raw, OLD_DRIVER) if e.get("kind") == "verdict"]
     assert [v["verdict"] for v in verdicts] == ["FAIL_CONFIG"]
+    assert (
+        describe(read_history(raw, OLD_DRIVER)[0])
+        .split(None, 1)[1]
+        .startswith("facts     driver 570.124.06, cuda")
+    )
 
     # Two against two: no majority, nothing fails, and the check says so.
     pair = [FLEET[0], OLD_DRIVER]

@@ -532,6 +532,9 @@ def test_conformance_parse_the_recorded_outputs():
     assert [r["index"] for r in rows] == [str(i) for i in range(8)]
     # The recorded query has no clocks.applications.memory column: that fact is not read.
     assert gpu_facts(rows) == ({"driver": "580.126.20", "gpu_clock_mhz": "1980", "power_limit_w": "700"}, [])
+    # A GPU that cannot say (nvidia-smi's bracketed answers) leaves its value out, not the fact.
+    unsupported = "index, driver_version, clocks.applications.memory [MHz]\n0, 550.54.15, [Not Supported]\n"
+    assert gpu_facts(gpu_rows(unsupported)) == ({"driver": "550.54.15"}, [])
     assert cuda_version(read("nvidia_smi_banner_8xH100_565.txt")) == "12.7"
     assert kernel_release(read("uname_r_el9_h100.txt")) == "5.14.0-427.124.1.el9_4.x86_64"
     assert nccl_version(read("torch_nccl_version_2_29_7.txt")) == "2.29.7"

@@ -47,7 +47,7 @@ GPU_QUERY = [
     "--query-gpu=index,driver_version,clocks.applications.graphics,clocks.applications.memory,power.limit",
     "--format=csv",
 ]
-NOT_A_VALUE = {"", "N/A", "[N/A]", "[Not Supported]", "Not Supported", "[Unknown Error]"}
+NOT_A_VALUE = {"", "N/A", "Not Supported"}  # and anything nvidia-smi puts in brackets: [N/A], [Not Supported]
 
 
 def number(text: str) -> float | None:
@@ -70,7 +70,7 @@ def canonical(value: str | float) -> str:
 
 
 def _cell(column: str, text: str) -> str | None:
-    if text in NOT_A_VALUE:
+    if text in NOT_A_VALUE or (text.startswith("[") and text.endswith("]")):
         return None
     if column == "driver_version":
         return text
@@ -274,7 +274,7 @@ def read_facts(ctx: Context) -> tuple[dict[str, str], list[Evidence], list[str],
         unread.update({f: f"{source.tool} gave no value" for f in source.facts if f not in got})
     if not ctx.settings.conformance.nccl_command:
         unread["nccl"] = "no health.conformance.nccl_command"
-    return facts, findings, errors, unread
+    return {fact: facts[fact] for fact in FACTS if fact in facts}, findings, errors, unread
 
 
 def against_pins(
