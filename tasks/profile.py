@@ -441,6 +441,50 @@ class GpuProcesses(_Section):
     )
 
 
+ConformanceFact = Literal[
+    "driver",
+    "cuda",
+    "nccl",
+    "kernel",
+    "gpu_clock_mhz",
+    "memory_clock_mhz",
+    "power_limit_w",
+    "nic_firmware",
+    "nic_rate_gbps",
+]
+
+
+class Conformance(_Section):
+    """The conformance check (tasks/health/checks/conformance.py): each node's versions, GPU
+    clocks and power limit, NIC firmware and link rate against pins and the fleet's majority."""
+
+    pins: dict[ConformanceFact, str | float] = Field(
+        default_factory=dict,
+        description="the value a fact must have (numbers compare as numbers, anything else exactly); "
+        "a pinned fact that cannot be read fails the check as a tool error",
+    )
+    majority: bool = Field(
+        default=True,
+        description="compare each node with the strict majority of the nodes checked with it (a spare: "
+        "of the fleet's recorded facts)",
+    )
+    spares: Literal["refuse", "warn"] = Field(
+        default="refuse",
+        description="a spare that differs: not admitted, or admitted with a WARN",
+    )
+    nccl_command: list[str] = Field(
+        default_factory=list,
+        description="run on the node in the job's environment, printing the NCCL version (e.g. a python "
+        "printing torch.cuda.nccl.version()); empty: NCCL's version is not read",
+    )
+
+    @model_validator(mode="after")
+    def _nccl_readable(self):
+        if "nccl" in self.pins and not self.nccl_command:
+            raise ValueError("pins.nccl needs nccl_command (how to read the NCCL version on a node)")
+        return self
+
+
 class Health(_Section):
     nodes: list[str] = Field(default_factory=list)
     slurm_partition: str | None = None
@@ -456,9 +500,18 @@ class Health(_Section):
         default_factory=lambda: {1: 300, 2: 900, 3: 7200, 4: 14400}
     )
     node_timeout_seconds: Positive = 10800
+    # conformance is not run unless listed: a fleet mid-upgrade would otherwise fail its minority.
     checks: list[
         Literal[
-            "gpu-count", "gpu-processes", "recovery-action", "row-remap", "xid", "nvlink", "dcgm-diag", "nccl"
+            "gpu-count",
+            "gpu-processes",
+            "recovery-action",
+            "row-remap",
+            "xid",
+            "nvlink",
+            "dcgm-diag",
+            "nccl",
+            "conformance",
         ]
     ] = ["gpu-count", "gpu-processes", "recovery-action", "row-remap", "xid", "nvlink", "dcgm-diag", "nccl"]
     critical_xids: list[int] = Field(
@@ -470,6 +523,7 @@ class Health(_Section):
     drain: Drain = Drain()
     suspect: SuspectRule = SuspectRule()
     gpu_processes: GpuProcesses = GpuProcesses()
+    conformance: Conformance = Conformance()
     nvrx_segment_dir: Path | None = Field(
         default=None,
         description="NVRx's --ft-segment-health-check-dir: a segment file for each running job on a "

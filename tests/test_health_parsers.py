@@ -483,3 +483,150 @@ def test_gpu_processes_names_the_node_to_listpids_only_when_told(tmp_path):
         "*",
         "gpu7",
     ]
+
+
+# conformance: versions, clocks, power limit, NIC firmware and rate (tasks/health/checks/conformance.py).
+
+CONFORMANCE_ANSWERS = {
+    "gpu-facts": "nvidia_smi_query_gpu_8xH100_driver_power_clocks.csv",
+    "banner": "nvidia_smi_banner_8xH100_565.txt",
+    "uname": "uname_r_el9_h100.txt",
+    "ibstat": "ibstat_8xMT4129_ndr400_bond_gpud_all_active.txt",
+    "python3": "torch_nccl_version_2_29_7.txt",
+}
+
+
+def _conformance_ctx(tmp_path, replace: dict | None = None, **section):
+    """A check context whose node answers each conformance command with a recording (by the
+    fake nodes' own keys, tests/helpers/standin.py); a key answered None has no such tool."""
+    from types import SimpleNamespace
+
+    from tasks.cluster.process import Output
+    from tasks.health.checks import Context
+    from tasks.profile import Conformance
+    from tests.helpers.standin import key
+
+    answers = {k: (read(v), "", 0) for k, v in CONFORMANCE_ANSWERS.items()} | (replace or {})
+
+    class Replay:
+        def run(self, argv, timeout):
+            stdout, stderr, rc = answers.get(key(argv[0], argv[1:])) or ("", "", 127)
+            return Output(argv, rc, stdout, stderr, 0.01)
+
+    settings = SimpleNamespace(command_timeout_seconds=5, conformance=Conformance(**section))
+    return Context("gpu7", Replay(), settings, 1, tmp_path)
+
+
+def test_conformance_parse_the_recorded_outputs():
+    from tasks.health.checks.conformance import (
+        adapters,
+        cuda_version,
+        gpu_facts,
+        gpu_rows,
+        kernel_release,
+        nccl_version,
+        nic_facts,
+    )
+
+    rows = gpu_rows(read("nvidia_smi_query_gpu_8xH100_driver_power_clocks.csv"))
+    assert [r["index"] for r in rows] == [str(i) for i in range(8)]
+    # The recorded query has no clocks.applications.memory column: that fact is not read.
+    assert gpu_facts(rows) == ({"driver": "580.126.20", "gpu_clock_mhz": "1980", "power_limit_w": "700"}, [])
+    # A GPU that cannot say (nvidia-smi's bracketed answers) leaves its value out, not the fact.
+    unsupported = "index, driver_version, clocks.applications.memory [MHz]\n0, 550.54.15, [Not Supported]\n"
+    assert gpu_facts(gpu_rows(unsupported)) == ({"driver": "550.54.15"}, [])
+    assert cuda_version(read("nvidia_smi_banner_8xH100_565.txt")) == "12.7"
+    assert kernel_release(read("uname_r_el9_h100.txt")) == "5.14.0-427.124.1.el9_4.x86_64"
+    assert nccl_version(read("torch_nccl_version_2_29_7.txt")) == "2.29.7"
+    assert nccl_version("21805\n") == "2.18.5" and nccl_version("2708") == "2.7.8"  # NCCL's version codes
+    found = adapters(read("ibstat_8xMT4129_ndr400_bond_gpud_all_active.txt"))
+    assert [a.name for a in found][-1] == "mlx5_bond_0" and len(found) == 9
+    assert nic_facts(found) == (
+        {"nic_firmware": "MT4129 28.41.1000, MT41692 32.38.3056", "nic_rate_gbps": "400 x8, 200 x1"},
+        [],
+    )
+    # Three storage ports down: only the active ports' rates count.
+    down = nic_facts(adapters(read("ibstat_8xMT4129_ndr400_4xMT4125_gpud_some_down.txt")))[0]
+    assert down == {"nic_firmware": "MT4125 22.38.1002, MT4129 28.39.1002", "nic_rate_gbps": "400 x8, 100 x1"}
+    # Another tool's output is never read as this one's.
+    with pytest.raises(ValueError, match="not a --query-gpu output"):
+        gpu_rows(read("nvidia_smi_compute_apps_8xH200_before.csv"))
+    with pytest.raises(ValueError, match="no channel adapter"):
+        adapters(read("nvidia_smi_banner_8xH100_565.txt"))
+    with pytest.raises(ValueError, match="no CUDA Version"):
+        cuda_version(read("nvidia_smi_query_gpu_8xH100_driver_power_clocks.csv"))
+    with pytest.raises(ValueError, match="not a kernel release"):
+        kernel_release(read("nvidia_smi_banner_8xH100_565.txt"))
+    with pytest.raises(ValueError, match="not an NCCL version"):
+        nccl_version("ModuleNotFoundError: No module named 'torch'\n")
+
+
+def test_conformance_passes_a_node_that_matches_its_pins_and_fails_one_that_does_not(tmp_path):
+    from tasks.health.checks import conformance
+
+    ctx = _conformance_ctx(tmp_path)
+    check = conformance.run(ctx)
+    assert check.verdict is Verdict.PASS, check.detail
+    assert check.detail.startswith("driver 580.126.20, cuda 12.7, kernel 5.14.0-427.124.1.el9_4.x86_64")
+    assert "memory_clock_mhz not read (nvidia-smi gave no value)" in check.detail
+    assert "nccl not read (no health.conformance.nccl_command)" in check.detail
+    assert ctx.facts["nic_rate_gbps"] == "400 x8, 200 x1" and "nccl" not in ctx.facts
+
+    # Pins: numbers as numbers (700 is 700.00 W), anything else exactly.
+    pins = {"driver": "580.126.20", "power_limit_w": 700, "nic_rate_gbps": "400 x8, 200 x1", "nccl": "2.29.7"}
+    ctx = _conformance_ctx(tmp_path, pins=pins, nccl_command=["python3", "-c", "..."])
+    check = conformance.run(ctx)
+    assert check.verdict is Verdict.PASS and ctx.facts["nccl"] == "2.29.7", check.detail
+
+    check = conformance.run(_conformance_ctx(tmp_path, pins={"power_limit_w": 650, "cuda": "12.4"}))
+    assert check.verdict is Verdict.FAIL_CONFIG
+    assert [e.detail for e in check.evidence] == [
+        "cuda 12.7, expected 12.4 (pinned)",
+        "power_limit_w 700, expected 650 (pinned)",
+    ]
+
+    # One GPU at lower application clocks and power limit than the node's others (synthetic).
+    slow = {"gpu-facts": (read("synthetic_nvidia_smi_query_gpu_8xH100_gpu5_slow.csv"), "", 0)}
+    check = conformance.run(_conformance_ctx(tmp_path, slow))
+    assert check.verdict is Verdict.FAIL_CONFIG
+    assert (
+        check.detail
+        == "gpu_clock_mhz differs between the node's GPUs: 1980 on GPUs 0,1,2,3,4,6,7; 1755 on GPU 5"
+    )
+    assert "power_limit_w differs between the node's GPUs: 700 on GPUs 0,1,2,3,4,6,7; 500 on GPU 5" in [
+        e.detail for e in check.evidence
+    ]
+
+
+def test_conformance_reads_around_an_absent_tool_unless_its_fact_is_pinned(tmp_path):
+    from tasks.health.checks import conformance
+
+    no_ibstat = {"ibstat": None}
+    ctx = _conformance_ctx(tmp_path, no_ibstat)
+    check = conformance.run(ctx)
+    assert check.verdict is Verdict.PASS
+    assert "nic_firmware, nic_rate_gbps not read (ibstat is not on the node)" in check.detail
+    assert "nic_firmware" not in ctx.facts and ctx.facts["driver"] == "580.126.20"
+
+    check = conformance.run(_conformance_ctx(tmp_path, no_ibstat, pins={"nic_firmware": "MT4129 28.41.1000"}))
+    assert check.verdict is Verdict.TOOL_ERROR
+    assert (
+        check.detail == "nic_firmware is pinned (MT4129 28.41.1000) but not read: ibstat is not on the node"
+    )
+
+    # Garbled or failed outputs are tool errors, never a pass, and say which command.
+    cases = {
+        "ibstat said something else": (
+            {"ibstat": (read("synthetic_row_remap_ok.csv"), "", 0)},
+            "ibstat: no channel",
+        ),
+        "nvidia-smi failed": ({"gpu-facts": ("", "NVML error\n", 9)}, "nvidia-smi exited 9"),
+        "uname said two words": ({"uname": ("Linux 6.8\n", "", 0)}, "uname -r: not a kernel release"),
+        "nccl command broke": (
+            {"python3": ("Traceback\nImportError: torch\n", "", 0)},
+            "not an NCCL version",
+        ),
+    }
+    for case, (answers, says) in cases.items():
+        check = conformance.run(_conformance_ctx(tmp_path, answers, nccl_command=["python3", "-c", "..."]))
+        assert check.verdict is Verdict.TOOL_ERROR and says in check.detail, (case, check.detail)

@@ -25,6 +25,14 @@ def test_production_example_describes_the_500b_job():
     ) == (8, 8, 80)
     assert profile.retention.keep_verified == 3 and profile.local_job is None
     assert profile.verify.engine == "slurm" and profile.verify.slurm.nodes == 64
+    # Fleet conformance: opt-in by the checks list, pins compared as the schema reads them.
+    conformance = profile.health.conformance
+    assert "conformance" in profile.health.checks and "conformance" not in load_profile().health.checks
+    assert conformance.pins == {"power_limit_w": 700.0} and conformance.spares == "refuse"
+    assert conformance.nccl_command[0] == "/shared/gpt-500b/venv/bin/python"
+
+
+_HEALTH = "job: {name: j, save_dir: /x}\nhealth: {nodes: [a], transport: local, raw_dir: /x, "
 
 
 @pytest.mark.parametrize(
@@ -63,6 +71,18 @@ def test_production_example_describes_the_500b_job():
         (
             "job: {name: j, save_dir: /x}\nverify: {alert_after_seconds: 5}\n",
             "verify.alert_after_seconds: Input should be greater than or equal to 10",
+        ),
+        (
+            f"{_HEALTH}conformance: {{pins: {{nccl: '2.21.5'}}}}}}\n",
+            "health.conformance: Value error, pins.nccl needs nccl_command",
+        ),
+        (
+            f"{_HEALTH}conformance: {{pins: {{bios: '1.2'}}}}}}\n",
+            "health.conformance.pins.bios.[key]: Input should be 'driver', 'cuda', 'nccl'",
+        ),
+        (
+            f"{_HEALTH}conformance: {{spares: admit}}}}\n",
+            "health.conformance.spares: Input should be 'refuse' or 'warn'",
         ),
     ],
 )

@@ -7,7 +7,10 @@ Lines (``kind``; a line without one is a verdict, as ckptops wrote them before):
 - ``suspect``: an incident named the node (``incident``, ``at``, ``detail``); one line per
   incident, however often its recovery is run again;
 - ``admitted``: the node passed the spare admission set (r3, NCCL, pair test); suspicions from
-  before it no longer count.
+  before it no longer count;
+- ``facts``: what the conformance check read on the node (``at``, ``facts``: fact -> value); the
+  latest line is the node's recorded facts, which a spare's admission and a resume's validation
+  compare with (tasks.health.fleet).
 
 The repeat-suspect rule (after NVRx 0.7's node-suspect history): a node named as suspect in
 ``health.suspect.repeat`` incidents within ``health.suspect.window_days`` (since its last
@@ -18,12 +21,13 @@ it (within the drain caps) and a recovery replaces it with a spare.
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from tasks.errors import Unreadable
 from tasks.health.verdict import CheckName, Evidence, HealthCheck, result
 from tasks.outcome import Verdict
 from tasks.storage.local import append_jsonl, read_jsonl
 
 HISTORY = "history.jsonl"
-VERDICT, SUSPECT, ADMITTED = "verdict", "suspect", "admitted"
+VERDICT, SUSPECT, ADMITTED, FACTS = "verdict", "suspect", "admitted", "facts"
 
 
 def history_path(raw_dir: Path, node: str) -> Path:
@@ -80,6 +84,24 @@ def record_admitted(raw_dir: Path, node: str, now: datetime | None = None) -> No
     append_jsonl(history_path(raw_dir, node), {"kind": ADMITTED, "at": at})
 
 
+def record_facts(raw_dir: Path, node: str, facts: dict[str, str], now: datetime | None = None) -> None:
+    at = _now(now).isoformat(timespec="seconds")
+    append_jsonl(history_path(raw_dir, node), {"kind": FACTS, "at": at, "facts": facts})
+
+
+def latest_facts(raw_dir: Path, node: str) -> dict[str, str] | None:
+    """The node's facts as the conformance check last read them; None if never read (or its
+    history cannot be read: nothing is recorded to compare with)."""
+    try:
+        entries = read_history(raw_dir, node)
+    except Unreadable:
+        return None
+    for entry in reversed(entries):
+        if kind(entry) == FACTS and isinstance(entry.get("facts"), dict):
+            return {str(k): str(v) for k, v in entry["facts"].items()}
+    return None
+
+
 def _at(entry: dict) -> datetime | None:
     try:
         at = datetime.fromisoformat(entry.get("at") or entry["started_at"])
@@ -130,5 +152,8 @@ def describe(entry: dict) -> str:
             return f"{entry.get('at')}  suspect   incident {entry.get('incident')}{detail}"
         case "admitted":
             return f"{entry.get('at')}  admitted  passed the spare admission set (earlier suspicions lapse)"
+        case "facts":
+            facts = entry.get("facts") if isinstance(entry.get("facts"), dict) else {}
+            return f"{entry.get('at')}  facts     {', '.join(f'{k} {v}' for k, v in facts.items())}"
         case _:
             return f"{entry.get('started_at')}  {entry.get('verdict', '?'):<9} {entry.get('summary', '')}"

@@ -24,8 +24,10 @@ from tasks.cluster.transport import (
     check_node_name,
 )
 from tasks.errors import Unreadable
+from tasks.health import fleet
 from tasks.health.checks import (
     Context,
+    conformance,
     dcgm_diag,
     gpu_count,
     gpu_processes,
@@ -35,13 +37,16 @@ from tasks.health.checks import (
     row_remap,
     xid,
 )
-from tasks.health.history import HISTORY, VERDICT, kind, record_verdict, suspect_check
+from tasks.health.history import HISTORY, VERDICT, kind, record_facts, record_verdict, suspect_check
 from tasks.health.nccl import Gates, classify_allreduce
 from tasks.health.verdict import CheckName, Evidence, HealthCheck, result
 from tasks.outcome import Verdict, worst
 from tasks.storage.local import read_jsonl
 
-CHECKS = {m.NAME: m for m in (gpu_count, gpu_processes, recovery, row_remap, xid, nvlink, dcgm_diag, nccl)}
+CHECKS = {
+    m.NAME: m
+    for m in (gpu_count, gpu_processes, recovery, row_remap, xid, nvlink, dcgm_diag, nccl, conformance)
+}
 
 
 @dataclass
@@ -51,6 +56,7 @@ class NodeReport:
     checks: list[HealthCheck] = field(default_factory=list)
     started_at: str = ""
     seconds: float = 0.0
+    facts: dict[str, str] = field(default_factory=dict)  # what the conformance check read
 
     @property
     def worst_check(self) -> HealthCheck | None:
@@ -69,7 +75,7 @@ class NodeReport:
             "started_at": self.started_at,
             "seconds": round(self.seconds, 3),
             "checks": [c.to_dict() for c in self.checks],
-        }
+        } | ({"facts": self.facts} if self.facts else {})
 
 
 def resolve_nodes(settings, only: list[str] | None = None) -> list[str]:
@@ -200,9 +206,12 @@ def check_node(
     key_text: str | None = None,
     checks: list[str] | None = None,
     suspects: bool = True,
+    record: bool = True,
 ) -> NodeReport:
     """The node's checks, in the profile's order; with ``suspects``, its incident history too
-    (a repeat suspect fails even when its checks pass, tasks.health.history)."""
+    (a repeat suspect fails even when its checks pass, tasks.health.history). The facts the
+    conformance check read go to the node's history; its verdict too with ``record`` (a fleet
+    run records it once the fleet comparison has had its say)."""
     started = time.monotonic()
     report = NodeReport(node, Verdict.PASS, started_at=datetime.now(UTC).isoformat(timespec="seconds"))
     since = last_clean_xid_check(settings.raw_dir, node)
@@ -227,12 +236,16 @@ def check_node(
                 report.checks.append(outcome)
                 if gpu_count.no_gpus(outcome):
                     break  # nothing else can run on a node without GPUs or GPU tools
+            if ctx.facts:
+                report.facts = dict(ctx.facts)
+                record_facts(settings.raw_dir, node, report.facts)
     repeat = suspect_check(settings.raw_dir, node, settings) if suspects else None
     if repeat is not None:
         report.checks.append(repeat)
     report.verdict = worst(c.verdict for c in report.checks)
     report.seconds = time.monotonic() - started
-    record_verdict(settings.raw_dir, report)
+    if record:
+        record_verdict(settings.raw_dir, report)
     return report
 
 
@@ -282,14 +295,16 @@ def run_health(
 ) -> HealthRun:
     """Check ``nodes`` in parallel; with pairs enabled (or ``admit``), pair-test the nodes that
     passed against the known-good node. ``admit`` runs the spare admission set: r3, single-node
-    NCCL, and the pair test."""
+    NCCL, and the pair test. With the conformance check, every node's facts are then compared
+    with the fleet's (tasks.health.fleet) before the verdicts are recorded."""
     level = 3 if admit else (level or settings.level)
     started = time.monotonic()
     key_text = ssh_key_text(settings)
     os.makedirs(settings.raw_dir, exist_ok=True)
+    compared = conformance.NAME in settings.checks
 
     def one(node):
-        report = check_node(node, settings, level, key_text, suspects=not admit)
+        report = check_node(node, settings, level, key_text, suspects=not admit, record=not compared)
         if (
             (admit or settings.pairs.enabled)
             and settings.pairs.known_good
@@ -305,4 +320,21 @@ def run_health(
 
     with ThreadPoolExecutor(max_workers=max(1, min(settings.concurrency, len(nodes)))) as pool:
         reports = list(pool.map(one, nodes))
+    if compared:
+        compare_fleet(reports, settings, admit)
+        for report in reports:
+            record_verdict(settings.raw_dir, report)
     return HealthRun(reports, level, time.monotonic() - started)
+
+
+def compare_fleet(reports: list[NodeReport], settings, admit: bool) -> None:
+    """Each node's facts against the majority of the nodes checked with it; a spare's (``admit``)
+    against the majority of the fleet's recorded facts: the profile's nodes, not the spares."""
+    facts = {r.node: r.facts for r in reports if r.facts}
+    if not admit:
+        fleet.judge(reports, facts, facts, settings, admit, "nodes")
+        return
+    checked = {r.node for r in reports}
+    others = [n for n in resolve_nodes(settings) if n not in checked and n not in settings.spares]
+    reference = {node: found for node, found in fleet.recorded(settings.raw_dir, others).items() if found}
+    fleet.judge(reports, facts, reference, settings, admit, "recorded nodes")

@@ -24,6 +24,7 @@ class CheckName(StrEnum):
     DCGM_DIAG = "dcgm-diag"
     NCCL = "nccl"
     NCCL_PAIR = "nccl-pair"  # named with its known-good peer: nccl-pair-<node>
+    CONFORMANCE = "conformance"  # versions, clocks, power limit, NIC firmware and rate vs pins and fleet
     SUSPECT_HISTORY = "suspect-history"  # a repeat suspect of incidents (tasks/health/history.py)
 
     def with_peer(self, node: str) -> str:

@@ -21,7 +21,10 @@ from tasks.checkpoint.promote import promote, reverify
 from tasks.checkpoint.state import VerifyOptions
 from tasks.cluster import slurm
 from tasks.errors import CkptopsError, Unreadable, UsageError
+from tasks.health import fleet
+from tasks.health.actions import Readiness
 from tasks.health.sweep import HELD_STATES, sweep
+from tasks.outcome import Verdict
 from tasks.recovery import job as jobs
 from tasks.recovery.ledger import Incident, lost_gpu_hours
 from tasks.recovery.triage import Triage
@@ -185,10 +188,36 @@ def nodes_phase(profile, incident: Incident, suspects: list[str], job_nodes: lis
         # A spare that is already in service needs no admitting.
         held = [s for s in health.spares if s not in removed and slurm.node_state(s) in HELD_STATES]
         if held:
-            admitted = sweep(health, held[: len(removed)], admit=True).returned
-        if admitted:
-            note += f"; spares admitted: {', '.join(admitted)}"
+            spares = sweep(health, held[: len(removed)], admit=True)
+            admitted = spares.returned
+            note += spare_note(spares)
     return drained, list(suspects), admitted, note
+
+
+def spare_note(spares) -> str:
+    """What the approver reads of the spares' admission (a ``Sweep`` with ``admit``): those put
+    back, those with a warning (a conformance difference a profile lets pass), those refused."""
+    note = f"; spares admitted: {', '.join(spares.returned)}" if spares.returned else ""
+    for report in spares.run.reports:
+        if report.node in spares.returned and report.verdict is Verdict.WARN:
+            note += f"; spare {report.node} admitted with a warning: {report.summary}"
+        elif spares.spares.get(report.node, Readiness.READY) != Readiness.READY:
+            note += f"; spare {report.node} {spares.spares[report.node]}"
+    return note
+
+
+def relaunched_facts(profile, job: str) -> dict[str, dict | None] | None:
+    """The relaunched Slurm job's nodes and their recorded conformance facts, which a resume
+    validation names the odd ones of when throughput dropped; None without a health section or
+    nodes to name (a local relaunch, a job slurmctld no longer knows: nothing to say, and no
+    reason to fail the validation)."""
+    if profile.health is None or profile.recovery.launcher != "slurm":
+        return None
+    try:
+        nodes = jobs.slurm_job(job).nodes
+    except CkptopsError:
+        return None
+    return fleet.recorded(profile.health.raw_dir, nodes) if nodes else None
 
 
 def failed_attempt(steps: Steps | None, slurm_job: str | None) -> Steps | None:

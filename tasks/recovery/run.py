@@ -61,6 +61,7 @@ from tasks.recovery.phases import (
     read_records,
     records_path,
     relaunch_compatibility,
+    relaunched_facts,
     reverify_checkpoint,
     roll_back,
     unusable,
@@ -641,7 +642,10 @@ class _Recovery:
         now = load_steps(self.records)
         resumed = now.take(np.arange(incident.records_before or 0, len(now)))
         before, settings = self.failed_steps, self.profile.resume
-        result = self._do("validate-resume", validate_resume, checkpoint_dir, before, resumed, settings)
+        nodes = relaunched_facts(self.profile, new)
+        result = self._do(
+            "validate-resume", validate_resume, checkpoint_dir, before, resumed, settings, relaunched=nodes
+        )
         incident.mark("validated")
         incident.validation = result.line()
         account(incident, self.failed_steps, checkpoint_dir)

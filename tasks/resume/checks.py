@@ -22,6 +22,7 @@ from tasks.checkpoint.facts import CheckpointFacts
 from tasks.checkpoint.pointer import pointer_during, read_pointer
 from tasks.checkpoint.state import State, VerifyOptions
 from tasks.errors import CkptopsError
+from tasks.health.fleet import relaunched_note
 from tasks.outcome import Check, Outcome
 from tasks.resume.baseline import median, throughput_of
 from tasks.resume.records import Steps
@@ -168,6 +169,7 @@ class Validator:
         settings,
         baseline: dict | None,
         verified_now: bool = False,
+        relaunched: dict[str, dict | None] | None = None,
     ):
         self.facts, self.before, self.after, self.settings, self.baseline = (
             facts,
@@ -179,6 +181,8 @@ class Validator:
         self.result = Validation(str(facts.directory), facts.iteration, baseline=baseline)
         # It had no manifest when the run resumed: verified by this validation.
         self.verified_now = verified_now
+        # The resumed job's nodes and their recorded conformance facts (tasks.health.fleet).
+        self.relaunched = relaunched
         # Rows of the resumed run (its last attempt), in order, from after the checkpoint on.
         self.start = last_attempt(after) if len(after) else 0
         self.rows = self.start + np.nonzero(after.iteration[self.start :] > facts.iteration)[0]
@@ -629,11 +633,14 @@ class Validator:
         if pair is None:
             return
         (base, now), drop = pair, self.settings.throughput_drop
+        ok = now >= (1 - drop) * base
         self.add(
             ResumeCheck.THROUGHPUT,
-            now >= (1 - drop) * base,
+            ok,
             f">= {(1 - drop) * base:.4g} {unit} ({1 - drop:.0%} of {base:.4g})",
             f"{now:.4g} {unit} ({now / base - 1:+.1%})",
+            # A slower resume on other nodes: name the ones that differ from the rest.
+            relaunched_note(self.relaunched) if not ok and self.relaunched is not None else "",
         )
 
     def _skipped(self) -> None:

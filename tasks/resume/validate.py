@@ -19,10 +19,17 @@ from tasks.resume.records import Steps
 
 
 def validate_resume(
-    checkpoint: Path, before: Steps | None, after: Steps, settings, verified_now: bool = False
+    checkpoint: Path,
+    before: Steps | None,
+    after: Steps,
+    settings,
+    verified_now: bool = False,
+    relaunched: dict[str, dict | None] | None = None,
 ) -> Validation:
     """Validate ``after`` (the resumed run) against ``before`` (the run before the failure).
-    ``verified_now``: the checkpoint was verified by this validation, not before the resume."""
+    ``verified_now``: the checkpoint was verified by this validation, not before the resume.
+    ``relaunched``: the resumed job's nodes and their recorded conformance facts (None for a
+    node never read), which a throughput drop is explained with."""
     facts = checkpoint_facts(checkpoint)
     note = None
     if before is not None:
@@ -32,7 +39,7 @@ def validate_resume(
             baseline = stored_baseline(facts)
     else:
         baseline = stored_baseline(facts)
-    result = Validator(facts, before, after, settings, baseline, verified_now).run()
+    result = Validator(facts, before, after, settings, baseline, verified_now, relaunched).run()
     if note:
         result.checks.append(Check(ResumeCheck.BASELINE, Outcome.UNCHECKED, note))
     return result

@@ -12,7 +12,7 @@ from pathlib import Path
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "health"
 STANDIN = Path(__file__).resolve().parent / "standin.py"
-TOOLS = ("dcgmi", "nvidia-smi", "all_reduce_perf", "journalctl", "mpirun", "scontrol")
+TOOLS = ("dcgmi", "nvidia-smi", "all_reduce_perf", "journalctl", "mpirun", "scontrol", "uname", "ibstat")
 SSHD = "/usr/sbin/sshd"
 
 # What a healthy node says (recordings; sources in tests/data/health/SOURCES.md).
@@ -26,6 +26,11 @@ HEALTHY = {
     "diag": "synthetic_dcgm4_diag_r1_pass.json",
     "nccl": "nccl_allreduce_2node_dgxh100_g8_oldformat.txt",
     "pair": "nccl_allreduce_2node_16xH100_ib400_issue309.txt",
+    # The conformance check's facts.
+    "gpu-facts": "nvidia_smi_query_gpu_8xH100_driver_power_clocks.csv",
+    "banner": "nvidia_smi_banner_8xH100_565.txt",
+    "uname": "uname_r_el9_h100.txt",
+    "ibstat": "ibstat_8xMT4129_ndr400_bond_gpud_all_active.txt",
 }
 
 

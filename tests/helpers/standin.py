@@ -1,7 +1,8 @@
 """A GPU-tool stand-in for nodes without GPUs: replays a recorded output and exit code.
 
 Installed as small launchers under the tools' names (dcgmi, nvidia-smi, all_reduce_perf,
-journalctl, mpirun, scontrol) in a directory on the test sshd's PATH; the launcher passes the tool's name.
+journalctl, mpirun, scontrol, uname, ibstat) in a directory on the test sshd's PATH; the launcher
+passes the tool's name.
 Which node it is comes from $SSH_CONNECTION (the address the client connected to); the recording
 comes from $STANDIN_ROOT/scenarios/<address>/<key>.out (else .../default/<key>.out), with
 <key>.rc for the exit code and <key>.sleep for how long the real tool takes (a hang is a long
@@ -21,6 +22,10 @@ def key(tool: str, args: list[str]) -> str:
             args[0] if args else "", "dcgmi"
         )
     if tool == "nvidia-smi":
+        if not args:
+            return "banner"
+        if any("driver_version" in a for a in args):
+            return "gpu-facts"
         if any("compute-apps" in a for a in args):
             return "compute-apps"
         return "row-remap" if any("remapped" in a for a in args) else "recovery"

@@ -19,6 +19,7 @@ class Context:
     raw_dir: Path
     since: float | None = None  # the node's last clean XID check (where the kernel log is read from)
     kept: list[str] = field(default_factory=list)
+    facts: dict[str, str] = field(default_factory=dict)  # what the conformance check read
 
     def command(self, check: str, argv: list[str], timeout: float | None = None) -> Output:
         output = self.host.run(argv, timeout or self.settings.command_timeout_seconds)
