@@ -63,6 +63,12 @@ def test_the_node_that_differs_from_the_fleet_majority_alone_fails_naming_the_fa
         .startswith("facts     driver 570.124.06, cuda")
     )
 
+    # A recovery checks only its suspects: the rest of the fleet counts by its recorded facts.
+    (suspect,) = run_health(profile.health, [OLD_DRIVER]).reports
+    assert suspect.summary == "conformance: driver 570.124.06, expected 580.126.20 (3 of 4 nodes)"
+    (healthy,) = run_health(profile.health, [FLEET[0]]).reports
+    assert healthy.verdict is Verdict.PASS
+
     # Two against two: no majority, nothing fails, and the check says so.
     pair = [FLEET[0], OLD_DRIVER]
     tie = run_health(make_profile(cluster, tmp_path / "tie", pair, checks=["conformance"]).health, pair)

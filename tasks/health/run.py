@@ -328,13 +328,14 @@ def run_health(
 
 
 def compare_fleet(reports: list[NodeReport], settings, admit: bool) -> None:
-    """Each node's facts against the majority of the nodes checked with it; a spare's (``admit``)
-    against the majority of the fleet's recorded facts: the profile's nodes, not the spares."""
+    """Each node's facts against the majority of its fleet: the nodes checked now, and the latest
+    recorded facts of the profile's other nodes (a recovery checks only its suspects); a spare's
+    (``admit``) against the fleet's recorded facts only. Spares never count in the fleet."""
     facts = {r.node: r.facts for r in reports if r.facts}
-    if not admit:
-        fleet.judge(reports, facts, facts, settings, admit, "nodes")
-        return
     checked = {r.node for r in reports}
     others = [n for n in resolve_nodes(settings) if n not in checked and n not in settings.spares]
     reference = {node: found for node, found in fleet.recorded(settings.raw_dir, others).items() if found}
-    fleet.judge(reports, facts, reference, settings, admit, "recorded nodes")
+    if admit:
+        fleet.judge(reports, facts, reference, settings, admit, "recorded nodes")
+    else:
+        fleet.judge(reports, facts, reference | facts, settings, admit, "nodes")
