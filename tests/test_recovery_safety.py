@@ -17,6 +17,7 @@ import yaml
 
 from infra.local_job.launch import write_job_script
 from tasks.checkpoint.manifest import read_manifest
+from tasks.checkpoint.pins import pins
 from tasks.checkpoint.pointer import read_pointer
 from tasks.cluster import process
 from tasks.recovery.ledger import incidents, ledger_path
@@ -99,13 +100,14 @@ def job_copy(failed: Job, tmp_path: Path, extra: tuple[str, ...] = (), **recover
     return Job(tmp_path, save, records, script, log, profile)
 
 
-def recover(job: Job, *extra: str, env: dict | None = None) -> subprocess.Popen:
+def recover(job: Job, *extra: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    """``ckptops recover`` of the job's failure (or the one ``log`` shows), approved."""
     return subprocess.Popen(
         [
             str(CKPTOPS),
             "recover",
             "--logs",
-            str(job.log),
+            str(log or job.log),
             "--approve",
             "--json",
             "--profile",
@@ -365,3 +367,35 @@ def test_a_data_change_waits_for_a_person_even_where_its_class_is_auto_approved(
     ) in form
     assert "not asked (recovery.job_python is not set)" in form
     assert incident.outcome == "aborted" and incident.relaunched_job is None
+
+
+def test_a_checkpoint_that_nans_three_iterations_after_every_load_is_relaunched_at_most_twice(
+    failed, tmp_path
+):
+    """Megatron-LM #5281's loop: every relaunch goes NaN three iterations after its load (the
+    recovery's environment carries the fault into each relaunch). The first relaunch (the ECC
+    failure's) loads 8 and NaNs; the next recovery falls back to 4, pinned, which NaNs too; the
+    third is stopped by the rules, where #5281 restarted 44 times."""
+    job = job_copy(failed, tmp_path)
+    log, found = job.log, []
+    for _ in range(4):
+        out, err = recover(job, env={"CKPTOPS_FAIL_AT": "0:+3:nan"}, log=log).communicate(timeout=600)
+        found.append(json.loads(out))
+        new = found[-1]["relaunched_job"]
+        if new is None:
+            break
+        until(lambda new=new: not process.running(local_pid(new)), 300, "the relaunch went NaN and ended")
+        log = max((tmp_path / "logs").glob("relaunch-*.out"), key=lambda p: p.stat().st_mtime)
+    said = [(i["outcome"], i["reason"]) for i in found]
+    assert [i["checkpoint"] for i in found] == [8, 4, None], said
+    assert [i["class"] for i in found] == ["hardware", "numerics", "numerics"], said
+    fell = found[1]
+    assert fell["fallback_from"] == 8
+    assert fell["fallback"].startswith(
+        f"numerics at iteration 10, 2 iterations after {found[0]['id']} resumed"
+    )
+    assert pins(job.save)[4] == [f"recovery-{fell['id']}"]
+    last = found[2]
+    assert last["outcome"] == "stopped" and last["relaunched_job"] is None
+    assert last["stop_rule"] == "numerics-reproduced", last["reason"]
+    assert f"numerics again after {fell['id']} fell back from checkpoint 8 to 4" in last["reason"]

@@ -42,15 +42,20 @@ CUDA_ERROR_TAIL = (
 _settings = argparse.Namespace(fail_at=None, slow_step_ms=0.0, ballast_mb=0)
 _done: list[str] = []  # faults that act once and have acted (never written into args: they are saved)
 _ballast: list[torch.Tensor] = []
+_started: dict[str, int] = {}  # the iterations done when this run first trained
 
 
-def parse_fault(text: str) -> tuple[int, int, str]:
+def parse_fault(text: str) -> tuple[int, int, str, bool]:
+    """RANK:ITERATION:KIND; ITERATION ``+N``: N iterations after the one the run started from (a
+    relaunch's loaded checkpoint), as a checkpoint that goes bad soon after every load does."""
     rank, iteration, kind = (text.split(":") + ["", ""])[:3]
-    if not (rank.isdigit() and iteration.isdigit() and kind in FAULTS):
+    relative = iteration.startswith("+")
+    if not (rank.isdigit() and iteration.removeprefix("+").isdigit() and kind in FAULTS):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected RANK:ITERATION:KIND, KIND one of {', '.join(FAULTS)}"
+            f"{text!r}: expected RANK:ITERATION:KIND (ITERATION or +N after the start), KIND one of "
+            f"{', '.join(FAULTS)}"
         )
-    return int(rank), int(iteration), kind
+    return int(rank), int(iteration.removeprefix("+")), kind, relative
 
 
 def parse_save_fault(text: str) -> tuple[int, str]:
@@ -69,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=parse_fault,
         default=None,
         metavar="RANK:ITERATION:KIND",
-        help="before that iteration that rank fails; KIND is one of " + ", ".join(FAULTS),
+        help="before that iteration (+N: N after the one the run started from) that rank fails; KIND "
+        "is one of " + ", ".join(FAULTS),
     )
     group.add_argument(
         "--corrupt-save",
@@ -112,8 +118,12 @@ def before_forward(model) -> None:
         time.sleep(_settings.slow_step_ms / 1000 / get_num_microbatches())
     if _settings.fail_at is None:
         return
-    rank, iteration, kind = _settings.fail_at
-    if torch.distributed.get_rank() == rank and get_args().curr_iteration + 1 == iteration and not _done:
+    rank, iteration, kind, relative = _settings.fail_at
+    done = get_args().curr_iteration
+    _started.setdefault("iteration", done)  # the first forward: the iteration the run loaded
+    if relative:
+        iteration += _started["iteration"]
+    if torch.distributed.get_rank() == rank and done + 1 == iteration and not _done:
         fail(kind, model)
 
 

@@ -5,8 +5,9 @@ Relaunching is cheap; relaunching into the same failure again and again burns GP
 hides the real problem (a bad batch, a code bug, a memory regression). Each rule has a name, and
 every rule's verdict is kept in the incident, fired or not, so the approver sees why.
 
-Budget reset: a checkpoint promoted since the earlier failures means the job made real progress
-since; the recurrence rules then count only failures from that checkpoint on. The hourly cap is
+Budget reset: a newer checkpoint promoted since the earlier failures means the job made real
+progress since; the recurrence rules then count only failures from that checkpoint on. A pointer
+rolled back (a fall back, an approver's older pick) is not progress. The hourly cap is
 a rate limit and counts every relaunch.
 
 Only recoveries that relaunched the job count (a running one that has relaunched too): one that
@@ -51,9 +52,12 @@ def _relaunched(incident: Incident) -> bool:
 
 
 def _since_progress(history: list[Incident], promoted: int | None) -> list[Incident]:
-    """Earlier incidents that failed with the same promoted checkpoint as now: a newer promotion
-    since then resets the recurrence budget."""
-    return [i for i in history if i.promoted_at_failure == promoted]
+    """Earlier incidents with no progress since: a checkpoint newer than the one promoted at their
+    failure resets the recurrence budget; a pointer rolled back to an older one (a fall back) is
+    no progress, and keeps them counting."""
+    if promoted is None:
+        return [i for i in history if i.promoted_at_failure is None]
+    return [i for i in history if i.promoted_at_failure is not None and promoted <= i.promoted_at_failure]
 
 
 def _attempts(failure: Failure, history: list[Incident]) -> list[Incident]:

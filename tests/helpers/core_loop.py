@@ -441,8 +441,9 @@ def train(args):
     # Allocated and touched once: resident for the whole run, as a leak or a bigger buffer would be.
     ballast = torch.ones(args.ballast_mb << 18) if args.ballast_mb else None  # noqa: F841 (float32: 4 bytes each)
     fault = args.fail_at if args.fail_at and args.fail_at[0] == torch.distributed.get_rank() else None
+    fail_before = fault[1] + (iteration if fault[3] else 0) if fault else None  # +N: after the load
     while iteration < args.train_iters:
-        if fault and fault[1] == iteration + 1:
+        if fault and fail_before == iteration + 1:
             fail(fault[2], model)
         batch_ids = global_batch_ids(args, dataset, consumed)
         # Megatron-LM's loop advances the rerun state machine once per step, so its NaN report
