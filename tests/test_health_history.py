@@ -108,6 +108,7 @@ def test_a_repeat_suspect_is_drained_within_the_caps_and_the_approval_form_shows
             admitted=[],
             relaunch="sbatch ...",
             rules=[],
+            fits=None,
         )
     )
     assert f"- node health: {A} FAIL_HARDWARE: suspect-history: named as suspect in 2 incidents" in form
@@ -128,16 +129,41 @@ def test_a_repeat_suspect_is_drained_within_the_caps_and_the_approval_form_shows
     as_json = subprocess.run(
         [*cli, C, "--profile", str(path), "--json"], capture_output=True, text=True, timeout=60, env=env
     )
-    assert json.loads(as_json.stdout) == {
-        "node": C,
-        "entries": [],
-        "counted_incidents": [],
-        "repeat_suspect": False,
-    }
+    never_named = json.loads(as_json.stdout)
+    assert (never_named["node"], never_named["counted_incidents"], never_named["repeat_suspect"]) == (
+        C,
+        [],
+        False,
+    )
+    # C ran with the failed jobs, not as a suspect: only its gpu-processes verdicts are recorded.
+    assert {e["kind"] for e in never_named["entries"]} == {"verdict"}
     bad = subprocess.run(
         [*cli, "n1;reboot", "--profile", str(path)], capture_output=True, text=True, timeout=60, env=env
     )
     assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1 and "n1;reboot" in bad.stderr
+
+
+def test_a_job_node_whose_gpus_a_dead_process_holds_is_left_out_of_the_relaunch(cluster, tmp_path, scontrol):
+    """The failed job's nodes that are not suspects get the gpu-processes check before the
+    relaunch: one whose GPUs hold processes of no running job is drained and excluded."""
+    _, profile = make_profile(cluster, tmp_path)
+    cluster.record_sample(C, "compute-apps", "nvidia_smi_compute_apps_8xH200_before.csv")
+    cluster.record_sample(C, "listpids", "synthetic_scontrol_listpids_h200_job.txt")
+    try:
+        incident = SimpleNamespace(id="inc-9", cls="hardware")
+        drained, excluded, _, note = nodes_phase(profile, incident, [A], NODES)
+    finally:
+        cluster.record_sample(C, "compute-apps", "nvidia_smi_compute_apps_header_only.csv")
+    assert excluded == [A, C] and drained == [C]
+    assert note.startswith(f"{A} PASS: all checks passed; job node {C} FAIL_CONFIG: gpu-processes: GPU GPU-")
+    assert "belongs to no running Slurm job (and 4 more)" in note and B not in note
+    assert scontrol.read_text().splitlines() == [
+        f"update NodeName={C} State=DRAIN Reason=ckptops inc-9 hardware"
+    ]
+    # Only the check that ran is in its history: B and C were not suspects of the incident.
+    (last,) = [e for e in read_history(profile.health.raw_dir, C) if e["kind"] == "verdict"][-1:]
+    assert [c["check"] for c in last["checks"]] == ["gpu-processes"]
+    assert not [e for e in read_history(profile.health.raw_dir, B) if e["kind"] == "suspect"]
 
 
 def _nvrx_excludes(directory: Path, job_id: str, task_id: str) -> bool:

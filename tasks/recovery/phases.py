@@ -24,6 +24,7 @@ from tasks.errors import CkptopsError, Unreadable, UsageError
 from tasks.health import fleet
 from tasks.health.actions import Readiness
 from tasks.health.sweep import HELD_STATES, sweep
+from tasks.health.verdict import CheckName
 from tasks.outcome import Verdict
 from tasks.recovery import job as jobs
 from tasks.recovery.ledger import Incident, lost_gpu_hours
@@ -170,18 +171,24 @@ def reverify_checkpoint(profile, iteration: int) -> dict:
 
 def nodes_phase(profile, incident: Incident, suspects: list[str], job_nodes: list[str]):
     """Health-check the suspects; drain the confirmed bad (reason names the incident), exclude
-    the rest of the suspects; admit spares held out of service to give the job its node count
-    back (the same sweep as node health's, tasks.health.sweep)."""
+    the rest of the suspects; check the job's other nodes for GPUs a dead process still holds
+    (``held_gpus``); admit spares held out of service to give the job its node count back (the
+    same sweep as node health's, tasks.health.sweep)."""
     health = profile.health
     if job_nodes:
         suspects = [n for n in suspects if n in job_nodes] or suspects
     if not (health and suspects):
         return [], list(suspects), [], "no health checks (no suspects or no health section)"
-    checked = sweep(health, suspects, reason=f"ckptops {incident.id} {incident.cls}", incident=incident.id)
+    reason = f"ckptops {incident.id} {incident.cls}"
+    checked = sweep(health, suspects, reason=reason, incident=incident.id)
     drained = list(checked.plan.drained)
     note = "; ".join(f"{r.node} {r.verdict.value}: {r.summary}" for r in checked.run.reports)
     if checked.plan.page:
         note += f"; PAGE: {checked.plan.page}"
+    held, held_drained, held_note = held_gpus(health, [n for n in job_nodes if n not in suspects], reason)
+    drained += held_drained
+    note += held_note
+    suspects = [*suspects, *held]
     removed = {*drained, *suspects}
     admitted = []
     if health.spares and removed and job_nodes:
@@ -192,6 +199,23 @@ def nodes_phase(profile, incident: Incident, suspects: list[str], job_nodes: lis
             admitted = spares.returned
             note += spare_note(spares)
     return drained, list(suspects), admitted, note
+
+
+def held_gpus(health, nodes: list[str], reason: str) -> tuple[list[str], list[str], str]:
+    """The gpu-processes check on the job's nodes that are not suspects: after the job died,
+    a process left on any of its GPUs keeps memory and compute from the relaunch. Those that do
+    not pass are excluded (and drained within the caps, with ``reason``); the others are not
+    named. Nothing runs where the profile's checks leave gpu-processes out. NVRx's segment files
+    follow full sweeps only: one check passing readmits nothing."""
+    if not nodes or CheckName.GPU_PROCESSES not in health.checks:
+        return [], [], ""
+    only = health.model_copy(update={"checks": [CheckName.GPU_PROCESSES], "nvrx_segment_dir": None})
+    done = sweep(only, nodes, reason=reason)
+    failing = [r for r in done.run.reports if r.verdict.exit_code]
+    note = "".join(f"; job node {r.node} {r.verdict.value}: {r.summary}" for r in failing)
+    if done.plan.page:
+        note += f"; PAGE: {done.plan.page}"
+    return [r.node for r in failing], list(done.plan.drained), note
 
 
 def spare_note(spares) -> str:

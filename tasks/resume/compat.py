@@ -23,8 +23,10 @@ Flags are recognised and typed by Megatron-LM's own argument parser, so ``--lr=6
 
 import argparse
 import json
+import logging
 import re
 import shlex
+import warnings
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cache
@@ -148,9 +150,15 @@ class _Parser(argparse.ArgumentParser):
 @cache
 def megatron_parser() -> _Parser:
     """Megatron-LM's own argument parser (megatron.training.arguments), with no defaults: a
-    parse yields exactly the flags it was given. Importing it takes seconds; done once."""
-    from megatron.training.arguments import add_megatron_arguments
-
+    parse yields exactly the flags it was given. Importing it takes seconds; done once. The
+    import installs a handler on the root logger, writing INFO to stdout (which the CLI keeps
+    for its answer), and warns of every missing GPU library: both are undone here."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.training.arguments import add_megatron_arguments
+    root.handlers[:], root.level = handlers, level
     parser = add_megatron_arguments(_Parser(allow_abbrev=False, add_help=False))
     for action in parser._actions:
         action.default = argparse.SUPPRESS
