@@ -339,7 +339,8 @@ def test_a_relaunch_script_that_changed_the_model_is_refused_before_any_node_is_
     assert not asked and incident.outcome == "stopped" and incident.relaunched_job is None
     assert incident.reason == (
         "relaunch refused: the script does not fit checkpoint 8: architecture: --num-layers is 3, the "
-        "checkpoint was saved with 2: the checkpoint's weights are not this model's"
+        "checkpoint was saved with 2: the checkpoint's weights are not this model's (fix the script, then "
+        "`ckptops recover --retry`)"
     )
     assert "health_done" not in incident.times  # no node drained, no spare taken for it
     summary, *lines = incident.relaunch_args

@@ -34,7 +34,7 @@ def test_megatron_lms_own_launch_script_is_read_as_megatron_lm_parses_it():
     # The comment inside the GPT_MODEL_ARGS array is not a value.
     assert values["max_position_embeddings"] == 2048
     # Paths from positional parameters stay unresolved, and say what they come from.
-    assert found.unresolved["data_path"] == "$DATA_PATH, that is $5"
+    assert found.unresolved["data_path"] == "the script sets it at run time ($DATA_PATH, that is $5)"
     assert "data_path" not in values
 
 
@@ -49,9 +49,72 @@ def test_variables_resolve_from_the_script_and_the_environment_the_relaunch_inhe
     assert found.values["global_batch_size"] == 16
     assert found.values["tensor_model_parallel_size"] == 2  # the environment's TP wins over the default
     assert found.values["lr"] == pytest.approx(3e-4) and found.values["num_layers"] == 2
-    assert found.unresolved["seq_length"].startswith("$SEQ, that is $(cat")
+    assert found.unresolved["seq_length"].startswith("the script sets it at run time ($SEQ, that is $(cat")
     without = script_args(script, {})
     assert without.values["tensor_model_parallel_size"] == 4 and "lr" in without.unresolved
+
+
+def test_what_bash_would_run_is_read_not_what_the_text_looks_like(tmp_path):
+    """A blend in an unquoted variable (split into words), the script's own assignment before the
+    environment and a default, a usage text and two branches (set more than once: not compared),
+    a redirect after a value, a '#' inside a path."""
+    script = tmp_path / "job.sh"
+    script.write_text(
+        '#!/bin/bash\nDATA_PATH="0.3 /d/a 0.7 /d/b"\nTP=4\ncat <<USAGE\nusage: --num-layers N\nUSAGE\n'
+        'if [ "$BIG" = 1 ]; then\n  LAYERS=(--num-layers 80)\nelse\n  LAYERS=(--num-layers 32)\nfi\n'
+        "torchrun pretrain_gpt.py --data-path $DATA_PATH --tensor-model-parallel-size ${TP:-8} "
+        "--save /d/run#1 --seq-length 4096 2>&1 | tee log\n"
+    )
+    found = script_args(script, {"TP": "2"})
+    assert found.values["data_path"] == ["0.3", "/d/a", "0.7", "/d/b"]
+    assert found.values["tensor_model_parallel_size"] == 4
+    assert found.values["save"] == "/d/run#1" and found.values["seq_length"] == 4096
+    assert found.unresolved["num_layers"] == "the script sets it more than once (80; 32)"
+    saved = SimpleNamespace(data_path=["0.3", "/d/a", "0.7", "/d/b"], num_layers=2, seq_length=4096)
+    saved.tensor_model_parallel_size = 4
+    fits = compare(8, saved, found)
+    assert fits.compared == 3 and fits.refused == [] and fits.needs_approval == []
+    assert [d.words for d in fits.differences] == [
+        "num_layers: the script sets it more than once (80; 32): not compared"
+    ]
+
+
+def test_megatron_lm_taking_args_from_the_checkpoint_turns_only_what_it_forces_into_notes(tmp_path):
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "python pretrain_gpt.py --use-checkpoint-args --use-mp-args-from-checkpoint-args --num-layers 48 "
+        "--swiglu --tensor-model-parallel-size 8\n"
+    )
+    saved = SimpleNamespace(
+        num_layers=96, swiglu=False, tensor_model_parallel_size=4, pipeline_model_parallel_size=1
+    )
+    fits = compare(8, saved, script_args(script, {}))
+    words = {d.name: (d.kind, d.words) for d in fits.differences}
+    # Megatron-LM fills --num-layers from the checkpoint only where the script leaves it unset.
+    assert words["num_layers"][0] is Kind.REFUSE
+    assert words["swiglu"] == (
+        Kind.NOTE,
+        "--swiglu is given (swiglu True), the checkpoint was saved with swiglu False "
+        "(--use-checkpoint-args: Megatron-LM takes the checkpoint's)",
+    )
+    assert words["tensor_model_parallel_size"][0] is Kind.NOTE and "layout" not in words
+
+
+def test_every_compared_argument_is_one_megatron_lms_parser_knows():
+    from tasks.resume.compat import KIND_OF, TAKEN_FROM_CHECKPOINT, megatron_parser
+
+    known = {action.dest for action in megatron_parser()._actions}
+    assert set(KIND_OF) - known == set()
+    assert set(TAKEN_FROM_CHECKPOINT) | set().union(*TAKEN_FROM_CHECKPOINT.values()) <= known
+
+
+def test_a_wrapper_that_writes_no_compared_flag_is_said_to_compare_nothing(tmp_path):
+    script = tmp_path / "job.sh"
+    script.write_text("python -m nemo.collections.llm.train --config-path conf model.num_layers=32\n")
+    fits = compare(8, SimpleNamespace(num_layers=2), script_args(script, {}))
+    assert fits.compared == 0 and fits.refused == [] and fits.needs_approval == []
+    (note,) = fits.differences
+    assert note.kind is Kind.NOTE and note.words.endswith("nothing was compared")
 
 
 def test_a_value_megatron_lm_would_reject_is_refused_naming_the_flag(tmp_path):

@@ -60,6 +60,8 @@ def capture(argv: list[str], timeout: float, env: dict | None = None, cwd: Path 
         )
     except FileNotFoundError:
         return Output(argv, 127, "", f"{argv[0]}: command not found", time.monotonic() - started)
+    except OSError as e:  # there, but not to be run (no execute permission, not an executable)
+        return Output(argv, 126, "", f"{argv[0]}: {e.strerror or e}", time.monotonic() - started)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
         code = process.returncode

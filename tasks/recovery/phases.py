@@ -23,6 +23,7 @@ from tasks.cluster import slurm
 from tasks.errors import CkptopsError, Unreadable, UsageError
 from tasks.health import fleet
 from tasks.health.actions import Readiness
+from tasks.health.run import run_health
 from tasks.health.sweep import HELD_STATES, sweep
 from tasks.health.verdict import CheckName
 from tasks.outcome import Verdict
@@ -130,6 +131,7 @@ def certifications(profile, iterations: list[int]) -> dict[int, bool | None]:
 def relaunch_compatibility(profile, iteration: int) -> compat.Compatibility:
     """The relaunch script's Megatron-LM flags against what checkpoint ``iteration`` saved, in
     the environment the relaunch inherits (tasks.resume.compat)."""
+    jobs.check_script(profile.recovery.script)  # before any node is touched, as at the submission
     env, _ = jobs.step_passing(profile.recovery, iteration)
     directory = Path(profile.job.save_dir) / layout.iter_dir_name(iteration)
     return compat.checkpoint_fit(profile, directory, profile.recovery.script, {**os.environ, **env})
@@ -172,50 +174,54 @@ def reverify_checkpoint(profile, iteration: int) -> dict:
 def nodes_phase(profile, incident: Incident, suspects: list[str], job_nodes: list[str]):
     """Health-check the suspects; drain the confirmed bad (reason names the incident), exclude
     the rest of the suspects; check the job's other nodes for GPUs a dead process still holds
-    (``held_gpus``); admit spares held out of service to give the job its node count back (the
-    same sweep as node health's, tasks.health.sweep)."""
+    (``held_gpus``: excluded, not drained); admit spares held out of service to give the job its
+    node count back (the same sweep as node health's, tasks.health.sweep)."""
     health = profile.health
     if job_nodes:
         suspects = [n for n in suspects if n in job_nodes] or suspects
-    if not (health and suspects):
-        return [], list(suspects), [], "no health checks (no suspects or no health section)"
-    reason = f"ckptops {incident.id} {incident.cls}"
-    checked = sweep(health, suspects, reason=reason, incident=incident.id)
-    drained = list(checked.plan.drained)
-    note = "; ".join(f"{r.node} {r.verdict.value}: {r.summary}" for r in checked.run.reports)
-    if checked.plan.page:
-        note += f"; PAGE: {checked.plan.page}"
-    held, held_drained, held_note = held_gpus(health, [n for n in job_nodes if n not in suspects], reason)
-    drained += held_drained
-    note += held_note
-    suspects = [*suspects, *held]
-    removed = {*drained, *suspects}
-    admitted = []
+    if health is None:
+        return [], list(suspects), [], "no health checks (no health section)"
+    notes, drained = [], []
+    if suspects:
+        reason = f"ckptops {incident.id} {incident.cls}"
+        checked = sweep(health, suspects, reason=reason, incident=incident.id)
+        drained = list(checked.plan.drained)
+        notes += [f"{r.node} {r.verdict.value}: {r.summary}" for r in checked.run.reports]
+        if checked.plan.page:
+            notes.append(f"PAGE: {checked.plan.page}")
+    else:
+        notes.append("no suspects to check")
+    held, held_notes = held_gpus(health, [n for n in job_nodes if n not in suspects])
+    notes += held_notes
+    excluded = [*suspects, *held]
+    removed = {*drained, *excluded}
+    note, admitted = "; ".join(notes), []
     if health.spares and removed and job_nodes:
         # A spare that is already in service needs no admitting.
-        held = [s for s in health.spares if s not in removed and slurm.node_state(s) in HELD_STATES]
-        if held:
-            spares = sweep(health, held[: len(removed)], admit=True)
+        ready = [s for s in health.spares if s not in removed and slurm.node_state(s) in HELD_STATES]
+        if ready:
+            spares = sweep(health, ready[: len(removed)], admit=True)
             admitted = spares.returned
             note += spare_note(spares)
-    return drained, list(suspects), admitted, note
+    return drained, excluded, admitted, note
 
 
-def held_gpus(health, nodes: list[str], reason: str) -> tuple[list[str], list[str], str]:
-    """The gpu-processes check on the job's nodes that are not suspects: after the job died,
-    a process left on any of its GPUs keeps memory and compute from the relaunch. Those that do
-    not pass are excluded (and drained within the caps, with ``reason``); the others are not
-    named. Nothing runs where the profile's checks leave gpu-processes out. NVRx's segment files
-    follow full sweeps only: one check passing readmits nothing."""
+def held_gpus(health, nodes: list[str]) -> tuple[list[str], list[str]]:
+    """The gpu-processes check on the job's nodes that are not suspects (after a NaN, a hang or a
+    preemption that is every node): a process the dead job left on a GPU keeps its memory from
+    the relaunch. A node that fails it is excluded from the relaunch, not drained (a process to
+    kill, not a fault, and the suspects' sweep has the drain caps); one the check cannot answer
+    is named, not excluded. Nothing runs where the profile's checks leave gpu-processes out, and
+    nothing is recorded for NVRx (one check passing readmits nothing)."""
     if not nodes or CheckName.GPU_PROCESSES not in health.checks:
-        return [], [], ""
-    only = health.model_copy(update={"checks": [CheckName.GPU_PROCESSES], "nvrx_segment_dir": None})
-    done = sweep(only, nodes, reason=reason)
-    failing = [r for r in done.run.reports if r.verdict.exit_code]
-    note = "".join(f"; job node {r.node} {r.verdict.value}: {r.summary}" for r in failing)
-    if done.plan.page:
-        note += f"; PAGE: {done.plan.page}"
-    return [r.node for r in failing], list(done.plan.drained), note
+        return [], []
+    only = health.model_copy(update={"checks": [CheckName.GPU_PROCESSES]})
+    run = run_health(only, nodes)
+    failing = [r for r in run.reports if r.verdict.is_failure]
+    unknown = [r for r in run.reports if r.verdict.exit_code and not r.verdict.is_failure]
+    notes = [f"job node {r.node} {r.verdict.value}: {r.summary} (excluded)" for r in failing]
+    notes += [f"job node {r.node} {r.verdict.value}: {r.summary} (not excluded)" for r in unknown]
+    return [r.node for r in failing], notes
 
 
 def spare_note(spares) -> str:
@@ -241,7 +247,8 @@ def relaunched_facts(profile, job: str) -> dict[str, dict | None] | None:
         nodes = jobs.slurm_job(job).nodes
     except CkptopsError:
         return None
-    return fleet.recorded(profile.health.raw_dir, nodes) if nodes else None
+    health = profile.health
+    return fleet.recorded(health.raw_dir, nodes, health.conformance.max_age_days) if nodes else None
 
 
 def failed_attempt(steps: Steps | None, slurm_job: str | None) -> Steps | None:

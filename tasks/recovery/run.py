@@ -539,6 +539,7 @@ class _Recovery:
             self._stop(
                 f"relaunch refused: the script does not fit checkpoint {chosen}: "
                 + "; ".join(d.words for d in fits.refused)
+                + " (fix the script, then `ckptops recover --retry`)"
             )
             return None
         return fits

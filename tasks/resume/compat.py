@@ -57,6 +57,7 @@ ARCHITECTURE = {
     "kv_channels",
     "max_position_embeddings",
     "position_embedding_type",
+    "rotary_base",
     "rotary_percent",
     "normalization",
     "swiglu",
@@ -64,21 +65,18 @@ ARCHITECTURE = {
     "add_qkv_bias",
     "qk_layernorm",
     "untie_embeddings_and_output_weights",
-    "apply_layernorm_1p",
     "num_experts",
     "moe_router_topk",
     "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_layer_freq",
+    "mtp_num_layers",
     "multi_latent_attention",
 }
 PRECISION = {"fp16", "bf16", "fp8"}
-VOCABULARY = {
-    "vocab_size",
-    "tokenizer_type",
-    "tokenizer_model",
-    "vocab_file",
-    "merge_file",
-    "make_vocab_size_divisible_by",
-}
+VOCABULARY = {"vocab_size", "tokenizer_type", "make_vocab_size_divisible_by"}
+# Where the tokenizer's files are: elsewhere may be a move (approve), or another vocabulary.
+TOKENIZER_FILES = {"tokenizer_model", "vocab_file", "merge_file"}
 LAYOUT = {
     "tensor_model_parallel_size": "TP",
     "pipeline_model_parallel_size": "PP",
@@ -96,6 +94,9 @@ DATA = {
     "mock_data",
     "seed",
 }
+# Switches that make a load restore less than the checkpoint holds (iteration, optimizer, RNG,
+# the scheduler's own state).
+LOAD = {"finetune", "no_load_optim", "no_load_rng", "override_opt_param_scheduler"}
 OPTIMIZER = {
     "optimizer",
     "lr",
@@ -125,16 +126,44 @@ OPTIMIZER = {
 KIND_OF = {
     **{d: Kind.REFUSE for d in ARCHITECTURE | VOCABULARY},
     **{d: Kind.RESHARD for d in LAYOUT},
-    **{d: Kind.APPROVE for d in DATA | PRECISION},
+    **{d: Kind.APPROVE for d in DATA | PRECISION | TOKENIZER_FILES | LOAD},
     **{d: Kind.WARN for d in OPTIMIZER},
 }
 WHAT = {
     **{d: "architecture" for d in ARCHITECTURE},
     **{d: "vocabulary" for d in VOCABULARY},
+    **{d: "tokenizer files" for d in TOKENIZER_FILES},
     **{d: "layout" for d in LAYOUT},
     **{d: "data" for d in DATA},
+    **{d: "load" for d in LOAD},
     **{d: "precision" for d in PRECISION},
     **{d: "optimizer" for d in OPTIMIZER},
+}
+# What Megatron-LM takes from the checkpoint, whatever the script says, with
+# --use-checkpoint-args (megatron/training/checkpointing.py, load_args_from_checkpoint: the
+# arguments it sets with force=True; the others only where the script leaves them unset), with
+# --use-mp-args-from-checkpoint-args (the layout) and --use-tokenizer-model-from-checkpoint-args.
+TAKEN_FROM_CHECKPOINT = {
+    "use_checkpoint_args": {
+        "num_query_groups",
+        "group_query_attention",
+        "position_embedding_type",
+        "rotary_base",
+        "rotary_percent",
+        "add_bias_linear",
+        "add_qkv_bias",
+        "swiglu",
+        "untie_embeddings_and_output_weights",
+        "normalization",
+        "num_experts",
+        "mtp_num_layers",
+        "moe_layer_freq",
+        "moe_ffn_hidden_size",
+        "moe_router_topk",
+        "moe_shared_expert_intermediate_size",
+    },
+    "use_mp_args_from_checkpoint_args": set(LAYOUT),
+    "use_tokenizer_model_from_checkpoint_args": {"tokenizer_model", "tokenizer_type"},
 }
 
 
@@ -168,7 +197,7 @@ def megatron_parser() -> _Parser:
 # ---------------------------------------------------------------- the script's flags
 
 _ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
-_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?)-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 _SHELL = set("();|&<>#")
 
 
@@ -182,19 +211,26 @@ class ScriptArgs:
     flags: dict[str, str] = field(default_factory=dict)
     unresolved: dict[str, str] = field(default_factory=dict)  # name -> the value as written
     refused: dict[str, str] = field(default_factory=dict)  # name -> what Megatron-LM's parser says
+    written: dict[str, str] = field(default_factory=dict)  # name -> its value as last read
+    conflicting: set[str] = field(default_factory=set)  # names read with two values
+
+
+_COMMENT = re.compile(r"(^|\s)#.*$")
 
 
 def _lines(text: str) -> list[list[str]]:
-    """The script's commands, each as its tokens (continued lines joined, comments dropped): a
-    flag's values never run on into the next command."""
+    """The script's commands, each as its tokens (continued lines joined, comments dropped: a
+    ``#`` that starts a word, never one inside a path): a flag's values never run on into the
+    next command."""
     lines = []
     for line in text.replace("\\\n", " ").splitlines():
+        line = _COMMENT.sub("", line)
         lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
-        lexer.whitespace_split = True
+        lexer.whitespace_split, lexer.commenters = True, ""
         try:
             lines.append(_substitutions(list(lexer)))
         except ValueError:  # a quote that spans lines: its words as they stand
-            lines.append(line.split("#", 1)[0].split())
+            lines.append(line.split())
     return lines
 
 
@@ -227,15 +263,22 @@ def _assignments(tokens: list[str]) -> dict[str, str | None]:
 
 def _resolve(value: str, assigned: dict, environ: dict, depth: int = 0) -> str:
     """``value`` with its variable references replaced where the script or the environment
-    settles them; what is left unsettled keeps its ``$``."""
+    settles them, as bash would: the script's own assignment (one that does not read the
+    variable itself), else the environment, else ``${NAME:-default}``'s default (``${NAME-d}``:
+    only when unset). What is left unsettled keeps its ``$``."""
 
     def one(match: re.Match) -> str:
-        name = match.group(1) or match.group(3)
-        default = match.group(2)
-        if default is not None:  # ${NAME:-default}: the environment's value, else the default
-            found = environ.get(name) or default
+        name = match.group(1) or match.group(4)
+        colon, default = match.group(2), match.group(3)
+        own = assigned.get(name)
+        if own is not None and not re.search(rf"\$\{{?{name}\b", own):
+            found = own
+        elif own is not None and default is None:
+            found = own  # NAME=${NAME:-x} read as $NAME: its own default decides
+        elif name in environ and (environ[name] or not colon):
+            found = environ[name]
         else:
-            found = assigned.get(name) if assigned.get(name) is not None else environ.get(name)
+            found = default
         if found is None or depth > 8:
             return match.group(0)
         return _resolve(found, assigned, environ, depth + 1)
@@ -265,8 +308,9 @@ def _values(tokens: list[str], nargs) -> list[str]:
     """The words after a flag that are its values: as many as its ``nargs`` takes, up to the
     next flag or the end of the command."""
     taken = []
-    for value in tokens:
-        if value[:1] in _SHELL or (value.startswith("-") and not _number(value)):
+    for i, value in enumerate(tokens):
+        redirected = i + 1 < len(tokens) and tokens[i + 1][:1] in "<>"  # the 2 of 2>&1
+        if value[:1] in _SHELL or (value.startswith("-") and not _number(value)) or redirected:
             break
         taken.append(value)
     wanted = {None: 1, "?": 1}.get(nargs, nargs)
@@ -281,21 +325,55 @@ def _read_flag(found: ScriptArgs, parser: _Parser, tokens: list[str], assigned: 
     segment = [token, *([] if "=" in token else _values(tokens[1:], action.nargs))]
     dest = action.dest
     written = segment if "=" not in token else [flag, token.split("=", 1)[1]]
-    resolved = [written[0], *(_resolve(v, assigned, environ) for v in written[1:])]
+    resolved = [written[0]]
+    for word in written[1:]:
+        settled = _resolve(word, assigned, environ)
+        # An unquoted $VAR splits into words (a blend "0.3 a 0.7 b" is four values).
+        resolved += _split(settled) if settled != word else [settled]
+    shown = " ".join(resolved[1:])
     if any("$" in v for v in resolved[1:]):
-        shown, settled = " ".join(written[1:]), " ".join(resolved[1:])
-        found.unresolved[dest] = shown if shown == settled else f"{shown}, that is {settled}"
-        found.values.pop(dest, None)
+        said = " ".join(written[1:])
+        said = said if said == shown else f"{said}, that is {shown}"
+        _record(found, dest, flag, shown, unresolved=f"the script sets it at run time ({said})")
         return
     try:
         parsed, _ = parser.parse_known_args(resolved)
     except _Refusal as e:  # Megatron-LM would exit at start, before loading anything
-        found.refused[dest] = f"{flag} {' '.join(resolved[1:])}: Megatron-LM's parser refuses it ({e})"
+        _record(found, dest, flag, shown, refused=f"{flag} {shown}: Megatron-LM's parser refuses it ({e})")
         return
     if dest in vars(parsed):
-        found.values[dest] = getattr(parsed, dest)
-        found.flags[dest] = flag
-        found.unresolved.pop(dest, None)
+        _record(found, dest, flag, shown, value=getattr(parsed, dest))
+
+
+def _split(text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError:
+        return text.split()
+
+
+_UNSET = object()
+
+
+def _record(found: ScriptArgs, dest: str, flag: str, shown: str, value=_UNSET, unresolved=None, refused=None):
+    """One reading of an argument. Read again with another value (two branches, a second
+    command in the script), it is no longer known which one runs: not compared."""
+    before = found.written.get(dest)
+    found.written[dest] = shown
+    if before is not None and before != shown:
+        found.values.pop(dest, None)
+        found.refused.pop(dest, None)
+        found.unresolved[dest] = f"the script sets it more than once ({before}; {shown})"
+        found.conflicting.add(dest)
+        return
+    if dest in found.conflicting:
+        return
+    if value is not _UNSET:
+        found.values[dest], found.flags[dest] = value, flag
+    if unresolved is not None:
+        found.unresolved[dest] = unresolved
+    if refused is not None:
+        found.refused[dest] = refused
 
 
 def _number(text: str) -> bool:
@@ -358,13 +436,26 @@ class Compatibility:
 
 
 def _same(a, b) -> bool:
+    """Equal as Megatron-LM would use them; and never a difference that reads the same both ways."""
+    return _equal(a, b) or _shown(a) == _shown(b)
+
+
+def _equal(a, b) -> bool:
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, bool) or isinstance(b, bool):
         return a == b
     if isinstance(a, int | float) and isinstance(b, int | float):
         return float(a) == float(b)
     return str(a) == str(b)
+
+
+def _said(flag: str, name: str, value, before) -> str:
+    """The difference in words: a switch by whether it is given (``--disable-bias-linear`` is
+    ``add_bias_linear`` False), a value by its value."""
+    if isinstance(value, bool):
+        return f"{flag} is given ({name} {value}), the checkpoint was saved with {name} {before}"
+    return f"{flag} is {_shown(value)}, the checkpoint was saved with {_shown(before)}"
 
 
 def _shown(value) -> str:
@@ -387,7 +478,12 @@ def compare(
     environment's (``job_versions``), None when not asked."""
     found = Compatibility(iteration, str(script.script), 0)
     add = lambda kind, name, words: found.differences.append(Difference(name, kind, words))  # noqa: E731
-    takes_architecture = bool(script.values.get("use_checkpoint_args"))
+    taken = {
+        name: switch
+        for switch, names in TAKEN_FROM_CHECKPOINT.items()
+        if script.values.get(switch)
+        for name in names
+    }
     layout_changed = False
     for name, value in sorted(script.values.items()):
         kind = KIND_OF.get(name)
@@ -400,9 +496,10 @@ def compare(
         before = getattr(saved, name)
         if _same(before, value):
             continue
-        said = f"{script.flags[name]} is {_shown(value)}, the checkpoint was saved with {_shown(before)}"
-        if name in ARCHITECTURE and takes_architecture:
-            add(Kind.NOTE, name, f"{said} (--use-checkpoint-args: Megatron-LM takes the checkpoint's)")
+        said = _said(script.flags[name], name, value, before)
+        if name in taken:
+            switch = "--" + taken[name].replace("_", "-")
+            add(Kind.NOTE, name, f"{said} ({switch}: Megatron-LM takes the checkpoint's)")
         elif kind is Kind.RESHARD:
             layout_changed = True
         else:
@@ -414,7 +511,14 @@ def compare(
             add(Kind.REFUSE, name, f"{WHAT[name]}: {said}")
     for name, written in sorted(script.unresolved.items()):
         if name in KIND_OF:
-            add(Kind.NOTE, name, f"{name}: the script sets it at run time ({written}): not compared")
+            add(Kind.NOTE, name, f"{name}: {written}: not compared")
+    if not found.compared:
+        add(
+            Kind.NOTE,
+            "script",
+            "the script writes none of the Megatron-LM arguments compared here (a wrapper or a config "
+            "file may set them): nothing was compared",
+        )
     if versions is not None:
         _versions(found, writer or {}, versions)
     return found
@@ -423,6 +527,8 @@ def compare(
 CONSEQUENCE = {
     "architecture": "the checkpoint's weights are not this model's",
     "vocabulary": "the embedding's rows would stand for other tokens",
+    "tokenizer files": "approve if the files only moved; other files are another vocabulary",
+    "load": "the relaunch restores less than the checkpoint holds",
     "data": "the data order, or what a sample is, changes from here on",
     "precision": "the model computes in another precision from here on",
     "optimizer": "the optimizer goes on differently than it would have",
