@@ -468,6 +468,11 @@ class Conformance(_Section):
         description="compare each node with the strict majority of the nodes checked with it (a spare: "
         "of the fleet's recorded facts)",
     )
+    max_age_days: Positive = Field(
+        default=7,
+        description="recorded facts older than this are not compared (after a fleet-wide upgrade, "
+        "the nodes not checked since would outvote the upgraded ones)",
+    )
     spares: Literal["refuse", "warn"] = Field(
         default="refuse",
         description="a spare that differs: not admitted, or admitted with a WARN",

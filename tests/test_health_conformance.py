@@ -143,7 +143,8 @@ def test_a_slower_resume_names_the_relaunched_node_that_differs(tmp_path, monkey
     )
     scontrol.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    profile = SimpleNamespace(health=SimpleNamespace(raw_dir=raw), recovery=SimpleNamespace(launcher="slurm"))
+    health = SimpleNamespace(raw_dir=raw, conformance=SimpleNamespace(max_age_days=7))
+    profile = SimpleNamespace(health=health, recovery=SimpleNamespace(launcher="slurm"))
     relaunched = relaunched_facts(profile, "4242")
     assert sorted(relaunched) == ["gpu1", "gpu2", "gpu3", "gpu4"] and relaunched["gpu4"] is None
 
@@ -174,3 +175,14 @@ def test_a_slower_resume_names_the_relaunched_node_that_differs(tmp_path, monkey
     )
     # Throughput as before: nothing to explain.
     assert throughput(11.0, relaunched).outcome == "pass" and throughput(11.0, relaunched).detail == ""
+
+
+def test_recorded_facts_older_than_max_age_are_not_compared(tmp_path):
+    """After a fleet-wide upgrade, nodes not checked since would outvote the upgraded ones."""
+    from datetime import UTC, datetime, timedelta
+
+    record_facts(tmp_path, "n1", {"driver": "570.124.06"}, now=datetime.now(UTC) - timedelta(days=8))
+    assert latest_facts(tmp_path, "n1") == {"driver": "570.124.06"}
+    assert latest_facts(tmp_path, "n1", max_age_days=7) is None
+    record_facts(tmp_path, "n1", {"driver": "580.126.20"})
+    assert latest_facts(tmp_path, "n1", max_age_days=7) == {"driver": "580.126.20"}

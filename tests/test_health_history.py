@@ -145,21 +145,23 @@ def test_a_repeat_suspect_is_drained_within_the_caps_and_the_approval_form_shows
 
 def test_a_job_node_whose_gpus_a_dead_process_holds_is_left_out_of_the_relaunch(cluster, tmp_path, scontrol):
     """The failed job's nodes that are not suspects get the gpu-processes check before the
-    relaunch: one whose GPUs hold processes of no running job is drained and excluded."""
+    relaunch: one whose GPUs hold processes of no running job is excluded (not drained: a process
+    to kill, not a fault), with suspects or without (a NaN, a hang: the whole job relaunches)."""
     _, profile = make_profile(cluster, tmp_path)
     cluster.record_sample(C, "compute-apps", "nvidia_smi_compute_apps_8xH200_before.csv")
     cluster.record_sample(C, "listpids", "synthetic_scontrol_listpids_h200_job.txt")
     try:
         incident = SimpleNamespace(id="inc-9", cls="hardware")
         drained, excluded, _, note = nodes_phase(profile, incident, [A], NODES)
+        numerics = SimpleNamespace(id="inc-10", cls="numerics")
+        _, no_suspects, _, numerics_note = nodes_phase(profile, numerics, [], NODES)
     finally:
         cluster.record_sample(C, "compute-apps", "nvidia_smi_compute_apps_header_only.csv")
-    assert excluded == [A, C] and drained == [C]
+    assert excluded == [A, C] and drained == []
     assert note.startswith(f"{A} PASS: all checks passed; job node {C} FAIL_CONFIG: gpu-processes: GPU GPU-")
-    assert "belongs to no running Slurm job (and 4 more)" in note and B not in note
-    assert scontrol.read_text().splitlines() == [
-        f"update NodeName={C} State=DRAIN Reason=ckptops inc-9 hardware"
-    ]
+    assert note.endswith("belongs to no running Slurm job (and 4 more) (excluded)") and B not in note
+    assert no_suspects == [C] and numerics_note.startswith(f"no suspects to check; job node {C} FAIL_CONFIG")
+    assert not scontrol.exists()  # nothing drained
     # Only the check that ran is in its history: B and C were not suspects of the incident.
     (last,) = [e for e in read_history(profile.health.raw_dir, C) if e["kind"] == "verdict"][-1:]
     assert [c["check"] for c in last["checks"]] == ["gpu-processes"]

@@ -64,6 +64,19 @@ def test_a_newer_promoted_checkpoint_resets_the_recurrence_budget():
     assert names(stop_rules(Failure("network", 120, 1, 200, NOW), history, 9)) == []
 
 
+def test_a_rolled_back_pointer_is_no_progress_until_a_checkpoint_past_the_resume_is_promoted():
+    history = []
+    for n, c in enumerate(("hardware", "network", "hang")):
+        incident = past(c, 5000 + n, 5000, n=n)
+        incident.checkpoint = 4000  # each relaunched from 4000, the pointer rolled back to it
+        history.append(incident)
+    assert names(stop_rules(Failure("software", 4001, 1, 4000, NOW), history, 9)) == [
+        "no-checkpoint-progress"
+    ]
+    # 4800 promoted since: the job trained past where it resumed.
+    assert names(stop_rules(Failure("software", 4801, 1, 4800, NOW), history, 9)) == []
+
+
 def test_no_checkpoint_progress_across_three_recoveries_stops():
     history = [past(c, 100 + n, 100, n=n) for n, c in enumerate(("hardware", "network", "hang"))]
     assert names(stop_rules(Failure("software", 190, 1, 100, NOW), history, 9)) == ["no-checkpoint-progress"]

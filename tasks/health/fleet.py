@@ -123,9 +123,10 @@ def judge(
         report.verdict = worst(c.verdict for c in report.checks)
 
 
-def recorded(raw_dir: Path, nodes: list[str]) -> dict[str, dict[str, str] | None]:
-    """Each node's latest recorded facts (None for a node never read)."""
-    return {node: latest_facts(raw_dir, node) for node in nodes}
+def recorded(raw_dir: Path, nodes: list[str], max_age_days: float) -> dict[str, dict[str, str] | None]:
+    """Each node's latest recorded facts (None for a node never read, or not within
+    ``max_age_days``: health.conformance.max_age_days)."""
+    return {node: latest_facts(raw_dir, node, max_age_days) for node in nodes}
 
 
 def relaunched_note(facts_by_node: dict[str, dict[str, str] | None]) -> str:

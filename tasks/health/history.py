@@ -89,15 +89,21 @@ def record_facts(raw_dir: Path, node: str, facts: dict[str, str], now: datetime 
     append_jsonl(history_path(raw_dir, node), {"kind": FACTS, "at": at, "facts": facts})
 
 
-def latest_facts(raw_dir: Path, node: str) -> dict[str, str] | None:
-    """The node's facts as the conformance check last read them; None if never read (or its
-    history cannot be read: nothing is recorded to compare with)."""
+def latest_facts(
+    raw_dir: Path, node: str, max_age_days: float | None = None, now: datetime | None = None
+) -> dict[str, str] | None:
+    """The node's facts as the conformance check last read them; None if never read, read more
+    than ``max_age_days`` ago (an upgrade since may have changed them), or its history cannot be
+    read: nothing is recorded to compare with."""
     try:
         entries = read_history(raw_dir, node)
     except Unreadable:
         return None
     for entry in reversed(entries):
         if kind(entry) == FACTS and isinstance(entry.get("facts"), dict):
+            at = _at(entry)
+            if max_age_days is not None and (at is None or _now(now) - at > timedelta(days=max_age_days)):
+                return None
             return {str(k): str(v) for k, v in entry["facts"].items()}
     return None
 

@@ -334,8 +334,10 @@ def compare_fleet(reports: list[NodeReport], settings, admit: bool) -> None:
     facts = {r.node: r.facts for r in reports if r.facts}
     checked = {r.node for r in reports}
     others = [n for n in resolve_nodes(settings) if n not in checked and n not in settings.spares]
-    reference = {node: found for node, found in fleet.recorded(settings.raw_dir, others).items() if found}
+    recorded = fleet.recorded(settings.raw_dir, others, settings.conformance.max_age_days)
+    reference = {node: found for node, found in recorded.items() if found}
     if admit:
         fleet.judge(reports, facts, reference, settings, admit, "recorded nodes")
     else:
-        fleet.judge(reports, facts, reference | facts, settings, admit, "nodes")
+        fleet_now = {node: found for node, found in facts.items() if node not in settings.spares}
+        fleet.judge(reports, facts, reference | fleet_now, settings, admit, "nodes")

@@ -52,12 +52,21 @@ def _relaunched(incident: Incident) -> bool:
 
 
 def _since_progress(history: list[Incident], promoted: int | None) -> list[Incident]:
-    """Earlier incidents with no progress since: a checkpoint newer than the one promoted at their
-    failure resets the recurrence budget; a pointer rolled back to an older one (a fall back) is
-    no progress, and keeps them counting."""
+    """Earlier incidents with no progress since. The same checkpoint promoted as at their failure:
+    none. A pointer rolled back (a fall back) is no progress either, until the job has promoted a
+    checkpoint newer than the one that incident relaunched from: a rollback from 5000 to 4000
+    and a promotion of 4800 since is progress."""
     if promoted is None:
         return [i for i in history if i.promoted_at_failure is None]
-    return [i for i in history if i.promoted_at_failure is not None and promoted <= i.promoted_at_failure]
+    return [
+        i
+        for i in history
+        if i.promoted_at_failure is not None
+        and (
+            promoted == i.promoted_at_failure
+            or promoted <= min(i.promoted_at_failure, i.checkpoint if i.checkpoint is not None else promoted)
+        )
+    ]
 
 
 def _attempts(failure: Failure, history: list[Incident]) -> list[Incident]:
