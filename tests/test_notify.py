@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from infra.local_job.launch import write_job_script
 from tests.conftest import iter_dir
 from tests.helpers.receiver import Receiver
 
@@ -127,6 +128,7 @@ def test_a_recovery_waiting_for_approval_is_announced_by_the_servers_automation(
     from tasks.recovery.automation import install
 
     shutil.rmtree(iter_dir(save_dir, 24))
+    script = write_job_script(tmp_path / "job.sh", save_dir, tmp_path / "records.jsonl", train_iters=24)
     profile = write(
         tmp_path,
         {
@@ -134,7 +136,7 @@ def test_a_recovery_waiting_for_approval_is_announced_by_the_servers_automation(
             "verify": {"settle_seconds": 0},
             "recovery": {
                 "launcher": "local",
-                "script": str(tmp_path / "job.sh"),
+                "script": str(script),
                 "approval_timeout_seconds": 120,
             },
             "notify": {"block": "custom-webhook/test-pager"},

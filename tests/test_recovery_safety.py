@@ -21,6 +21,7 @@ from tasks.checkpoint.pins import pins
 from tasks.checkpoint.pointer import read_pointer
 from tasks.cluster import process
 from tasks.recovery.ledger import incidents, ledger_path
+from tasks.storage.local import read_jsonl
 from tests.conftest import ROOT, flip_byte, free_port, iter_dir
 from tests.helpers.poll import until
 from tests.test_cli import CKPTOPS
@@ -124,8 +125,8 @@ def recover(job: Job, *extra: str, env: dict | None = None, log: Path | None = N
 
 
 def ledger_lines(job: Job) -> list[dict]:
-    path = ledger_path(job.save)
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """The ledger's whole lines: one the recovery is appending while this reads is skipped."""
+    return read_jsonl(ledger_path(job.save))
 
 
 def relaunched(job: Job) -> str | None:
