@@ -217,7 +217,7 @@ def test_sigterm_closes_the_incident_as_interrupted_with_the_relaunch_named(fail
 
 
 def test_a_relaunch_that_makes_no_progress_is_cancelled_before_the_incident_stops(failed, tmp_path):
-    job = job_copy(failed, tmp_path, progress_timeout_seconds=25)
+    job = job_copy(failed, tmp_path, progress_timeout_seconds=12)
     # The relaunch inherits a hang: rank 0 stops before iteration 9, the first it would train.
     run = recover(job, env={"CKPTOPS_FAIL_AT": "0:9:hang"})
     out, err = run.communicate(timeout=600)
@@ -226,7 +226,7 @@ def test_a_relaunch_that_makes_no_progress_is_cancelled_before_the_incident_stop
         assert run.returncode == 1, err[-2000:]
         (incident,) = incidents(job.save)
         assert incident.outcome == "stopped" and incident.relaunched_job == new
-        assert "0 resumed steps after 25s, wanted 6" in incident.reason
+        assert "0 resumed steps after 12s, wanted 6" in incident.reason
         assert f"job {new} stopped" in incident.reason
         # Gone, with everything it started (torchrun and both ranks).
         assert not process.running(local_pid(new), incident.relaunch_process)
