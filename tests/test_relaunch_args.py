@@ -38,6 +38,22 @@ def test_megatron_lms_own_launch_script_is_read_as_megatron_lm_parses_it():
     assert "data_path" not in values
 
 
+def test_megatron_lms_llama_script_quoted_flag_elements_and_branches_are_read_as_bash_runs_them():
+    found = script_args(DATA / "megatron_lm_train_llama3_8b_h100_fp8.sh", {})
+    values = found.values
+    # Flag and value in one quoted array element, expanded unquoted: two words.
+    assert values["fp8"] == "hybrid" and values["split"] == "99,1,0" and values["vocab_size"] == 128256
+    # Variables of the script, a comment after a value, a commented-out flag.
+    assert (values["num_layers"], values["seq_length"], values["global_batch_size"]) == (32, 8192, 128)
+    assert values["rotary_base"] == 1000000 and values["add_bias_linear"] is False
+    assert "pipeline_model_parallel_size" not in values and values["tensor_model_parallel_size"] == 1
+    # The mock and the real data branch set two tokenizers: which one runs is not in the text.
+    assert found.unresolved["tokenizer_type"] == (
+        "the script sets it more than once (NullTokenizer; HuggingFaceTokenizer)"
+    )
+    assert found.unresolved["data_path"] == "the script sets it at run time ($DATA_ARG, that is ${4:-MOCK})"
+
+
 def test_variables_resolve_from_the_script_and_the_environment_the_relaunch_inherits(tmp_path):
     script = tmp_path / "job.sh"
     script.write_text(

@@ -228,10 +228,20 @@ def _lines(text: str) -> list[list[str]]:
         lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
         lexer.whitespace_split, lexer.commenters = True, ""
         try:
-            lines.append(_substitutions(list(lexer)))
+            tokens = _substitutions(list(lexer))
         except ValueError:  # a quote that spans lines: its words as they stand
-            lines.append(line.split())
+            tokens = line.split()
+        lines.append([word for token in tokens for word in _flag_words(token)])
     return lines
+
+
+def _flag_words(token: str) -> list[str]:
+    """A quoted array element holding a flag and its value (``"--fp8-format hybrid"``, as
+    Megatron-LM's own scripts write them) is split where the array is expanded unquoted: its
+    words, as bash would split them."""
+    if token.startswith("--") and any(c.isspace() for c in token):
+        return _split(token)
+    return [token]
 
 
 def _substitutions(tokens: list[str]) -> list[str]:
