@@ -203,14 +203,20 @@ def test_a_resharding_is_refused_until_a_passing_drill_loaded_the_job_onto_that_
     fits = _compared(trained, tmp_path, ["--tensor-model-parallel-size", "2"])
     (layout,) = fits.refused
     assert layout.kind is Kind.RESHARD and layout.words.startswith("layout: TP 1->2: a resharding no restore")
-    drilled = {(2, 1, 1): "shared-20261203T010000-ab12"}
+    drilled = {(2, 1): "shared-20261203T010000-ab12"}
     fits = _compared(trained, tmp_path, ["--tensor-model-parallel-size", "2"], drilled)
     assert fits.refused == []
     (layout,) = fits.needs_approval
-    assert "drill shared-20261203T010000-ab12 loaded" in layout.words
+    assert "drill shared-20261203T010000-ab12 loaded this job's checkpoint onto it" in layout.words
     # A drill onto another layout proves nothing about this one.
     fits = _compared(trained, tmp_path, ["--pipeline-model-parallel-size", "2"], drilled)
     assert [d.name for d in fits.refused] == ["layout"]
+    # Experts no drill reshards: a change of EP is refused with the drilled TP too.
+    fits = _compared(
+        trained, tmp_path, ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"], drilled
+    )
+    (layout,) = fits.refused
+    assert layout.words == "layout: TP 1->2 x EP 1->2: no restore drill reshards experts, refused"
 
 
 def test_the_fit_reads_drills_from_the_jobs_history_and_the_versions_from_the_jobs_python(trained, tmp_path):

@@ -47,14 +47,14 @@ def read_drills(save_dir: Path) -> list[dict]:
     return read_jsonl(history_path(save_dir))
 
 
-def drilled_layouts(save_dir: Path) -> dict[tuple[int, int, int], str]:
-    """The layouts (TP, PP, EP) a passing drill loaded this job's checkpoints onto, each with the
+def drilled_layouts(save_dir: Path) -> dict[tuple[int, int], str]:
+    """The layouts (TP, PP) a passing drill loaded this job's checkpoints onto, each with the
     newest such drill's id: the reshardings ckptops has seen load."""
     found = {}
     for drill in read_drills(save_dir):
         shape = drill.get("layout") or {}
         if drill.get("ok") is True and shape.get("tensor_parallel") and shape.get("pipeline_parallel"):
-            found[(int(shape["tensor_parallel"]), int(shape["pipeline_parallel"]), 1)] = str(drill.get("id"))
+            found[(int(shape["tensor_parallel"]), int(shape["pipeline_parallel"]))] = str(drill.get("id"))
     return found
 
 

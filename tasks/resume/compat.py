@@ -478,12 +478,12 @@ def compare(
     iteration: int,
     saved,
     script: ScriptArgs,
-    drilled: dict[tuple[int, int, int], str] | None = None,
+    drilled: dict[tuple[int, int], str] | None = None,
     writer: dict | None = None,
     versions: dict | None = None,
 ) -> Compatibility:
     """The script's flags against the checkpoint's saved ``args``. ``drilled``: the layouts
-    (TP, PP, EP) a passing restore drill loaded this job's checkpoints onto, with that drill's
+    (TP, PP) a passing restore drill loaded this job's checkpoints onto, with that drill's
     id. ``writer``: the versions the manifest recorded; ``versions``: the relaunch
     environment's (``job_versions``), None when not asked."""
     found = Compatibility(iteration, str(script.script), 0)
@@ -555,29 +555,24 @@ def layout_of(args) -> tuple[int, int, int]:
 
 
 def _layout(found: Compatibility, saved, script: ScriptArgs, drilled: dict) -> None:
+    """TP and PP a drill can prove (it loads the checkpoint onto another TP x PP, with the job's
+    experts as they were); EP no drill reshards, so a change of it is refused."""
     before = layout_of(saved)
     after = tuple(int(script.values.get(name, value)) for name, value in zip(LAYOUT, before, strict=True))
     labels = zip(LAYOUT.values(), before, after, strict=True)
     words = " x ".join(f"{label} {b}->{a}" for label, b, a in labels if a != b)
-    drill = drilled.get(after)
-    if drill is None:
-        found.differences.append(
-            Difference(
-                "layout",
-                Kind.RESHARD,
-                f"layout: {words}: a resharding no restore drill of this job has loaded "
-                "(drill onto it first: drill.layout), refused",
-            )
-        )
-    else:
-        found.differences.append(
-            Difference(
-                "layout",
-                Kind.APPROVE,
-                f"layout: {words}: a resharding drill {drill} loaded this job's checkpoint onto; "
-                "needs a person's approval",
-            )
-        )
+    drill = drilled.get(after[:2]) if after[2] == before[2] else None
+    if drill is not None:
+        drilled_by = f"drill {drill} loaded this job's checkpoint onto it"
+        said = f"layout: {words}: {drilled_by}; needs a person's approval"
+        found.differences.append(Difference("layout", Kind.APPROVE, said))
+        return
+    why = (
+        "no restore drill reshards experts"
+        if after[2] != before[2]
+        else "a resharding no restore drill of this job has loaded (drill onto it first: drill.layout)"
+    )
+    found.differences.append(Difference("layout", Kind.RESHARD, f"layout: {words}: {why}, refused"))
 
 
 def _versions(found: Compatibility, writer: dict, versions: dict) -> None:
