@@ -57,12 +57,23 @@ def wsd_decay_steps(args) -> int | None:
     return None if samples is None else int(samples)
 
 
-def saved_args(directory: Path) -> tuple[object, dict]:
-    """The job's Megatron-LM arguments as the checkpoint saved them (its common state, read with
-    the safe loader), and the writer's versions its manifest recorded (empty if never verified)."""
-    directory = Path(directory)
+def _manifest_and_common(directory: Path):
+    """The checkpoint's manifest (None if never verified) and its common state, read with the safe
+    loader. The manifest first: one whose signature the profile does not accept stops here,
+    before any of the checkpoint is loaded."""
+    if layout.parse_iter_dir(directory.name) is None or not directory.is_dir():
+        raise UsageError(f"{directory}: not a checkpoint directory (expected iter_NNNNNNN)")
     manifest = read_manifest(directory)
-    common = load_common_state(directory, build_index(load_dcp_metadata(directory / layout.DCP_METADATA)))
+    return manifest, load_common_state(
+        directory, build_index(load_dcp_metadata(directory / layout.DCP_METADATA))
+    )
+
+
+def saved_args(directory: Path) -> tuple[object, dict]:
+    """The job's Megatron-LM arguments as the checkpoint saved them, and the writer's versions
+    its manifest recorded (empty if never verified)."""
+    directory = Path(directory)
+    manifest, common = _manifest_and_common(directory)
     if common.get("args") is None:
         raise UsageError(f"{directory}: its common state holds no Megatron-LM args")
     return common["args"], (manifest.writer if manifest is not None else {})
@@ -71,13 +82,7 @@ def saved_args(directory: Path) -> tuple[object, dict]:
 def checkpoint_facts(directory: Path) -> CheckpointFacts:
     """What the checkpoint says it is (its own common state, read with the safe loader)."""
     directory = Path(directory)
-    iteration = layout.parse_iter_dir(directory.name)
-    if iteration is None or not directory.is_dir():
-        raise UsageError(f"{directory}: not a checkpoint directory (expected iter_NNNNNNN)")
-    # First: a manifest whose signature the profile does not accept stops here, before any of
-    # the checkpoint is loaded.
-    manifest = read_manifest(directory)
-    common = load_common_state(directory, build_index(load_dcp_metadata(directory / layout.DCP_METADATA)))
+    manifest, common = _manifest_and_common(directory)
     args = common.get("args")
     not_valid = (
         None

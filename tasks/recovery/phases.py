@@ -128,13 +128,14 @@ def certifications(profile, iterations: list[int]) -> dict[int, bool | None]:
     return {iteration: found.get(iteration) for iteration in iterations}
 
 
-def relaunch_compatibility(profile, iteration: int) -> compat.Compatibility:
+def relaunch_compatibility(profile, iteration: int, versions: dict | None = None) -> compat.Compatibility:
     """The relaunch script's Megatron-LM flags against what checkpoint ``iteration`` saved, in
-    the environment the relaunch inherits (tasks.resume.compat)."""
+    the environment the relaunch inherits (tasks.resume.compat); ``versions``: the relaunch
+    environment's, when an earlier comparison has asked them."""
     jobs.check_script(profile.recovery.script)  # before any node is touched, as at the submission
     env, _ = jobs.step_passing(profile.recovery, iteration)
     directory = Path(profile.job.save_dir) / layout.iter_dir_name(iteration)
-    return compat.checkpoint_fit(profile, directory, profile.recovery.script, {**os.environ, **env})
+    return compat.checkpoint_fit(profile, directory, profile.recovery.script, {**os.environ, **env}, versions)
 
 
 def unusable(profile) -> str:

@@ -61,12 +61,15 @@ def _since_progress(history: list[Incident], promoted: int | None) -> list[Incid
     return [
         i
         for i in history
-        if i.promoted_at_failure is not None
-        and (
-            promoted == i.promoted_at_failure
-            or promoted <= min(i.promoted_at_failure, i.checkpoint if i.checkpoint is not None else promoted)
-        )
+        if i.promoted_at_failure is not None and (promoted == i.promoted_at_failure or promoted <= _loaded(i))
     ]
+
+
+def _loaded(incident: Incident) -> int:
+    """The checkpoint ``incident``'s relaunch loaded, at most the one promoted at its failure
+    (that one, for an incident that records none)."""
+    promoted, loaded = incident.promoted_at_failure, incident.checkpoint
+    return promoted if loaded is None else min(promoted, loaded)
 
 
 def _attempts(failure: Failure, history: list[Incident]) -> list[Incident]:

@@ -516,7 +516,7 @@ class _Recovery:
             if not self._reverified(chosen):
                 self._stop(f"checkpoint {chosen}, the approver's choice, failed re-verification")
                 return None
-            other = self._fits(chosen)
+            other = self._fits(chosen, fits.versions)
             if other is None:
                 return None
             shown = {d.words for d in fits.needs_approval}
@@ -529,10 +529,10 @@ class _Recovery:
                 return None
         return chosen
 
-    def _fits(self, chosen: int) -> Compatibility | None:
+    def _fits(self, chosen: int, versions: dict | None = None) -> Compatibility | None:
         """The relaunch script against checkpoint ``chosen`` (kept in the incident); None, with
         the incident stopped, when a difference refuses the relaunch outright."""
-        fits = self._do("compare-args", relaunch_compatibility, self.profile, chosen)
+        fits = self._do("compare-args", relaunch_compatibility, self.profile, chosen, versions)
         self.incident.relaunch_args = [fits.summary(), *fits.lines()]
         self._save()
         if fits.refused:

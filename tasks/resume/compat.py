@@ -403,9 +403,6 @@ class Difference:
     kind: Kind
     words: str
 
-    def to_dict(self) -> dict:
-        return {"name": self.name, "kind": str(self.kind), "words": self.words}
-
 
 @dataclass
 class Compatibility:
@@ -413,6 +410,7 @@ class Compatibility:
     script: str
     compared: int
     differences: list[Difference] = field(default_factory=list)
+    versions: dict | None = None  # the relaunch environment's, as asked (``job_versions``)
 
     def of(self, *kinds: Kind) -> list[Difference]:
         return [d for d in self.differences if d.kind in kinds]
@@ -435,14 +433,6 @@ class Compatibility:
 
     def lines(self) -> list[str]:
         return [f"{d.kind}: {d.words}" for d in self.differences]
-
-    def to_dict(self) -> dict:
-        return {
-            "checkpoint": self.checkpoint,
-            "script": self.script,
-            "compared": self.compared,
-            "differences": [d.to_dict() for d in self.differences],
-        }
 
 
 def _same(a, b) -> bool:
@@ -486,7 +476,7 @@ def compare(
     (TP, PP) a passing restore drill loaded this job's checkpoints onto, with that drill's
     id. ``writer``: the versions the manifest recorded; ``versions``: the relaunch
     environment's (``job_versions``), None when not asked."""
-    found = Compatibility(iteration, str(script.script), 0)
+    found = Compatibility(iteration, str(script.script), 0, versions=versions)
     add = lambda kind, name, words: found.differences.append(Difference(name, kind, words))  # noqa: E731
     taken = {
         name: switch
@@ -636,18 +626,22 @@ def job_versions(job_python: list[str], timeout_seconds: float) -> dict:
 JOB_PYTHON_TIMEOUT_SECONDS = 120.0
 
 
-def checkpoint_fit(profile, directory: Path, script: Path, environ: dict[str, str]) -> Compatibility:
+def checkpoint_fit(
+    profile, directory: Path, script: Path, environ: dict[str, str], versions: dict | None = None
+) -> Compatibility:
     """``script`` (run in ``environ``) against the checkpoint in ``directory``: its saved args,
     the job's drilled layouts, and the relaunch environment's versions against the writer's when
-    ``recovery.job_python`` says how to ask."""
+    ``recovery.job_python`` says how to ask (``versions``: as an earlier comparison asked them;
+    they do not change with the checkpoint)."""
     saved, writer = saved_args(directory)
     found = script_args(script, environ)
     recovery = getattr(profile, "recovery", None)
-    versions = (
-        job_versions(recovery.job_python, JOB_PYTHON_TIMEOUT_SECONDS)
-        if recovery is not None and recovery.job_python
-        else {"error": "not asked (recovery.job_python is not set)"}
-    )
+    if versions is None:
+        versions = (
+            job_versions(recovery.job_python, JOB_PYTHON_TIMEOUT_SECONDS)
+            if recovery is not None and recovery.job_python
+            else {"error": "not asked (recovery.job_python is not set)"}
+        )
     return compare(
         layout.parse_iter_dir(Path(directory).name),
         saved,
