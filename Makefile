@@ -52,8 +52,9 @@ lint: venv
 # fixture run on one worker (tests/conftest.py, xdist_group); the others wherever one is free.
 PARALLEL ?= -n 2 --dist loadgroup
 
+# The Slurm cluster make started is stopped after the tests, whatever they found.
 test: venv sshd slurm postgres chromium lint
-	$(BIN)/python -m pytest $(PARALLEL)
+	$(BIN)/python -m pytest $(PARALLEL); status=$$?; infra/slurm/local_cluster.sh down; exit $$status
 
 # The inner loop: no training, no servers, no cluster (the tests not marked slow).
 test-quick: venv lint

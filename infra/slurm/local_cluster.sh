@@ -4,7 +4,7 @@
 # (installed here if missing). Everything lives in one state directory.
 #
 #   infra/slurm/local_cluster.sh up   [DIR]   start (or reuse) it; prints `export SLURM_CONF=...`
-#   infra/slurm/local_cluster.sh down [DIR]   stop slurmctld and every slurmd
+#   infra/slurm/local_cluster.sh down [DIR]   stop slurmctld, every slurmd, and munged if up started it
 #
 # DIR defaults to data/slurm in the repository. Needs root (the daemons run as root here, as
 # a throwaway test cluster).
@@ -29,7 +29,8 @@ start_munge() {
     [ -f /etc/munge/munge.key ] || mungekey --create
     chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
     mkdir -p /run/munge && chown munge:munge /run/munge
-    pgrep -x munged >/dev/null || su -s /bin/sh munge -c /usr/sbin/munged
+    # Started here, it is ours to stop with the cluster; one already running is left alone.
+    pgrep -x munged >/dev/null || { su -s /bin/sh munge -c /usr/sbin/munged && touch "$dir/munged.ours"; }
 }
 
 write_conf() {
@@ -84,9 +85,22 @@ up() {
 down() {
     [ -f "$conf" ] || return 0
     timeout 30 scontrol shutdown 2>/dev/null || true
+    pids=""
     for pidfile in "$dir"/slurmctld.pid "$dir"/slurmd-*.pid; do
-        [ -f "$pidfile" ] && kill "$(cat "$pidfile")" 2>/dev/null || true
+        [ -f "$pidfile" ] && pids="$pids $(cat "$pidfile")"
     done
+    [ -n "$pids" ] && kill $pids 2>/dev/null || true
+    # munged last, once the daemons are gone: a slurmd that loses munge mid-shutdown hangs.
+    for _ in $(seq 40); do
+        alive=""
+        for pid in $pids; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        [ -z "$alive" ] && break
+        sleep 0.25
+    done
+    if [ -f "$dir/munged.ours" ]; then
+        pkill -x munged || true
+        rm -f "$dir/munged.ours"
+    fi
 }
 
 case $action in
