@@ -12,7 +12,7 @@ from pathlib import Path
 from tasks.checkpoint import layout
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
 from tasks.checkpoint.manifest import read_manifest
-from tasks.errors import UsageError
+from tasks.errors import Malformed, UsageError
 
 
 def scheduler_unit(num_steps, consumed: int | None, iteration: int | None) -> str | None:
@@ -83,6 +83,16 @@ def checkpoint_facts(directory: Path) -> CheckpointFacts:
     """What the checkpoint says it is (its own common state, read with the safe loader)."""
     directory = Path(directory)
     manifest, common = _manifest_and_common(directory)
+    try:
+        return _facts(directory, manifest, common)
+    except (KeyError, AttributeError, TypeError, ValueError) as e:
+        # The safe loader read it, but it is not the common state Megatron-LM writes.
+        raise Malformed(
+            f"{directory}: its common state lacks what Megatron-LM keeps there ({type(e).__name__}: {e})"
+        ) from None
+
+
+def _facts(directory: Path, manifest, common: dict) -> CheckpointFacts:
     args = common.get("args")
     not_valid = (
         None

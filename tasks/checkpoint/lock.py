@@ -3,6 +3,8 @@
 An advisory ``flock`` on ``<save>/.ckptops.lock``. The kernel drops it when the holder dies, so a
 crashed run never leaves the job locked. (On Lustre this needs the ``flock`` mount option; on NFS
 v4 it maps to byte-range locks.) The file's content names the holder for the error message only.
+It is opened by ``open_for_writing``: a link or a hard link planted at its name is refused in one
+line, never written through (the holder's stamp would overwrite its target).
 """
 
 import fcntl
@@ -15,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.checkpoint.layout import LOCK
-from tasks.errors import LockTimeout, UsageError, unreadable
+from tasks.errors import LockTimeout, UsageError
+from tasks.storage.local import open_for_writing
 
 _POLL_SECONDS = 0.1
 
@@ -48,10 +51,7 @@ def job_lock(save_dir: Path, timeout_seconds: float, name: str = LOCK):
     path = Path(save_dir) / name
     if not Path(save_dir).is_dir():
         raise UsageError(f"{save_dir}: no such save directory")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise unreadable(path, e) from None
+    fd = open_for_writing(path)  # a link planted at the lock's name is refused, never followed
     try:
         deadline = time.monotonic() + timeout_seconds
         while True:

@@ -24,11 +24,13 @@ from tasks.checkpoint.layout import PINS, iter_dir_name, parse_iter_dir
 from tasks.checkpoint.manifest import now_iso
 from tasks.cluster.process import gone, identity
 from tasks.errors import CkptopsError, UsageError, unreadable
-from tasks.storage.local import TEMP_MARK, atomic_write
+from tasks.storage.local import TEMP_MARK, atomic_write, open_regular, warn_once
 
 _HOLDER = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 # Longer than any drill or archive copy of a 7 TB checkpoint runs (their own timeouts are hours).
 LEASE_MAX_AGE_HOURS = 48
+# More than any pin ckptops writes holds (a reason and a lease); the rest of a larger file is not read.
+_PIN_LIMIT = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,9 @@ def unpin(save_dir: Path, iteration: int, holder: str) -> bool:
 
 
 def all_pins(save_dir: Path) -> list[Pin]:
-    """Every pin file, active or expired (a file that does not parse is an operator's pin: kept)."""
+    """Every pin file, active or expired. One that is not a pin ckptops wrote (a link, a FIFO,
+    bad UTF-8, not JSON) is an operator's pin, kept, with one warning naming it: a pin errs on
+    the side of keeping the checkpoint, and never blocks the reader."""
     found = []
     folder = Path(save_dir) / PINS
     if not folder.is_dir():
@@ -98,9 +102,12 @@ def all_pins(save_dir: Path) -> list[Pin]:
         if iteration is None or not holder or TEMP_MARK in holder:
             continue
         try:
-            record = json.loads(path.read_text())
-            record = record if isinstance(record, dict) else {}
-        except (OSError, ValueError):
+            with open_regular(path, follow=False) as f:
+                record = json.loads(f.read(_PIN_LIMIT))
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except (CkptopsError, OSError, ValueError) as e:
+            warn_once(f"{path}: not a pin ckptops wrote ({e}); kept as an operator's pin")
             record = {}
         lease = record.get("lease") if isinstance(record.get("lease"), dict) else None
         found.append(

@@ -98,18 +98,30 @@ class _Change:
     gap: bool
 
 
+def _iteration_or_none(value) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _is_change(entry: dict) -> bool:
+    """Whether a line of the promotion log is a change of the pointer as ``record_promotion``
+    writes it: a time, and iterations that are numbers (or none)."""
+    stamp = entry.get("time")
+    return (
+        isinstance(stamp, int | float)
+        and not isinstance(stamp, bool)
+        and "iteration" in entry
+        and _iteration_or_none(entry["iteration"])
+        and _iteration_or_none(entry.get("previous"))
+    )
+
+
 def _changes(save_dir: Path) -> list[_Change]:
-    changes = []
-    for entry in read_jsonl(Path(save_dir) / HISTORY / PROMOTIONS):
-        try:
-            changes.append(
-                _Change(
-                    float(entry["time"]), entry["iteration"], entry.get("previous"), bool(entry.get("gap"))
-                )
-            )
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue  # not a promotion entry
-    return changes
+    """The pointer's changes, oldest first; a line that is not one (bytes ckptops did not write)
+    is skipped with one warning naming the file and line, and never stops a promotion."""
+    return [
+        _Change(float(e["time"]), e["iteration"], e.get("previous"), bool(e.get("gap")))
+        for e in read_jsonl(Path(save_dir) / HISTORY / PROMOTIONS, _is_change)
+    ]
 
 
 def last_logged(save_dir: Path) -> tuple[bool, int | None]:

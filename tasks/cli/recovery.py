@@ -182,6 +182,7 @@ def incidents(
     with expected_errors():
         from tasks.recovery.ledger import read_ledger
         from tasks.recovery.report import incident_rows, timeline_png
+        from tasks.storage.local import write_output
 
         prof = profile_for(profile, save_dir)
         read = read_ledger(prof.job.save_dir)
@@ -189,7 +190,7 @@ def incidents(
             warn(problem)
         found = [i for i in read.incidents if i.job == prof.job.name]
         if plot is not None and found:
-            plot.write_bytes(timeline_png(found))
+            write_output(plot, timeline_png(found))
     if as_json:
         out.print_json(json.dumps([i.to_dict() for i in found]))
         return

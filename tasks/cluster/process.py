@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from tasks.errors import CkptopsError
+from tasks.storage.local import open_for_writing
 
 _POLL_SECONDS = 0.5
 
@@ -84,7 +85,8 @@ def identity(pid: int | None = None) -> dict:
 def gone(holder: dict) -> str | None:
     """Why ``holder`` (an ``identity``) no longer runs, if this host can tell: None while it runs,
     and None for another host's process (only its age can retire it)."""
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or pid < 0:
         return None
     try:
         started = psutil.Process(holder["pid"]).create_time()
@@ -92,7 +94,10 @@ def gone(holder: dict) -> str | None:
         return f"process {holder['pid']} is gone"
     except psutil.Error:
         return None
-    if abs(started - float(holder.get("started") or 0)) > 1.0:
+    recorded = holder.get("started")
+    if not isinstance(recorded, int | float) or isinstance(recorded, bool):
+        return f"process {holder['pid']}: no start time recorded, so not provably the holder"
+    if abs(started - recorded) > 1.0:
         return f"process {holder['pid']} is gone (the pid now belongs to another process)"
     return None
 
@@ -101,13 +106,17 @@ def start(
     argv: list[str], log: Path, env: dict | None = None, cwd: Path | None = None, append: bool = False
 ) -> subprocess.Popen:
     """Start ``argv`` in a session of its own, stdout and stderr into ``log`` (after what it
-    holds, with ``append``). Every process ckptops starts and leaves running starts here."""
+    holds, with ``append``). Every process ckptops starts and leaves running starts here. The
+    log is opened by ``open_for_writing``: a link planted at its name is refused, never followed."""
     log = Path(log)
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab" if append else "wb") as sink:
+    sink = open_for_writing(log, append=append, truncate=not append)
+    try:
         return subprocess.Popen(
             argv, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
         )
+    finally:
+        os.close(sink)
 
 
 def running(pid: int, holder: dict | None = None) -> bool:

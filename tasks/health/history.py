@@ -35,13 +35,18 @@ def history_path(raw_dir: Path, node: str) -> Path:
 
 
 def read_history(raw_dir: Path, node: str) -> list[dict]:
-    """The node's lines, oldest first (none for a node never checked or named); an unreadable
-    file is an ``Unreadable`` error naming it."""
-    return [e for e in read_jsonl(history_path(raw_dir, node)) if isinstance(e, dict)]
+    """The node's lines, oldest first (none for a node never checked or named); a line that is
+    not one of ours is skipped with one warning naming the file and line (a byte nobody meant
+    never stops the sweep); an unreadable file is an ``Unreadable`` error naming it."""
+    return read_jsonl(history_path(raw_dir, node), _is_entry)
 
 
 def kind(entry: dict) -> str:
     return entry.get("kind", VERDICT)
+
+
+def _is_entry(entry: dict) -> bool:
+    return kind(entry) in (VERDICT, SUSPECT, ADMITTED, FACTS)
 
 
 def _now(now: datetime | None) -> datetime:
@@ -133,9 +138,14 @@ def counted_suspicions(entries: list[dict], window_days: float, now: datetime | 
 
 def suspect_check(raw_dir: Path, node: str, settings, now: datetime | None = None) -> HealthCheck | None:
     """FAIL_HARDWARE (drain and replace) when the node was a suspect in ``repeat`` incidents
-    within the window; None otherwise (nothing to add to the node's report)."""
+    within the window; None otherwise (nothing to add to the node's report); TOOL_ERROR when
+    its history cannot be read (the sweep goes on)."""
     rule = settings.suspect
-    counted = counted_suspicions(read_history(raw_dir, node), rule.window_days, now)
+    try:
+        entries = read_history(raw_dir, node)
+    except Unreadable as e:
+        return result(CheckName.SUSPECT_HISTORY, Verdict.TOOL_ERROR, Evidence(f"history not read: {e}"))
+    counted = counted_suspicions(entries, rule.window_days, now)
     if len(counted) < rule.repeat:
         return None
     named = ", ".join(f"{e.get('incident')} ({e.get('at')})" for e in counted)

@@ -13,8 +13,9 @@ ckptops writes, for each node it judges unhealthy (FAIL_HARDWARE, FAIL_CONFIG, a
 suspect), the file of every allocation unit running on it (``squeue -w NODE``), naming the node,
 its verdict and why; and removes the node from every file of ours when it passes again (the file
 goes when no node is left in it). SUSPECT and TOOL_ERROR change nothing. Files are replaced
-whole (written aside, then renamed), so NVRx never sees one half-written or empty; files this
-module did not write are never touched.
+whole (``atomic_write``: a temporary with a random name, fsynced, renamed), so NVRx never sees
+one half-written or empty and a link planted in the directory is never written through; files
+this module did not write (a link among them) are never touched.
 """
 
 import fcntl
@@ -27,10 +28,13 @@ from pathlib import Path
 from tasks.cluster import slurm
 from tasks.errors import CkptopsError
 from tasks.outcome import Verdict
+from tasks.storage.local import atomic_write, open_for_writing, open_regular
 
 PREFIX = "segment_health_check."
 PRODUCER = "ckptops"
 LOCK = ".ckptops-segments.lock"
+# Larger than any file of ours (one line per node of a unit); a larger one is another producer's.
+_OURS_LIMIT = 1 << 20
 
 
 @dataclass
@@ -67,10 +71,12 @@ def allocation_units(node: str) -> list[tuple[str, str]]:
 
 
 def _ours(path: Path) -> dict | None:
-    """The content of a segment file ckptops wrote; None for anything else (left alone)."""
+    """The content of a segment file ckptops wrote; None for anything else (left alone): a link,
+    a FIFO, a file too large or that does not parse as ours."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        with open_regular(path, follow=False) as f:
+            data = json.loads(f.read(_OURS_LIMIT + 1))
+    except (CkptopsError, OSError, ValueError):
         return None
     if isinstance(data, dict) and data.get("producer") == PRODUCER and isinstance(data.get("nodes"), dict):
         return data
@@ -79,12 +85,7 @@ def _ours(path: Path) -> dict | None:
 
 def _replace(path: Path, data: dict) -> None:
     """The file replaced whole: written beside it, fsynced, renamed over it."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "w") as f:
-        f.write(json.dumps(data, indent=1, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+    atomic_write(path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
 
 
 def publish(reports, settings, units=allocation_units, now: datetime | None = None) -> SegmentUpdate:
@@ -96,11 +97,17 @@ def publish(reports, settings, units=allocation_units, now: datetime | None = No
         return update
     at = (now or datetime.now(UTC)).isoformat(timespec="seconds")
     try:
-        with open(directory / LOCK, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one writer at a time (several sweeps, one directory)
-            _publish(reports, directory, units, at, update)
+        lock = open_for_writing(directory / LOCK)
+    except CkptopsError as e:
+        update.errors.append(f"health.nvrx_segment_dir: {e}")
+        return update
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one writer at a time (several sweeps, one directory)
+        _publish(reports, directory, units, at, update)
     except OSError as e:
         update.errors.append(f"health.nvrx_segment_dir {directory}: {e.strerror or e}")
+    finally:
+        os.close(lock)
     update.written = sorted(set(update.written))
     return update
 
@@ -117,11 +124,17 @@ def _publish(reports, directory: Path, units, at: str, update: SegmentUpdate) ->
 
 
 def _exclude(report, directory: Path, allocation: list[tuple[str, str]], at: str, update) -> None:
-    """The node named in the file of every allocation unit running on it."""
+    """The node named in the file of every allocation unit running on it. A link at a file's name
+    excludes nothing NVRx can count on (it may point nowhere): it is replaced by our file, never
+    written through, and said."""
     for job_id, task_id in allocation:
         name = segment_name(job_id, task_id)
         path = directory / name
-        data = _ours(path) if path.exists() else {"producer": PRODUCER, "nodes": {}}
+        data = {"producer": PRODUCER, "nodes": {}}
+        if path.is_symlink():
+            update.errors.append(f"{name}: a symbolic link; replaced by our file, what it named untouched")
+        elif path.exists():
+            data = _ours(path)
         if data is None:
             continue  # another producer's file: it already excludes the unit
         data["nodes"][report.node] = {"verdict": report.verdict.value, "why": report.summary, "at": at}

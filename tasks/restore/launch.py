@@ -17,6 +17,7 @@ from string import Template
 from tasks.cluster import process
 from tasks.errors import CkptopsError, UsageError
 from tasks.restore.report import LoadReport, first_error, read_report
+from tasks.storage.local import atomic_write, open_for_writing, write_all
 
 # The drill allocation's batch script: package data, found the same way installed or in a checkout.
 SBATCH_TEMPLATE = importlib.resources.files("tasks.restore") / "restore_drill.sbatch"
@@ -169,7 +170,9 @@ def _run_slurm(profile, layout: LoaderShape, arguments: list[str], report: Path,
     slurm = profile.drill.slurm
     script = report.with_suffix(".sbatch")
     output = log.with_suffix(".job.log")
-    script.write_text(render_sbatch(slurm, layout, arguments, output, f"ckptops-drill-{profile.job.name}"))
+    atomic_write(
+        script, render_sbatch(slurm, layout, arguments, output, f"ckptops-drill-{profile.job.name}").encode()
+    )
     try:
         sbatch_wait([str(script)], log, profile.drill.load_timeout_seconds, "the drill's Slurm job")
     finally:
@@ -205,6 +208,9 @@ def _append(log: Path, output: Path) -> None:
         text = output.read_text(errors="replace")
     except OSError:
         return
-    with open(log, "a") as f:
-        f.write(f"\n# the Slurm job's output\n{text}")
+    fd = open_for_writing(log, append=True)
+    try:
+        write_all(fd, f"\n# the Slurm job's output\n{text}".encode())
+    finally:
+        os.close(fd)
     output.unlink()

@@ -1,8 +1,19 @@
-"""POSIX storage primitives that must survive a crash at any instruction.
+"""POSIX storage primitives that must survive a crash at any instruction, and a planted link.
 
 ``atomic_write`` is the only way ckptops writes a file that others read (the promotion pointer,
-manifests): a reader sees the old content or the new, never an empty or partial file. Each step
-is its own function so the crash tests can kill the process between any two of them.
+manifests, NVRx files, raw outputs): a reader sees the old content or the new, never an empty or
+partial file. Each step is its own function so the crash tests can kill the process between any
+two of them. Its temporary is made by ``mkstemp`` in the target's folder (``O_CREAT | O_EXCL |
+O_NOFOLLOW``, a random name), so a link planted at a name ckptops would use is never written
+through: the rename replaces a link at the target itself, never what it points to.
+
+``open_for_writing`` is the only way ckptops writes into a file in place (a lock, a JSON-lines
+log, a command's log): opened without following links, and refused in one line when what is at
+the path is a link, anything but a regular file, or a file with another hard link.
+
+``read_jsonl`` reads ckptops's own logs back and survives bytes it did not write: a line that
+does not decode, parse, or hold a JSON object is skipped, with one warning naming the file and
+the lines (through ``logging``: the CLI's stderr, the worker's log).
 
 Files ckptops writes get mode 0644 whatever the umask (0600 for anything holding a secret), and
 the group of the directory they are written into: a umask of 002 must not make a manifest or the
@@ -10,15 +21,19 @@ pointer writable by the whole group, and the job's project group must be able to
 """
 
 import contextlib
+import errno
 import json
+import logging
 import os
 import secrets
 import shutil
 import stat
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
+from functools import cache
 from pathlib import Path
 
-from tasks.errors import Malformed, UsageError, unreadable
+from tasks.errors import Malformed, Unreadable, UsageError, unreadable
 
 TEMP_MARK = ".tmp-"
 TRASH_PREFIX = ".ckptops-trash-"
@@ -50,14 +65,13 @@ def _set_access(fd: int, directory: Path, mode: int) -> None:
 
 
 def _write_temp(path: Path, data: bytes, mode: int = PUBLIC_MODE) -> Path:
-    # O_EXCL: a temp name is never shared, so two writers can never interleave in one file.
-    tmp = path.with_name(f"{path.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    # mkstemp: O_EXCL and O_NOFOLLOW on a random name, so a temp is never shared (two writers
+    # never interleave in one file) and a link planted where a temp would go is never followed.
+    fd, name = tempfile.mkstemp(prefix=f"{path.name}{TEMP_MARK}{os.getpid()}-", dir=path.parent)
+    tmp = Path(name)
     try:
         _set_access(fd, path.parent, mode)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        write_all(fd, data)
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)  # a full disk must not leave half a file behind
@@ -66,8 +80,15 @@ def _write_temp(path: Path, data: bytes, mode: int = PUBLIC_MODE) -> Path:
     return tmp
 
 
+def write_all(fd: int, data: bytes) -> None:
+    """Every byte of ``data`` to ``fd`` (one ``os.write`` may take only part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     finally:
@@ -135,23 +156,81 @@ def read_json_state(path: Path, what: str):
         raise Malformed(f"{path}: {what} does not parse ({e})") from None
 
 
+def _refusal(path: Path, why: str) -> Malformed:
+    return Malformed(
+        f"{path}: {why}; ckptops writes in place only a regular file of its own, opened without "
+        "following links (remove it)"
+    )
+
+
+def _what_is_there(path: Path) -> str:
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "not a regular file"
+    return "a symbolic link" if stat.S_ISLNK(mode) else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def open_for_writing(path: Path, append: bool = False, truncate: bool = False) -> int:
+    """A read-write descriptor on the regular file at ``path`` (``O_APPEND`` with ``append``;
+    emptied with ``truncate``), created if absent with mode 0644 and its directory's group; an
+    existing file keeps its mode and group. Never through a link: a symbolic link at ``path``
+    (``O_NOFOLLOW``), a FIFO, device or directory, or a file with another hard link (writing it
+    would write that other name too) is ``Malformed``, one line naming the path, and nothing is
+    written. Checked on the opened descriptor, so nothing can be swapped in between; emptied
+    only after the check."""
+    path = Path(path)
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_APPEND if append else 0)
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, PUBLIC_MODE)
+        created = True
+    except FileExistsError:
+        created = False
+        try:
+            fd = os.open(path, flags)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise _refusal(path, _what_is_there(path)) from None
+            raise unreadable(path, e) from None
+    except OSError as e:
+        raise unreadable(path, e) from None
+    try:
+        if created:
+            _set_access(fd, path.parent, PUBLIC_MODE)
+        else:
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode):
+                raise _refusal(path, _KINDS.get(stat.S_IFMT(found.st_mode), "not a regular file"))
+            if found.st_nlink != 1:
+                raise _refusal(path, f"a file with {found.st_nlink} hard links")
+            if truncate:
+                os.ftruncate(fd, 0)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def write_output(path: Path, data: bytes) -> None:
+    """Write a file the user named (``--plot``) in place, through ``open_for_writing``: a link
+    there is refused in one line, never followed and never replaced (``/dev/stdout`` is one)."""
+    fd = open_for_writing(path, truncate=True)
+    try:
+        write_all(fd, data)
+    finally:
+        os.close(fd)
+
+
 def append_jsonl(path: Path, entry: dict) -> None:
     """Append one line to a JSON-lines log: one write on an O_APPEND file (lines of concurrent
     writers never interleave), after a newline if a torn line ends the file (so a crash mid-append
-    costs that line only), fsynced."""
+    costs that line only), fsynced. The log is opened by ``open_for_writing``: a link planted at
+    its path is refused, never followed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = (json.dumps(entry) + "\n").encode()
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL, PUBLIC_MODE)
-    except FileExistsError:
-        fd = os.open(path, os.O_RDWR | os.O_APPEND)  # an existing log keeps its mode and group
-    else:
-        try:
-            _set_access(fd, path.parent, PUBLIC_MODE)
-        except BaseException:
-            os.close(fd)
-            raise
+    fd = open_for_writing(path, append=True)
     try:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
@@ -163,22 +242,60 @@ def append_jsonl(path: Path, entry: dict) -> None:
         os.close(fd)
 
 
-def read_jsonl(path: Path) -> list:
-    """Every whole line of a JSON-lines log, oldest first; torn lines are skipped; no file is an
-    empty log. An unreadable file is an ``Unreadable`` error naming it."""
+_log = logging.getLogger(__name__)
+# Line numbers named in a warning; the rest are counted.
+_NAMED_LINES = 10
+
+
+@cache
+def warn_once(line: str) -> None:
+    """A warning about a file ckptops reads (one line naming it), given once per process: a
+    reader called again (a promotion reads its log several times) does not repeat it."""
+    _log.warning(line)
+
+
+def _warn_skipped(path: Path, lines: list[int]) -> None:
+    named = ", ".join(map(str, lines[:_NAMED_LINES]))
+    more = f" and {len(lines) - _NAMED_LINES} more" if len(lines) > _NAMED_LINES else ""
+    warn_once(
+        f"{path}: {'line' if len(lines) == 1 else 'lines'} {named}{more} skipped: not a record "
+        "ckptops wrote (bad UTF-8, not JSON, or not an entry of this log); the rest is used"
+    )
+
+
+def read_jsonl(path: Path, fits: Callable[[dict], bool] | None = None) -> list[dict]:
+    """Every entry of a JSON-lines log ckptops writes, oldest first; no file is an empty log.
+    Bytes ckptops did not write never stop a reader: a line that is not UTF-8, does not parse,
+    is not a JSON object, or that ``fits`` (the caller's shape of an entry) rejects is skipped,
+    and one warning names the file and those lines (a torn last line, from a crash mid-append,
+    among them). An unreadable file, or one that is not a regular file, is one ``Unreadable``
+    error naming it."""
     path = Path(path)
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    except OSError as e:
-        raise unreadable(path, e) from None
-    entries = []
-    for line in text.splitlines():
-        try:
-            entries.append(json.loads(line))
-        except ValueError:
+        with open_regular(path) as f:
+            data = f.read()
+    except UsageError:  # a FIFO, a device or a directory where the log should be
+        raise Unreadable(
+            f"{path}: {_what_is_there(path)}, not a regular file like every log of ours"
+        ) from None
+    except Unreadable:
+        if not os.path.lexists(path):
+            return []
+        raise
+    entries, skipped = [], []
+    for number, line in enumerate(data.split(b"\n"), 1):
+        if not line.strip():
             continue
+        try:
+            entry = json.loads(line.decode())
+            if not isinstance(entry, dict) or (fits is not None and not fits(entry)):
+                raise ValueError("not an entry")
+        except (ValueError, KeyError, TypeError, AttributeError):  # UnicodeDecodeError among them
+            skipped.append(number)
+            continue
+        entries.append(entry)
+    if skipped:
+        _warn_skipped(path, skipped)
     return entries
 
 
@@ -250,14 +367,17 @@ def purge_trash(directory: Path) -> None:
             shutil.rmtree(trash, ignore_errors=True)
 
 
-def open_regular(path: Path):
+def open_regular(path: Path, follow: bool = True):
     """Open a file to read it whole, refusing anything but a regular file: a FIFO with no
     writer would block the reader forever, a device never ends. The check is made on the opened
-    descriptor (opened without blocking), so nothing can be swapped in between."""
+    descriptor (opened without blocking), so nothing can be swapped in between. ``follow=False``:
+    a symbolic link at ``path`` is refused too (a file that must be the one at that name)."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
     except OSError as e:
+        if e.errno == errno.ELOOP and not follow:
+            raise UsageError(f"{path}: a symbolic link, not a regular file; give the file itself") from None
         raise unreadable(path, e) from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):

@@ -8,6 +8,7 @@ from pathlib import Path
 from tasks.cluster.process import Output
 from tasks.health.verdict import Evidence, HealthCheck, result
 from tasks.outcome import Verdict
+from tasks.storage.local import atomic_write
 
 
 @dataclass
@@ -31,14 +32,19 @@ class Context:
         return self._keep(check, Output([what], 0, text, "", 0.0))
 
     def _keep(self, check: str, output: Output) -> str:
-        """One raw file per node, check and time: exactly what the tool said, and how it ended."""
+        """One raw file per node, check and time: exactly what the tool said, and how it ended.
+        Its name is predictable, so it is written by ``atomic_write``: a link planted there is
+        replaced, never written through."""
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         path = self.raw_dir / self.node / f"{stamp}-{check}-{len(self.kept)}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         exit_text = "timed out" if output.timed_out else str(output.exit_code)
-        path.write_text(
-            f"$ {' '.join(output.argv)}\n# exit: {exit_text}, {output.seconds:.2f}s\n"
-            f"# stdout\n{output.stdout}\n# stderr\n{output.stderr}\n"
+        atomic_write(
+            path,
+            (
+                f"$ {' '.join(output.argv)}\n# exit: {exit_text}, {output.seconds:.2f}s\n"
+                f"# stdout\n{output.stdout}\n# stderr\n{output.stderr}\n"
+            ).encode(),
         )
         return str(path)
 
