@@ -8,8 +8,10 @@ file and the key.
 
 import importlib.resources
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Literal
+from types import UnionType
+from typing import Annotated, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -544,10 +546,6 @@ class Health(_Section):
             raise ValueError("name the nodes: nodes, slurm_partition or slurm_nodelist")
         if self.pairs.enabled and not self.pairs.known_good:
             raise ValueError("pairs.enabled needs pairs.known_good")
-        if self.nvrx_segment_dir is not None and not self.nvrx_segment_dir.is_absolute():
-            raise ValueError(
-                "nvrx_segment_dir must be absolute: ft_launcher reads the same path on every node"
-            )
         return self
 
 
@@ -710,6 +708,44 @@ class Profile(_Section):
         return self
 
     @model_validator(mode="after")
+    def _scratch_of_its_own(self):
+        """Drills remove only what they made in their scratch dir, but a scratch dir holding the
+        job's checkpoints, the archive or any other data the profile names, or held by one, mixes
+        what ckptops makes and deletes with what it must never touch: refused."""
+        if self.drill is None:
+            return self
+        scratch = self.drill.scratch_dir.resolve()
+        for key, value in self._paths():
+            there = value.resolve()
+            if key == "drill.scratch_dir":
+                continue
+            if there == scratch:
+                relation = "is"
+            elif scratch in there.parents:
+                relation = "contains"
+            elif there in scratch.parents:
+                relation = "lies inside"
+            else:
+                continue
+            raise ValueError(
+                f"drill.scratch_dir {self.drill.scratch_dir} {relation} {key} {value}: "
+                "a drill's scratch must be a folder of its own"
+            )
+        return self
+
+    def _paths(self) -> Iterator[tuple[str, Path]]:
+        """Every path the profile names, with its key: the schema's paths and a local archive."""
+        for keys in _path_keys(Profile):
+            value = self
+            for key in keys:
+                value = getattr(value, key, None)
+            for one in value if isinstance(value, list) else [value]:
+                if isinstance(one, Path):
+                    yield ".".join(keys), one
+        if self.archive is not None and "://" not in self.archive.url:
+            yield "archive.url", Path(self.archive.url)
+
+    @model_validator(mode="after")
     def _local_job_matches_layout(self):
         if self.local_job and self.local_job.nproc != self.job.layout.world_size:
             raise ValueError(
@@ -719,24 +755,30 @@ class Profile(_Section):
         return self
 
 
+def _alternatives(annotation) -> tuple:
+    """The types an annotation allows: each member of a union, without ``Annotated``."""
+    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    return tuple(get_args(m)[0] if get_origin(m) is Annotated else m for m in members)
+
+
+def _path_keys(model: type[BaseModel]) -> Iterator[tuple[str, ...]]:
+    """The keys of every path in the schema: each field typed ``Path`` (or a list of paths), in
+    ``model`` and in its sections, found from the schema itself."""
+    for name, info in model.model_fields.items():
+        if info.exclude:
+            continue
+        for kind in _alternatives(info.annotation):
+            if kind is Path or (get_origin(kind) is list and get_args(kind) == (Path,)):
+                yield (name,)
+            elif isinstance(kind, type) and issubclass(kind, BaseModel):
+                yield from ((name, *inner) for inner in _path_keys(kind))
+
+
 def _resolve_paths(data: dict, base: Path) -> dict:
-    """Make the profile's relative paths relative to the profile file, not the caller's cwd.
-    (Sections that are not mappings are left for the schema to reject, naming the key.)"""
-    for path in (
-        ("job", "save_dir"),
-        ("prefect", "home"),
-        ("archive", "url"),
-        ("drill", "scratch_dir"),
-        ("health", "raw_dir"),
-        ("health", "ssh", "known_hosts"),
-        ("health", "ssh", "key_file"),
-        ("health", "ssh", "config_file"),
-        ("recovery", "script"),
-        ("recovery", "step_records"),
-        ("recovery", "log_dir"),
-        ("sign", "key_file"),
-        ("sign", "public_keys"),
-    ):
+    """Make the profile's relative paths relative to the profile file, not the caller's cwd:
+    every path of the schema, and the archive's url when it is a directory. (Sections that are
+    not mappings are left for the schema to reject, naming the key.)"""
+    for path in (*_path_keys(Profile), ("archive", "url")):
         values = data
         for key in path[:-1]:
             values = values.get(key) if isinstance(values, dict) else None

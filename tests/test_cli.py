@@ -176,7 +176,7 @@ def test_tables_in_a_pipe_keep_every_value_whole(tmp_path):
     )
     profile = tmp_path / "p.yaml"
     profile.write_text(
-        f"job: {{name: pipe-test, save_dir: '{save}'}}\ndrill: {{scratch_dir: '{tmp_path}'}}\n"
+        f"job: {{name: pipe-test, save_dir: '{save}'}}\ndrill: {{scratch_dir: '{tmp_path / 'scratch'}'}}\n"
     )
     result = ckptops("drills", "--profile", profile)
     assert result.returncode == 0, result.stderr

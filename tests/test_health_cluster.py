@@ -202,6 +202,25 @@ def test_spare_admission_needs_r3_nccl_and_a_pair_test(cluster, tmp_path, scontr
     assert f"{HEALTHY[1]}:8,{HEALTHY[0]}:8" in pair and "NCCL_ALGO=Ring" in pair
 
 
+def test_a_node_failing_its_pair_test_is_recorded_failing_once(cluster, tmp_path, scontrol):
+    """Conformance off: the node's verdict goes to its history once, after the pair test too."""
+    node, good = HEALTHY[1], HEALTHY[0]
+    cluster.record_sample(node, "pair", "nccl_allreduce_2node_16xH100_gcp_a3mega.txt")
+    try:
+        profile = make_profile(cluster, tmp_path, nodes=[node], pairs={"enabled": True, "known_good": good})
+        (report,) = run_health(profile.health, [node]).reports
+    finally:
+        for suffix in ("out", "rc"):
+            (cluster.root / "scenarios" / node / f"pair.{suffix}").unlink()
+    assert report.verdict is Verdict.FAIL_HARDWARE and report.worst_check.name == f"nccl-pair-{good}"
+    history = [
+        json.loads(line) for line in (tmp_path / "raw" / node / "history.jsonl").read_text().splitlines()
+    ]
+    verdicts = [entry for entry in history if entry["kind"] == "verdict"]
+    assert [v["verdict"] for v in verdicts] == ["FAIL_HARDWARE"], verdicts
+    assert verdicts[0]["checks"][-1]["check"] == f"nccl-pair-{good}"
+
+
 def test_health_cli_json_and_exit_code(cluster, tmp_path, scontrol):
     profile = make_profile(cluster, tmp_path, drain={"enabled": False})
     done = subprocess.run(

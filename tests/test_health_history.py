@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from tasks.errors import UsageError
 from tasks.health import nvrx
 from tasks.health.history import (
     counted_suspicions,
@@ -220,8 +219,8 @@ def test_nvrx_segment_files_follow_the_verdicts(tmp_path):
     assert sorted(p.name for p in directory.iterdir() if not p.name.startswith(".")) == [other.name]
     assert other.read_text() == "excluded by another tool\n"  # never ours to remove
 
-    # A relative directory is refused when the profile loads; one that is not there, and a node
-    # Slurm refuses, are one line each, naming it.
+    # A relative directory is the profile's folder's, as every path of a profile is; one that is
+    # not there, and a node Slurm refuses, are one line each, naming it.
     relative = tmp_path / "relative.yaml"
     relative.write_text(
         json.dumps(
@@ -236,8 +235,7 @@ def test_nvrx_segment_files_follow_the_verdicts(tmp_path):
             }
         )
     )
-    with pytest.raises(UsageError, match="nvrx_segment_dir must be absolute"):
-        load_profile(relative)
+    assert load_profile(relative).health.nvrx_segment_dir == tmp_path / "seg"
     missing = nvrx.publish([bad], SimpleNamespace(nvrx_segment_dir=tmp_path / "nowhere"), running.get)
     assert missing.errors == [f"health.nvrx_segment_dir {tmp_path / 'nowhere'}: not a directory"]
 

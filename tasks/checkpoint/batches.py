@@ -112,10 +112,32 @@ def _prefixes(args, where: Path) -> list[str]:
 
 
 def _read_description(path: Path) -> dict:
+    """A description file of the cache, a JSON object; anything else is one line naming it."""
     try:
-        return json.loads(path.read_text())
+        described = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise UsageError(f"{path}: unreadable dataset description ({e})") from None
+    if not isinstance(described, dict):
+        raise UsageError(
+            f"{path}: not a dataset description (a JSON {type(described).__name__}, not an object)"
+        )
+    return described
+
+
+def _blend(described: dict, path: Path) -> tuple[list[dict], list[float]]:
+    """A blend's datasets (each one's identifiers) and weights, as its description lists them."""
+    members, weights = described.get("datasets"), described.get("weights")
+    if (
+        not isinstance(members, list)
+        or not all(isinstance(m, dict) for m in members)
+        or not isinstance(weights, list)
+        or not all(isinstance(w, int | float) and not isinstance(w, bool) for w in weights)
+    ):
+        raise UsageError(
+            f"{path}: not a BlendedDataset description (datasets: a list of objects, weights: a "
+            "list of numbers)"
+        )
+    return members, weights
 
 
 def _pick(matching: list[tuple[int | None, Path]], args, cache: Path, kind: str, where: Path) -> Path:
@@ -174,17 +196,16 @@ def find_indices(cache: Path, args, where: Path) -> list[Path]:
     matching = []
     for path in _candidates(cache, _BLENDED):
         described = _read_description(path)
-        members = described.get("datasets") or []
-        same = len(members) == len(prefixes) == len(described.get("weights") or [])
+        members, described_weights = _blend(described, path)
         if (
-            same
+            len(members) == len(prefixes) == len(described_weights)
             and all(_fits(m, args, prefix) for m, prefix in zip(members, prefixes))
-            and np.allclose(described["weights"], weights, rtol=1e-9, atol=0)
+            and np.allclose(described_weights, weights, rtol=1e-9, atol=0)
         ):
             matching.append((described.get("size"), path))
     blend = _pick(matching, args, cache, _BLENDED, where)
     members = []
-    for identifiers in _read_description(blend)["datasets"]:
+    for identifiers in _blend(_read_description(blend), blend)[0]:
         # Megatron names a dataset's files by the MD5 of its description, as it wrote it.
         text = json.dumps(identifiers, indent=4)
         member = (
@@ -206,41 +227,87 @@ def _index_files(description: Path) -> dict[str, Path]:
     return {name: Path(f"{stem}{name}.npy") for name in _INDICES[kind]}
 
 
-def _load(description: Path) -> dict[str, np.ndarray]:
-    found = {}
-    for name, path in _index_files(description).items():
-        try:
-            found[name] = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"{path}: unreadable dataset index ({e})") from None
-    return found
+class _Indices:
+    """One dataset's index files, memory-mapped. Every entry is read with its range checked: the
+    files are the job's (or anyone's who can write the cache), and an entry out of range would
+    silently read another sample (numpy counts a negative index from the end) or stop in numpy's
+    own words. Anything wrong is one line naming the file."""
+
+    def __init__(self, description: Path):
+        self.paths = _index_files(description)
+        self.arrays = {}
+        for name, path in self.paths.items():
+            try:
+                array = np.load(path, mmap_mode="r", allow_pickle=False)
+            except (OSError, ValueError) as e:
+                raise UsageError(f"{path}: unreadable dataset index ({e})") from None
+            shape = (2,) if name == "sample_index" else ()
+            if (
+                not np.issubdtype(array.dtype, np.integer)
+                or array.ndim != 1 + len(shape)
+                or array.shape[1:] != shape
+            ):
+                raise UsageError(
+                    f"{path}: not a dataset index ({array.dtype} {list(array.shape)}; expected integers, "
+                    f"{'pairs' if shape else 'one per entry'})"
+                )
+            self.arrays[name] = array
+
+    def __len__(self) -> int:
+        return len(self.arrays["shuffle_index" if "shuffle_index" in self.arrays else "dataset_index"])
+
+    def entry(self, name: str, k: int, size: int | None = None):
+        """Entry ``k`` of index ``name``, each of its values in ``0 .. size - 1`` when given."""
+        array = self.arrays[name]
+        if not 0 <= k < len(array):
+            raise UsageError(f"{self.paths[name]}: no entry {k} (it has {len(array)})")
+        value = array[k]
+        if size is not None and not ((value >= 0) & (value < size)).all():
+            raise UsageError(
+                f"{self.paths[name]}: entry {k} is {value.tolist()}, outside 0..{size - 1}: the index "
+                "does not fit the others"
+            )
+        return value
 
 
-def _gpt_sample(indices: dict[str, np.ndarray], position: int, s: int, dataset: int) -> Sample:
+def _gpt_sample(indices: _Indices, position: int, s: int, dataset: int) -> Sample:
     """Sample ``s`` of a GPTDataset, served at ``position``."""
-    sample_index, document_index = indices["sample_index"], indices["document_index"]
-    (begin, first), (end, last) = sample_index[s], sample_index[s + 1]
+    document_index = indices.arrays["document_index"]
+    (begin, first), (end, last) = indices.entry("sample_index", s), indices.entry("sample_index", s + 1)
+    if not (0 <= begin <= end < len(document_index) and first >= 0 and last >= 0):
+        raise UsageError(
+            f"{indices.paths['sample_index']}: entries {s} and {s + 1} ([{begin}, {first}], "
+            f"[{end}, {last}]) do not fit the {len(document_index)} entries of the document index"
+        )
     documents = [int(d) for d in document_index[int(begin) : int(end) + 1]]
     return Sample(position, s, dataset, documents, int(first), int(last))
 
 
-def batch_samples(indices: list[dict[str, np.ndarray]], consumed: int, count: int) -> list[Sample]:
+def batch_samples(indices: list[_Indices], consumed: int, count: int) -> list[Sample]:
     """The samples at positions ``consumed .. consumed + count - 1`` of the dataset's order:
     ``indices`` is one GPTDataset's, or a blend's followed by each of its datasets'."""
-    order = indices[0]["shuffle_index"] if len(indices) == 1 else indices[0]["dataset_index"]
-    if consumed + count > len(order):
+    order = len(indices[0])
+    if consumed < 0 or count < 1:
         raise UsageError(
-            f"the batch after {consumed} samples runs past the dataset's {len(order)} samples: "
+            f"a batch of {count} samples after {consumed}: no such positions in the dataset "
+            "(the checkpoint's consumed samples and global batch size)"
+        )
+    if consumed + count > order:
+        raise UsageError(
+            f"the batch after {consumed} samples runs past the dataset's {order} samples: "
             "the run's last batch, or indices built for fewer samples"
         )
     found = []
     for position in range(consumed, consumed + count):
         if len(indices) == 1:
-            found.append(_gpt_sample(indices[0], position, int(order[position]), 0))
+            samples = len(indices[0].arrays["sample_index"]) - 1
+            s = int(indices[0].entry("shuffle_index", position, samples))
+            found.append(_gpt_sample(indices[0], position, s, 0))
             continue
-        dataset = int(order[position])
+        dataset = int(indices[0].entry("dataset_index", position, len(indices) - 1))
         member = indices[1 + dataset]
-        s = int(member["shuffle_index"][int(indices[0]["dataset_sample_index"][position])])
+        k = int(indices[0].entry("dataset_sample_index", position, len(member)))
+        s = int(member.entry("shuffle_index", k, len(member.arrays["sample_index"]) - 1))
         found.append(_gpt_sample(member, position, s, dataset))
     return found
 
@@ -264,7 +331,7 @@ def next_batch(directory: Path, cache: Path | None = None) -> NextBatch:
         )
     descriptions = find_indices(cache, args, directory)
     consumed, size = int(args.consumed_train_samples), int(args.global_batch_size)
-    samples = batch_samples([_load(d) for d in descriptions], consumed, size)
+    samples = batch_samples([_Indices(d) for d in descriptions], consumed, size)
     version = _index_digests(descriptions)
     return NextBatch(
         str(directory), int(common["iteration"]), consumed, size, str(descriptions[0]), version, samples
@@ -304,8 +371,10 @@ def data_version(args, where: Path, known: dict | None = None) -> dict:
     """What data a checkpoint's run trains on, for its manifest: the dataset or blend and the
     settings that order it (``blend`` is their SHA-256), and the train indices' files in its
     data cache with their SHA-256s (``indices``; a file ``known``, an earlier record, has with
-    the same size and mtime is not read again). Where the indices cannot be found, ``note``
-    says why, and ``indices`` is None."""
+    the same size and mtime is not read again). Where the indices cannot be had, ``note`` says
+    why, and ``indices`` is None; where that is only how the cache is now (not here, a file
+    unreadable or malformed), not what the job did, the note is ``transient``: the next
+    verification of the checkpoint reads the cache again (``settled``)."""
     dataset = {
         "data_path": [str(p) for p in getattr(args, "data_path", None) or []],
         "split": getattr(args, "split", None),
@@ -318,14 +387,24 @@ def data_version(args, where: Path, known: dict | None = None) -> dict:
     version = {"blend": blend, "dataset": dataset, "cache": cache and str(cache), "indices": None}
     try:
         _supported(args, where)
-        if not cache or not Path(cache).is_dir():
-            why = cache or "the job ran without --data-cache-path"
-            raise UsageError(f"{where}: no data cache here ({why})")
+        if not cache:
+            raise UsageError(f"{where}: no data cache here (the job ran without --data-cache-path)")
+    except UsageError as e:
+        return version | {"note": str(e)}
+    try:
+        if not Path(cache).is_dir():
+            raise UsageError(f"{where}: no data cache here ({cache})")
         descriptions = find_indices(Path(cache), args, where)
         version["indices"] = _index_digests(descriptions, (known or {}).get("indices"))
     except UsageError as e:
-        version["note"] = str(e)
+        version |= {"note": str(e), "transient": True}
     return version
+
+
+def settled(recorded: dict | None) -> bool:
+    """Whether a recorded ``data_version`` is final: not one whose indices could not be read
+    then (a transient note), which a later verification reads again."""
+    return not (isinstance(recorded, dict) and recorded.get("transient"))
 
 
 def changed_indices(recorded: dict) -> list[str]:

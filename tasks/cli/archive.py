@@ -76,6 +76,8 @@ def drill(
         out.print(report.line(), markup=False)
         for check in report.checks:
             out.print(f"  {check.outcome:<9} {check.name}: {check.detail}", markup=False)
+        for line in report.left:
+            out.print(f"  left alone in the scratch dir: {line}", markup=False)
     raise typer.Exit(0 if report.ok else 1)
 
 
@@ -89,11 +91,12 @@ def drills(
     """Drill history: restore window per drill and source, and the estimate at production size."""
     with expected_errors():
         from tasks.restore.history import history, trend_png, trend_rows
+        from tasks.storage.local import write_output
 
         prof = profile_for(profile, save_dir)
         found = history(prof)
         if plot is not None and found.drills:
-            plot.write_bytes(trend_png(found.drills))
+            write_output(plot, trend_png(found.drills))
     if as_json:
         out.print_json(
             json.dumps(

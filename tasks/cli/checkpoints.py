@@ -184,8 +184,11 @@ def status(
     if prof.drill and not as_json:
         from tasks.restore.scratch import stale_scratch
 
-        for path, why in stale_scratch(prof.drill.scratch_dir):
+        leftovers = stale_scratch(prof.drill.scratch_dir, prof.job.save_dir)
+        for path, why in leftovers.stale:
             out.print(f"stale drill scratch: {path} ({why}); the next drill removes it", markup=False)
+        for path, why in leftovers.foreign:
+            out.print(f"not a drill's scratch: {path} ({why}); ckptops leaves it alone", markup=False)
     problems = [problem] * bool(problem) + [i.manifest_error for i in infos if i.manifest_error]
     for line in problems:
         err.print(f"ckptops: {line}", markup=False)

@@ -37,11 +37,10 @@ from tasks.health.checks import (
     row_remap,
     xid,
 )
-from tasks.health.history import HISTORY, VERDICT, kind, record_facts, record_verdict, suspect_check
+from tasks.health.history import VERDICT, kind, read_history, record_facts, record_verdict, suspect_check
 from tasks.health.nccl import Gates, classify_allreduce
 from tasks.health.verdict import CheckName, Evidence, HealthCheck, result
 from tasks.outcome import Verdict, worst
-from tasks.storage.local import read_jsonl
 
 CHECKS = {
     m.NAME: m
@@ -124,11 +123,11 @@ def last_clean_xid_check(raw_dir: Path, node: str) -> float | None:
     not yet acted on is found again (``journalctl -k`` covers the current boot, so a repaired
     and rebooted node starts clean)."""
     try:
-        entries = read_jsonl(Path(raw_dir) / node / HISTORY)
+        entries = read_history(raw_dir, node)
     except Unreadable:
         return None
     for entry in reversed(entries):
-        if not isinstance(entry, dict) or kind(entry) != VERDICT:
+        if kind(entry) != VERDICT:
             continue
         try:
             checks = {c["check"]: c["verdict"] for c in entry["checks"]}
@@ -211,7 +210,7 @@ def check_node(
     """The node's checks, in the profile's order; with ``suspects``, its incident history too
     (a repeat suspect fails even when its checks pass, tasks.health.history). The facts the
     conformance check read go to the node's history; its verdict too with ``record`` (a fleet
-    run records it once the fleet comparison has had its say)."""
+    run records it once, after the pair test and the fleet comparison have had their say)."""
     started = time.monotonic()
     report = NodeReport(node, Verdict.PASS, started_at=datetime.now(UTC).isoformat(timespec="seconds"))
     since = last_clean_xid_check(settings.raw_dir, node)
@@ -304,7 +303,8 @@ def run_health(
     compared = conformance.NAME in settings.checks
 
     def one(node):
-        report = check_node(node, settings, level, key_text, suspects=not admit, record=not compared)
+        # Recorded once, after every check: the pair test's, and the fleet comparison's.
+        report = check_node(node, settings, level, key_text, suspects=not admit, record=False)
         if (
             (admit or settings.pairs.enabled)
             and settings.pairs.known_good
@@ -314,6 +314,8 @@ def run_health(
         ):
             report.checks.append(pair_test(node, settings.pairs.known_good, settings, key_text))
             report.verdict = worst(c.verdict for c in report.checks)
+        if not compared:
+            record_verdict(settings.raw_dir, report)
         if progress:
             progress(report)
         return report

@@ -2,9 +2,9 @@
 
 ``<save_dir>/.ckptops-history/drills.jsonl`` survives a Prefect database reset (and a Prefect
 server that was never there); each drill's load log and load report are kept beside it in
-``.ckptops-history/drills/``. The trend (restore window per night per source, against the
-budget) is drawn from it for the UI and the terminal, and so is the estimate of the restore
-window at production size.
+``.ckptops-history/drills/``, and the scratch folders drills made in ``scratch.jsonl``. The
+trend (restore window per night per source, against the budget) is drawn from it for the UI and
+the terminal, and so is the estimate of the restore window at production size.
 """
 
 from dataclasses import dataclass
@@ -43,8 +43,62 @@ def append_drill(save_dir: Path, report) -> None:
 
 
 def read_drills(save_dir: Path) -> list[dict]:
-    """Every recorded drill, oldest first; a torn line (a crash mid-append) is skipped."""
-    return read_jsonl(history_path(save_dir))
+    """Every recorded drill, oldest first; a line that is not a drill's record (a torn line from
+    a crash mid-append, bytes ckptops did not write, an entry without the fields the trend and
+    the estimate read) is skipped with one warning naming the file and line."""
+    return read_jsonl(history_path(save_dir), _is_drill)
+
+
+SCRATCH = "scratch.jsonl"
+
+
+def record_scratch(save_dir: Path, entry: dict) -> None:
+    """A drill's scratch folder (its path, device, inode and owner token), recorded before the
+    drill uses it: the only proof that a folder in the scratch dir is one ckptops may remove."""
+    append_jsonl(Path(save_dir) / HISTORY / SCRATCH, entry)
+
+
+def _is_scratch(entry: dict) -> bool:
+    return isinstance(entry.get("token"), str) and all(
+        isinstance(entry.get(key), int) for key in ("device", "inode")
+    )
+
+
+def made_scratch(save_dir: Path) -> dict[str, dict]:
+    """Every scratch folder this job's drills recorded, by owner token."""
+    return {entry["token"]: entry for entry in read_jsonl(Path(save_dir) / HISTORY / SCRATCH, _is_scratch)}
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_drill(entry: dict) -> bool:
+    """Whether a line holds the fields every reader of a drill's record (the trend, the
+    estimate, the drilled layouts) takes as ``DrillReport.to_dict`` writes them."""
+    phases, checks, layout = entry.get("phases", []), entry.get("checks", []), entry.get("layout") or {}
+    return (
+        isinstance(entry.get("source"), str)
+        and isinstance(entry.get("started_at"), str)
+        and isinstance(entry.get("ok"), bool)
+        and _number(entry.get("window_seconds"))
+        and _number(entry.get("budget_seconds"))
+        and isinstance(phases, list)
+        and all(
+            isinstance(p, dict)
+            and isinstance(p.get("name"), str)
+            and _number(p.get("seconds"))
+            and _number(p.get("bytes"))
+            for p in phases
+        )
+        and isinstance(checks, list)
+        and all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("outcome", ""), str)
+            for c in checks
+        )
+        and isinstance(layout, dict)
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in layout.values())
+    )
 
 
 def drilled_layouts(save_dir: Path) -> dict[tuple[int, int], str]:
@@ -159,7 +213,7 @@ def continuation_word(drill: dict) -> str:
         return ""
     if drill.get("certified"):
         return "certified"
-    return {"fail": "does not resume", "unchecked": "not checkable yet"}.get(found["outcome"], "passed")
+    return {"fail": "does not resume", "unchecked": "not checkable yet"}.get(found.get("outcome"), "passed")
 
 
 def trend_png(drills: list[dict]) -> bytes:

@@ -1,0 +1,123 @@
+"""The dataset's description and index files are the job's, or anyone's who can write its data
+cache: whatever they hold, ``next-batch``, verification and promotion say what is wrong in one
+line, and a cache that cannot be read now is read again later, not frozen into the manifest."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import numpy
+
+from tasks.checkpoint.batches import data_version
+from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
+from tasks.checkpoint.manifest import read_manifest
+from tests.conftest import ROOT, iter_dir
+from tests.test_cli import ckptops_here
+
+CKPTOPS = ROOT / ".venv" / "bin" / "ckptops"
+
+
+def one_line(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_next_batch_refuses_a_description_or_index_entry_it_cannot_use_in_one_line(on_indexed_data, tmp_path):
+    save, cache = on_indexed_data
+    checkpoint = iter_dir(save, 4)  # 32 samples consumed, a global batch of 8
+    moved = shutil.copytree(cache, tmp_path / "cache")
+    (shuffle,) = moved.glob("*-train-shuffle_index.npy")
+    (sample_index,) = moved.glob("*-train-sample_index.npy")
+    order = numpy.load(shuffle)
+    samples = len(numpy.load(sample_index)) - 1
+    for value in (-1, samples, 2**40):
+        changed = order.astype(numpy.int64)  # a negative entry needs a signed type
+        changed[33] = value
+        numpy.save(shuffle, changed)
+        line = one_line(ckptops_here("next-batch", checkpoint, "--data-cache-path", moved))
+        outside = f"entry 33 is {value}, outside 0..{samples - 1}: the index does not fit the others"
+        assert line == f"ckptops: {shuffle}: {outside}"
+    numpy.save(shuffle, order)
+    assert ckptops_here("next-batch", checkpoint, "--data-cache-path", moved).exit_code == 0
+
+    (description,) = moved.glob("*-description.txt")
+    description.write_text(json.dumps([json.loads(description.read_text())]))
+    line = one_line(ckptops_here("next-batch", checkpoint, "--data-cache-path", moved))
+    assert line == f"ckptops: {description}: not a dataset description (a JSON list, not an object)"
+
+
+def test_an_unreadable_index_is_a_transient_note_read_again_by_the_next_verification(
+    on_indexed_data, tmp_path
+):
+    save, cache = on_indexed_data
+    # The newest checkpoint alone: promotion verifies one.
+    older = shutil.ignore_patterns("iter_0000004", "iter_0000008")
+    copy = shutil.copytree(save, tmp_path / "checkpoints", ignore=older)
+    profile = tmp_path / "p.yaml"
+    profile.write_text(
+        json.dumps(
+            {
+                "job": {
+                    "name": "test",
+                    "save_dir": str(copy),
+                    "megatron_core_version": "0.19.2",
+                    "layout": {"data_parallel": 2},
+                }
+            }
+        )
+    )
+
+    # On a host where the job's cache holds a description that is a JSON list: promoted, and
+    # the manifest says why the indices are not recorded, as a note to read again.
+    broken = shutil.copytree(cache, tmp_path / "broken-cache")
+    (description,) = broken.glob("*-description.txt")
+    description.write_text(json.dumps([json.loads(description.read_text())]))
+    promoted = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            'mount --bind "$1" "$2" && exec "$3" promote --profile "$4"',
+            "sh",
+            broken,
+            cache,
+            CKPTOPS,
+            profile,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert promoted.returncode == 0, promoted.stdout + promoted.stderr
+    assert "Traceback" not in promoted.stderr
+    noted = read_manifest(iter_dir(copy, 12)).data_version
+    assert noted["indices"] is None and noted["transient"] is True
+    assert (
+        noted["note"] == f"{cache / description.name}: not a dataset description (a JSON list, not an object)"
+    )
+
+    # Here, with the cache whole: the next verification of the checkpoint reads it again.
+    assert ckptops_here("verify", iter_dir(copy, 12), "--profile", profile).exit_code == 0
+    recorded = read_manifest(iter_dir(copy, 12)).data_version
+    assert "note" not in recorded and "transient" not in recorded
+    assert sorted(recorded["indices"]) == sorted(p.name for p in cache.glob("*-GPTDataset-train-*"))
+
+    # An index file the cache holds as a FIFO (a plain open would block): a transient note too.
+    fifo = shutil.copytree(cache, tmp_path / "fifo-cache")
+    (shuffle,) = fifo.glob("*-train-shuffle_index.npy")
+    shuffle.unlink()
+    os.mkfifo(shuffle)
+    args = load_common_state(
+        iter_dir(copy, 12), build_index(load_dcp_metadata(iter_dir(copy, 12) / ".metadata"))
+    )["args"]
+    args.data_cache_path = str(fifo)
+    found = data_version(args, iter_dir(copy, 12))
+    assert found["indices"] is None and found["transient"] is True
+    assert found["note"] == f"{shuffle}: a FIFO, not a regular file; give the file itself"

@@ -1,0 +1,86 @@
+"""A profile's paths: every path of the schema is relative to the profile's folder, whichever
+the working directory; a drill's scratch dir that mixes with the job's data is refused."""
+
+import json
+
+import pytest
+
+from tasks.errors import UsageError
+from tasks.profile import load_profile
+
+# Every path the schema has, relative, in a profile that lives in its own folder.
+RELATIVE = {
+    "job": {"name": "paths", "save_dir": "checkpoints"},
+    "verify": {"engine": "slurm", "slurm": {"work_dir": "verify-work"}},
+    "prefect": {"home": "prefect"},
+    "archive": {"url": "archive"},
+    "drill": {
+        "scratch_dir": "scratch",
+        "continuation": {"script": "job.sh", "reference": "train.log"},
+    },
+    "health": {
+        "nodes": ["n1"],
+        "raw_dir": "health",
+        "nvrx_segment_dir": "segments",
+        "ssh": {"known_hosts": "known_hosts", "key_file": "id_ed25519", "config_file": "ssh_config"},
+    },
+    "recovery": {"script": "job.sh", "step_records": "records.jsonl", "log_dir": "logs"},
+}
+
+
+def test_every_path_of_the_schema_is_the_profiles_folders(tmp_path, monkeypatch):
+    folder = tmp_path / "site" / "profiles"
+    folder.mkdir(parents=True)
+    path = folder / "paths.yaml"
+    path.write_text(json.dumps(RELATIVE))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    profile = load_profile(path)
+    assert profile.verify.slurm.work_dir == folder / "verify-work"
+    assert profile.drill.continuation.script == folder / "job.sh"
+    assert profile.drill.continuation.reference == folder / "train.log"
+    assert profile.health.nvrx_segment_dir == folder / "segments"
+    found = [
+        profile.job.save_dir,
+        profile.prefect.home,
+        profile.drill.scratch_dir,
+        profile.health.raw_dir,
+        profile.health.ssh.known_hosts,
+        profile.health.ssh.key_file,
+        profile.health.ssh.config_file,
+        profile.recovery.script,
+        profile.recovery.step_records,
+        profile.recovery.log_dir,
+    ]
+    assert all(p.parent == folder for p in found), found
+    assert profile.archive.url == str(folder / "archive")
+
+
+@pytest.mark.parametrize(
+    "drill, relation",
+    [
+        ({"scratch_dir": "checkpoints"}, "is job.save_dir"),
+        ({"scratch_dir": "."}, "contains job.save_dir"),
+        ({"scratch_dir": "checkpoints/drills"}, "lies inside job.save_dir"),
+        ({"scratch_dir": "archive/scratch"}, "lies inside archive.url"),
+        ({"scratch_dir": "health"}, "is health.raw_dir"),
+    ],
+)
+def test_a_scratch_dir_mixed_with_the_jobs_data_is_refused_naming_both(tmp_path, drill, relation):
+    path = tmp_path / "p.yaml"
+    settings = {
+        "job": {"name": "mixed", "save_dir": "checkpoints"},
+        "archive": {"url": "archive"},
+        "drill": drill,
+        "health": {"nodes": ["n1"], "transport": "local", "raw_dir": "health"},
+    }
+    path.write_text(json.dumps(settings))
+    with pytest.raises(UsageError) as refused:
+        load_profile(path)
+    line = str(refused.value)
+    kind, other = relation.rsplit(" ", 1)
+    there = {"job.save_dir": "checkpoints", "archive.url": "archive", "health.raw_dir": "health"}[other]
+    scratch = (tmp_path / drill["scratch_dir"]).resolve()
+    assert line.startswith(f"{path}: ") and "\n" not in line
+    assert f"drill.scratch_dir {scratch} {kind} {other} {tmp_path / there}: " in line
