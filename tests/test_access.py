@@ -16,6 +16,7 @@ from tasks.checkpoint.layout import HISTORY, MANIFEST, MEGATRON_TRACKER, POINTER
 from tasks.checkpoint.pointer import PROMOTIONS, read_hold, read_pointer, write_pointer
 from tasks.checkpoint.promote import promote
 from tasks.checkpoint.state import VerifyOptions
+from tasks.checkpoint.verdicts import VERDICTS
 from tasks.errors import UsageError
 from tasks.storage.local import append_jsonl, atomic_write
 from tests.conftest import iter_dir, verify_and_record_here
@@ -90,13 +91,18 @@ def test_a_private_key_passes_and_another_users_or_a_directory_does_not(tmp_path
         refuse_readable_by_others(tmp_path / "missing.key", "the signing key")
 
 
+DATA_FILES = ["__0_0.distcp", ".metadata", "metadata.json", "common.pt"]  # what a resume reads
+
+
 def _save(tmp_path: Path) -> Path:
     """A save directory with every path promotion trusts (no real checkpoint: only modes count)."""
     save = tmp_path / "save"
     (save / "iter_0000008").mkdir(parents=True)
+    (save / HISTORY).mkdir()
     os.chmod(save, 0o755)
     os.chmod(save / "iter_0000008", 0o755)
-    for path in (save / POINTER, save / MEGATRON_TRACKER, save / "iter_0000008" / MANIFEST):
+    data = [save / "iter_0000008" / name for name in [MANIFEST, *DATA_FILES]]
+    for path in (save / POINTER, save / MEGATRON_TRACKER, save / HISTORY / VERDICTS, *data):
         path.write_text("8\n")
         os.chmod(path, 0o644)
     return save
@@ -108,6 +114,8 @@ PATHS = {
     "manifest": f"iter_0000008/{MANIFEST}",
     "pointer": POINTER,
     "tracker": MEGATRON_TRACKER,
+    "verdict log": f"{HISTORY}/{VERDICTS}",
+    **{name: f"iter_0000008/{name}" for name in DATA_FILES},
 }
 
 
@@ -187,8 +195,20 @@ def test_the_profile_names_the_jobs_user_and_the_trusted_group(tmp_path):
         ("", lambda p: os.chmod(p, 0o777)),
         (f"iter_0000024/{MANIFEST}", lambda p: os.chown(p, OTHER_UID, -1)),
         (POINTER, lambda p: os.chmod(p, 0o664)),
+        ("iter_0000024/__1_0.distcp", lambda p: os.chmod(p, 0o666)),
+        ("iter_0000024/__0_0.distcp", lambda p: os.chown(p, OTHER_UID, -1)),
+        ("iter_0000024/.metadata", lambda p: os.chmod(p, 0o666)),
+        ("iter_0000024/metadata.json", lambda p: os.chmod(p, 0o664)),
     ],
-    ids=["save-dir-o+w", "manifest-chown", "pointer-g+w"],
+    ids=[
+        "save-dir-o+w",
+        "manifest-chown",
+        "pointer-g+w",
+        "shard-0666",
+        "shard-chown",
+        "dcp-metadata-0666",
+        "metadata-json-g+w",
+    ],
 )
 def test_an_exposed_save_is_not_promoted_and_nothing_changes(save_dir, options, which, change):
     """Nothing moves: not the pointer, not the hold, not the log; the run is not ok and says

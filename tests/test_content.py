@@ -18,6 +18,7 @@ from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.promote import promote
 from tasks.checkpoint.state import State
 from tasks.checkpoint.values import ValueScan, tensor_dtype
+from tasks.errors import CkptopsError
 from tests.conftest import iter_dir, verify_and_record_here
 
 
@@ -213,3 +214,44 @@ def test_an_fp16_job_that_skipped_iterations_stays_valid(fp16_skipping, tmp_path
     assert check(results[8], "optimizer").detail == "1 step counters agree at 2, iteration 8"
     assert check(results[12], "optimizer").detail == "1 step counters agree at 5, iteration 12"
     assert check(results[12], "lineage").outcome.value == "pass"
+
+
+def test_a_stale_resave_verified_before_its_predecessor_is_judged_again_and_never_promoted(
+    corrupted, tmp_path, options
+):
+    """4 is 2's tensors saved again. Verified first, 4 has nothing to be compared with and is
+    found valid; once 2 is verified, 4 is judged again against it (from the manifests), found
+    invalid, and never promoted."""
+    save = tmp_path / "checkpoints"
+    for iteration in (2, 4):
+        shutil.copytree(iter_dir(corrupted, iteration), iter_dir(save, iteration))
+    early = verify_and_record_here(iter_dir(save, 4), options)
+    assert early.ok and check(early, "lineage").detail.startswith("no earlier verified checkpoint")
+    report = promote(save, options, 30)
+    assert read_pointer(save) == 2 and not report.ok
+    assert [(v.iteration, v.state) for v in report.verifications] == [(2, State.VALID), (4, State.INVALID)]
+    stale_line = "are byte for byte those of iteration 2: a stale re-save [lineage]"
+    assert stale_line in report.verifications[1].reason
+    stale = read_manifest(iter_dir(save, 4))
+    assert stale.status is State.INVALID and stale.lineage_from == 2 and stale.verdict == 2
+    with pytest.raises(CkptopsError, match="iter_0000004: not promotable, it is invalid"):
+        promote(save, options, 30, requested=4)
+
+
+def test_a_save_judged_against_a_stale_one_is_judged_again_against_the_one_before(
+    corrupted, tmp_path, options
+):
+    """4 (2's tensors again) and then 16 (judged against 4) verified before 2: once 2 is, 4 is
+    found stale, and 16 is judged against 2 instead; it holds, and its manifest is left as is."""
+    save = tmp_path / "checkpoints"
+    for iteration in (2, 4, 16):
+        shutil.copytree(iter_dir(corrupted, iteration), iter_dir(save, iteration))
+    assert verify_and_record_here(iter_dir(save, 4), options).ok
+    assert verify_and_record_here(iter_dir(save, 16), options).ok
+    written = (iter_dir(save, 16) / "manifest.json").read_bytes()
+    result = verify_and_record_here(iter_dir(save, 2), options)
+    assert read_manifest(iter_dir(save, 4)).status is State.INVALID
+    assert result.ok and [(v.iteration, v.state) for v in result.rejudged] == [(4, State.INVALID)]
+    assert (iter_dir(save, 16) / "manifest.json").read_bytes() == written
+    assert read_manifest(iter_dir(save, 16)).lineage_from == 4
+    assert promote(save, options, 30).current == 16

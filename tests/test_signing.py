@@ -240,6 +240,45 @@ def test_key_files_others_can_read_and_signing_weak_hashes_are_refused(save_dir,
         profile_for(tmp_path, save_dir, {"required": True})
 
 
+def test_an_rsa_signing_key_is_one_line_when_the_profile_loads(tmp_path, keys):
+    """model signing signs with elliptic-curve keys only; an RSA key made its signer fail with an
+    AttributeError on the first manifest written."""
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    private = tmp_path / "rsa.pem"
+    private.write_bytes(
+        rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    private.chmod(0o600)
+    sign = {"key_file": private, "public_keys": [keys["release"][1]]}
+    with pytest.raises(UsageError) as refused:
+        profile_for(tmp_path, tmp_path, sign, name="rsa")
+    line = str(refused.value)
+    assert line.startswith(f"{private}: sign.key_file: an RSA key, not an elliptic-curve one; make one with")
+    assert "\n" not in line
+    private.write_bytes(b"-----BEGIN PRIVATE KEY-----\nnot a key\n-----END PRIVATE KEY-----\n")
+    with pytest.raises(
+        UsageError, match=f"{private}: sign.key_file: not a PEM private key without a password"
+    ):
+        profile_for(tmp_path, tmp_path, sign, name="garbled")
+
+
+@pytest.mark.parametrize(
+    "bundle", [b"{}", b'{"mediaType": 5}', b"\xff not json\n"], ids=["empty", "wrong", "bytes"]
+)
+def test_a_damaged_signature_is_one_line_naming_it(save_dir, keys, tmp_path, bundle):
+    profile = signing_profile(tmp_path, save_dir, keys)
+    directory = iter_dir(save_dir, 24)
+    assert verify_with_profile(profile, directory).ok
+    (directory / layout.SIGNATURE).write_bytes(bundle)
+    with pytest.raises(UntrustedManifest) as refused:
+        read_manifest(directory)
+    line = str(refused.value)
+    assert line.startswith(f"{directory / layout.SIGNATURE}: unreadable signature (") and "\n" not in line
+
+
 def test_the_key_can_come_from_a_prefect_secret_block(save_dir, keys, tmp_path, prefect_api):
     from prefect.blocks.system import Secret
 
@@ -271,6 +310,12 @@ def test_the_archive_signs_its_entry_and_an_altered_archived_manifest_is_not_use
         UnreadableManifest, match="not signed .manifest.sig missing., and sign.required is set"
     ):
         archived_manifest(store, "signed-job", 24)
+    # The archive run says which entry it cannot trust, and why, and overwrites nothing.
+    result = archive_checkpoint(save_dir, profile, force=True)
+    assert not result.committed and "\n" not in result.message
+    assert (
+        f"{entry / layout.MANIFEST}: not signed (manifest.sig missing), and sign.required" in result.message
+    )
 
 
 def _copy_signed(source: Path, target: Path) -> None:

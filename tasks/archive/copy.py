@@ -291,17 +291,20 @@ def _commit(
     return status
 
 
-def _by_commit_time(store: ArchiveStore, job: str, committed: list[int]) -> tuple[dict[int, dict], list[int]]:
+def _by_commit_time(
+    store: ArchiveStore, job: str, committed: list[int]
+) -> tuple[dict[int, dict], dict[int, str]]:
     """The archive status of the committed iterations (``committed_at``, ``object_lock``, ...),
     oldest commit first (after a rollback an older iteration is newer), and the iterations whose
-    manifest cannot be read: one bad entry must not stop the archive, and it is left out of
-    retention for a human to look at."""
-    times, unreadable = {}, []
+    manifest cannot be read or trusted, each with why (the entry's file and, for a signature,
+    the key): one bad entry must not stop the archive, and it is left out of retention for a
+    human to look at."""
+    times, unreadable = {}, {}
     for iteration in committed:
         try:
             status = archived_manifest(store, job, iteration).archive or {}
-        except UnreadableManifest:  # an outage (ArchiveUnavailable) still fails the run
-            unreadable.append(iteration)
+        except UnreadableManifest as e:  # an outage (ArchiveUnavailable) still fails the run
+            unreadable[iteration] = str(e)
             continue
         except NoEntry:  # uncommitted since it was listed
             continue
@@ -381,7 +384,7 @@ def copies_path(save_dir: Path) -> Path:
 def copies(save_dir: Path) -> list[dict]:
     """Every committed copy of the job's checkpoints, oldest first: iteration, where, when, how
     it was checked, from where (the archive's own log; the archive itself is the authority)."""
-    return [entry for entry in read_jsonl(copies_path(save_dir)) if isinstance(entry, dict)]
+    return read_jsonl(copies_path(save_dir))
 
 
 def status_lines(save_dir: Path) -> list[str]:
@@ -452,8 +455,8 @@ def archive_checkpoint(
                 iteration,
                 store.where(entry_key(job, iteration)),
                 False,
-                f"iteration {iteration} is archived but its archived manifest is unreadable; "
-                "kept for inspection, never overwritten",
+                f"iteration {iteration} is archived but its archived manifest is unreadable "
+                f"({unreadable[iteration]}); kept for inspection, never overwritten",
             )
         damaged = _uncommit_if_damaged(store, job, manifest, committed)
         skip = (
@@ -520,7 +523,7 @@ def archive_checkpoint(
             + (f"; {damaged}" if damaged else "")
             + (
                 f"; unreadable archived manifests kept for inspection: iterations "
-                f"{', '.join(map(str, unreadable))}"
+                f"{', '.join(map(str, unreadable))} ({'; '.join(unreadable.values())})"
                 if unreadable
                 else ""
             )

@@ -4,7 +4,10 @@ A checkpoint of a sensitive run is sensitive data: if anybody but the job can wr
 directory, its manifest or a pointer, anybody can swap in the state a recovery resumes from, and
 the checkpoint becomes a back door around the data's permissions. So before the pointer moves,
 ``unsafe_for_promotion`` checks the save directory, the checkpoint's directory, its manifest,
-ckptops' pointer and Megatron's tracker (what a plain relaunch reads), and names each one that
+the data files a resume reads (its shards, ``.metadata``, ``metadata.json`` and an older
+Megatron's ``common.pt``), ckptops' pointer, the verdict log that keeps an old manifest from being
+put back (``verdicts``) and Megatron's tracker (what a plain relaunch reads), and names
+each one that
 
 - is world-writable (always refused),
 - is group-writable (refused unless the profile's ``verify.allow_group_write`` says the job's
@@ -27,7 +30,10 @@ import stat
 from pathlib import Path
 
 from tasks.checkpoint import layout
+from tasks.checkpoint.verdicts import VERDICTS
 from tasks.errors import CkptopsError, UsageError, unreadable
+
+COMMON_PT = "common.pt"  # the common state of a checkpoint of core 0.18 or older
 
 
 class Exposed(CkptopsError):
@@ -98,18 +104,40 @@ def writable_by_others(path: Path, trusted: set[int], allow_group_write: bool = 
     return f"{path}: {why}: {describe_mode(st)}"
 
 
+def resume_reads(name: str) -> bool:
+    """Whether a resume reads this file of a checkpoint: Megatron's ``torch_dist`` load reads
+    ``metadata.json``, ``.metadata`` and the shards, and a checkpoint of core 0.18 or older its
+    ``common.pt``."""
+    return layout.is_checkpoint_content(name) or name == COMMON_PT
+
+
+def _data_files(directory: Path) -> list[Path]:
+    try:
+        with os.scandir(directory) as entries:
+            return sorted(directory / e.name for e in entries if resume_reads(e.name))
+    except (FileNotFoundError, NotADirectoryError):
+        return []  # no checkpoint there: what names it (the pointer) is what is checked
+    except OSError as e:
+        raise unreadable(directory, e) from None
+
+
 def unsafe_for_promotion(
     save_dir: Path, iteration: int | None, job_user: str | None = None, allow_group_write: bool = False
 ) -> list[str]:
     """What others could write among the paths promoting ``iteration`` would trust (the save
-    directory, the pointer and Megatron's tracker; with an iteration, its directory and
-    manifest), one line each; empty if none."""
+    directory, the pointer, the verdict log and Megatron's tracker; with an iteration, its
+    directory, manifest and every data file a resume reads), one line each; empty if none."""
     save_dir = Path(save_dir).resolve()  # a save directory reached through a symlink is fine
     trusted = {job_uid(save_dir, job_user), 0, os.geteuid()}
-    paths = [save_dir, save_dir / layout.POINTER, save_dir / layout.MEGATRON_TRACKER]
+    paths = [
+        save_dir,
+        save_dir / layout.POINTER,
+        save_dir / layout.MEGATRON_TRACKER,
+        save_dir / layout.HISTORY / VERDICTS,
+    ]
     if iteration is not None:
         directory = save_dir / layout.iter_dir_name(iteration)
-        paths += [directory, directory / layout.MANIFEST]
+        paths += [directory, directory / layout.MANIFEST, *_data_files(directory)]
     found = (writable_by_others(p, trusted, allow_group_write) for p in paths)
     return [line for line in found if line is not None]
 

@@ -5,6 +5,10 @@ are the reference every later re-verification, copy and restore compares against
 from the first verification that passed and never replaced afterwards (a failing re-verification
 changes ``status`` and
 ``checks`` but keeps the reference, so the evidence of what the bytes should be survives).
+
+Each manifest written is numbered and recorded in the save directory's verdict log
+(``verdicts``): a manifest older than the newest verdict recorded for its checkpoint (one put
+back after re-verification found the checkpoint invalid, signed or not) is never trusted.
 """
 
 import json
@@ -18,7 +22,7 @@ from pathlib import Path
 import pydantic
 
 from tasks import __version__
-from tasks.checkpoint import layout, signing
+from tasks.checkpoint import layout, signing, verdicts
 from tasks.checkpoint.layout import CORE_FILES, MANIFEST
 from tasks.checkpoint.state import State
 from tasks.errors import CkptopsError, Malformed, unreadable
@@ -87,6 +91,12 @@ class Manifest:
     # and the SHA-256s of its train indices in the data cache, so that a resume over other data
     # shows. None in older manifests.
     data_version: dict | None = None
+    # Its number among the verdicts recorded for this checkpoint in the save directory's verdict
+    # log (``verdicts``); None in a manifest written before the log.
+    verdict: int | None = None
+    # The previous verified checkpoint its lineage was judged against; None: there was none then
+    # (it is judged again when one before it is verified: ``verify.rejudge_lineage``).
+    lineage_from: int | None = None
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -177,6 +187,14 @@ def read_signed_manifest(directory: Path) -> tuple[Manifest | None, str | None]:
     except ValueError as e:
         raise CorruptManifest(f"{path}: the manifest does not parse ({e})") from None
     manifest = Manifest.from_dict(data, str(path))
+    iteration = layout.parse_iter_dir(Path(directory).name)
+    if iteration is not None:
+        older = verdicts.put_back(Path(directory).parent, iteration, manifest.verdict)
+        if older is not None:
+            # Read once more, in case this read fell between a writer's rename and its append.
+            if read_state(path) != raw:
+                return read_signed_manifest(directory)
+            raise UntrustedManifest(f"{path}: {older}")
     trust = signing.trust_for(Path(directory).parent)
     if trust is None or not trust.checks:
         return manifest, None
@@ -225,19 +243,34 @@ def verified_newest_first(save_dir: Path, below: int | None = None) -> Iterator[
             yield iteration, manifest
 
 
+def _number_on_disk(path: Path) -> int | None:
+    """The verdict number of the manifest a write replaces, read as plainly as can be (it may be
+    one that cannot be trusted: its number still counts)."""
+    try:
+        number = json.loads(read_state(path) or b"{}").get("verdict")
+    except (ValueError, AttributeError):
+        return None
+    return number if type(number) is int else None
+
+
 def write_manifest(directory: Path, manifest: Manifest) -> str | None:
     """Write the manifest, signed where the profile of its save directory has a key and its
     digests are cryptographic (``signing``): the signature is made first, so a key that cannot
     sign changes nothing, and the two files are renamed into place together. Which key signed,
-    or None."""
+    or None. The manifest gets the next verdict number of its checkpoint, and is recorded in
+    the save directory's verdict log once it is in place."""
     path = Path(directory) / MANIFEST
-    data = manifest.to_json().encode()
-    trust = signing.trust_for(Path(directory).parent)
-    files, key = [(path, data)], None
+    save_dir = Path(directory).parent
+    trust = signing.trust_for(save_dir)
     if trust is not None and trust.checks and not trust.signs:
         raise signing.CannotSign(
             f"{path}: not written: the profile checks signatures (sign) and this host has no signing key"
         )
+    iteration = layout.parse_iter_dir(Path(directory).name)
+    if iteration is not None:
+        manifest.verdict = verdicts.next_number(save_dir, iteration, _number_on_disk(path))
+    data = manifest.to_json().encode()
+    files, key = [(path, data)], None
     if trust is not None and trust.signs and signing.signable(manifest):
         name = signing.local_name(trust, directory, manifest)
         signature, key = signing.signature_for(manifest, data, trust, str(path), name)
@@ -246,6 +279,10 @@ def write_manifest(directory: Path, manifest: Manifest) -> str | None:
         atomic_write_together(files)
     except OSError as e:
         raise unreadable(path, e) from None
+    if iteration is not None:
+        verdicts.record(
+            save_dir, iteration, manifest.verdict, manifest.status.value, data, manifest.checked_at
+        )
     if key is None:
         return None
     return key.label() if isinstance(key, signing.AllowedKey) else f"key {key}"

@@ -10,8 +10,13 @@ Rules the pointer obeys:
   hold: the newer checkpoints rolled back from are not promoted again by the next scheduled run;
   only checkpoints verified after the rollback may move the pointer past N;
 - nothing others can write is trusted (``access``): if the save directory, the checkpoint, its
-  manifest, the pointer or Megatron's tracker is group- or world-writable or another user's, the
-  run changes nothing (pointer, hold, log) and reports each such path; it fails.
+  manifest, a data file a resume reads, the pointer, the verdict log or Megatron's tracker is
+  group- or world-writable or another user's, the run changes nothing (pointer, hold, log) and
+  reports each such path; it fails;
+- a manifest older than the newest verdict recorded for its checkpoint (``verdicts``) is not
+  trusted, so re-verification that found a checkpoint invalid cannot be undone by putting its
+  old manifest and signature back; and a checkpoint verified before the one preceding it had
+  its lineage judged again once that one was (``verify.rejudge_lineage``).
 
 The CLI and the flow run the same two steps under the job lock: ``verify_pending`` then
 ``apply_promotion``; the flow passes Prefect tasks as the verify and wait steps.
@@ -139,9 +144,12 @@ def verify_pending(
                 )
                 continue
         result = verify(iteration)
-        results.append(result)
-        if on_verified:
-            on_verified(result)
+        # A later checkpoint judged again against this one (``verify.rejudge_lineage``) is
+        # reported as verified: found invalid, the run fails naming it.
+        for found in (result, *result.rejudged):
+            results.append(found)
+            if on_verified:
+                on_verified(found)
     return results
 
 

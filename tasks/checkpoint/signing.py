@@ -33,8 +33,9 @@ from pathlib import Path, PurePosixPath
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.access import refuse_readable_by_others
-from tasks.errors import CkptopsError, UsageError
+from tasks.errors import CkptopsError, UsageError, unreadable
 from tasks.storage.digest import ALGORITHMS, CRYPTOGRAPHIC
+from tasks.storage.local import atomic_write, clip
 
 SIGNATURE = layout.SIGNATURE
 
@@ -71,6 +72,46 @@ class AllowedKey:
         return f"{self.name} ({short(self.identifier)})"
 
 
+def one_line(text: str, limit: int = 300) -> str:
+    """A reason as one line: what a parser or a verifier raised may span many (pydantic's errors,
+    a bundle's JSON), and a failure is reported in one line naming its file."""
+    return clip(" ".join(str(text).split()), limit)
+
+
+# The curves model signing's key signer and verifier take (Sigstore's).
+_CURVES = ("secp256r1", "secp384r1", "secp521r1")
+_MAKE_ONE = "make one with: openssl ecparam -genkey -name prime256v1 -noout -out signing.key"
+
+
+def _not_ec(key) -> str | None:
+    """Why ``key`` (a private or public key) is not one model signing signs or verifies with."""
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+    if isinstance(key, (ec.EllipticCurvePrivateKey, ec.EllipticCurvePublicKey)):
+        if key.curve.name in _CURVES:
+            return None
+        return f"an elliptic-curve key on {key.curve.name}, not one of {', '.join(_CURVES)}"
+    if isinstance(key, (rsa.RSAPrivateKey, rsa.RSAPublicKey)):
+        return "an RSA key, not an elliptic-curve one"
+    kind = type(key).__name__.removesuffix("PrivateKey").removesuffix("PublicKey")
+    return f"a {kind} key, not an elliptic-curve one"
+
+
+def check_private_key(data: bytes, where: str) -> None:
+    """Refuse, in one line naming ``where``, a signing key model signing cannot sign with: not a
+    PEM private key without a password, or not an elliptic-curve key on a curve it takes (an RSA
+    key among them: its signer would fail on it with an AttributeError)."""
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"{where}: not a PEM private key without a password ({one_line(e)})") from None
+    problem = _not_ec(key)
+    if problem is not None:
+        raise UsageError(f"{where}: {problem}; {_MAKE_ONE}")
+
+
 def _load_public(path: Path) -> AllowedKey:
     from cryptography.hazmat.primitives import serialization
 
@@ -80,7 +121,10 @@ def _load_public(path: Path) -> AllowedKey:
     except OSError as e:
         raise UsageError(f"{path}: sign.public_keys: unreadable ({e.strerror})") from None
     except (ValueError, TypeError) as e:
-        raise UsageError(f"{path}: sign.public_keys: not a PEM public key ({e})") from None
+        raise UsageError(f"{path}: sign.public_keys: not a PEM public key ({one_line(e)})") from None
+    problem = _not_ec(key)
+    if problem is not None:
+        raise UsageError(f"{path}: sign.public_keys: {problem}")
     return AllowedKey(Path(path).stem, Path(path), key_id(pem))
 
 
@@ -101,7 +145,7 @@ class Trust:
         if settings is None:
             return cls(job=job)
         if settings.key_file is not None:
-            refuse_readable_by_others(settings.key_file, "sign.key_file")
+            _read_key_file(settings.key_file)
         keys = [_load_public(p) for p in settings.public_keys]
         return cls(
             {k.identifier: k for k in keys}, settings.required, settings.key_file, settings.key_secret, job
@@ -123,15 +167,24 @@ class Trust:
             return self._signer
 
 
+def _read_key_file(path: Path) -> bytes:
+    """The signing key file's bytes, refused in one line if others may read it or it is not a key
+    model signing signs with."""
+    refuse_readable_by_others(path, "sign.key_file")
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise unreadable(path, e) from None
+    check_private_key(data, f"{path}: sign.key_file")
+    return data
+
+
 def _load_signer(trust: Trust):
     from model_signing._signing import sign_ec_key
 
     if trust.key_file is not None:
-        refuse_readable_by_others(trust.key_file, "sign.key_file")
-        try:
-            return sign_ec_key.Signer(Path(trust.key_file))
-        except (ValueError, TypeError) as e:
-            raise UsageError(f"{trust.key_file}: sign.key_file: not an EC private key ({e})") from None
+        _read_key_file(trust.key_file)
+        return sign_ec_key.Signer(Path(trust.key_file))
     from prefect.blocks.system import Secret
 
     try:
@@ -140,15 +193,13 @@ def _load_signer(trust: Trust):
         raise CkptopsError(
             f"sign.key_secret {trust.key_secret!r}: cannot load the key ({type(e).__name__}: {e})"
         ) from None
+    data = str(text).encode()
+    check_private_key(data, f"Secret block {trust.key_secret!r}")
     # model signing reads keys from files: a private directory, removed at once.
     with tempfile.TemporaryDirectory(prefix="ckptops-key-") as folder:
         path = Path(folder) / "key.pem"
-        path.touch(mode=0o600)
-        path.write_text(text)
-        try:
-            return sign_ec_key.Signer(path)
-        except (ValueError, TypeError) as e:
-            raise UsageError(f"Secret block {trust.key_secret!r}: not an EC private key ({e})") from None
+        atomic_write(path, data, secret=True)
+        return sign_ec_key.Signer(path)
 
 
 # The policy of each profile loaded in this process, by its save directory and by its job (the
@@ -281,11 +332,11 @@ def check_signature(
         signature = sign_sigstore_pb.Signature(bundle_pb.Bundle.from_json(data))
         identifier = signature.bundle.verification_material.public_key.hint or ""
     except Exception as e:  # whatever a damaged bundle makes the parser raise
-        raise BadSignature(f"{path}: unreadable signature ({type(e).__name__}: {e})") from None
+        raise BadSignature(f"{path}: unreadable signature ({type(e).__name__}: {one_line(e)})") from None
     allowed = trust.keys.get(identifier)
     if allowed is None:
         raise BadSignature(
-            f"{path}: signed by key {short(identifier) or '(none named)'}, not in sign.public_keys"
+            f"{path}: signed by key {one_line(short(identifier)) or '(none named)'}, not in sign.public_keys"
         )
     if not signable(manifest):
         raise BadSignature(
@@ -294,10 +345,12 @@ def check_signature(
     try:
         signed = sign_ec_key.Verifier(allowed.path).verify(signature)
     except Exception as e:  # cryptography's InvalidSignature, model signing's ValueErrors
-        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        why = f"{type(e).__name__}: {one_line(e)}" if str(e).strip() else type(e).__name__
         raise BadSignature(f"{path}: does not verify with key {allowed.label()} ({why})") from None
     if signed.model_name != name:
-        raise BadSignature(f"{path}: signs {signed.model_name}, not {name} (key {allowed.label()})")
+        raise BadSignature(
+            f"{path}: signs {one_line(signed.model_name, 120)}, not {name} (key {allowed.label()})"
+        )
     _same_subjects(path, signed, _statement(manifest, manifest_bytes, name, where), allowed)
     return allowed
 
@@ -314,4 +367,4 @@ def _same_subjects(path: str, signed, expected, allowed: AllowedKey) -> None:
             problem = "differs from its signed digest"
         else:
             continue
-        raise BadSignature(f"{path}: {name} {problem} (key {allowed.label()})")
+        raise BadSignature(f"{path}: {one_line(name, 120)} {problem} (key {allowed.label()})")

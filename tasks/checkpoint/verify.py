@@ -20,13 +20,13 @@ import math
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tasks import __version__
 from tasks.checkpoint import content as state_content
 from tasks.checkpoint import layout, signing
-from tasks.checkpoint.batches import data_version
+from tasks.checkpoint.batches import data_version, settled
 from tasks.checkpoint.checks import VerifyCheck
 from tasks.checkpoint.dcp import (
     CheckFailed,
@@ -72,6 +72,9 @@ class Verification:
     # replaced (a corruption it would have caught could be accepted as the new reference).
     recordable: bool = True
     signed_by: str | None = None  # the key that signed its manifest (signing)
+    # Later checkpoints found invalid when their lineage was judged again once this one was
+    # found valid (``rejudge_lineage``).
+    rejudged: list["Verification"] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -136,6 +139,20 @@ def _tiles_exactly(size: tuple[int, ...], chunks) -> str | None:
                 return f"chunks at {list(oa)} and {list(ob)} overlap"
     if covered != total:
         return f"chunks cover {covered} of {total} elements (a gap)"
+    return None
+
+
+def _summary(content: state_content.Content, name: VerifyCheck) -> Check | None:
+    """A content check that found no failure, as the manifest records it: its first warning,
+    why it could not be made, or what passed."""
+    warnings = [f.detail for f in content.warnings if f.check == name]
+    if warnings:
+        more = f" (+{len(warnings) - 1} more)" if len(warnings) > 1 else ""
+        return Check(name, Outcome.WARN, warnings[0] + more)
+    if name in content.unchecked:
+        return Check(name, Outcome.UNCHECKED, content.unchecked[name])
+    if name in content.passes:
+        return passed(name, content.passes[name])
     return None
 
 
@@ -529,16 +546,9 @@ class _Verifier:
         for finding in content.failures:
             self.checks.fail(finding.check, finding.file, finding.detail)
         for name in (VerifyCheck.VALUES, VerifyCheck.OPTIMIZER, VerifyCheck.LINEAGE):
-            warnings = [f.detail for f in content.warnings if f.check == name]
-            if any(r.name == name for r in self.checks.failures):
-                continue
-            if warnings:
-                more = f" (+{len(warnings) - 1} more)" if len(warnings) > 1 else ""
-                self.checks.results.append(Check(name, Outcome.WARN, warnings[0] + more))
-            elif name in content.unchecked:
-                self.checks.results.append(Check(name, Outcome.UNCHECKED, content.unchecked[name]))
-            elif name in content.passes:
-                self.checks.passed(name, content.passes[name])
+            summary = _summary(content, name)
+            if summary is not None and not any(r.name == name for r in self.checks.failures):
+                self.checks.results.append(summary)
 
     def _optimizer_objects(self) -> dict:
         """The distributed optimizer's per-group param groups (dp_reshardable saves them as
@@ -609,12 +619,17 @@ class _Verifier:
             objects=self.object_families,
             optimizer_step=self.step,
             certification=reference.certification if reference and valid else None,
-            data_version=reference.data_version if reference else self._data_version(args),
+            data_version=self._data_version(args, reference),
+            lineage_from=self.previous.iteration if self.previous is not None else None,
         )
 
-    def _data_version(self, args) -> dict | None:
-        """The data the run trains on (``batches.data_version``); the index files' digests of
-        the checkpoint before, where the files are unchanged, are not computed again."""
+    def _data_version(self, args, reference: Manifest | None) -> dict | None:
+        """The data the run trains on (``batches.data_version``): the reference's, unless its
+        indices could not be read then (read again for the checkpoint's own manifest); the index
+        files' digests of the checkpoint before, where the files are unchanged, are not computed
+        again."""
+        if reference is not None and (self.given_reference or settled(reference.data_version)):
+            return reference.data_version
         if args is None:
             return None
         known = self.previous.data_version if self.previous else None
@@ -750,7 +765,82 @@ def verify_and_record(
     result = verify_checkpoint(directory, options, progress, watch=watch, prescan=prescan)
     if result.manifest is not None and result.recordable:
         result.signed_by = write_manifest(result.directory, result.manifest)
+        if result.ok:
+            result.rejudged = rejudge_lineage(result.directory, result.manifest, options)
     return result
+
+
+def rejudge_lineage(directory: Path, verified: Manifest, options: VerifyOptions) -> list[Verification]:
+    """Judge again the lineage of the later checkpoints that were verified before this one
+    (``verified``, its manifest, just recorded valid): one verified while this one was not yet
+    had no predecessor, or an older one, to be compared with, so a stale re-save of this very
+    checkpoint was found valid. Each later valid checkpoint whose lineage was judged against
+    none, or against an older one than the newest valid before it, is judged against that one
+    from the two manifests' tensor statistics (no byte is read again); one that is a stale
+    re-save, or lost a tensor or an object family, gets a manifest that says invalid, and is
+    returned. One still valid is left as written (its manifest is not rewritten for a lineage
+    that holds). Stops at the first whose lineage was judged against the newest valid before
+    it. The caller holds the job lock. The step counter's continuity is not judged again (it
+    needs the job's arguments, which the manifest does not keep): a full re-verification does."""
+    save_dir = Path(directory).parent
+    previous, voided, invalid = verified, set(), []
+    for later in [i for i in layout.list_iterations(save_dir) if i > verified.iteration]:
+        target = save_dir / layout.iter_dir_name(later)
+        try:
+            manifest = valid_for_this_save(target, later)
+        except (CkptopsError, FileNotFoundError):
+            continue  # not to be trusted, or deleted meanwhile: not a valid one to judge
+        if manifest is None:
+            continue
+        basis = manifest.lineage_from
+        judged = basis is not None and basis >= previous.iteration and basis not in voided
+        if judged or not manifest.tensors:
+            break
+        result = _rejudged(target, manifest, previous, options)
+        if result is None:
+            break
+        if result.ok:
+            previous = manifest
+            continue
+        write_manifest(target, result.manifest)
+        invalid.append(result)
+        voided.add(later)
+    return invalid
+
+
+def _rejudged(
+    directory: Path, manifest: Manifest, previous: Manifest, options: VerifyOptions
+) -> Verification | None:
+    """The lineage of ``manifest``'s checkpoint against ``previous``, from their manifests, as a
+    verification with the manifest to write; None if its tensor statistics are not as written."""
+    try:
+        stats = {name: state_content.TensorStats(**values) for name, values in manifest.tensors.items()}
+    except TypeError:
+        return None
+    content = state_content.Content()
+    objects = set(manifest.objects or [])
+    frozen = list(options.frozen)
+    state_content.check_lineage(content, stats, objects, previous, frozen, options.drift_factor)
+    found = [failed(VerifyCheck.LINEAGE, f.detail, file=f.file) for f in content.failures]
+    summary = _summary(content, VerifyCheck.LINEAGE)
+    found = found or ([summary] if summary is not None else [])
+    checks = [c for c in manifest.checks if c.name != VerifyCheck.LINEAGE]
+    at = next((i for i, c in enumerate(manifest.checks) if c.name == VerifyCheck.LINEAGE), len(checks))
+    checks[at:at] = found
+    judged = _Checks()
+    judged.results = checks
+    valid = not judged.failures
+    rewritten = replace(
+        manifest,
+        status=State.VALID if valid else State.INVALID,
+        reason=manifest.reason if valid else judged.reason(),
+        checks=checks,
+        checked_at=now_iso(),
+        tensors={name: asdict(s) for name, s in stats.items()},
+        lineage_from=previous.iteration,
+        certification=manifest.certification if valid else None,
+    )
+    return Verification(directory, manifest.iteration, rewritten.status, rewritten.reason, checks, rewritten)
 
 
 def record_certification(directory: Path, files: list[FileEntry], record: dict, held: Held) -> bool:
