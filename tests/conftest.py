@@ -509,6 +509,22 @@ VARIANTS = {
             "data_parallel: 2",
             entry=ROOT / "tests" / "helpers" / "core_loop.py",
         ),
+        # A Megatron-Core loop that configures DDP in code: TP2, the distributed optimizer, bf16
+        # with gradients reduced in fp32, in three buckets; its saved args say neither.
+        Variant(
+            "core-fp32-grads",
+            (
+                "--tensor-model-parallel-size",
+                "2",
+                "--use-distributed-optimizer",
+                "--bf16",
+                "--megatron-core-configs",
+                "--ddp-bucket-size",
+                "20000",
+            ),
+            "tensor_parallel: 2",
+            entry=ROOT / "tests" / "helpers" / "core_loop.py",
+        ),
     )
 }
 

@@ -1,19 +1,30 @@
 """The loader's parts without a process group: the model a checkpoint's args and tensor shapes
-describe, the comparison of loaded pieces with the stored bytes after resharding, and the
-optimizer's param groups taken from what the checkpoint saved."""
+describe, the comparison of loaded pieces with the stored bytes after resharding, the
+optimizer's param groups and gradient buffers taken from what the checkpoint saved; and the real
+load of a Megatron-Core job's checkpoint whose buffers its args do not describe."""
 
 import argparse
+import json
+import pickle
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
-from tasks.restore import param_groups
+from tasks.checkpoint.promote import promote
+from tasks.cluster import process
+from tasks.profile import load_profile
+from tasks.restore import buffers, param_groups
 from tasks.restore.compare import compare
+from tasks.restore.drill import run_drill
+from tasks.restore.launch import LoaderShape, loader_env, torchrun
 from tasks.restore.model_args import ModelArgsError, resolve
-from tests.conftest import iter_dir
+from tasks.restore.report import first_error
+from tests.conftest import iter_dir, variant_profile
 
 
 def index_and_args(directory):
@@ -229,3 +240,78 @@ def test_groups_are_paired_one_to_one_or_not_at_all(variety):
     current = [dict(g) for g in built_groups(args)[:1]] * 2
     with pytest.raises(param_groups.ParamGroupMismatch, match="could be any of 2 saved groups of its shape"):
         param_groups.adopt(inner(current), {"param_groups": twins}, args)
+
+
+FOREIGN = "core-fp32-grads"  # a Megatron-Core loop's DDP configured in code (tests/conftest.py)
+BUCKET = "optimizer.distributed.dp_group_idx_1.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_1"
+
+
+def test_the_gradient_buffers_are_read_from_the_checkpoints_keys(variety):
+    index, args = index_and_args(iter_dir(variety[FOREIGN], 4))
+    # Its args say nothing of how it reduced its gradients: neither Megatron-LM's name nor megatron-core's.
+    assert not {"accumulate_allreduce_grads_in_fp32", "grad_reduce_in_fp32"} & set(vars(args))
+    groups = buffers.saved_buffers(index.tensors)
+    assert sorted(groups) == [0, 1]  # one data-parallel group per tensor-parallel rank
+    (buffer,) = groups[1]
+    assert (buffer.param_dtype, buffer.grad_dtype, len(buffer.buckets)) == (torch.bfloat16, torch.float32, 3)
+    assert sum(buffer.numels()) == sum(buffers.saved_buffers(index.tensors)[0][0].numels())
+    assert buffers.grad_reduce_in_fp32(groups) is True
+    # Megatron-LM's own loop: one bucket per buffer, fp32 gradients as its args say too.
+    index, args = index_and_args(iter_dir(variety["tp2-distopt-bf16"], 4))
+    groups = buffers.saved_buffers(index.tensors)
+    assert [len(b.buckets) for g in groups.values() for b in g] == [1, 1]
+    assert buffers.grad_reduce_in_fp32(groups) is args.accumulate_allreduce_grads_in_fp32 is True
+
+
+def test_a_megatron_core_jobs_checkpoint_drills_on_its_own_buffers(variety, tmp_path, options):
+    profile = load_profile(variant_profile(variety, FOREIGN, tmp_path))
+    promote(profile.job.save_dir, options, 30)
+    report = run_drill(profile, "shared")
+    assert report.ok, report.reason
+    model = next(c for c in report.checks if c.name == "model").detail
+    assert "on TP 2 x PP 1 x DP 1 (2 ranks)" in model and "optimizer loaded (dp_reshardable)" in model
+    assert (
+        "gradients reduced in fp32 (grad_reduce_in_fp32=True), as the checkpoint's buffer keys say; "
+        "the args imply grad_reduce_in_fp32=False"
+    ) in model
+    assert "gradients in 3 buckets (overlap_grad_reduce=True, bucket_size=" in model
+    load = json.loads(Path(report.log).with_suffix(".load.json").read_text())
+    assert len(load["ranks"]) == 2 and all(r["compared"] and not r["mismatches"] for r in load["ranks"])
+    assert all(any(".bucket_idx_" in key for key in r["compared"]) for r in load["ranks"])
+
+
+def without(source: Path, target: Path, keys: list[str]) -> Path:
+    """A copy of the checkpoint whose ``.metadata`` no longer lists ``keys`` (their bytes stay)."""
+    shutil.copytree(source, target)
+    metadata = load_dcp_metadata(target / ".metadata")
+    for key in keys:
+        del metadata.state_dict_metadata[key]
+        for index in [i for i in metadata.storage_data if i.fqn == key]:
+            del metadata.storage_data[index]
+    with open(target / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    return target
+
+
+def load_error(checkpoint: Path) -> str:
+    """The real loader on the checkpoint's own layout (TP 2): the error the first failing rank wrote."""
+    report = checkpoint.parent / f"{checkpoint.name}.load.json"
+    arguments = ["--checkpoint", str(checkpoint), "--report", str(report)]
+    with pytest.raises(process.Failed):
+        command = torchrun(LoaderShape(2, 1, 2), arguments)
+        process.run(command, report.with_suffix(".log"), 300, loader_env(), "the load")
+    return first_error(report)["error"]
+
+
+def test_a_key_the_checkpoint_lacks_is_one_line_naming_it(variety, tmp_path):
+    source = iter_dir(variety[FOREIGN], 4)
+    error = load_error(without(source, tmp_path / "one-state", [f"{BUCKET}.exp_avg_sq"]))
+    assert error.startswith(
+        f"{BUCKET}.exp_avg_sq: not in the checkpoint, and the rebuilt model and optimizer ask for it; "
+        f"the checkpoint holds {BUCKET.rsplit('.', 1)[0]} in buckets of "
+    )
+    assert "\n" not in error and len(error) < 400
+    # A whole bucket gone: no bucket size lays the parameters out so; the missing one is named.
+    gone = [f"{BUCKET}.{state}" for state in ("param", "exp_avg", "exp_avg_sq")]
+    error = load_error(without(source, tmp_path / "one-bucket", gone))
+    assert error == f"{BUCKET}: not in the checkpoint, which holds buckets 0, 2 of that buffer"

@@ -16,7 +16,7 @@ import dataclasses
 import datetime
 import importlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from tasks.errors import UsageError
+from tasks.restore import buffers
 from tasks.restore.model_args import ModelArgsError
 
 # Process-group set-up can wait on ranks still importing torch and megatron (seconds each on a
@@ -183,11 +184,15 @@ def ddp_config(args, num_parameters: int) -> DistributedDataParallelConfig:
             bucket_size = getattr(args, "ddp_bucket_size", None) or max(
                 40_000_000, 1_000_000 * int(getattr(args, "data_parallel_size", 1) or 1)
             )
+    # Megatron-LM's name for it, else megatron-core's own (a job that saved its DDP config's fields).
+    grad_reduce_in_fp32 = getattr(
+        args, "accumulate_allreduce_grads_in_fp32", getattr(args, "grad_reduce_in_fp32", False)
+    )
     kwargs = _copy_fields(
         DistributedDataParallelConfig,
         args,
         use_distributed_optimizer=bool(args.use_distributed_optimizer),
-        grad_reduce_in_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)),
+        grad_reduce_in_fp32=bool(grad_reduce_in_fp32),
         overlap_grad_reduce=overlap,
         overlap_param_gather=False,
         bucket_size=bucket_size,
@@ -209,15 +214,18 @@ class Built:
     model: DistributedDataParallel  # the one model chunk of this rank, wrapped as Megatron-LM wraps it
     optimizer: object  # megatron's optimizer (fp32 main params for bf16/fp16)
     config: TransformerConfig
+    notes: list[str] = field(default_factory=list)  # what the saved buffers settled against the args
 
     @property
     def module(self):
         return self.model.module
 
 
-def build(args, provider=None, initialize: bool = True) -> Built:
+def build(args, provider=None, initialize: bool = True, saved_buffers: dict | None = None) -> Built:
     """Model and optimizer for this rank (after ``init_distributed``). ``provider`` defaults to
-    the GPT builder; a job's own is called as Megatron-LM calls a model provider."""
+    the GPT builder; a job's own is called as Megatron-LM calls a model provider.
+    ``saved_buffers`` (``buffers.saved_buffers`` of a checkpoint to load): DDP's gradient dtype
+    and buckets as that checkpoint's distributed optimizer saved them, whatever the args say."""
     pre, post = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     if provider is None:
         config = transformer_config(args, initialize)
@@ -230,11 +238,15 @@ def build(args, provider=None, initialize: bool = True) -> Built:
     if args.bf16 or args.fp16:
         chunk = Float16Module(config, chunk)
     parameters = sum(p.numel() for p in chunk.parameters())
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config(args, parameters), module=chunk)
+    ddp, notes = ddp_config(args, parameters), []
+    if saved_buffers:
+        fitted = buffers.fit(ddp, [p for p in chunk.parameters() if p.requires_grad], saved_buffers)
+        ddp, notes = fitted.ddp_config, fitted.notes
+    model = DistributedDataParallel(config=config, ddp_config=ddp, module=chunk)
     # What Megatron-LM's setup does: without it the schedule never all-reduces the gradients.
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(optimizer_config(args), [model])
-    return Built(model, optimizer, config)
+    return Built(model, optimizer, config, notes)
 
 
 def set_seeds(seed: int) -> None:

@@ -7,9 +7,12 @@ real, and check on every rank what was loaded.
 The model comes from the checkpoint (its args, settled against its tensor shapes: see
 ``model_args``) or from the job's own provider (``--model-provider package.module:function``);
 it is laid out on the drill's TP and PP (default: the checkpoint's), and dist_checkpointing
-reshards onto it. What Megatron-LM itself refuses is refused here too, with its reason: RNG
-state is not loaded across a TP/PP change, and a distributed optimizer saved bucket by bucket
-(``dp_reshardable``) cannot be loaded on another TP or PP.
+reshards onto it. The distributed optimizer's gradient buffers (their dtype and buckets) are
+rebuilt as the checkpoint's keys name them (``buffers``), whatever the args say. What
+Megatron-LM itself refuses is refused here too, with its reason: RNG state is not loaded across
+a TP/PP change, and a distributed optimizer saved bucket by bucket (``dp_reshardable``) cannot be
+loaded on another TP or PP. A key the rebuilt model asks for and the checkpoint lacks is one
+line naming the first.
 
 After the load, every rank compares a sample of its own tensors (model and optimizer state)
 with the stored bytes; rank 0 gathers them into one ``LoadReport``. A rank that fails writes its
@@ -21,6 +24,7 @@ own first error beside the report, because torchrun and srun only say that a ran
 import argparse
 import os
 import random
+import re
 import socket
 import sys
 import time
@@ -41,13 +45,14 @@ from megatron.core.dist_checkpointing.mapping import (  # noqa: E402
     ShardedTensor,
     apply_factories,
 )
+from megatron.core.dist_checkpointing.validation import StrictHandling  # noqa: E402
 
 from tasks.checkpoint import layout as ckpt_layout  # noqa: E402
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata  # noqa: E402
 from tasks.checkpoint.facts import wsd_decay_steps  # noqa: E402
 from tasks.errors import CkptopsError, UsageError  # noqa: E402
+from tasks.restore import buffers, param_groups  # noqa: E402
 from tasks.restore import build as builder  # noqa: E402
-from tasks.restore import param_groups  # noqa: E402
 from tasks.restore.compare import compare, sample  # noqa: E402
 from tasks.restore.model_args import ModelArgsError, resolve  # noqa: E402
 from tasks.restore.report import LoadReport, RankCheck, write_error, write_report  # noqa: E402
@@ -58,6 +63,27 @@ RESHARDABLE_FORMATS = {"fully_reshardable", "fully_sharded_model_space"}
 
 class LayoutError(CkptopsError):
     """The checkpoint cannot be loaded on the requested layout (Megatron-LM refuses it too)."""
+
+
+class KeyMismatch(CkptopsError):
+    """The rebuilt model or optimizer asks for keys the checkpoint does not hold: one line, the
+    first of them (megatron's own error lists every key of the checkpoint)."""
+
+    def __init__(self, keys, held: str = ""):
+        self.keys = sorted(keys)
+        more = f" (and {len(self.keys) - 1} more on this rank)" if len(self.keys) > 1 else ""
+        where = f"; the checkpoint holds {held}" if held else ""
+        asked = "the rebuilt model and optimizer ask for it"
+        super().__init__(f"{self.keys[0]}: not in the checkpoint, and {asked}{more}{where}")
+
+
+def _held(key: str, saved: dict) -> str:
+    """What the checkpoint holds for the data-parallel group of a distributed optimizer's bucket key."""
+    match = re.match(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_", key)
+    if match is None:
+        return ""
+    held = saved.get(int(match[1]), [])
+    return "; ".join(b.describe() for b in held) or f"no buckets for dp_group_idx_{match[1]}"
 
 
 def rng_state_object(args) -> ShardedObject:
@@ -125,7 +151,9 @@ def load_state(
 ) -> Loaded:
     """Load model, optimizer, scheduler and RNG state from ``directory`` into what ``built`` holds,
     as Megatron-LM's ``load_checkpoint`` does for a ``torch_dist`` checkpoint. The optimizer's
-    param groups are the saved ones (``param_groups.adopt``), whatever the args imply."""
+    param groups are the saved ones (``param_groups.adopt``), whatever the args imply. A key the
+    checkpoint lacks is ``KeyMismatch`` naming the first (megatron's own strict check against the
+    checkpoint's metadata; the keys it does hold are loaded first, and nothing is applied)."""
     metadata = content_metadata(directory)
     metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
     model_sd = built.module.sharded_state_dict(metadata=metadata)
@@ -136,7 +164,11 @@ def load_state(
     if load_optim:
         _allocate_optimizer_state(optimizer, args.use_distributed_optimizer)
         sharded["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)
-    state = dist_checkpointing.load(sharded, str(directory))
+    state, _, unexpected = dist_checkpointing.load(
+        sharded, str(directory), strict=StrictHandling.RETURN_UNEXPECTED
+    )
+    if unexpected:
+        raise KeyMismatch(unexpected)
     built.module.load_state_dict(state["model"])
     notes = []
     if load_optim:
@@ -306,7 +338,9 @@ class _Load:
         if not same_tp_pp:
             self.report.notes.append("RNG state not loaded: the TP/PP layout changed (as Megatron-LM does)")
         builder.set_seeds(int(getattr(self.args, "seed", 1234)))
-        built = builder.build(self.args, self.provider, initialize=False)
+        self.saved_buffers = buffers.saved_buffers(self.index.tensors) if load_optim else {}
+        built = builder.build(self.args, self.provider, initialize=False, saved_buffers=self.saved_buffers)
+        self.report.notes.extend(built.notes)
         scheduler = self._scheduler(built) if load_optim and self.scheduler_state else None
         loaded = self._load(built, load_optim, load_rng, scheduler)
         if scheduler is not None:
@@ -363,7 +397,12 @@ class _Load:
         for _ in range(max(1, self.options.repeat)):
             torch.distributed.barrier()
             started = time.perf_counter()
-            loaded = load_state(self.options.checkpoint, built, self.args, load_optim, load_rng, scheduler)
+            try:
+                loaded = load_state(
+                    self.options.checkpoint, built, self.args, load_optim, load_rng, scheduler
+                )
+            except KeyMismatch as e:
+                raise KeyMismatch(e.keys, _held(e.keys[0], self.saved_buffers)) from None
             torch.distributed.barrier()
             timings.append(time.perf_counter() - started)
         self.report.load_seconds, self.report.repeat_load_seconds = timings[0], timings[1:]

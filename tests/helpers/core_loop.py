@@ -35,16 +35,30 @@ from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy  # noqa: E402
 from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: E402
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper  # noqa: E402
-from megatron.core.optimizer import ParamKey, ParamPredicate, get_megatron_optimizer  # noqa: E402
+from megatron.core.distributed import (  # noqa: E402
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, ParamKey, ParamPredicate, get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, ParamGroupOverride  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
+from megatron.core.transformer.module import Float16Module  # noqa: E402
 
 from ckptops_records import StepRecorder, batch_summary  # noqa: E402
 from infra.local_job import faults, records  # noqa: E402
 from infra.local_job.faults import fail  # noqa: E402
 from infra.local_job.records import notify_saved  # noqa: E402
-from tasks.restore.build import build, init_distributed, optimizer_config, set_seeds  # noqa: E402
+from tasks.restore.build import (  # noqa: E402
+    Built,
+    build,
+    gpt_provider,
+    init_distributed,
+    optimizer_config,
+    set_seeds,
+    transformer_config,
+)
 from tasks.restore.loader import load_state, rng_state_object  # noqa: E402
 
 CHECKPOINT_VERSION = 3.0
@@ -99,6 +113,21 @@ def parse_args(argv=None):
         action="store_true",
         help="an optimizer config of the loop's own that its saved args do not imply: 3 x --lr for "
         "the decayed parameters, 1.5 x --lr for biases and 1-dim parameters, --min-lr / 2",
+    )
+    p.add_argument(
+        "--megatron-core-configs",
+        action="store_true",
+        help="configure DDP and the optimizer in code with megatron-core's own configs, as a team's "
+        "loop does, not from Megatron-LM's args: gradients reduced in fp32 "
+        "(DistributedDataParallelConfig(grad_reduce_in_fp32=True)); the saved args hold no "
+        "Megatron-LM name for it",
+    )
+    p.add_argument(
+        "--ddp-bucket-size",
+        type=int,
+        default=None,
+        help="with --megatron-core-configs: gradient buckets of this many elements, reduced during "
+        "the backward pass (overlap_grad_reduce=True, bucket_size=N)",
     )
     p.add_argument("--train-iters", type=int, default=8)
     p.add_argument("--save-interval", type=int, default=4)
@@ -165,8 +194,9 @@ def derive(args):
     args.padded_vocab_size = -(-args.vocab_size // multiple) * multiple
     args.fp16 = False
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
-    # Megatron-LM reduces bf16 gradients in fp32.
-    args.accumulate_allreduce_grads_in_fp32 = args.bf16
+    if not args.megatron_core_configs:
+        # Megatron-LM reduces bf16 gradients in fp32.
+        args.accumulate_allreduce_grads_in_fp32 = args.bf16
     args.hidden_dropout = args.attention_dropout = 0.0
     args.norm_epsilon, args.apply_layernorm_1p, args.add_qkv_bias = 1e-5, False, False
     args.rotary_percent, args.rotary_base, args.num_experts = 1.0, 10000, None
@@ -210,7 +240,7 @@ def setup(args):
         )
     args.num_microbatches = args.global_batch_size // per_step
     set_seeds(args.seed)
-    built = build(args)
+    built = core_configs_build(args) if args.megatron_core_configs else build(args)
     if args.own_param_groups:
         built = replace(built, optimizer=own_optimizer(args, built.model))
     # Megatron-LM counts the schedule in samples; a loop stepping it per iteration counts iterations.
@@ -229,6 +259,44 @@ def setup(args):
         wd_incr_style="constant",
     )
     return built, scheduler
+
+
+def core_configs_build(args) -> Built:
+    """The model of the args, its DDP and optimizer configured in code with megatron-core's own
+    configs (none of ckptops' builder beyond the model itself)."""
+    config = transformer_config(args, initialize=True)
+    chunk = gpt_provider(
+        args,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        config=config,
+    )
+    if torch.cuda.is_available():
+        chunk.cuda()
+    if args.bf16:
+        chunk = Float16Module(config, chunk)
+    ddp = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.ddp_bucket_size is not None,
+        bucket_size=args.ddp_bucket_size,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp, module=chunk)
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            clip_grad=args.clip_grad,
+            bf16=args.bf16,
+            params_dtype=args.params_dtype,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        ),
+        [model],
+    )
+    return Built(model, optimizer, config)
 
 
 def own_optimizer(args, model):
