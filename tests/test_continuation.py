@@ -15,6 +15,7 @@ from tasks.checkpoint.catalog import catalog
 from tasks.checkpoint.facts import checkpoint_facts
 from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.promote import promote
+from tasks.cluster import process
 from tasks.errors import UsageError
 from tasks.profile import load_profile
 from tasks.restore.continuation import TOLERANCES
@@ -28,11 +29,19 @@ from tests.test_slurm import ON_TWO_NODES
 
 
 def continuation_profile(
-    trained, tmp_path, options, iteration: int, extra=(), train_iters=24, save_interval=4, drill_extra=""
+    trained,
+    tmp_path,
+    options,
+    iteration: int,
+    extra=(),
+    train_iters=24,
+    save_interval=4,
+    drill_extra="",
+    name="checkpoints",
 ):
-    """A copy of the trained job, verified, with ``iteration`` promoted, its batch script (the trained run's
-    arguments, and ``extra``) and its original log as the reference."""
-    save = shutil.copytree(trained, tmp_path / "checkpoints")
+    """A copy of the trained job (in ``name``), verified, with ``iteration`` promoted, its batch script (the
+    trained run's arguments, and ``extra``) and its original log as the reference."""
+    save = shutil.copytree(trained, tmp_path / name)
     for directory in sorted(save.glob("iter_*")):  # each verified as it was saved
         verify_and_record_here(directory, options)
     promote(save, options, 30, requested=iteration)
@@ -199,6 +208,76 @@ def test_a_script_that_does_not_read_ckpt_load_is_refused_before_anything_is_res
     ):
         run_drill(profile, "shared", continue_steps=4)
     assert read_drills(save) == [] and not profile.drill.scratch_dir.exists()
+
+
+def _hostile_scripts(base: str, save: Path, reference: Path, daemon: Path) -> dict[str, tuple[str, int]]:
+    """The local job's own script, changed as an unlucky or hostile team would (probe 3 of issue
+    34), each with the continuation's steps."""
+    repo = re.search(r"^cd (.+)$", base, re.M)[1]
+    ours = 'save=(--save "$CKPT_SAVE")'
+    relative = (
+        base.replace(f"cd {repo}", f"cd '{save.parent}'\nsetsid sleep 300 & echo $! > '{daemon}'")
+        .replace("infra/local_job/pretrain.py", f"{repo}/infra/local_job/pretrain.py")
+        .replace(ours, f'save=(--save "{save.name}")')
+    )
+    labelled = base.replace(ours, f"save=(--save '{save}')").replace(
+        'exec >"$CKPT_LOG" 2>&1', 'exec > >(sed -u "s/^/0: /" >"$CKPT_LOG") 2>&1'
+    )
+    shard = 'rm -f "$(ls "$CKPT_LOAD"/iter_*/*.distcp | head -n 1)"\nexit $status'
+    deleting = base.replace("exit $status", shard)
+    dots = "." * 44  # Megatron-LM pads "save" and "load" to 48
+    fake = (
+        "#!/bin/bash\n# the original run's log, as if it had trained now from $CKPT_LOAD\n"
+        f'sed -e "s#^  save \\.* .*#  save {dots} $CKPT_SAVE#" '
+        f'-e "s#^  load \\.* .*#  load {dots} $CKPT_LOAD#" -e "/] iteration *\\([0-9]\\|1[0-9]\\|20\\)\\//d" '
+        '-e "/end of arguments/a\\  successfully loaded checkpoint from $CKPT_LOAD [ t 1/1, gtp_remat 1/1, '
+        f'p 1/1 ] at iteration $CKPT_STEP" \'{reference}\' > "$CKPT_LOG"\n'
+    )
+    return {
+        "cd and a relative --save": (relative, 4),
+        "srun labels, a space in the save directory, --continue 2": (labelled, 2),
+        "a shard of the copy deleted": (deleting, 4),
+        "a fake log": (fake, 4),
+    }
+
+
+def test_a_continuation_cannot_touch_production_or_certify_without_training_from_the_copy(
+    trained, tmp_path, options
+):
+    profile, save = continuation_profile(trained, tmp_path, options, 24, INTEGRITY, name="check points")
+    script = profile.drill.continuation.script
+    daemon = tmp_path / "daemon.pid"
+    hostile = _hostile_scripts(script.read_text(), save, profile.drill.continuation.reference, daemon)
+
+    def production() -> dict:  # the checkpoints, the tracker and the pointer (not ckptops' records)
+        kept = (p for p in save.rglob("*") if not p.relative_to(save).parts[0].startswith(".ckptops"))
+        return {str(p): (p.lstat().st_size, p.lstat().st_mtime_ns, p.lstat().st_ino) for p in kept}
+
+    untouched = production()
+    reasons, logs = {}, {}
+    for case, (text, steps) in hostile.items():
+        script.write_text(text)
+        report = run_drill(profile, "shared", continue_steps=steps)
+        assert not report.ok and not report.certified, (case, report.reason)
+        assert production() == untouched, case
+        assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "24", case
+        reasons[case], logs[case] = report.reason, report.continuation_log
+    (relative, labelled, deleted, fake) = reasons.values()
+    for stopped in list(hostile)[:2]:  # stopped before Megatron-LM's first iteration line
+        assert not re.search(r"\] iteration +\d+/", Path(logs[stopped]).read_text()), stopped
+    assert relative.startswith(f"printed arguments: save is check points ({save}), not CKPT_SAVE ")
+    assert relative.endswith("; stopped before its first iteration")
+    assert labelled.startswith(f"printed arguments: save is {save}, not CKPT_SAVE ")
+    assert labelled.endswith("; stopped before its first iteration")
+    assert deleted.startswith("restored copy: after the continuation: ") and "failed verification" in deleted
+    assert re.fullmatch(
+        r"continuation evidence: .*\.continuation\.log: iteration 21 is not stamped after the drill began: "
+        "not certified",
+        fake,
+    )
+    # What the first script started in a session of its own ended with it.
+    assert not process.running(int(daemon.read_text()))
+    assert read_manifest(iter_dir(save, 20)).certification is None  # nothing recorded either way
 
 
 def _perturbed(log: Path, target: Path, changes: dict[int, float]) -> Path:

@@ -17,7 +17,7 @@ from tasks.profile import load_profile
 from tasks.restore.drill import run_drill
 from tasks.restore.history import estimate, read_drills
 from tasks.restore.launch import LoaderShape, render_sbatch
-from tests.conftest import ROOT, exited_process_identity, saved_events, variant_profile, write_job_profile
+from tests.conftest import ROOT, saved_events, variant_profile, write_job_profile
 
 CKPTOPS = ROOT / ".venv" / "bin" / "ckptops"
 
@@ -325,31 +325,6 @@ def test_a_promoted_checkpoint_resaved_since_is_not_drilled(save_dir, tmp_path, 
     assert not report.ok
     assert report.reason == "iter_0000024: promoted but its manifest does not say valid for this save"
     assert [p.name for p in report.phases] == []
-
-
-def test_a_killed_drills_scratch_is_reported_and_cleared_by_the_next(save_dir, tmp_path, options):
-    import subprocess as sp
-
-    promote(save_dir, options, 30)
-    path = write_job_profile(tmp_path, save_dir)
-    profile = load_profile(path)
-    leftover = profile.drill.scratch_dir / "drill-shared-20261130T030000-4242"
-    (leftover / "restore").mkdir(parents=True)
-    (leftover / "restore" / "__0_0.distcp").write_bytes(b"\0" * 4096)
-    # The owner a SIGKILLed drill left: a process that has exited since.
-    (leftover / ".ckptops-owner.json").write_text(json.dumps(exited_process_identity()))
-    status = sp.run(
-        [str(CKPTOPS), "status", "--profile", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert f"stale drill scratch: {leftover} (process " in status.stdout
-    report = run_drill(profile, "shared")
-    assert report.ok, report.reason
-    assert report.cleared and report.cleared[0].startswith(f"{leftover} (process ")
-    assert list(profile.drill.scratch_dir.iterdir()) == []
 
 
 def test_a_loop_with_param_groups_of_its_own_drills_on_the_saved_groups(variety, tmp_path, options):

@@ -399,6 +399,22 @@ def test_fifos_are_refused_by_every_reader_of_logs_in_one_line(tmp_path):
         assert measured.returncode == 2 and "a FIFO, not a regular file" in measured.stderr
 
 
+def test_a_fifo_as_the_jobs_script_is_refused_in_one_line_before_anything_reads_it(save_dir, tmp_path):
+    """A FIFO with no writer as recovery.script used to block the recovery for good at its
+    comparison of the script (and bash, had it got so far): refused where it is first opened."""
+    from tests.test_cli import ckptops
+
+    fifo = tmp_path / "job.fifo"
+    os.mkfifo(fifo)
+    profile = local_profile(tmp_path, save_dir, script=str(fifo), auto_approve=["hardware"])
+    done = ckptops("recover", "--logs", HARDWARE_LOG, "--json", "--profile", profile)  # a deadline
+    incident = json.loads(done.stdout)
+    assert done.returncode == 1 and incident["relaunched_job"] is None, done.stderr[-2000:]
+    assert incident["reason"] == f"{fifo}: a FIFO, not a regular file; give the file itself"
+    with pytest.raises(UsageError, match=f"^{fifo}: a FIFO, not a regular file; give the file itself$"):
+        jobs.check_script(fifo)
+
+
 def test_only_relaunches_count_and_a_retry_of_the_same_failure_is_no_recurrence():
     running = past("hardware", 120, 100, ago=60, n=0)
     running.outcome, running.failure_key = "running", "slurm:7:0:t0"

@@ -201,7 +201,11 @@ def test_sigterm_closes_the_incident_as_interrupted_with_the_relaunch_named(fail
     new = None
     try:
         new = until(lambda: relaunched(job), 300, "the recovery relaunched the job")
-        until(lambda: "job_running" in ledger_lines(job)[-1]["times"], 120, "the recovery watches progress")
+        # Past Megatron-LM's printed arguments (read from the relaunch's output) and training:
+        # the recovery waits for its progress.
+        before = len(job.records.read_text().splitlines())
+        until(lambda: ledger_lines(job)[-1].get("printed_args"), 120, "the relaunch's arguments read")
+        until(lambda: len(job.records.read_text().splitlines()) > before, 120, "the relaunch trains")
         os.killpg(run.pid, signal.SIGTERM)
         out, err = run.communicate(timeout=60)
         # 128 + 15, no traceback, and the incident as it was closed on stdout.
@@ -290,7 +294,7 @@ def test_a_relaunch_its_recovery_never_recorded_is_found_by_its_token_and_adopte
     left.relaunch_token, left.records_before = left.id, len(job.records.read_text().splitlines())
     left.failure_iteration = 9
     record(job.save, left)
-    new, _ = jobs.start_local(settings, "safe", 8, tmp_path / "logs", left.relaunch_token)
+    new, _, _ = jobs.start_local(settings, "safe", 8, tmp_path / "logs", left.relaunch_token)
     try:
         done = recover(job)
         out, err = done.communicate(timeout=600)
@@ -401,3 +405,93 @@ def test_a_checkpoint_that_nans_three_iterations_after_every_load_is_relaunched_
     assert last["outcome"] == "stopped" and last["relaunched_job"] is None
     assert last["stop_rule"] == "numerics-reproduced", last["reason"]
     assert f"numerics again after {fell['id']} fell back from checkpoint 8 to 4" in last["reason"]
+
+
+def test_a_minimal_profile_drives_every_phase_of_a_recovery_and_a_rejection_stops_the_job(failed, tmp_path):
+    """The smallest profile a team would write (what the job is and where its script and records
+    are; every other setting its default) through every phase on the real job: triage, stop rules,
+    the checkpoint verified again, nodes, a person's approval (the relaunch trains with another
+    seed, which the approver accepts), the relaunch, its watch, the validation that rejects it (the
+    batches are not the run's), the default on_rejected stopping it, and the ledger."""
+    job = job_copy(failed, tmp_path, extra=("--seed", "999"))
+    job.profile.write_text(
+        yaml.safe_dump(
+            {
+                "job": {"name": "safe", "save_dir": str(job.save), "layout": {"data_parallel": 2}},
+                "recovery": {
+                    "launcher": "local",
+                    "script": str(job.script),
+                    "step_records": str(job.records),
+                },
+            }
+        )
+    )
+    run = recover(job)
+    out, err = run.communicate(timeout=600)
+    incident = json.loads(out)
+    new = incident["relaunched_job"]
+    try:
+        assert run.returncode == 1 and "Traceback" not in err, err[-3000:]
+        assert incident["outcome"] == "stopped" and incident["checkpoint"] == 8
+        assert incident["reason"].startswith(
+            f"resume rejected, job {new} stopped: REJECTED resume from iteration 8: data order: "
+        ), incident["reason"]
+        phases = [
+            "detected",
+            "triaged",
+            "reverified",
+            "health_done",
+            "approval_requested",
+            "approved",
+            "relaunch_submitted",
+            "job_running",
+            "first_resumed_step",
+            "validated",
+        ]
+        assert [p for p in phases if p not in incident["times"]] == []
+        assert len(incident["rules"]) == 6 and incident["stop_rule"] is None
+        assert incident["health"] == "no health checks (no health section)"
+        assert any("--seed is 999" in line for line in incident["relaunch_args"]), incident["relaunch_args"]
+        # Megatron-LM printed the seed the approver approved: the relaunch went on.
+        assert incident["approved_args"] == ["seed"]
+        assert any(line.startswith("approve: data: seed (printed at ") for line in incident["printed_args"])
+        assert incident["validation"].startswith("REJECTED") and incident["recomputed_iterations"] == 1
+        assert [(i.id, i.outcome) for i in incidents(job.save)] == [(incident["id"], "stopped")]
+        assert not process.running(local_pid(new)) and not processes_of(job.save)
+    finally:
+        stop_job(new)
+
+
+def test_a_relaunch_whose_printed_arguments_change_the_model_is_stopped_before_it_trains(failed, tmp_path):
+    """The script reads the model's size from a config file (``$(cat model.args)``), which the
+    pre-check reading the script cannot see: it finds nothing to refuse. Megatron-LM's own
+    arguments block in the relaunch's output says --num-layers 3 against the checkpoint's 2:
+    the relaunch is stopped before its first iteration and the incident names the argument."""
+    job = job_copy(failed, tmp_path)
+    config = tmp_path / "model.args"
+    config.write_text("--num-layers 3\n")
+    text = job.script.read_text()
+    assert text.count('"${fault[@]}"') == 1
+    job.script.write_text(text.replace('"${fault[@]}"', f'"${{fault[@]}}" $(cat {config})'))
+    run = recover(job)
+    out, err = run.communicate(timeout=600)
+    incident = json.loads(out)
+    new = incident["relaunched_job"]
+    try:
+        assert run.returncode == 1 and new is not None, err[-3000:]
+        assert not any(line.startswith("refuse:") for line in incident["relaunch_args"][1:])
+        reason = incident["reason"]
+        assert reason.startswith(
+            f"relaunch {new} does not fit checkpoint 8 by the arguments Megatron-LM printed ("
+        ), reason
+        assert (
+            "architecture: num_layers (printed at " in reason
+            and "is 3, the checkpoint was saved with 2" in reason
+        )
+        assert reason.endswith("before its first iteration"), reason
+        # Megatron-LM's own iteration lines ("... | consumed samples: ...") never began.
+        assert "consumed samples:" not in Path(incident["relaunch_log"]).read_text()
+        assert not process.running(local_pid(new)) and not processes_of(job.save)
+        assert "first_resumed_step" not in incident["times"] and "validated" not in incident["times"]
+    finally:
+        stop_job(new)

@@ -2,6 +2,7 @@
 checkpoint, validated; and each way a resume goes wrong, caught and named by its check."""
 
 import json
+import re
 import shutil
 import subprocess
 from datetime import datetime
@@ -488,25 +489,54 @@ def test_goodput_from_megatron_lms_own_log_alone(failed_run):
     assert 0 < found["ettr"] < 1
 
 
-def test_a_log_shows_a_start_from_the_checkpoint_only_by_megatron_lms_load_line(
+def test_the_last_ranks_log_without_the_load_line_is_placed_by_its_first_iteration_and_samples(
     failed_run, good_resume, tmp_path
 ):
-    """From a log, the relaunch started from checkpoint 12 only where Megatron-LM printed that it
-    loaded 12 and the next iteration is 13: neither a missing line nor another checkpoint passes."""
+    """Megatron-LM prints 'successfully loaded checkpoint ... at iteration N' on rank 0 and the
+    iteration lines on the last rank: with per-rank output files (srun --output=%t.log) the last
+    rank's file never has the load line. The correct resume's own log without it validates, by
+    its first iteration (13) and consumed samples (96 + that iteration's batch); one whose
+    samples do not follow from the checkpoint's, or whose load line names another iteration, is
+    rejected. A drill's continuation, whose whole log ckptops captures, still needs the line."""
+    from tasks.checkpoint.facts import checkpoint_facts
+    from tasks.resume.checks import Validator
+
     root, save = failed_run
     before = load_steps(root / "before.jsonl")
-    log = _as_megatron_log(good_resume, tmp_path / "after.log")
-    assert validate_resume(save / "iter_0000012", before, load_steps(log), SETTINGS).ok
-    text = log.read_text()
-    unsaid = tmp_path / "no-load-line.log"
-    unsaid.write_text("".join(line for line in text.splitlines(True) if "successfully loaded" not in line))
+    text = (root / "good.log").read_text()
+    assert "successfully loaded checkpoint" in text and "at iteration 12" in text
+    last_rank = tmp_path / "1.log"
+    last_rank.write_text("".join(line for line in text.splitlines(True) if "successfully loaded" not in line))
+    result = validate_resume(save / "iter_0000012", before, load_steps(last_rank), SETTINGS)
+    assert result.ok, result.line()
+    checks = {c.name: c for c in result.checks}
+    point = checks["resume point"]
+    assert point.observed == "iteration 13 after 96 samples" and "no load line" in point.detail
+    # The first line of a run from the checkpoint averages its first iteration alone: compared.
+    assert checks["loss and grad norm"].observed.startswith("as expected (1 losses and 2 grad norms compared")
+
+    # The last rank's file with its first iteration's consumed samples 8 more than Megatron printed.
+    shifted = tmp_path / "shifted.log"
+    shifted.write_text(re.sub(r"(consumed samples: +)104 ", r"\g<1>112 ", last_rank.read_text(), count=1))
+    result = validate_resume(save / "iter_0000012", before, load_steps(shifted), SETTINGS)
+    point = next(c for c in result.checks if c.name == "resume point")
+    assert not result.ok and result.failures[0] is point
+    assert (point.expected, point.observed) == (
+        "iteration 13 after 96 samples",
+        "iteration 13 after 104 samples",
+    )
+
     other = tmp_path / "other.log"
     other.write_text(text.replace("at iteration 12", "at iteration 8"))
-    for path, observed in ((unsaid, "no such line before its steps"), (other, "iteration 8")):
-        result = validate_resume(save / "iter_0000012", before, load_steps(path), SETTINGS)
-        check = next(c for c in result.checks if c.name == "resume point")
-        assert not result.ok and check.observed == observed, path.name
-        assert "successfully loaded checkpoint ... at iteration 12" in check.expected
+    result = validate_resume(save / "iter_0000012", before, load_steps(other), SETTINGS)
+    point = next(c for c in result.checks if c.name == "resume point")
+    assert not result.ok and point.observed == "iteration 8"
+    assert "successfully loaded checkpoint ... at iteration 12" in point.expected
+
+    facts = checkpoint_facts(save / "iter_0000012")
+    drill = Validator(facts, before, load_steps(last_rank), SETTINGS, None).continuation()
+    point = next(c for c in drill.checks if c.name == "resume point")
+    assert not drill.ok and point.observed == "no such line before its steps"
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """The failed job and its relaunch: what Slurm says about a job, the job's own batch script
-checked and resubmitted (or, locally, run), its progress watched through its step records.
+checked and resubmitted (or, locally, run), Megatron-LM's printed arguments read from the
+relaunch's own output as soon as they are there, its progress watched through its step records.
 
 Every Slurm call goes through ``tasks.cluster.slurm.run`` (an argv list with a timeout).
 """
@@ -13,7 +14,9 @@ from pathlib import Path
 
 from tasks.cluster import process, slurm
 from tasks.errors import CkptopsError, Unreadable, UsageError, unreadable
+from tasks.resume.printed_args import PrintedArgs, watch_printed
 from tasks.resume.records import Steps, load_steps
+from tasks.storage.local import open_regular
 
 _POLL_SECONDS = 2.0
 # Megatron-LM switches a relaunch must (not) carry: without the first a missing checkpoint
@@ -40,6 +43,7 @@ class SlurmJob:
     partition: str | None = None
     start_time: str | None = None
     restarts: int = 0  # Slurm requeued it this often: each start is another attempt, another failure
+    work_dir: Path | None = None  # where the batch script starts (relative paths in its arguments)
 
     def layout(self) -> dict[int, str]:
         """Rank -> node under Slurm's default block distribution (ranks fill a node, then the next)."""
@@ -83,13 +87,16 @@ def slurm_job(job_id: str) -> SlurmJob:
         partition=f.get("Partition") or None,
         start_time=f.get("StartTime") or None,
         restarts=int(f.get("Restarts", "0") or 0) if f.get("Restarts", "0").isdigit() else 0,
+        work_dir=path("WorkDir"),
     )
 
 
 def check_script(script: Path) -> str:
-    """The job's batch script, refused when a relaunch with it could start from the wrong state."""
+    """The job's batch script, refused when a relaunch with it could start from the wrong state
+    (or when it is not a regular file: a FIFO would block the reader, and bash, forever)."""
     try:
-        text = Path(script).read_text(errors="replace")
+        with open_regular(script) as f:
+            text = f.read().decode(errors="replace")
     except OSError as e:
         raise unreadable(script, e) from None
     if FORBIDDEN_FLAG in text:
@@ -150,21 +157,78 @@ def submit(
     return out.strip().split(";")[0]
 
 
-def start_local(settings, job: str, step: int, log_dir: Path, token: str) -> tuple[str, dict]:
+def start_local(settings, job: str, step: int, log_dir: Path, token: str) -> tuple[str, dict, Path]:
     """Run the job's own script with bash, detached (it outlives the recovery run): its id
-    (``local:PID``) and its process's identity (so a later recovery never takes another process
-    that got the pid for it). The job's name and ``token`` go in its environment."""
+    (``local:PID``), its process's identity (so a later recovery never takes another process
+    that got the pid for it) and its output file (its own: named by ``token``, the incident).
+    The job's name and ``token`` go in its environment."""
     check_script(settings.script)
     env, args = step_passing(settings, step)
     log_dir.mkdir(parents=True, exist_ok=True)
-    log = log_dir / f"relaunch-{time.strftime('%Y%m%d-%H%M%S')}.out"
+    log = log_dir / f"relaunch-{time.strftime('%Y%m%d-%H%M%S')}-{token}.out"
     env = {**os.environ, **env, TOKEN_ENV: token, JOB_ENV: job}
     child = process.start(["bash", str(settings.script), *args], log, env)
-    return f"local:{child.pid}", process.identity(child.pid)
+    return f"local:{child.pid}", process.identity(child.pid), log
 
 
 def _local_pid(job: str) -> int | None:
     return int(job.split(":", 1)[1]) if job.startswith("local:") else None
+
+
+def relaunch_output(job: str, holder: dict | None, local_log: str | None) -> tuple[Path | None, Path | None]:
+    """The relaunched job's own output file (where Megatron-LM's rank 0 prints its arguments:
+    a local relaunch's file, a Slurm job's StdOut) and its working directory, as far as they are
+    known (None each where not: a job slurmctld forgot, a process that has ended)."""
+    import psutil
+
+    pid = _local_pid(job)
+    if pid is None:
+        try:
+            found = slurm_job(job)
+        except CkptopsError:
+            return None, None
+        return found.stdout, found.work_dir
+    cwd = None
+    if process.running(pid, holder):
+        try:
+            cwd = Path(psutil.Process(pid).cwd())
+        except psutil.Error:
+            cwd = None
+    return (Path(local_log) if local_log else None), cwd
+
+
+def logged_iterations(log: Path) -> int:
+    """How many Megatron-LM iteration lines the relaunch's output holds so far (0 while it has
+    none, or cannot be read yet)."""
+    try:
+        return len(load_steps(log))
+    except (UsageError, Unreadable):
+        return 0
+
+
+def wait_printed(
+    job: str,
+    log: Path,
+    records: Path | None,
+    before: int,
+    timeout_seconds: float,
+    holder: dict | None = None,
+) -> PrintedArgs | None:
+    """Megatron-LM's arguments block in the relaunch's output ``log`` as soon as it is complete
+    (Megatron-LM prints it before it builds the model or loads the checkpoint); None when the job
+    ends, or trains (an iteration line in ``log``, a step record past ``before``) without it having
+    been printed there, or after ``timeout_seconds``. The log is read at the block's own pace; the
+    job's state and its records at the pace of the other waits."""
+    checked, starting = 0.0, True
+
+    def still_starting() -> bool:
+        nonlocal checked, starting
+        if time.monotonic() - checked >= _POLL_SECONDS:
+            checked = time.monotonic()
+            starting = alive(job, holder) and (records is None or _progress(records, before).steps == 0)
+        return starting and not logged_iterations(log)
+
+    return watch_printed(log, timeout_seconds, still_starting)
 
 
 # A local relaunch whose process is on another host: it may run, this host cannot tell.

@@ -152,6 +152,12 @@ class Incident:
     # The relaunch script's Megatron-LM flags against the checkpoint's args (tasks.resume.compat):
     # its summary, then each difference as "<kind>: <words>".
     relaunch_args: list[str] = field(default_factory=list)
+    # The argument names whose differences a person approved (the pre-check's ``approve`` ones).
+    approved_args: list[str] = field(default_factory=list)
+    relaunch_log: str | None = None  # the relaunched job's own output (a local relaunch's file)
+    # Megatron-LM's own printed arguments in that output against the checkpoint's: where they
+    # were read, the summary, then each difference as "<kind>: <words>".
+    printed_args: list[str] = field(default_factory=list)
 
     def mark(self, phase: str, at: float | None = None) -> None:
         """``phase`` happened at ``at`` (now, if None); a time that is not a number (a NaN from

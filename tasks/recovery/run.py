@@ -6,7 +6,8 @@ with a form, or a terminal prompt) and in how phases are shown (tasks in the UI,
 terminal): ``approve`` and ``step`` are passed in.
 
 Phases: detect (what failed, where), triage, stop rules, checkpoint (chosen, then verified
-again), nodes (health, drain, exclude, spares), approval, relaunch, progress, validation.
+again), nodes (health, drain, exclude, spares), approval, relaunch, the relaunch's own printed
+arguments, progress, validation.
 
 One recovery per job at a time, one incident per failure:
 - the job's recovery lock (``.ckptops-recovery.lock`` in the save directory) is held from the
@@ -17,7 +18,9 @@ One recovery per job at a time, one incident per failure:
   (``Duplicate``); under the lock an incident still ``running`` is one whose recovery was killed:
   its relaunched job, if it still runs, is adopted (watched and validated), else it is closed;
 - SIGTERM and SIGINT close the incident as ``interrupted`` with what was done;
-- a relaunch that misses its progress deadline is cancelled before the incident stops.
+- a relaunch that misses its progress deadline is cancelled before the incident stops;
+- a relaunch whose arguments, as Megatron-LM printed them in its own output, do not fit the
+  checkpoint (a refused difference, or one no person approved) is stopped before it trains.
 """
 
 import sys
@@ -69,7 +72,8 @@ from tasks.recovery.phases import (
 from tasks.recovery.rules import Failure, Rule, fired, soon_after_resume, stop_rules
 from tasks.recovery.triage import Triage, triage
 from tasks.recovery.triage.model import FailureClass
-from tasks.resume.compat import Compatibility
+from tasks.resume.compat import Compatibility, Difference
+from tasks.resume.printed_args import PrintedArgs, fit_printed
 from tasks.resume.records import Steps, load_steps
 from tasks.resume.validate import validate_resume
 
@@ -508,6 +512,8 @@ class _Recovery:
             self._stop(f"not approved ({decision.by}){note}", IncidentOutcome.ABORTED)
             return None
         incident.mark("approved")
+        # What a person approved (nothing, when auto-approved: then nothing needed approval).
+        incident.approved_args = [d.name for d in fits.needs_approval]
         if decision.checkpoint is not None and decision.checkpoint != chosen:
             if decision.checkpoint not in choices:
                 self._stop(f"checkpoint {decision.checkpoint} is not a verified candidate ({choices})")
@@ -527,6 +533,7 @@ class _Recovery:
                     f"approval form did not show: {'; '.join(unseen)}"
                 )
                 return None
+            incident.approved_args = [d.name for d in other.needs_approval]
         return chosen
 
     def _fits(self, chosen: int, versions: dict | None = None) -> Compatibility | None:
@@ -576,7 +583,7 @@ class _Recovery:
                     incident.relaunch_token,
                 )
             else:
-                new, incident.relaunch_process = self._do(
+                new, incident.relaunch_process, log = self._do(
                     "relaunch",
                     jobs.start_local,
                     settings,
@@ -585,6 +592,7 @@ class _Recovery:
                     self._log_dir(),
                     incident.relaunch_token,
                 )
+                incident.relaunch_log = str(log)
             incident.relaunched_job = new
             incident.mark("relaunch_submitted")
             self._save()
@@ -608,6 +616,75 @@ class _Recovery:
                 return f"{job}, relaunched by incident {other.id}, may still run"
         return None
 
+    def _fits_as_printed(self, new: str, holder: dict | None) -> bool:
+        """Megatron-LM's own printed arguments, read from the relaunch's own output as soon as they
+        are there, against the checkpoint: the authority the script's pre-check could only read
+        as text. A relaunch they do not fit (a refused difference, or one that needs an approval
+        no person gave) is stopped before it trains, and the incident says which argument and
+        why. True when the relaunch may go on (its arguments fit, or were not printed where it
+        writes: then the pre-check stands, as the incident says)."""
+        incident = self.incident
+        log, cwd = jobs.relaunch_output(new, holder, incident.relaunch_log)
+        if log is None:
+            incident.printed_args = [
+                "the relaunch's output file is not known: Megatron-LM's arguments not read"
+            ]
+            return True
+        incident.relaunch_log = str(log)
+        try:
+            printed = self._do(
+                "printed-args",
+                jobs.wait_printed,
+                new,
+                log,
+                self.records,
+                incident.records_before or 0,
+                self.settings.progress_timeout_seconds,
+                holder,
+            )
+        except CkptopsError as e:
+            printed, unread = None, f"Megatron-LM's arguments not read: {e}"
+        else:
+            unread = (
+                f"{log}: no Megatron-LM arguments block before the job trained or ended: "
+                "the script's pre-check stands"
+            )
+        if printed is None:
+            incident.printed_args = [unread]
+            self._save()
+            return True
+        checkpoint = self.save_dir / layout.iter_dir_name(incident.checkpoint)
+        fit = fit_printed(printed, checkpoint, self.profile, cwd)
+        incident.printed_args = [fit.summary(), *fit.lines()]
+        unapproved = [d for d in fit.needs_approval if not self._approved(d, printed)]
+        if not fit.refused and not unapproved:
+            self._save()
+            return True
+        why = [d.words for d in fit.refused] + [f"{d.words} (no person approved this)" for d in unapproved]
+        stopped = jobs.cancel(new, holder)
+        trained = jobs.logged_iterations(log)
+        self._stop(
+            f"relaunch {new} does not fit checkpoint {incident.checkpoint} by the arguments Megatron-LM "
+            f"printed ({printed.where()}): {'; '.join(why)}; {stopped} "
+            + (f"after {trained} logged iterations" if trained else "before its first iteration")
+        )
+        return False
+
+    def _approved(self, printed_difference: Difference, printed: PrintedArgs) -> bool:
+        """Whether a person approved this very difference: the same argument, with the same
+        values on both sides, as the pre-check showed on the approval form."""
+        if printed_difference.name not in self.incident.approved_args:
+            return False
+        words = printed_difference.words
+        shown = [
+            line.removeprefix("approve: ")
+            for line in self.incident.relaunch_args
+            if line.startswith("approve: ")
+        ]
+        marker = f"{printed_difference.name} (printed at {printed.where()})"
+        values = words.split(marker, 1)[1] if marker in words else None
+        return any(line == words or (values is not None and line.endswith(values)) for line in shown)
+
     def _watch(self) -> None:
         """Wait for the relaunched job to run and make progress, then validate the resume. A job
         that misses a deadline is cancelled before the incident stops."""
@@ -619,6 +696,8 @@ class _Recovery:
             )
             incident.mark("job_running")
             self._save()
+            if not self._fits_as_printed(new, holder):
+                return
             if self.records is None:
                 self._stop(
                     f"relaunched ({new}, {state}); no recovery.step_records to watch its progress or validate"
@@ -642,10 +721,15 @@ class _Recovery:
         checkpoint_dir = self.save_dir / layout.iter_dir_name(incident.checkpoint)
         now = load_steps(self.records)
         resumed = now.take(np.arange(incident.records_before or 0, len(now)))
-        before, settings = self.failed_steps, self.profile.resume
         nodes = relaunched_facts(self.profile, new)
         result = self._do(
-            "validate-resume", validate_resume, checkpoint_dir, before, resumed, settings, relaunched=nodes
+            "validate-resume",
+            validate_resume,
+            checkpoint_dir,
+            self.failed_steps,
+            resumed,
+            self.profile.resume,
+            relaunched=nodes,
         )
         incident.mark("validated")
         incident.validation = result.line()

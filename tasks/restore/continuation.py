@@ -2,50 +2,77 @@
 log with the original run's for those iterations.
 
 The job starts from its own batch script (``drill.continuation.script``, default
-``recovery.script``) with ``CKPT_LOAD`` (the restored copy's save directory), ``CKPT_STEP=N``,
-``CKPT_EXIT_INTERVAL=N+K`` and ``CKPT_LOG`` in its environment and ``--ckpt-step N`` after it: a
-Megatron-LM script passes ``--load "$CKPT_LOAD" --ckpt-step "$CKPT_STEP" --exit-interval
-"$CKPT_EXIT_INTERVAL"``, no ``--save``, and writes its output to ``$CKPT_LOG``. The reference is
-the original run's own log (``drill.continuation.reference``, default ``recovery.step_records``):
-nothing is compared that it has not logged yet. The comparison is post-resume validation's
+``recovery.script``) with ``CKPT_LOAD`` (the restored copy's save directory), ``CKPT_SAVE`` (a
+folder in the drill's scratch), ``CKPT_STEP=N``, ``CKPT_EXIT_INTERVAL=N+K`` and ``CKPT_LOG`` in
+its environment and ``--ckpt-step N`` after it: a Megatron-LM script passes ``--load
+"$CKPT_LOAD" --save "$CKPT_SAVE" --ckpt-step "$CKPT_STEP" --exit-interval
+"$CKPT_EXIT_INTERVAL"`` and writes its output to ``$CKPT_LOG``. The reference is the original
+run's own log (``drill.continuation.reference``, default ``recovery.step_records``): nothing is
+compared that it has not logged yet. The comparison is post-resume validation's
 (``Validator.continuation``): resume point, learning rate, loss and grad norm where both runs
 printed them over the same iterations, skipped and NaN steps.
+
+What the script says is only a pre-check (``tasks.resume.compat``). The authority is the
+arguments block Megatron-LM prints at start (``tasks.resume.printed_args``), read from the run's
+own log as soon as it is there: a run that does not fit the checkpoint, loads anything but the
+copy or saves anywhere but ``CKPT_SAVE`` is stopped (its process group, or ``scancel``) before
+its first iteration, naming the argument. Whatever the script does, the job's save directory is
+fingerprinted before and after (every entry's name, size, mtime and inode, Megatron-LM's tracker,
+ckptops' pointer): any change fails the drill and names what changed. A run is evidence only if
+its log shows Megatron-LM loading that very iteration from the copy and its iterations are
+stamped after the drill began.
 """
 
+import contextlib
 import math
 import os
 import re
+import signal
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
+from tasks.checkpoint import layout
 from tasks.checkpoint.facts import checkpoint_facts
 from tasks.checkpoint.manifest import Manifest
 from tasks.cluster import process
 from tasks.errors import CkptopsError, UsageError
 from tasks.outcome import Check, Outcome
-from tasks.restore.launch import allocation_options, sbatch_wait
+from tasks.restore.launch import allocation_options, cancel, sbatch_wait
 from tasks.resume.checks import Validator
-from tasks.resume.compat import Kind, checkpoint_fit
+from tasks.resume.compat import Compatibility, Kind, checkpoint_fit
+from tasks.resume.printed_args import PrintedArgs, fit_printed, read_printed_args
 from tasks.resume.records import Steps, load_steps
 
 # Relative tolerance of the loss and grad norm at the first iteration and after it, by the
 # profile's word (bf16 as NeMo Automodel's resume tests hold it).
 TOLERANCES = {"exact": (0.0, 0.0), "fp32": (1e-6, 1e-6), "bf16": (1e-6, 5e-3)}
 ARGUMENTS = "relaunch arguments"  # the job's script against the checkpoint (tasks.resume.compat)
-# Megatron-LM prints its arguments at start: "  save ........ /path" (None when not saving).
-_SAVE_ARG = re.compile(r"^\s*save \.+ (\S+)\s*$", re.M)
+PRINTED = "printed arguments"  # what Megatron-LM printed it runs with, against the checkpoint
+PRODUCTION = "save directory"  # the job's own save directory, untouched by the continuation
+EVIDENCE = "continuation evidence"  # the run loaded this copy and trained now
+# Megatron-LM's "  successfully loaded checkpoint from DIR [ t 1/1, ... ] at iteration N".
+_LOADED = re.compile(r"successfully loaded checkpoint from (.*) \[ t \d+/\d+.*\] at iteration (\d+)\s*$")
+# Arguments that name where Megatron-LM writes checkpoints: CKPT_SAVE's or none.
+_SAVES = ("save", "non_persistent_global_ckpt_dir")
+# How often the run's log is read for its arguments block while it starts.
+_POLL_SECONDS = 0.2
 
 
 @dataclass
 class Continued:
     """A continuation's outcome, what it says, the comparison's checks, and the largest relative
-    difference of the losses and grad norms it compared."""
+    difference of the losses and grad norms it compared. ``touched``: what changed in the job's
+    save directory while it ran (the caller raises the alarm)."""
 
     outcome: Outcome
     detail: str
     checks: list[Check] = field(default_factory=list)
     largest_difference: float | None = None
     series: dict | None = None  # per iteration, both runs' loss and learning rate (``series``)
+    touched: str | None = None
 
 
 def continuation_sources(profile) -> tuple[Path, Steps]:
@@ -85,6 +112,243 @@ def checkable_up_to(before: Steps, steps: int) -> int | None:
     return int(before.iteration.max()) - steps if len(before) else None
 
 
+# ---------------------------------------------------------------- the save directory, untouched
+
+
+def fingerprint(save_dir: Path, leave_out: set[Path]) -> dict[str, tuple]:
+    """Every entry under ``save_dir`` (links not followed) by its path: its kind, size,
+    mtime_ns and inode; and the text of Megatron-LM's tracker and ckptops' pointer. ``leave_out``:
+    the files ckptops itself writes there meanwhile (the continuation's kept log)."""
+    found: dict[str, tuple] = {}
+    holding = {path.parent for path in leave_out}
+    pending = [Path(save_dir)]
+    while pending:
+        folder = pending.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError as e:
+            found[str(folder.relative_to(save_dir))] = ("unreadable", e.strerror)
+            continue
+        for entry in entries:
+            path = Path(entry.path)
+            if path in leave_out:
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue  # removed while listed: the next fingerprint says it
+            kind = "dir" if entry.is_dir(follow_symlinks=False) else "link" if entry.is_symlink() else "file"
+            if path in holding:  # its size and mtime move with ckptops' own files in it
+                found[str(path.relative_to(save_dir))] = (kind, None, None, st.st_ino)
+            else:
+                found[str(path.relative_to(save_dir))] = (kind, st.st_size, st.st_mtime_ns, st.st_ino)
+            if kind == "dir":
+                pending.append(path)
+    for name in (layout.MEGATRON_TRACKER, layout.POINTER):
+        try:
+            text = (Path(save_dir) / name).read_bytes()[:64].decode(errors="replace").strip()
+        except OSError:
+            text = None
+        found[f"{name} (its text)"] = (text,)
+    return found
+
+
+def changes(before: dict[str, tuple], after: dict[str, tuple], shown: int = 5) -> str | None:
+    """What differs between two fingerprints, in words (the first ``shown``); None if nothing."""
+    said = []
+    for name in sorted(before.keys() | after.keys()):
+        was, now = before.get(name), after.get(name)
+        if was == now:
+            continue
+        if was is None:
+            said.append(f"{name} appeared")
+        elif now is None:
+            said.append(f"{name} was removed")
+        elif name.endswith("(its text)"):
+            said.append(f"{name.removesuffix(' (its text)')} went from {was[0]} to {now[0]}")
+        else:
+            what = [label for label, a, b in zip(("kind", "size", "mtime", "inode"), was, now) if a != b]
+            said.append(f"{name} changed ({', '.join(what)})")
+    if not said:
+        return None
+    more = f" and {len(said) - shown} more" if len(said) > shown else ""
+    return "; ".join(said[:shown]) + more
+
+
+# ---------------------------------------------------------------- the run, watched
+
+
+@dataclass
+class _Watch:
+    """The continuation's start as Megatron-LM printed it, and why it must not go on."""
+
+    printed: PrintedArgs | None = None
+    stopped: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def _cwd(root: int | None) -> Path | None:
+    """The working directory of the Python processes the launched script runs (a ``cd`` in the
+    script moves it), when they all have the same one; None when that cannot be told."""
+    if root is None:
+        return None
+    try:
+        tree = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+    except psutil.Error:
+        return None
+    found = set()
+    for each in tree:
+        try:
+            if "python" in " ".join(each.cmdline()[:2]):
+                found.add(Path(each.cwd()))
+        except psutil.Error:
+            continue
+    return found.pop() if len(found) == 1 else None
+
+
+def _where(text: str | None, cwd: Path | None) -> Path | None:
+    """A printed path as the job opens it; None when it is relative and its directory unknown."""
+    if text is None or text == "None":
+        return None
+    path = Path(text)
+    if not path.is_absolute():
+        if cwd is None:
+            return None
+        path = cwd / path
+    return Path(os.path.realpath(path))
+
+
+def _misfit(printed: PrintedArgs, fit: Compatibility, env: dict, cwd: Path | None) -> str | None:
+    """Why the run, as Megatron-LM printed its arguments, must not go on; None when it may."""
+    at = f"printed at {printed.where()}"
+    for name in _SAVES:
+        text = printed.get(name)
+        if text is None or text == "None":
+            continue
+        where = _where(text, cwd)
+        if where is None:
+            said = f"{name} is {text}, relative, and the job's working directory is not known"
+        elif where != Path(env["CKPT_SAVE"]):
+            said = f"{name} is {text}" + (f" ({where})" if str(where) != text else "")
+        else:
+            continue
+        return f"{said}, not CKPT_SAVE {env['CKPT_SAVE']}: it would save outside the drill's scratch ({at})"
+    if _where(printed.get("load"), cwd) != Path(env["CKPT_LOAD"]):
+        return (
+            f"load is {printed.get('load')}, not CKPT_LOAD {env['CKPT_LOAD']}: it would not train from "
+            f"the restored copy ({at})"
+        )
+    against = fit.refused + fit.needs_approval
+    if against:
+        return f"the run does not fit the checkpoint ({at}): " + "; ".join(d.words for d in against)
+    return None
+
+
+def _stop(profile, started, launcher_log: Path) -> None:
+    """End the run now: its process group (the launcher passes SIGTERM on to its ranks; what is
+    left is killed when the wait ends), or its Slurm job."""
+    if started is None:
+        cancel(launcher_log)
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(started.pid, signal.SIGTERM)
+
+
+def _judge(profile, printed: PrintedArgs, restored: Path, env: dict, pid: int | None) -> str | None:
+    cwd = _cwd(pid) if pid is not None else None
+    return _misfit(printed, fit_printed(printed, restored, profile, cwd), env, cwd)
+
+
+def _watch(
+    profile, watch: _Watch, logs: list[Path], restored: Path, env: dict, started, launcher_log
+) -> None:
+    """Read the arguments block from the run's log (``CKPT_LOG``, else the launcher's) as soon
+    as it is there, and stop a run that does not fit."""
+    pid = getattr(started, "pid", None)
+    try:
+        while watch.printed is None:
+            watch.printed = next(filter(None, map(read_printed_args, logs)), None)
+            if watch.printed is None and watch.done.wait(_POLL_SECONDS):
+                return
+        watch.stopped = _judge(profile, watch.printed, restored, env, pid)
+    except Exception as e:  # a watch that cannot judge must not let the run go on unjudged
+        watch.stopped = f"{logs[0]}: its arguments block could not be judged: {type(e).__name__}: {e}"
+    if watch.stopped is not None:
+        _stop(profile, started, launcher_log)
+
+
+def _run_watched(
+    profile, argv: list[str], launcher_log: Path, log: Path, restored: Path, env: dict
+) -> _Watch:
+    """The job's script to its end, or until the watch stops it: with bash here, or submitted
+    to the drill's partition and account on Slurm (its own ``#SBATCH`` lines size it: a
+    comparison needs the original's world). Whatever it started ends with it (its process
+    groups; on Slurm, the job)."""
+    drill, watch = profile.drill, _Watch()
+    timeout, what = drill.continuation.timeout_seconds, "the continuation run"
+    started = process.start(["bash", *argv], launcher_log, env) if drill.launcher != "slurm" else None
+    watcher = threading.Thread(
+        target=_watch, args=(profile, watch, [log, launcher_log], restored, env, started, launcher_log)
+    )
+    watcher.start()
+    try:
+        if started is not None:
+            process.wait(started, launcher_log, timeout, what)
+        else:
+            options = [
+                f"--job-name=ckptops-continue-{profile.job.name}",
+                f"--output={log.with_suffix('.job.log')}",
+            ]
+            sbatch_wait([*options, *allocation_options(drill.slurm), *argv], launcher_log, timeout, what, env)
+    except process.Failed:
+        if watch.stopped is None:
+            raise
+    finally:
+        watch.done.set()
+        watcher.join()
+    if watch.printed is None:  # it printed its block and ended before the watch read it
+        watch.printed = next(filter(None, map(read_printed_args, [log, launcher_log])), None)
+        if watch.printed is not None:
+            late = _judge(profile, watch.printed, restored, env, None)
+            watch.stopped = late and f"{late}; it ended before the block was read"
+    elif watch.stopped is not None:
+        watch.stopped += "; stopped before its first iteration"
+    return watch
+
+
+def _evidence(output: Path, after: Steps, n: int, steps: int, copy: Path, began: float) -> Check | None:
+    """Why the run's log is no evidence that this copy resumed (None when it is): Megatron-LM
+    says it loaded iteration ``n`` from ``copy``, and the iterations it trained are stamped after
+    ``began`` (the drill's start, seconds since the epoch)."""
+    loaded = []
+    with open(output, errors="replace") as lines:
+        for line in lines:
+            found = _LOADED.search(line.rstrip("\n"))
+            if found:
+                loaded.append((found[1].strip(), int(found[2])))
+    if not any(_where(where, None) == copy and iteration == n for where, iteration in loaded):
+        seen = ", ".join(f"{i} from {w}" for w, i in loaded) or "no such line"
+        return Check(
+            EVIDENCE,
+            Outcome.FAIL,
+            f"{output}: Megatron-LM does not say it loaded iteration {n} from the restored copy: "
+            "not certified",
+            f"successfully loaded checkpoint from {copy} ... at iteration {n}",
+            seen,
+        )
+    rows = [i for i, it in enumerate(after.iteration) if n < it <= n + steps]
+    stale = [int(after.iteration[i]) for i in rows if not after.time[i] >= began]
+    if stale:
+        return Check(
+            EVIDENCE,
+            Outcome.FAIL,
+            f"{output}: iteration {stale[0]} is not stamped after the drill began: not certified",
+            "iteration lines printed during this drill",
+            f"{len(stale)} of {len(rows)} before it or without a time",
+        )
+    return None
+
+
 def continue_training(
     profile,
     sources: tuple[Path, Steps],
@@ -93,11 +357,13 @@ def continue_training(
     steps: int,
     log: Path,
     manifest: Manifest,
+    began: float,
 ) -> Continued:
     """Train ``steps`` iterations on from the restored checkpoint ``restored`` (its
     ``iter_NNNNNNN`` directory, copied by ``manifest``) with ``sources``
     (``continuation_sources``: the script and the original run's log) and compare. The run's
-    output goes to ``log``, which the caller keeps."""
+    output goes to ``log``, which the caller keeps; ``began``: when the drill began (seconds
+    since the epoch), which the run's iterations must be stamped after."""
     script, before = sources
     facts = checkpoint_facts(restored)
     facts.data_version = manifest.data_version  # the copy has the files, the job's manifest the facts
@@ -111,10 +377,12 @@ def continue_training(
             f"not checkable yet: the original run has logged up to iteration {last}, "
             f"the {steps} after {n} are needed",
         )
-    save_dir = str(profile.job.save_dir.resolve())
+    save_to = scratch / "continuation-save"
+    save_to.mkdir()
     env = {
         **os.environ,
-        "CKPT_LOAD": str(restored.parent),
+        "CKPT_LOAD": os.path.realpath(restored.parent),
+        "CKPT_SAVE": os.path.realpath(save_to),
         "CKPT_STEP": str(n),
         "CKPT_EXIT_INTERVAL": str(n + steps),
         "CKPT_LOG": str(log),
@@ -129,21 +397,39 @@ def continue_training(
         return Continued(Outcome.UNCHECKED, "not run", [Check(ARGUMENTS, Outcome.FAIL, said)])
     warned = [Check(ARGUMENTS, Outcome.WARN, d.words) for d in fits.of(Kind.WARN)]
     launcher_log = scratch / "continuation-launcher.log"
+    save_dir = profile.job.save_dir
+    ours = {Path(log), Path(log).with_suffix(".job.log")}
+    untouched = fingerprint(save_dir, ours)
+    failure = watch = None
     try:
-        _launch(profile, [str(script), "--ckpt-step", str(n)], launcher_log, env)
-    except process.Failed as e:
-        if not _written(log):
-            raise
-        raise CkptopsError(f"{log}: the continuation run exited {e.code}: {process.tail(log)}") from None
-    output = log if _written(log) else launcher_log
-    saved_to = {
-        Path(p).resolve() for p in _SAVE_ARG.findall(output.read_text(errors="replace")) if p != "None"
-    }
-    if Path(save_dir) in saved_to:
-        raise CkptopsError(
-            f"{script}: the continuation ran with --save {save_dir}, the job's own save directory"
+        watch = _run_watched(profile, [str(script), "--ckpt-step", str(n)], launcher_log, log, restored, env)
+    except CkptopsError as e:  # exited non-zero, timed out: production is looked at first
+        failure = e
+    touched = changes(untouched, fingerprint(save_dir, ours))
+    if touched is not None:
+        said = f"{save_dir}: the continuation changed the job's save directory: {touched}"
+        return Continued(
+            Outcome.UNCHECKED, "not certified", [Check(PRODUCTION, Outcome.FAIL, said)], touched=touched
         )
+    if isinstance(failure, process.Failed) and _written(log):
+        raise CkptopsError(
+            f"{log}: the continuation run exited {failure.code}: {process.tail(log)}"
+        ) from None
+    if failure is not None:
+        raise failure
+    if watch.stopped is not None:
+        return Continued(Outcome.UNCHECKED, "not certified", [Check(PRINTED, Outcome.FAIL, watch.stopped)])
+    output = log if _written(log) else launcher_log
+    if watch.printed is None:
+        said = (
+            f"{output}: Megatron-LM printed no arguments block: what the run trained with is not "
+            "known, not certified"
+        )
+        return Continued(Outcome.UNCHECKED, "not certified", [Check(PRINTED, Outcome.FAIL, said)])
     after = load_steps(output)
+    evidence = _evidence(output, after, n, steps, Path(env["CKPT_LOAD"]), began)
+    if evidence is not None:
+        return Continued(Outcome.UNCHECKED, "not certified", [evidence])
     reached = int(after.iteration.max()) if len(after) else n
     first, later = TOLERANCES[profile.drill.continuation.tolerance]
     settings = profile.resume.model_copy(update={"loss_rel_tolerance": later, "first_rel_tolerance": first})
@@ -166,18 +452,6 @@ def continue_training(
         largest,
         drawn,
     )
-
-
-def _launch(profile, argv: list[str], log: Path, env: dict) -> None:
-    """The job's script to its end: with bash here, or submitted to the drill's partition and
-    account on Slurm (its own ``#SBATCH`` lines size it: a comparison needs the original's world)."""
-    drill = profile.drill
-    timeout, what = drill.continuation.timeout_seconds, "the continuation run"
-    if drill.launcher != "slurm":
-        process.run(["bash", *argv], log, timeout, env, what)
-        return
-    options = [f"--job-name=ckptops-continue-{profile.job.name}", f"--output={log.with_suffix('.job.log')}"]
-    sbatch_wait([*options, *allocation_options(drill.slurm), *argv], log, timeout, what, env)
 
 
 def _written(log: Path) -> bool:

@@ -9,10 +9,12 @@ and optimizer rebuilt from the checkpoint (``tasks.restore.loader``), on the dri
 Then check what was loaded: iteration, consumed samples, scheduler state, and on every rank a
 sample of tensors equal to the stored ones. The restore window (the phases' sum) is compared
 with the profile's budget. A drill never writes to its source and always removes its scratch
-directory; the load's log and report are kept in the job's history.
+directory, and nothing else (``tasks.restore.scratch``: only a folder it provably made); the
+load's log and report are kept in the job's history.
 """
 
 import os
+import secrets
 import shutil
 import socket
 import time
@@ -32,12 +34,13 @@ from tasks.checkpoint.pointer import promoted
 from tasks.checkpoint.state import State, VerifyOptions
 from tasks.checkpoint.verify import record_certification, verify_checkpoint
 from tasks.errors import CkptopsError, UsageError
+from tasks.notify import send
 from tasks.outcome import Check, Outcome
 from tasks.restore.continuation import Continued, checkable_up_to, continuation_sources, continue_training
 from tasks.restore.history import DrillSource, append_drill, drill_files
 from tasks.restore.launch import drill_layout, run_loader
 from tasks.restore.report import LoadReport
-from tasks.restore.scratch import clear_stale_scratch, make_scratch
+from tasks.restore.scratch import Scratch, clear_stale_scratch, make_scratch, remove_scratch
 from tasks.storage.archive import ArchiveStore
 
 
@@ -50,6 +53,7 @@ class DrillCheck(StrEnum):
     SCHEDULER = "scheduler"
     TENSORS = "tensors"
     CONTINUATION = "continuation"  # trained on from the restored copy, against the original run
+    RESTORED = "restored copy"  # verified again after the continuation trained from it
 
 
 @dataclass
@@ -80,6 +84,7 @@ class DrillReport:
     layout: dict = field(default_factory=dict)  # the drill's TP, PP, DP
     log: str | None = None  # the load's own output, kept in the history
     cleared: list[str] = field(default_factory=list)  # earlier drills' scratch, removed: their drill is gone
+    left: list[str] = field(default_factory=list)  # in the scratch dir, not provably a drill's: left alone
     continuation_seconds: float | None = None  # training on from the copy (not in the window)
     certified: bool | None = None  # the job's checkpoint recorded as certified by this drill
     continuation_log: str | None = None  # the continued run's output, kept in the history
@@ -135,10 +140,14 @@ class _Drill:
             budget_seconds=getattr(profile.drill.budget_seconds, source),
             id=f"{source}-{stamp}-{os.getpid()}",
         )
-        self.scratch = Path(profile.drill.scratch_dir) / f"drill-{self.report.id}"
+        # A random part: no folder can be planted at its name beforehand.
+        self.scratch = Path(profile.drill.scratch_dir) / f"drill-{self.report.id}-{secrets.token_hex(4)}"
+        self.began = time.time()  # a continuation's iterations are stamped after it
+        self.made: Scratch | None = None  # the scratch folder, once this drill made it
 
     def run(self) -> DrillReport:
-        self.report.cleared = clear_stale_scratch(self.profile.drill.scratch_dir)
+        scratch_dir = self.profile.drill.scratch_dir
+        self.report.cleared, self.report.left = clear_stale_scratch(scratch_dir, self.save_dir)
         try:
             manifest = self._restore()
             self._verify(manifest)
@@ -155,7 +164,9 @@ class _Drill:
         except OSError as e:  # scratch full, permissions, a tool not installed
             self.report.ok, self.report.reason = False, f"{e.filename or 'drill'}: {e.strerror or e}"
         finally:
-            shutil.rmtree(self.scratch, ignore_errors=True)
+            kept = remove_scratch(self.made) if self.made else None
+            if kept:
+                self.report.left.append(kept)
         append_drill(self.save_dir, self.report)
         return self.report
 
@@ -165,7 +176,8 @@ class _Drill:
         self.report.phases.append(Phase(name, time.monotonic() - started, nbytes))
 
     def _restore(self) -> Manifest:
-        target = make_scratch(self.scratch) / "restore"
+        self.made = make_scratch(self.scratch, self.save_dir, self.report.id)
+        target = self.scratch / "restore"
         target.mkdir()
         if self.source is DrillSource.SHARED:
             return self._copy_shared(target)
@@ -236,7 +248,7 @@ class _Drill:
     def _restored_dir(self, manifest: Manifest) -> Path:
         return self.scratch / "restore" / layout.iter_dir_name(manifest.iteration)
 
-    def _verify(self, manifest: Manifest) -> None:
+    def _verify(self, manifest: Manifest, timed: bool = True) -> None:
         directory = self._restored_dir(manifest)
         # The scratch copy is checked against the manifest it was copied by, never recorded.
         options = VerifyOptions(
@@ -248,7 +260,10 @@ class _Drill:
             results["v"] = verify_checkpoint(directory, options, reference=manifest)
             return results["v"].bytes_read
 
-        self._timed("verify", verify)
+        if timed:
+            self._timed("verify", verify)
+        else:
+            verify()
         result = results["v"]
         if result.state is not State.VALID:
             failing = next((c for c in result.checks if not c.ok), None)
@@ -283,8 +298,25 @@ class _Drill:
         restored = self._restored_dir(manifest)
         kept = Path(self.report.log).with_suffix(".continuation.log")
         continued = continue_training(
-            self.profile, self.continuation, restored, self.scratch, self.continue_steps, kept, manifest
+            self.profile,
+            self.continuation,
+            restored,
+            self.scratch,
+            self.continue_steps,
+            kept,
+            manifest,
+            self.began,
         )
+        if continued.touched is not None:
+            unsent = send(
+                self.profile,
+                "a continuation drill changed the job's save directory",
+                f"drill {self.report.id}: {continued.checks[0].detail}: check the pointer and Megatron-LM's "
+                "tracker before the next resume",
+            )
+            continued.checks[0].detail += f"; {unsent}" if unsent else ""
+        elif continued.outcome is not Outcome.UNCHECKED:
+            continued = self._verified_again(manifest, continued)
         self.report.continuation_log = str(kept) if kept.exists() else None
         self.report.continuation_seconds = time.monotonic() - started
         self.report.continuation_series = continued.series
@@ -297,6 +329,18 @@ class _Drill:
         self.report.checks += [Check(DrillCheck.CONTINUATION, continued.outcome, detail), *continued.checks]
         if continued.outcome is not Outcome.UNCHECKED:
             self._certify(manifest, continued)
+
+    def _verified_again(self, manifest: Manifest, continued: Continued) -> Continued:
+        """The restored copy after the continuation, against the manifest it was copied by: a
+        script that changed what it trained from proves nothing of the checkpoint."""
+        try:
+            self._verify(manifest, timed=False)
+        except CkptopsError as e:
+            said = f"after the continuation: {e}: not certified"
+            return Continued(
+                Outcome.UNCHECKED, "not certified", [Check(DrillCheck.RESTORED, Outcome.FAIL, said)]
+            )
+        return continued
 
     def _certify(self, manifest: Manifest, continued: Continued) -> None:
         """Record the continuation in the manifest of the job's own checkpoint the drill

@@ -192,6 +192,7 @@ class Validator:
         logs = "megatron-log" in (after.kind, before.kind if before else "")
         # Logged values are rounded to a few digits; records carry full floats.
         self.lr_tolerance = 1e-5 if logs else 1e-12
+        self.started_at_checkpoint = False  # the resume point says so (_resume_point)
 
     def add(self, name, ok, expected, observed, detail=""):
         self.result.checks.append(
@@ -221,7 +222,7 @@ class Validator:
         drill): where it resumed, the schedule, the recomputed losses and grad norms against the
         original run's, and no new skipped or NaN step. Not the pointer, memory or speed, which
         belong to the job's own resume on its own nodes."""
-        self._resume_point()
+        self._resume_point(load_line=True)
         self._learning_rate()
         self._data_version()
         self._loss()
@@ -320,7 +321,12 @@ class Validator:
             f"iteration {f.iteration}",
         )
 
-    def _resume_point(self) -> None:
+    def _resume_point(self, load_line: bool = False) -> None:
+        """The resumed run's first iteration is the checkpoint's next, after the checkpoint's
+        consumed samples plus that iteration's batch. A log where Megatron-LM says it loaded
+        another iteration is another checkpoint; a log without the line (rank 0 prints it, the
+        last rank the iteration lines: with per-rank output files the last rank's has none) is
+        placed by its first iteration and consumed samples alone, unless ``load_line``."""
         f, a = self.facts, self.after
         if not len(a):
             self.add(
@@ -328,15 +334,24 @@ class Validator:
             )
             return
         first = int(a.iteration[self.start])
-        if a.kind == "megatron-log" and a.loaded[self.start] != f.iteration:
-            # From a log, a run started from checkpoint N only where Megatron-LM says it loaded N.
-            loaded = a.loaded[self.start]
-            seen = f"iteration {loaded:.0f}" if np.isfinite(loaded) else "no such line before its steps"
+        loaded = a.loaded[self.start]
+        said = f"Megatron-LM's 'successfully loaded checkpoint ... at iteration {f.iteration}'"
+        if np.isfinite(loaded) and loaded != f.iteration:
             self.add(
                 ResumeCheck.RESUME_POINT,
                 False,
-                f"Megatron-LM's 'successfully loaded checkpoint ... at iteration {f.iteration}'",
-                seen,
+                said,
+                f"iteration {loaded:.0f}",
+                "the log shows another checkpoint loaded",
+            )
+            return
+        unsaid = a.kind == "megatron-log" and not np.isfinite(loaded)
+        if unsaid and load_line:
+            self.add(
+                ResumeCheck.RESUME_POINT,
+                False,
+                said,
+                "no such line before its steps",
                 "the log does not show this checkpoint loaded",
             )
             return
@@ -351,11 +366,17 @@ class Validator:
             return
         size = a.batch_count[self.start] if not np.isnan(a.batch_count[self.start]) else f.global_batch_size
         resumed_at = None if np.isnan(a.consumed[self.start]) else int(a.consumed[self.start] - size)
+        fits = resumed_at == f.consumed
+        # The first line of a run that started at the checkpoint averages its first iteration only.
+        self.started_at_checkpoint = fits
         self.add(
             ResumeCheck.RESUME_POINT,
-            resumed_at == f.consumed,
+            fits,
             f"iteration {f.iteration + 1} after {f.consumed} samples",
             f"iteration {first} after {resumed_at} samples",
+            "no load line in this log (rank 0 prints it): placed by its first iteration and consumed samples"
+            if unsaid
+            else "",
         )
 
     def _learning_rate(self) -> None:
@@ -536,6 +557,10 @@ class Validator:
         # A printed loss is a mean over a window of iterations: compared only where both runs
         # printed it over the same window (a log's first lines after a start may not have).
         mine_from, theirs_from = a.loss_from[self.recomputed], b.loss_from[self.recomputed_before]
+        if self.started_at_checkpoint:  # a log without its load line does not say where it began
+            mine_from = np.where(
+                (self.recomputed == self.start) & np.isnan(mine_from), float(self.facts.iteration), mine_from
+            )
         same_window = np.isfinite(mine_from) & (mine_from == theirs_from)
         skipped = [int(i) for i in a.iteration[self.recomputed][~same_window]]
         bad, count, rounded, largest = [], 0, False, 0.0

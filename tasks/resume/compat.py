@@ -14,11 +14,20 @@ way an operator would read both side by side:
   warning (the checkpoint records megatron-core and torch; CUDA and NCCL only where known).
 
 The script is read, never run: its tokens (``shlex``), its own scalar assignments and the
-environment the relaunch inherits resolve ``$VAR`` and ``${VAR:-default}``; a value still
-holding a ``$`` (a positional parameter, a command substitution) is named as not compared.
-Flags are recognised and typed by Megatron-LM's own argument parser, so ``--lr=6e-5`` and
-``--lr 0.00006`` are the same. Only flags the script writes are compared: a flag a wrapper sets
-(or a default) is not seen here, and the comparison says how many it compared.
+environment the relaunch inherits resolve ``$VAR`` and ``${VAR:-default}`` (a word that is only
+a variable, ``torchrun ... $GPT_ARGS`` or ``eval "$CMD"``, is the words it holds); a value still
+holding a ``$`` or a backtick (a positional parameter, a command substitution) is named as not
+compared, and so is what a heredoc holds. Flags are recognised by Megatron-LM's own argument
+parser and typed by the standard types it gives them, so ``--lr=6e-5`` and ``--lr 0.00006`` are
+the same; a flag Megatron-LM types with its own code (``--moe-layer-freq "[0]*4"``, which it
+evaluates) is compared as the text written, never run here. In one command the last of a
+repeated flag holds, as argparse takes it.
+
+This reading is a pre-check, and it refuses only what it read for certain: a value the parser
+would refuse, or two readings of one flag, is not compared. The authority is what Megatron-LM
+prints at start (``tasks.resume.printed_args``). Only flags the script writes are compared: a
+flag a wrapper sets (or a default) is not seen here, and the comparison says how many it
+compared.
 """
 
 import argparse
@@ -213,9 +222,30 @@ class ScriptArgs:
     refused: dict[str, str] = field(default_factory=dict)  # name -> what Megatron-LM's parser says
     written: dict[str, str] = field(default_factory=dict)  # name -> its value as last read
     conflicting: set[str] = field(default_factory=set)  # names read with two values
+    as_text: set[str] = field(default_factory=set)  # names whose value is the text written (not typed)
+    command: dict[str, int] = field(default_factory=dict)  # name -> the command it was last read in
 
 
 _COMMENT = re.compile(r"(^|\s)#.*$")
+# A file descriptor written against its redirection (the 2 of 2>&1): not a word of the command.
+_DESCRIPTOR = re.compile(r"(^|\s)\d+(?=[<>])")
+_HEREDOC = re.compile(r"<<(-?)\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\2")
+
+
+def _commands(text: str) -> list[str]:
+    """The script's lines, continued lines joined, each heredoc's body left out (what it holds
+    is a file's or a command's input, not a command of the script)."""
+    kept, ending = [], None
+    for line in text.replace("\\\n", " ").splitlines():
+        if ending is not None:
+            if line.strip() == ending or line == ending:
+                ending = None
+            continue
+        kept.append(line)
+        opened = _HEREDOC.search(_COMMENT.sub("", line))
+        if opened:
+            ending = opened[3]
+    return kept
 
 
 def _lines(text: str) -> list[list[str]]:
@@ -223,8 +253,8 @@ def _lines(text: str) -> list[list[str]]:
     ``#`` that starts a word, never one inside a path): a flag's values never run on into the
     next command."""
     lines = []
-    for line in text.replace("\\\n", " ").splitlines():
-        line = _COMMENT.sub("", line)
+    for line in _commands(text):
+        line = _DESCRIPTOR.sub(r"\1", _COMMENT.sub("", line))
         lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
         lexer.whitespace_split, lexer.commenters = True, ""
         try:
@@ -307,28 +337,41 @@ def script_args(script: Path, environ: dict[str, str]) -> ScriptArgs:
     lines = _lines(text)
     assigned = _assignments([token for line in lines for token in line])
     known = parser._option_string_actions
-    for tokens in lines:
+    for number, line in enumerate(lines):
+        tokens = _expanded(line, assigned, environ)
         for i, token in enumerate(tokens):
             if token.split("=", 1)[0] in known and token.startswith("--"):
-                _read_flag(found, parser, tokens[i:], assigned, environ)
+                _read_flag(found, parser, tokens[i:], assigned, environ, number)
     return found
+
+
+def _expanded(tokens: list[str], assigned: dict, environ: dict) -> list[str]:
+    """A word that is only a variable holding flags (``$GPT_ARGS``, ``eval "$CMD"``) as the
+    words it holds, as bash splits an unquoted expansion."""
+    words = []
+    for token in tokens:
+        settled = _resolve(token, assigned, environ) if _REFERENCE.fullmatch(token) else token
+        words += _split(settled) if settled != token and "--" in settled else [token]
+    return words
 
 
 def _values(tokens: list[str], nargs) -> list[str]:
     """The words after a flag that are its values: as many as its ``nargs`` takes, up to the
     next flag or the end of the command."""
     taken = []
-    for i, value in enumerate(tokens):
-        redirected = i + 1 < len(tokens) and tokens[i + 1][:1] in "<>"  # the 2 of 2>&1
-        if value[:1] in _SHELL or (value.startswith("-") and not _number(value)) or redirected:
+    for value in tokens:
+        if value[:1] in _SHELL or (value.startswith("-") and not _number(value)):
             break
         taken.append(value)
     wanted = {None: 1, "?": 1}.get(nargs, nargs)
     return taken[:wanted] if isinstance(wanted, int) else taken
 
 
-def _read_flag(found: ScriptArgs, parser: _Parser, tokens: list[str], assigned: dict, environ: dict) -> None:
-    """One flag as written (``tokens`` from it to the end of its command) into ``found``."""
+def _read_flag(
+    found: ScriptArgs, parser: _Parser, tokens: list[str], assigned: dict, environ: dict, command: int
+) -> None:
+    """One flag as written (``tokens`` from it to the end of its command, the script's
+    ``command``-th) into ``found``."""
     token = tokens[0]
     flag = token.split("=", 1)[0]
     action = parser._option_string_actions[flag]
@@ -341,18 +384,24 @@ def _read_flag(found: ScriptArgs, parser: _Parser, tokens: list[str], assigned: 
         # An unquoted $VAR splits into words (a blend "0.3 a 0.7 b" is four values).
         resolved += _split(settled) if settled != word else [settled]
     shown = " ".join(resolved[1:])
-    if any("$" in v for v in resolved[1:]):
+    at = (found, dest, flag, shown, command)
+    if any("$" in v or "`" in v for v in resolved[1:]):
         said = " ".join(written[1:])
         said = said if said == shown else f"{said}, that is {shown}"
-        _record(found, dest, flag, shown, unresolved=f"the script sets it at run time ({said})")
+        _record(*at, unresolved=f"the script sets it at run time ({said})")
+        return
+    if getattr(action.type, "__module__", "builtins") != "builtins":
+        # Megatron-LM's own type (moe_freq_type evaluates its text): never run on the script's.
+        found.as_text.add(dest)
+        _record(*at, value=shown)
         return
     try:
         parsed, _ = parser.parse_known_args(resolved)
-    except _Refusal as e:  # Megatron-LM would exit at start, before loading anything
-        _record(found, dest, flag, shown, refused=f"{flag} {shown}: Megatron-LM's parser refuses it ({e})")
+    except _Refusal as e:  # as read here: a misreading is as likely as a bad script
+        _record(*at, refused=f"{flag} {shown}: Megatron-LM's parser would refuse it as read here ({e})")
         return
     if dest in vars(parsed):
-        _record(found, dest, flag, shown, value=getattr(parsed, dest))
+        _record(*at, value=getattr(parsed, dest))
 
 
 def _split(text: str) -> list[str]:
@@ -365,11 +414,25 @@ def _split(text: str) -> list[str]:
 _UNSET = object()
 
 
-def _record(found: ScriptArgs, dest: str, flag: str, shown: str, value=_UNSET, unresolved=None, refused=None):
-    """One reading of an argument. Read again with another value (two branches, a second
+def _record(
+    found: ScriptArgs,
+    dest: str,
+    flag: str,
+    shown: str,
+    command: int,
+    value=_UNSET,
+    unresolved=None,
+    refused=None,
+):
+    """One reading of an argument. Read again in the same command, the last one holds (as
+    argparse takes it); read again with another value elsewhere (two branches, a second
     command in the script), it is no longer known which one runs: not compared."""
     before = found.written.get(dest)
-    found.written[dest] = shown
+    if before is not None and found.command.get(dest) == command and dest not in found.conflicting:
+        for readings in (found.values, found.refused, found.unresolved):
+            readings.pop(dest, None)
+        before = None
+    found.written[dest], found.command[dest] = shown, command
     if before is not None and before != shown:
         found.values.pop(dest, None)
         found.refused.pop(dest, None)
@@ -497,7 +560,11 @@ def compare(
         if _same(before, value):
             continue
         said = _said(script.flags[name], name, value, before)
-        if name in taken:
+        if name in script.as_text:
+            found.compared -= 1
+            typed = "Megatron-LM types it with its own code, not run on the script's text here"
+            add(Kind.NOTE, name, f"{name}: {said} as written ({typed}): not compared")
+        elif name in taken:
             switch = "--" + taken[name].replace("_", "-")
             add(Kind.NOTE, name, f"{said} ({switch}: Megatron-LM takes the checkpoint's)")
         elif kind is Kind.RESHARD:
@@ -508,7 +575,7 @@ def compare(
         _layout(found, saved, script, drilled or {})
     for name, said in sorted(script.refused.items()):
         if name in KIND_OF:
-            add(Kind.REFUSE, name, f"{WHAT[name]}: {said}")
+            add(Kind.NOTE, name, f"{WHAT[name]}: {said}: not compared")
     for name, written in sorted(script.unresolved.items()):
         if name in KIND_OF:
             add(Kind.NOTE, name, f"{name}: {written}: not compared")

@@ -26,9 +26,11 @@ from tasks.checkpoint.promote import promote
 from tasks.checkpoint.state import VerifyOptions
 from tasks.cluster import process
 from tasks.profile import load_profile
+from tasks.restore.continuation import changes, fingerprint
 from tasks.restore.drill import run_drill
 from tasks.restore.launch import drill_layout, loader_args, loader_env, torchrun
 from tasks.restore.report import read_report
+from tasks.resume.printed_args import fit_printed, read_printed_args
 from tasks.resume.records import load_steps
 from tests.bench.bench_verify import BENCH, LARGE, LARGE_MODEL, checkpoint, data_files, median_seconds
 
@@ -123,6 +125,7 @@ def main() -> int:
         reports[source] = sorted(drills, key=lambda r: r.window_seconds)[len(drills) // 2]
     with console.status("a continuation drill (plain Adam) from shared: restore, then train 3-4..."):
         continued, original = continuation_bench()
+        guard_fingerprint, guard_watch = continuation_guards(continued)
 
     table = Table(
         title=f"make bench: restore drill of a {size / 1e9:.2f} GB checkpoint, page cache warm "
@@ -166,7 +169,18 @@ def main() -> int:
         "",
     )
     table.add_row("the original run's iterations 3-4 (its own log)", "", f"{original:.3f}", "")
+    table.add_row(
+        "continuation: save directory fingerprinted, before and after", "", f"{guard_fingerprint:.3f}", ""
+    )
+    table.add_row("continuation: printed arguments read and compared", "", f"{guard_watch:.3f}", "")
     console.print(table)
+    total = continued.window_seconds + continued.continuation_seconds
+    added = guard_fingerprint + guard_watch
+    console.print(
+        f"continuation guards: {added:.3f} s of the drill's {total:.2f} s (fingerprint "
+        f"{guard_fingerprint:.3f} s, argument watch {guard_watch:.3f} s; target < 1 s): "
+        f"{'met' if added < 1 else 'NOT met'}"
+    )
     console.print(
         f"continuation of 2 iterations: {continued.continuation_seconds:.2f} s, "
         f"{continued.continuation_seconds / continued.window_seconds:.2f}x the restore window; "
@@ -185,6 +199,20 @@ def main() -> int:
         f"({(first - again) / first:.0%})"
     )
     return 0
+
+
+def continuation_guards(report) -> tuple[float, float]:
+    """What the continuation's guards add to its drill, each the median of REPEATS: the save
+    directory's fingerprint taken twice and compared, and the arguments block read from the
+    continuation's kept log and compared with the checkpoint's saved args."""
+    profile = load_profile(bench_profile(CONTINUED))
+    save, log = profile.job.save_dir, Path(report.continuation_log)
+    ours = {log}
+    fingerprinted = median_seconds(lambda: changes(fingerprint(save, ours), fingerprint(save, ours)), REPEATS)
+    watched = median_seconds(
+        lambda: fit_printed(read_printed_args(log), save / "iter_0000002", profile), REPEATS
+    )
+    return fingerprinted, watched
 
 
 def load_twice(profile, directory: Path):
