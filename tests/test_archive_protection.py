@@ -59,15 +59,16 @@ def archive_counting(save_dir, profile, **kwargs):
 def test_the_read_back_sample_rotates_by_the_count_of_copies(tmp_path):
     """1 in 7 by default: the 1st, 8th and 15th copy are read back; 0 never, 1 always; a local
     directory always."""
-    s3 = load_profile(write_job_profile(tmp_path, tmp_path, "s3://b/c", "http://127.0.0.1:9")).archive
+    save = tmp_path / "save"
+    s3 = load_profile(write_job_profile(tmp_path, save, "s3://b/c", "http://127.0.0.1:9")).archive
     never = s3.model_copy(update={"readback_fraction": 0.0})
     always = s3.model_copy(update={"readback_fraction": 1.0})
-    local = load_profile(write_job_profile(tmp_path, tmp_path, str(tmp_path / "archive"))).archive
+    local = load_profile(write_job_profile(tmp_path, save, str(tmp_path / "archive"))).archive
     seen = {"default": [], "never": [], "always": [], "local": []}
     for n in range(15):
         for name, settings in (("default", s3), ("never", never), ("always", always), ("local", local)):
-            seen[name].append(reads_back(tmp_path, settings))
-        append_jsonl(copies_path(tmp_path), {"iteration": n})
+            seen[name].append(reads_back(save, settings))
+        append_jsonl(copies_path(save), {"iteration": n})
     assert [i for i, r in enumerate(seen["default"]) if r] == [0, 7, 14]
     assert not any(seen["never"]) and all(seen["always"]) and all(seen["local"])
 

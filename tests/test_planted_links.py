@@ -131,6 +131,31 @@ def test_a_log_ckptops_appends_to_refuses_a_link_at_its_name(tmp_path, victim, l
     assert untouched(victim)
 
 
+FOLDERS = {
+    **{name: (write, where.split("/")[0]) for name, (write, where) in APPENDS.items()},
+    "pins": (lambda save: pin(save, 8, "drill-1", "a drill reads it"), ".ckptops-pins"),
+    "raw outputs": (
+        lambda raw: Context("gpu1", None, None, 1, raw).keep("dcgm-diag", "bindings", "{}"),
+        "gpu1",
+    ),
+}
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_a_link_planted_at_a_folder_ckptops_keeps_is_refused_not_followed(tmp_path, folder):
+    """Before: ``.ckptops-history``, ``.ckptops-pins`` or a node's raw folder planted as a link
+    to another folder had ckptops (as root) create and append files in that folder."""
+    write, name = FOLDERS[folder]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "save").mkdir()
+    root = tmp_path / ("save" if name.startswith(".") else "raw")
+    plant(root / name, elsewhere)
+    with pytest.raises(Malformed, match=f"^{root / name}: a symbolic link where ckptops keeps a folder"):
+        write(root)
+    assert list(elsewhere.iterdir()) == []
+
+
 def test_a_log_that_is_a_fifo_or_has_another_name_is_refused(tmp_path, victim):
     os.link(victim, tmp_path / "hard.jsonl")
     with pytest.raises(Malformed, match="hard.jsonl: a file with 2 hard links"):

@@ -37,7 +37,8 @@ def warned(path, lines: str) -> str:
 
 
 def _warnings(text: str) -> list[str]:
-    return [line for line in text.splitlines() if WARNING in line]
+    """The CLI's warnings about skipped lines, without the mark every warning of ours carries."""
+    return [line.removeprefix("ckptops: warning: ") for line in text.splitlines() if WARNING in line]
 
 
 def test_read_jsonl_skips_what_it_cannot_use_with_one_warning_naming_the_file_and_lines(tmp_path, caplog):
@@ -90,6 +91,10 @@ def test_a_torn_byte_in_a_nodes_history_does_not_stop_the_sweep(tmp_path):
     assert record_suspect(raw, "a", "inc-1")
     _spoil(raw / "a" / NODE_HISTORY, TORN, b'{"kind": ["not", "a", "kind"]}\n')
     assert record_suspect(raw, "a", "inc-2")
+    # Node b's folder planted as a link: b cannot be recorded, and the sweep goes on.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (raw / "b").symlink_to(elsewhere)
     profile = tmp_path / "health.yaml"
     profile.write_text(
         f"job: {{name: t, save_dir: '{tmp_path}'}}\n"
@@ -102,6 +107,12 @@ def test_a_torn_byte_in_a_nodes_history_does_not_stop_the_sweep(tmp_path):
     checks = {c["name"]: c for c in verdicts["a"]["checks"]}
     assert checks["suspect-history"]["verdict"] == "FAIL_HARDWARE"
     assert _warnings(result.stderr) == [warned(raw / "a" / NODE_HISTORY, "lines 2, 3")]
+    assert f"ckptops: warning: {raw / 'a' / NODE_HISTORY}: lines 2, 3" in result.stderr
+    # Its checks could keep no raw output (SUSPECT), its verdict no line: nothing went elsewhere.
+    assert verdicts["b"]["verdict"] == "SUSPECT" and list(elsewhere.iterdir()) == []
+    recorded = {c["name"]: c for c in verdicts["b"]["checks"]}["suspect-history"]
+    assert recorded["verdict"] == "TOOL_ERROR"
+    assert recorded["detail"].startswith(f"verdict not recorded: {raw / 'b'}: a symbolic link where ckptops")
     # The verdicts were recorded after the torn line, and read back.
     assert [e["kind"] for e in read_history(raw, "a")] == ["suspect", "suspect", "verdict"]
 

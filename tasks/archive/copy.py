@@ -46,7 +46,7 @@ from tasks.storage.archive import (
     Stored,
     checksum_file,
 )
-from tasks.storage.local import append_jsonl, list_files, read_jsonl
+from tasks.storage.local import append_jsonl, list_files, own_folder, read_jsonl
 
 POINTER_OBJECT = "latest_committed_iteration.txt"
 COPIES = "archive.jsonl"
@@ -508,7 +508,7 @@ def archive_checkpoint(
                 }
             status = _commit(store, job, manifest, directory, checked, lock_until)
         seconds = time.monotonic() - started
-        append_jsonl(copies_path(save_dir), {"iteration": iteration, **status})
+        append_jsonl(own_folder(save_dir, layout.HISTORY) / COPIES, {"iteration": iteration, **status})
         kept: list[str] = []
         deleted = apply_archive_retention(
             store,

@@ -24,7 +24,7 @@ from tasks.checkpoint.layout import PINS, iter_dir_name, parse_iter_dir
 from tasks.checkpoint.manifest import now_iso
 from tasks.cluster.process import gone, identity
 from tasks.errors import CkptopsError, UsageError, unreadable
-from tasks.storage.local import TEMP_MARK, atomic_write, open_regular, warn_once
+from tasks.storage.local import TEMP_MARK, atomic_write, open_regular, own_folder, warn_once
 
 _HOLDER = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 # Longer than any drill or archive copy of a 7 TB checkpoint runs (their own timeouts are hours).
@@ -72,8 +72,7 @@ def pin(save_dir: Path, iteration: int, holder: str, reason: str, lease: bool = 
     if lease:
         record["lease"] = identity()
     try:
-        path.parent.mkdir(exist_ok=True)
-        atomic_write(path, json.dumps(record).encode())
+        atomic_write(own_folder(save_dir, PINS) / path.name, json.dumps(record).encode())
     except OSError as e:
         raise unreadable(path, e) from None
     return path

@@ -23,6 +23,7 @@ from tasks.errors import CkptopsError, Malformed
 from tasks.storage.local import (
     append_jsonl,
     atomic_write,
+    own_folder,
     read_json_state,
     read_jsonl,
     read_state,
@@ -87,7 +88,7 @@ def record_promotion(
     entry = {"time": time.time(), "at": now_iso(), "iteration": iteration, "previous": previous, "why": why}
     if gap:
         entry["gap"] = True
-    append_jsonl(Path(save_dir) / HISTORY / PROMOTIONS, entry)
+    append_jsonl(own_folder(save_dir, HISTORY) / PROMOTIONS, entry)
 
 
 @dataclass

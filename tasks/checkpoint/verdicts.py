@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tasks.checkpoint import layout
 from tasks.errors import unreadable
-from tasks.storage.local import append_jsonl, read_jsonl
+from tasks.storage.local import append_jsonl, own_folder, read_jsonl
 
 VERDICTS = "verdicts.jsonl"
 
@@ -89,7 +89,7 @@ def next_number(save_dir: Path, iteration: int, replaced: int | None) -> int:
 
 def record(save_dir: Path, iteration: int, number: int, status: str, data: bytes, at: str) -> None:
     """Append the verdict just written (``data``: the manifest's exact bytes)."""
-    path = log_path(save_dir)
+    path = own_folder(save_dir, layout.HISTORY) / VERDICTS
     entry = {
         "iteration": iteration,
         "verdict": number,

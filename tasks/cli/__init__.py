@@ -8,6 +8,7 @@ One module per command group; each command parses its arguments, calls one funct
 domain and renders what it returns.
 """
 
+import logging
 import sys
 
 import typer
@@ -28,5 +29,11 @@ app.add_typer(health.commands, name="health")
 
 
 def main() -> None:
+    # The warnings of tasks/ (a record skipped in a history file, a pin not ours) on stderr, one
+    # line each, marked as ckptops's.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("ckptops: warning: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("tasks").addHandler(handler)
     # Typer exits 2 on usage errors, like the rest of our input errors.
     sys.exit(app())

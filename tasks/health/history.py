@@ -24,7 +24,7 @@ from pathlib import Path
 from tasks.errors import Unreadable
 from tasks.health.verdict import CheckName, Evidence, HealthCheck, result
 from tasks.outcome import Verdict
-from tasks.storage.local import append_jsonl, read_jsonl
+from tasks.storage.local import append_jsonl, own_folder, read_jsonl
 
 HISTORY = "history.jsonl"
 VERDICT, SUSPECT, ADMITTED, FACTS = "verdict", "suspect", "admitted", "facts"
@@ -32,6 +32,11 @@ VERDICT, SUSPECT, ADMITTED, FACTS = "verdict", "suspect", "admitted", "facts"
 
 def history_path(raw_dir: Path, node: str) -> Path:
     return Path(raw_dir) / node / HISTORY
+
+
+def _append(raw_dir: Path, node: str, entry: dict) -> None:
+    """A line of the node's history, in the node's own folder (never through a link there)."""
+    append_jsonl(own_folder(raw_dir, node) / HISTORY, entry)
 
 
 def read_history(raw_dir: Path, node: str) -> list[dict]:
@@ -55,8 +60,9 @@ def _now(now: datetime | None) -> datetime:
 
 def record_verdict(raw_dir: Path, report) -> None:
     """One line per check run of the node (``report``: a tasks.health.run.NodeReport)."""
-    append_jsonl(
-        history_path(raw_dir, report.node),
+    _append(
+        raw_dir,
+        report.node,
         {
             "kind": VERDICT,
             "started_at": report.started_at,
@@ -78,20 +84,18 @@ def record_suspect(
     if any(kind(e) == SUSPECT and e.get("incident") == incident for e in read_history(raw_dir, node)):
         return False
     at = _now(now).isoformat(timespec="seconds")
-    append_jsonl(
-        history_path(raw_dir, node), {"kind": SUSPECT, "at": at, "incident": incident, "detail": detail}
-    )
+    _append(raw_dir, node, {"kind": SUSPECT, "at": at, "incident": incident, "detail": detail})
     return True
 
 
 def record_admitted(raw_dir: Path, node: str, now: datetime | None = None) -> None:
     at = _now(now).isoformat(timespec="seconds")
-    append_jsonl(history_path(raw_dir, node), {"kind": ADMITTED, "at": at})
+    _append(raw_dir, node, {"kind": ADMITTED, "at": at})
 
 
 def record_facts(raw_dir: Path, node: str, facts: dict[str, str], now: datetime | None = None) -> None:
     at = _now(now).isoformat(timespec="seconds")
-    append_jsonl(history_path(raw_dir, node), {"kind": FACTS, "at": at, "facts": facts})
+    _append(raw_dir, node, {"kind": FACTS, "at": at, "facts": facts})
 
 
 def latest_facts(

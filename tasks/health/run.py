@@ -23,7 +23,7 @@ from tasks.cluster.transport import (
     Unreachable,
     check_node_name,
 )
-from tasks.errors import Unreadable
+from tasks.errors import CkptopsError, Unreadable
 from tasks.health import fleet
 from tasks.health.checks import (
     Context,
@@ -315,7 +315,7 @@ def run_health(
             report.checks.append(pair_test(node, settings.pairs.known_good, settings, key_text))
             report.verdict = worst(c.verdict for c in report.checks)
         if not compared:
-            record_verdict(settings.raw_dir, report)
+            _record(settings.raw_dir, report)
         if progress:
             progress(report)
         return report
@@ -325,8 +325,20 @@ def run_health(
     if compared:
         compare_fleet(reports, settings, admit)
         for report in reports:
-            record_verdict(settings.raw_dir, report)
+            _record(settings.raw_dir, report)
     return HealthRun(reports, level, time.monotonic() - started)
+
+
+def _record(raw_dir: Path, report: NodeReport) -> None:
+    """The node's verdict into its history; a history that cannot take it (a link planted at
+    the node's folder, a full disk) is that node's TOOL_ERROR, and the sweep goes on."""
+    try:
+        record_verdict(raw_dir, report)
+    except (CkptopsError, OSError) as e:
+        report.checks.append(
+            result(CheckName.SUSPECT_HISTORY, Verdict.TOOL_ERROR, Evidence(f"verdict not recorded: {e}"))
+        )
+        report.verdict = worst(c.verdict for c in report.checks)
 
 
 def compare_fleet(reports: list[NodeReport], settings, admit: bool) -> None:

@@ -26,7 +26,7 @@ import pydantic
 from tasks.checkpoint.layout import HISTORY
 from tasks.errors import unreadable
 from tasks.recovery.triage.model import FailureClass
-from tasks.storage.local import append_jsonl, clip, read_lines
+from tasks.storage.local import append_jsonl, clip, own_folder, read_lines
 
 INCIDENTS = "incidents.jsonl"
 
@@ -224,7 +224,7 @@ def ledger_path(save_dir: Path) -> Path:
 
 def record(save_dir: Path, incident: Incident) -> None:
     """Append the incident as it is now (its newest line is what readers see)."""
-    append_jsonl(ledger_path(save_dir), incident.to_dict())
+    append_jsonl(own_folder(save_dir, HISTORY) / INCIDENTS, incident.to_dict())
 
 
 def _problem(error: pydantic.ValidationError) -> str:

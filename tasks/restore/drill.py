@@ -42,6 +42,7 @@ from tasks.restore.launch import drill_layout, run_loader
 from tasks.restore.report import LoadReport
 from tasks.restore.scratch import Scratch, clear_stale_scratch, make_scratch, remove_scratch
 from tasks.storage.archive import ArchiveStore
+from tasks.storage.local import atomic_write
 
 
 class DrillCheck(StrEnum):
@@ -285,7 +286,7 @@ class _Drill:
         log, kept_report = drill_files(self.save_dir, self.report.id)
         self.report.log = str(log)
         loaded = run_loader(self.profile, directory, layout, self.scratch / "load-report.json", log)
-        kept_report.write_text(loaded.to_json())
+        atomic_write(kept_report, loaded.to_json().encode())
         # The phase is the load itself, timed inside the loader; starting the processes (imports,
         # process group) is the same for any checkpoint and is not part of the restore window.
         self.report.phases.append(Phase("load", loaded.load_seconds, manifest.totals["bytes"]))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tasks.checkpoint.layout import HISTORY
 from tasks.plots import markdown_image, png, pyplot
-from tasks.storage.local import append_jsonl, read_jsonl
+from tasks.storage.local import append_jsonl, own_folder, read_jsonl
 
 
 class DrillSource(StrEnum):
@@ -33,13 +33,12 @@ def history_path(save_dir: Path) -> Path:
 def drill_files(save_dir: Path, drill_id: str) -> tuple[Path, Path]:
     """Where a drill's load log and load report are kept: ``.ckptops-history/drills/<id>.log``
     and ``<id>.load.json``, beside the history line, not in the scratch the drill removes."""
-    folder = Path(save_dir) / HISTORY / "drills"
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = own_folder(save_dir, HISTORY, "drills")
     return folder / f"{drill_id}.log", folder / f"{drill_id}.load.json"
 
 
 def append_drill(save_dir: Path, report) -> None:
-    append_jsonl(history_path(save_dir), report.to_dict())
+    append_jsonl(own_folder(save_dir, HISTORY) / DRILLS, report.to_dict())
 
 
 def read_drills(save_dir: Path) -> list[dict]:
@@ -55,7 +54,7 @@ SCRATCH = "scratch.jsonl"
 def record_scratch(save_dir: Path, entry: dict) -> None:
     """A drill's scratch folder (its path, device, inode and owner token), recorded before the
     drill uses it: the only proof that a folder in the scratch dir is one ckptops may remove."""
-    append_jsonl(Path(save_dir) / HISTORY / SCRATCH, entry)
+    append_jsonl(own_folder(save_dir, HISTORY) / SCRATCH, entry)
 
 
 def _is_scratch(entry: dict) -> bool:

@@ -14,7 +14,7 @@ from tasks.checkpoint.facts import CheckpointFacts
 from tasks.checkpoint.manifest import now_iso
 from tasks.errors import Malformed
 from tasks.resume.records import Steps
-from tasks.storage.local import atomic_write, read_json_state
+from tasks.storage.local import atomic_write, own_folder, read_json_state
 
 BASELINE = "resume-baseline.json"
 
@@ -66,8 +66,8 @@ def store_baseline(facts: CheckpointFacts, baseline: dict) -> str | None:
         return "the records before the failure hold no steady state: the stored baseline is kept"
     path = baseline_path(facts)
     try:
-        path.parent.mkdir(exist_ok=True)
-        atomic_write(path, (json.dumps(baseline, indent=2) + "\n").encode())
+        folder = own_folder(path.parent.parent, path.parent.name)
+        atomic_write(folder / path.name, (json.dumps(baseline, indent=2) + "\n").encode())
     except OSError as e:
         return f"{path}: baseline not stored ({e.strerror})"
     return None

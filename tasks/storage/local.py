@@ -171,6 +171,26 @@ def _what_is_there(path: Path) -> str:
     return "a symbolic link" if stat.S_ISLNK(mode) else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
+def own_folder(root: Path, *parts: str) -> Path:
+    """The folder ``root/parts...`` that ckptops names and keeps in a folder it was given
+    (``.ckptops-history`` and its ``drills``, ``.ckptops-pins``, a node's raw folder), made
+    where absent. ``root`` is the operator's and may be a link; below it nothing may be: a
+    link, or anything but a folder, at one of these names is ``Malformed`` (one line naming it)
+    and never followed, so no file of ckptops's can be steered out of the folder it was given."""
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    for part in parts:
+        path = path / part
+        with contextlib.suppress(FileExistsError):
+            path.mkdir()  # at a link's name this is EEXIST: the link itself is never followed
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise Malformed(
+                f"{path}: {_what_is_there(path)} where ckptops keeps a folder of its own; "
+                "nothing is written through it (remove it)"
+            )
+    return path
+
+
 def open_for_writing(path: Path, append: bool = False, truncate: bool = False) -> int:
     """A read-write descriptor on the regular file at ``path`` (``O_APPEND`` with ``append``;
     emptied with ``truncate``), created if absent with mode 0644 and its directory's group; an

@@ -8,7 +8,7 @@ from pathlib import Path
 from tasks.cluster.process import Output
 from tasks.health.verdict import Evidence, HealthCheck, result
 from tasks.outcome import Verdict
-from tasks.storage.local import atomic_write
+from tasks.storage.local import atomic_write, own_folder
 
 
 @dataclass
@@ -36,8 +36,7 @@ class Context:
         Its name is predictable, so it is written by ``atomic_write``: a link planted there is
         replaced, never written through."""
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        path = self.raw_dir / self.node / f"{stamp}-{check}-{len(self.kept)}.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = own_folder(self.raw_dir, self.node) / f"{stamp}-{check}-{len(self.kept)}.txt"
         exit_text = "timed out" if output.timed_out else str(output.exit_code)
         atomic_write(
             path,
