@@ -677,6 +677,10 @@ class LocalJob(_Section):
     timeout_seconds: Positive = 600
 
 
+# The folders a drill's scratch may not lie inside: what a resume reads and what it is copied from.
+_HOLD_NO_SCRATCH = ("job.save_dir", "archive.url")
+
+
 class Profile(_Section):
     job: Job
     verify: Verify = Verify()
@@ -709,9 +713,11 @@ class Profile(_Section):
 
     @model_validator(mode="after")
     def _scratch_of_its_own(self):
-        """Drills remove only what they made in their scratch dir, but a scratch dir holding the
-        job's checkpoints, the archive or any other data the profile names, or held by one, mixes
-        what ckptops makes and deletes with what it must never touch: refused."""
+        """Drills remove only what they made in their scratch dir, but a scratch dir that is or
+        holds any other path the profile names, or lies inside the job's save directory or a
+        local archive, mixes what ckptops makes and deletes with what it must never touch:
+        refused. (Inside another of the profile's folders, a scratch dir of its own is fine: a
+        shared scratch file system holding both.)"""
         if self.drill is None:
             return self
         scratch = self.drill.scratch_dir.resolve()
@@ -723,7 +729,7 @@ class Profile(_Section):
                 relation = "is"
             elif scratch in there.parents:
                 relation = "contains"
-            elif there in scratch.parents:
+            elif there in scratch.parents and key in _HOLD_NO_SCRATCH:
                 relation = "lies inside"
             else:
                 continue

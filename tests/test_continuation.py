@@ -3,6 +3,7 @@ job's own batch script trains on from the restored copy, and its log is compared
 original run's for the same iterations. On Megatron-LM's own loop, with the local job's script."""
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -16,7 +17,7 @@ from tasks.checkpoint.facts import checkpoint_facts
 from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.promote import promote
 from tasks.cluster import process
-from tasks.errors import UsageError
+from tasks.errors import CkptopsError, UsageError
 from tasks.profile import load_profile
 from tasks.restore.continuation import TOLERANCES
 from tasks.restore.drill import run_drill
@@ -320,3 +321,83 @@ def test_the_bf16_envelope_holds_the_first_step_to_1e_6_and_later_steps_to_5e_3(
     else:
         assert loss.outcome.value == "fail" and f"at iteration {failing}" in loss.expected
         assert "1e-06 at the first, 0.005 after" in loss.detail
+
+
+def _production(save: Path) -> Path:
+    """A save directory as a live job leaves it: checkpoints 16, 20 and 24, Megatron-LM's tracker
+    at 24, ckptops' pointer at 20, ckptops's own records beside them."""
+    for iteration in (16, 20, 24):
+        folder = save / f"iter_{iteration:07d}"
+        folder.mkdir(parents=True)
+        for name in ("__0_0.distcp", ".metadata", "metadata.json"):
+            (folder / name).write_bytes(b"x" * iteration)
+    (save / "latest_checkpointed_iteration.txt").write_text("24")
+    (save / "latest_verified_iteration.txt").write_text("20")
+    (save / ".ckptops-history").mkdir()
+    return save
+
+
+def _saved_by_the_job(save: Path, iteration: int) -> None:
+    folder = save / f"iter_{iteration:07d}"
+    folder.mkdir()
+    (folder / "__0_0.distcp").write_bytes(b"new")
+    (save / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
+def test_the_fingerprint_tells_a_continuation_in_production_from_the_job_training_on(tmp_path):
+    """The job goes on saving and ckptops on promoting while a nightly continuation drill runs:
+    neither is the drill's doing. A save at or below where the job was, a checkpoint's file
+    rewritten or removed, a tracker moved back, are."""
+    from tasks.restore.continuation import changes, fingerprint
+
+    def after(change) -> str | None:
+        save = _production(tmp_path / f"save-{len(list(tmp_path.iterdir()))}")
+        before = fingerprint(save, set())
+        change(save)
+        return changes(before, fingerprint(save, set()))
+
+    def trains_on(save: Path) -> None:
+        _saved_by_the_job(save, 28)
+        (save / ".ckptops.lock").write_text('{"pid": 1}')  # the verify-and-promote run's lock
+        (save / ".ckptops-history" / "promotions.jsonl").write_text("{}\n")
+        (save / "tb").mkdir()  # --tensorboard-dir under the save directory
+
+    def promotes_and_retires(save: Path) -> None:
+        _saved_by_the_job(save, 28)
+        (save / "latest_verified_iteration.txt").write_text("28")
+        shutil.rmtree(save / "iter_0000016")  # retention keeps the newest three
+
+    def continues_into_production(save: Path) -> None:
+        _saved_by_the_job(save, 22)
+
+    def rewrites_the_promoted_one(save: Path) -> None:
+        (save / "iter_0000020" / "__0_0.distcp").write_bytes(b"the continuation's own state")
+
+    def removes_one(save: Path) -> None:
+        shutil.rmtree(save / "iter_0000016")
+
+    assert after(trains_on) is None
+    assert after(promotes_and_retires) is None
+    assert after(continues_into_production) == (
+        "iter_0000022 appeared; iter_0000022/__0_0.distcp appeared; "
+        "latest_checkpointed_iteration.txt went from 24 to 22"
+    )
+    assert after(rewrites_the_promoted_one).startswith("iter_0000020/__0_0.distcp changed (size")
+    assert after(removes_one).startswith("iter_0000016 was removed; iter_0000016/.metadata was removed")
+
+
+def test_a_fifo_as_the_continuation_script_is_refused_in_one_line(tmp_path):
+    """Before: reading it blocked the drill for good (no writer ever comes)."""
+    from types import SimpleNamespace
+
+    from tasks.restore.continuation import continuation_sources
+    from tasks.resume.compat import script_args
+
+    fifo = tmp_path / "job.sh"
+    os.mkfifo(fifo)
+    settings = SimpleNamespace(script=fifo, reference=tmp_path / "train.log")
+    profile = SimpleNamespace(source="p.yaml", drill=SimpleNamespace(continuation=settings), recovery=None)
+    with pytest.raises(UsageError, match=f"^the job's batch script: {fifo}: a FIFO, not a regular file"):
+        continuation_sources(profile)
+    with pytest.raises(CkptopsError, match=f"^{fifo}: a FIFO, not a regular file"):
+        script_args(fifo, {})

@@ -249,3 +249,21 @@ def test_the_cli_names_a_refused_plot_in_one_line(tmp_path, victim):
         f"ckptops: {plot}: a symbolic link; ckptops writes in place only a regular file of its own, "
         "opened without following links (remove it)"
     ]
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_a_run_stopped_hard_gets_no_chance_to_act_on_sigterm(tmp_path, hard):
+    """Megatron-LM's ``--exit-signal-handler`` saves into ``--save`` on SIGTERM: a run that must
+    not do one more thing (a continuation aimed at production, a relaunch that does not fit) is
+    killed with SIGKILL at once; the ordinary stop still lets it act on SIGTERM."""
+    acted = tmp_path / "saved-on-sigterm"
+    script = tmp_path / "job.sh"
+    script.write_text(f"trap 'echo saved > {acted}; exit 0' TERM\necho ready\nwhile :; do sleep 0.1; done\n")
+    log = tmp_path / "job.log"
+    started = process.start(["bash", str(script)], log, dict(os.environ))
+    deadline = time.monotonic() + 30
+    while "ready" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.terminate(started.pid, 10, hard=hard)
+    started.wait(10)
+    assert acted.exists() is not hard

@@ -84,3 +84,15 @@ def test_a_scratch_dir_mixed_with_the_jobs_data_is_refused_naming_both(tmp_path,
     scratch = (tmp_path / drill["scratch_dir"]).resolve()
     assert line.startswith(f"{path}: ") and "\n" not in line
     assert f"drill.scratch_dir {scratch} {kind} {other} {tmp_path / there}: " in line
+
+
+def test_a_scratch_dir_of_its_own_inside_another_of_the_profiles_folders_is_fine(tmp_path):
+    """A shared scratch file system holding both the Slurm engine's work dir and the drills'."""
+    path = tmp_path / "p.yaml"
+    settings = {
+        "job": {"name": "shared-scratch", "save_dir": "checkpoints"},
+        "verify": {"slurm": {"work_dir": "scratch"}},
+        "drill": {"scratch_dir": "scratch/drills"},
+    }
+    path.write_text(json.dumps(settings))
+    assert load_profile(path).drill.scratch_dir == tmp_path / "scratch" / "drills"

@@ -134,21 +134,26 @@ def running(pid: int, holder: dict | None = None) -> bool:
     return False
 
 
-def terminate(pid: int, grace_seconds: float = 30.0, holder: dict | None = None) -> bool:
+def terminate(pid: int, grace_seconds: float = 30.0, holder: dict | None = None, hard: bool = False) -> bool:
     """End a process started by ``start`` (a session and a group of its own) and everything it
     started: SIGTERM to its group (a job's launcher passes it on to its ranks), then, whatever is
-    left after ``grace_seconds``, SIGKILL to every group and process it started. False when it
-    was not running; returns once all of it is gone (or, for a process stuck in I/O the kernel
-    does not interrupt, after another ``grace_seconds``)."""
+    left after ``grace_seconds``, SIGKILL to every group and process it started. ``hard``: SIGKILL
+    at once, for a run that must not do one more thing (Megatron-LM's ``--exit-signal-handler``
+    turns SIGTERM into a save into ``--save``). False when it was not running; returns once all
+    of it is gone (or, for a process stuck in I/O the kernel does not interrupt, after another
+    ``grace_seconds``, 30 s when ``hard``)."""
     if not running(pid, holder):
         return False
     descendants: dict[int, int] = {}
     _note_descendants(pid, descendants)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_seconds
-    while time.monotonic() < deadline and any(running(p) for p in (pid, *descendants)):
-        time.sleep(_POLL_SECONDS)
+    if not hard:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_seconds
+        while time.monotonic() < deadline and any(running(p) for p in (pid, *descendants)):
+            time.sleep(_POLL_SECONDS)
+    else:
+        grace_seconds = 30.0
     for group in {pid, *descendants.values()}:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(group, signal.SIGKILL)

@@ -237,7 +237,11 @@ def check_node(
                     break  # nothing else can run on a node without GPUs or GPU tools
             if ctx.facts:
                 report.facts = dict(ctx.facts)
-                record_facts(settings.raw_dir, node, report.facts)
+                try:
+                    record_facts(settings.raw_dir, node, report.facts)
+                except (CkptopsError, OSError) as e:  # that node's tool error; the sweep goes on
+                    unrecorded = Evidence(f"facts not recorded: {e}")
+                    report.checks.append(result(CheckName.SUSPECT_HISTORY, Verdict.TOOL_ERROR, unrecorded))
     repeat = suspect_check(settings.raw_dir, node, settings) if suspects else None
     if repeat is not None:
         report.checks.append(repeat)

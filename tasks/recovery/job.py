@@ -258,19 +258,24 @@ def alive(job: str, holder: dict | None = None) -> bool:
     return job_state(job, holder) in ACTIVE
 
 
-def cancel(job: str, holder: dict | None = None, timeout_seconds: float = 60.0) -> str:
+def cancel(job: str, holder: dict | None = None, timeout_seconds: float = 60.0, hard: bool = False) -> str:
     """Stop a relaunched job and wait until it is gone (a relaunch that must not go on training
     must be gone before the incident says so): ``scancel``, or SIGTERM then SIGKILL to a local
-    job's process group. What was done, for the incident's reason; never raises."""
+    job's process group. ``hard``: SIGKILL at once (``scancel --signal=KILL --full`` first on
+    Slurm), for a job that must not save on its way out (Megatron-LM's
+    ``--exit-signal-handler`` saves on SIGTERM). What was done, for the incident's reason;
+    never raises."""
     pid = _local_pid(job)
     try:
         if pid is not None:
             if job_state(job, holder) == ELSEWHERE:
                 return f"job {job} runs on {holder.get('host')}: not cancelled from here, cancel it there"
-            ended = process.terminate(pid, min(30.0, timeout_seconds / 2), holder)
+            ended = process.terminate(pid, min(30.0, timeout_seconds / 2), holder, hard)
             return f"job {job} {'stopped' if ended else 'had already ended'}"
         if not alive(job):
             return f"job {job} had already ended"
+        if hard:
+            slurm.run(["scancel", "--signal=KILL", "--full", job])
         slurm.run(["scancel", job])
         state = wait_ended(job, timeout_seconds)
     except CkptopsError as e:

@@ -661,7 +661,7 @@ class _Recovery:
             self._save()
             return True
         why = [d.words for d in fit.refused] + [f"{d.words} (no person approved this)" for d in unapproved]
-        stopped = jobs.cancel(new, holder)
+        stopped = jobs.cancel(new, holder, hard=True)  # no save on its way out
         trained = jobs.logged_iterations(log)
         self._stop(
             f"relaunch {new} does not fit checkpoint {incident.checkpoint} by the arguments Megatron-LM "

@@ -27,7 +27,7 @@ import contextlib
 import math
 import os
 import re
-import signal
+import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +45,7 @@ from tasks.resume.checks import Validator
 from tasks.resume.compat import Compatibility, Kind, checkpoint_fit
 from tasks.resume.printed_args import PrintedArgs, fit_printed, read_printed_args
 from tasks.resume.records import Steps, load_steps
+from tasks.storage.local import open_regular
 
 # Relative tolerance of the loss and grad norm at the first iteration and after it, by the
 # profile's word (bf16 as NeMo Automodel's resume tests hold it).
@@ -92,7 +93,10 @@ def continuation_sources(profile) -> tuple[Path, Steps]:
         )
     script = Path(script)
     try:
-        text = script.read_text(errors="replace")
+        with open_regular(script) as f:  # a FIFO would hang the drill; refused in one line
+            text = f.read().decode(errors="replace")
+    except (UsageError, CkptopsError) as e:
+        raise UsageError(f"the job's batch script: {e}") from None
     except OSError as e:
         raise UsageError(f"{script}: the job's batch script cannot be read ({e.strerror})") from None
     if "CKPT_LOAD" not in text:
@@ -116,12 +120,17 @@ def checkable_up_to(before: Steps, steps: int) -> int | None:
 
 
 def fingerprint(save_dir: Path, leave_out: set[Path]) -> dict[str, tuple]:
-    """Every entry under ``save_dir`` (links not followed) by its path: its kind, size,
-    mtime_ns and inode; and the text of Megatron-LM's tracker and ckptops' pointer. ``leave_out``:
-    the files ckptops itself writes there meanwhile (the continuation's kept log)."""
+    """What a resume from ``save_dir`` reads: every entry of its ``iter_*`` checkpoints by its
+    path (kind, size, mtime_ns, inode; links not followed), and the text of Megatron-LM's
+    tracker and ckptops' pointer. ckptops's own records (``.ckptops*``: its other runs write them
+    meanwhile, each through its own guards), the job's logs and TensorBoard files are no resume
+    point and are left out, as is ``leave_out`` (the continuation's kept log)."""
     found: dict[str, tuple] = {}
-    holding = {path.parent for path in leave_out}
-    pending = [Path(save_dir)]
+    pending = []
+    with contextlib.suppress(OSError):
+        pending = [Path(e.path) for e in os.scandir(save_dir) if layout.parse_iter_dir(e.name) is not None]
+    for top in pending:
+        found[top.name] = _entry(top)
     while pending:
         folder = pending.pop()
         try:
@@ -133,16 +142,11 @@ def fingerprint(save_dir: Path, leave_out: set[Path]) -> dict[str, tuple]:
             path = Path(entry.path)
             if path in leave_out:
                 continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
+            described = _entry(path)
+            if described is None:
                 continue  # removed while listed: the next fingerprint says it
-            kind = "dir" if entry.is_dir(follow_symlinks=False) else "link" if entry.is_symlink() else "file"
-            if path in holding:  # its size and mtime move with ckptops' own files in it
-                found[str(path.relative_to(save_dir))] = (kind, None, None, st.st_ino)
-            else:
-                found[str(path.relative_to(save_dir))] = (kind, st.st_size, st.st_mtime_ns, st.st_ino)
-            if kind == "dir":
+            found[str(path.relative_to(save_dir))] = described
+            if described[0] == "dir":
                 pending.append(path)
     for name in (layout.MEGATRON_TRACKER, layout.POINTER):
         try:
@@ -153,19 +157,63 @@ def fingerprint(save_dir: Path, leave_out: set[Path]) -> dict[str, tuple]:
     return found
 
 
+def _entry(path: Path) -> tuple | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    kind = "dir" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode) else "file"
+    if kind == "dir":  # its size and mtime move with entries made in it, each fingerprinted
+        return (kind, None, None, st.st_ino)
+    return (kind, st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def _iteration(name: str) -> int | None:
+    return layout.parse_iter_dir(name.split("/", 1)[0])
+
+
+def _number(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isdigit() else None
+
+
 def changes(before: dict[str, tuple], after: dict[str, tuple], shown: int = 5) -> str | None:
-    """What differs between two fingerprints, in words (the first ``shown``); None if nothing."""
+    """What the continuation changed of what a resume reads, in words (the first ``shown``);
+    None if nothing. The job may go on training meanwhile: a checkpoint newer than every one
+    there at the start is its save (its files, and the tracker or pointer moving on to it, are
+    no change of ours to judge). Anything else is: a file of a checkpoint already there changed,
+    added or removed, a checkpoint appearing at or below the newest one there at the start (a
+    continuation saving where the job already was), the tracker or pointer moving to anything
+    but a newer save."""
+    newest = max((i for i in map(_iteration, before) if i is not None), default=-1)
+    pointer = f"{layout.POINTER} (its text)"
+    was_at, now_at = (_number((f.get(pointer) or (None,))[0]) for f in (before, after))
+    # Retention after a promotion of the job's new save removes whole checkpoints older than the
+    # one promoted before: the pointer having moved on to that save says a promotion ran.
+    promoted_on = was_at is not None and now_at is not None and now_at > newest
+    retired = {
+        i
+        for i in map(_iteration, before)
+        if i is not None and promoted_on and i < was_at and layout.iter_dir_name(i) not in after
+    }
     said = []
     for name in sorted(before.keys() | after.keys()):
         was, now = before.get(name), after.get(name)
         if was == now:
             continue
-        if was is None:
+        iteration = _iteration(name)
+        if iteration in retired:
+            continue
+        if name.endswith("(its text)"):
+            moved_to = _number(now[0]) if now else None
+            if moved_to is not None and moved_to > newest and iter_dir_in(after, moved_to):
+                continue  # moved on to the job's own new save
+            said.append(f"{name.removesuffix(' (its text)')} went from {was[0]} to {now[0]}")
+        elif iteration is not None and iteration > newest and was is None:
+            continue  # the job's own new save, being written
+        elif was is None:
             said.append(f"{name} appeared")
         elif now is None:
             said.append(f"{name} was removed")
-        elif name.endswith("(its text)"):
-            said.append(f"{name.removesuffix(' (its text)')} went from {was[0]} to {now[0]}")
         else:
             what = [label for label, a, b in zip(("kind", "size", "mtime", "inode"), was, now) if a != b]
             said.append(f"{name} changed ({', '.join(what)})")
@@ -173,6 +221,10 @@ def changes(before: dict[str, tuple], after: dict[str, tuple], shown: int = 5) -
         return None
     more = f" and {len(said) - shown} more" if len(said) > shown else ""
     return "; ".join(said[:shown]) + more
+
+
+def iter_dir_in(found: dict[str, tuple], iteration: int) -> bool:
+    return layout.iter_dir_name(iteration) in found
 
 
 # ---------------------------------------------------------------- the run, watched
@@ -245,13 +297,13 @@ def _misfit(printed: PrintedArgs, fit: Compatibility, env: dict, cwd: Path | Non
 
 
 def _stop(profile, started, launcher_log: Path) -> None:
-    """End the run now: its process group (the launcher passes SIGTERM on to its ranks; what is
-    left is killed when the wait ends), or its Slurm job."""
+    """End the run now with SIGKILL, every process it started, or its Slurm job's steps and
+    batch script: SIGTERM would let Megatron-LM's ``--exit-signal-handler`` save on its way out,
+    into whatever ``--save`` it printed."""
     if started is None:
-        cancel(launcher_log)
+        cancel(launcher_log, hard=True)
         return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(started.pid, signal.SIGTERM)
+    process.terminate(started.pid, hard=True)
 
 
 def _judge(profile, printed: PrintedArgs, restored: Path, env: dict, pid: int | None) -> str | None:
@@ -287,9 +339,10 @@ def _run_watched(
     drill, watch = profile.drill, _Watch()
     timeout, what = drill.continuation.timeout_seconds, "the continuation run"
     started = process.start(["bash", *argv], launcher_log, env) if drill.launcher != "slurm" else None
-    watcher = threading.Thread(
-        target=_watch, args=(profile, watch, [log, launcher_log], restored, env, started, launcher_log)
-    )
+    # CKPT_LOG, the Slurm job's own output (a script that does not redirect), the launcher's.
+    logs = [log, log.with_suffix(".job.log"), launcher_log]
+    arguments = (profile, watch, logs, restored, env, started, launcher_log)
+    watcher = threading.Thread(target=_watch, args=arguments)
     watcher.start()
     try:
         if started is not None:
@@ -307,7 +360,7 @@ def _run_watched(
         watch.done.set()
         watcher.join()
     if watch.printed is None:  # it printed its block and ended before the watch read it
-        watch.printed = next(filter(None, map(read_printed_args, [log, launcher_log])), None)
+        watch.printed = next(filter(None, map(read_printed_args, logs)), None)
         if watch.printed is not None:
             late = _judge(profile, watch.printed, restored, env, None)
             watch.stopped = late and f"{late}; it ended before the block was read"
@@ -419,7 +472,7 @@ def continue_training(
         raise failure
     if watch.stopped is not None:
         return Continued(Outcome.UNCHECKED, "not certified", [Check(PRINTED, Outcome.FAIL, watch.stopped)])
-    output = log if _written(log) else launcher_log
+    output = next((p for p in (log, log.with_suffix(".job.log")) if _written(p)), launcher_log)
     if watch.printed is None:
         said = (
             f"{output}: Megatron-LM printed no arguments block: what the run trained with is not "

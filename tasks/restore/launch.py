@@ -128,12 +128,16 @@ def submitted_job(log: Path) -> tuple[str, list[str]] | None:
     return (found[1], ["-M", found[2]] if found[2] else []) if found else None
 
 
-def cancel(log: Path) -> str:
-    """Cancel the submitted job, and say how that went (the timeout stays the drill's error)."""
+def cancel(log: Path, hard: bool = False) -> str:
+    """Cancel the submitted job, and say how that went (the timeout stays the drill's error).
+    ``hard``: SIGKILL to every step and the batch script first, for a run that must not save on
+    its way out (Megatron-LM's ``--exit-signal-handler`` saves on SIGTERM)."""
     job = submitted_job(log)
     if job is None:
         return f"no Slurm job id in {log}: cancel it by hand"
     job_id, cluster = job
+    if hard:
+        process.capture(["scancel", *cluster, "--signal=KILL", "--full", job_id], 30)
     done = process.capture(["scancel", *cluster, job_id], 30)
     if done.exit_code != 0:
         why = "no answer in 30s" if done.timed_out else done.stderr.strip() or done.exit_code

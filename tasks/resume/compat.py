@@ -46,6 +46,7 @@ from tasks.checkpoint.facts import saved_args
 from tasks.cluster import process
 from tasks.errors import unreadable
 from tasks.restore.history import drilled_layouts
+from tasks.storage.local import open_regular
 
 
 class Kind(StrEnum):
@@ -330,7 +331,8 @@ def script_args(script: Path, environ: dict[str, str]) -> ScriptArgs:
     """The Megatron-LM flags ``script`` writes, typed by Megatron-LM's parser; ``environ`` is
     what the relaunch inherits (sbatch --export=ALL, or the local launcher's environment)."""
     try:
-        text = Path(script).read_text(errors="replace")
+        with open_regular(Path(script)) as f:  # a FIFO would hang the reader: one line instead
+            text = f.read().decode(errors="replace")
     except OSError as e:
         raise unreadable(script, e) from None
     parser, found = megatron_parser(), ScriptArgs(Path(script))
