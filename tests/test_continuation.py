@@ -234,11 +234,17 @@ def _hostile_scripts(base: str, save: Path, reference: Path, daemon: Path) -> di
         '-e "/end of arguments/a\\  successfully loaded checkpoint from $CKPT_LOAD [ t 1/1, gtp_remat 1/1, '
         f'p 1/1 ] at iteration $CKPT_STEP" \'{reference}\' > "$CKPT_LOG"\n'
     )
+    # The same, its iteration lines stamped now: only the save Megatron-LM makes when it exits
+    # at --exit-interval is missing.
+    now = "$(date '+%Y-%m-%d %H:%M:%S.%6N')"
+    stamped = f'-e "s#^ \\[[-0-9]* [0-9:.]*\\]# [{now}]#" '
+    fresh = fake.replace('-e "/end of arguments/a', stamped + '-e "/end of arguments/a')
     return {
         "cd and a relative --save": (relative, 4),
         "srun labels, a space in the save directory, --continue 2": (labelled, 2),
         "a shard of the copy deleted": (deleting, 4),
         "a fake log": (fake, 4),
+        "a fake log stamped now": (fresh, 4),
     }
 
 
@@ -263,7 +269,7 @@ def test_a_continuation_cannot_touch_production_or_certify_without_training_from
         assert production() == untouched, case
         assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "24", case
         reasons[case], logs[case] = report.reason, report.continuation_log
-    (relative, labelled, deleted, fake) = reasons.values()
+    (relative, labelled, deleted, fake, fresh) = reasons.values()
     for stopped in list(hostile)[:2]:  # stopped before Megatron-LM's first iteration line
         assert not re.search(r"\] iteration +\d+/", Path(logs[stopped]).read_text()), stopped
     assert relative.startswith(f"printed arguments: save is check points ({save}), not CKPT_SAVE ")
@@ -276,6 +282,9 @@ def test_a_continuation_cannot_touch_production_or_certify_without_training_from
         "not certified",
         fake,
     )
+    assert fresh.startswith("continuation evidence: ") and (
+        "but saved no checkpoint of iteration 24 there, as Megatron-LM does when it exits" in fresh
+    ), fresh
     # What the first script started in a session of its own ended with it.
     assert not process.running(int(daemon.read_text()))
     assert read_manifest(iter_dir(save, 20)).certification is None  # nothing recorded either way

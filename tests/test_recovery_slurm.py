@@ -223,7 +223,7 @@ def test_a_relaunch_that_makes_no_progress_is_scancelled_before_the_incident_sto
     slurm_conf, nodes, tmp_path, monkeypatch
 ):
     name = f"hng-{tmp_path.name[-6:].lower().strip('_')}".replace("_", "-")
-    save, records, profile = make_job(tmp_path, nodes, name, progress_timeout_seconds=30)
+    save, records, profile = make_job(tmp_path, nodes, name, progress_timeout_seconds=15)
     try:
         failed = submit_failing(tmp_path / "job.sh", name, "1:7:ecc", tmp_path / "logs")
         # The relaunch inherits a hang: rank 0 stops before iteration 5, the first it would train.
@@ -232,7 +232,7 @@ def test_a_relaunch_that_makes_no_progress_is_scancelled_before_the_incident_sto
         assert done.returncode == 1, done.stderr
         incident = json.loads(done.stdout)
         new = incident["relaunched_job"]
-        assert new and "0 resumed steps after 30s, wanted 6" in incident["reason"]
+        assert new and "0 resumed steps after 15s, wanted 6" in incident["reason"]
         assert f"job {new} cancelled (" in incident["reason"]
         queued = subprocess.run(["squeue", "-h", "-j", new], capture_output=True, text=True, timeout=30)
         assert queued.stdout.strip() == "", "the relaunch is still in the queue"

@@ -124,30 +124,38 @@ def fingerprint(save_dir: Path, leave_out: set[Path]) -> dict[str, tuple]:
     path (kind, size, mtime_ns, inode; links not followed), and the text of Megatron-LM's
     tracker and ckptops' pointer. ckptops's own records (``.ckptops*``: its other runs write them
     meanwhile, each through its own guards), the job's logs and TensorBoard files are no resume
-    point and are left out, as is ``leave_out`` (the continuation's kept log)."""
+    point and are left out, as is ``leave_out`` (the continuation's kept log). Walked with
+    ``os.scandir`` on strings: a seed-sized save directory has three checkpoints of 5,120 files."""
     found: dict[str, tuple] = {}
+    root = os.fspath(save_dir)
+    skipped = {os.fspath(p) for p in leave_out}
     pending = []
-    with contextlib.suppress(OSError):
-        pending = [Path(e.path) for e in os.scandir(save_dir) if layout.parse_iter_dir(e.name) is not None]
-    for top in pending:
-        found[top.name] = _entry(top)
+    with contextlib.suppress(OSError), os.scandir(root) as top:
+        for entry in top:
+            if layout.parse_iter_dir(entry.name) is not None:
+                described = _entry(entry)
+                if described is not None:
+                    found[entry.name] = described
+                    if described[0] == "dir":
+                        pending.append(entry.name)
     while pending:
-        folder = pending.pop()
+        relative = pending.pop()
         try:
-            entries = list(os.scandir(folder))
+            with os.scandir(os.path.join(root, relative)) as listed:
+                entries = list(listed)
         except OSError as e:
-            found[str(folder.relative_to(save_dir))] = ("unreadable", e.strerror)
+            found[relative] = ("unreadable", e.strerror)
             continue
         for entry in entries:
-            path = Path(entry.path)
-            if path in leave_out:
+            if entry.path in skipped:
                 continue
-            described = _entry(path)
+            described = _entry(entry)
             if described is None:
                 continue  # removed while listed: the next fingerprint says it
-            found[str(path.relative_to(save_dir))] = described
+            name = f"{relative}/{entry.name}"
+            found[name] = described
             if described[0] == "dir":
-                pending.append(path)
+                pending.append(name)
     for name in (layout.MEGATRON_TRACKER, layout.POINTER):
         try:
             text = (Path(save_dir) / name).read_bytes()[:64].decode(errors="replace").strip()
@@ -157,9 +165,9 @@ def fingerprint(save_dir: Path, leave_out: set[Path]) -> dict[str, tuple]:
     return found
 
 
-def _entry(path: Path) -> tuple | None:
+def _entry(entry: os.DirEntry) -> tuple | None:
     try:
-        st = os.lstat(path)
+        st = entry.stat(follow_symlinks=False)
     except OSError:
         return None
     kind = "dir" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode) else "file"
@@ -402,6 +410,28 @@ def _evidence(output: Path, after: Steps, n: int, steps: int, copy: Path, began:
     return None
 
 
+def _exit_save(save_to: Path, last: int) -> Check | None:
+    """Why ``CKPT_SAVE`` holds no save of iteration ``last`` (None when it does): Megatron-LM,
+    given ``--save``, saves when it exits at ``--exit-interval``; a log printed without training
+    leaves none."""
+    tracker = save_to / layout.MEGATRON_TRACKER
+    try:
+        said = tracker.read_text(errors="replace").strip()
+    except OSError:
+        said = None
+    saved = save_to / layout.iter_dir_name(last)
+    if said == str(last) and saved.is_dir() and any(saved.iterdir()):
+        return None
+    return Check(
+        EVIDENCE,
+        Outcome.FAIL,
+        f"{save_to}: the continuation printed save {save_to} but saved no checkpoint of iteration {last} "
+        "there, as Megatron-LM does when it exits at --exit-interval: not certified",
+        f"{layout.iter_dir_name(last)} and a tracker at {last}",
+        f"tracker {said}" if said is not None else "no tracker",
+    )
+
+
 def continue_training(
     profile,
     sources: tuple[Path, Steps],
@@ -484,6 +514,10 @@ def continue_training(
     if evidence is not None:
         return Continued(Outcome.UNCHECKED, "not certified", [evidence])
     reached = int(after.iteration.max()) if len(after) else n
+    if reached >= n + steps and watch.printed.get("save") not in (None, "None"):
+        unsaved = _exit_save(save_to, n + steps)
+        if unsaved is not None:
+            return Continued(Outcome.UNCHECKED, "not certified", [unsaved])
     first, later = TOLERANCES[profile.drill.continuation.tolerance]
     settings = profile.resume.model_copy(update={"loss_rel_tolerance": later, "first_rel_tolerance": first})
     validation = Validator(facts, before, after, settings, None).continuation()

@@ -173,6 +173,13 @@ def main() -> int:
         "continuation: save directory fingerprinted, before and after", "", f"{guard_fingerprint:.3f}", ""
     )
     table.add_row("continuation: printed arguments read and compared", "", f"{guard_watch:.3f}", "")
+    seed_fingerprint = seed_sized_fingerprint()
+    table.add_row(
+        f"continuation: fingerprint of {SEED_FILES:,} files x 3 checkpoints, before and after",
+        "",
+        f"{seed_fingerprint:.3f}",
+        "",
+    )
     console.print(table)
     total = continued.window_seconds + continued.continuation_seconds
     added = guard_fingerprint + guard_watch
@@ -213,6 +220,28 @@ def continuation_guards(report) -> tuple[float, float]:
         lambda: fit_printed(read_printed_args(log), save / "iter_0000002", profile), REPEATS
     )
     return fingerprinted, watched
+
+
+# The seed's job writes one data file per rank (TP8 x PP8 x DP80 = 5,120) into each checkpoint,
+# and keeps three.
+SEED_FILES = 5120
+
+
+def seed_sized_fingerprint() -> float:
+    """The fingerprint taken twice and compared over a save directory of the seed's entry count
+    (three checkpoints of 5,120 empty data files each): its cost is per entry, not per byte."""
+    save = BENCH / "seed-sized-save"
+    shutil.rmtree(save, ignore_errors=True)
+    for iteration in (20, 24, 28):
+        folder = save / f"iter_{iteration:07d}"
+        folder.mkdir(parents=True)
+        for name in [f"__{rank}_0.distcp" for rank in range(SEED_FILES)] + [".metadata", "metadata.json"]:
+            (folder / name).touch()
+    (save / "latest_checkpointed_iteration.txt").write_text("28")
+    try:
+        return median_seconds(lambda: changes(fingerprint(save, set()), fingerprint(save, set())), REPEATS)
+    finally:
+        shutil.rmtree(save)
 
 
 def load_twice(profile, directory: Path):
