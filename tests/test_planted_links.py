@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tasks.checkpoint import verdicts
 from tasks.checkpoint.layout import HISTORY, LOCK, POINTER
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.pins import pin
@@ -24,7 +25,7 @@ from tasks.health.history import record_admitted
 from tasks.outcome import Verdict
 from tasks.recovery.ledger import INCIDENTS, Incident, record
 from tasks.restore import launch
-from tasks.restore.history import DRILLS, append_drill
+from tasks.restore.history import DRILLS, SCRATCH, append_drill, record_scratch
 from tasks.storage.local import append_jsonl, write_output
 from tests.test_health_history import _report
 
@@ -117,6 +118,11 @@ APPENDS = {
     ),
     "drills": (lambda save: append_drill(save, _Drill()), f"{HISTORY}/{DRILLS}"),
     "node history": (lambda raw: record_admitted(raw, "gpu1"), f"gpu1/{NODE_HISTORY}"),
+    "verdicts": (
+        lambda save: verdicts.record(save, 8, 1, "valid", b"{}", "2026-12-04T20:00:00Z"),
+        f"{HISTORY}/{verdicts.VERDICTS}",
+    ),
+    "scratch records": (lambda save: record_scratch(save, {"token": "t"}), f"{HISTORY}/{SCRATCH}"),
 }
 
 
