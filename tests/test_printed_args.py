@@ -111,3 +111,25 @@ def test_a_printed_value_is_typed_as_a_literal_never_evaluated():
     for depth in (5_000, 100_000):  # a parser's recursion, or past the length parsed at all
         deep = "[" * depth + "]" * depth
         assert typed(deep) == deep
+
+
+def test_an_output_kept_across_runs_is_read_from_where_the_relaunch_began(trained, tmp_path):
+    """A Slurm output with a fixed name in --open-mode=append (or a requeued job's) holds the
+    failed run's block and iterations first: from the offset taken at submission, the
+    relaunch's own block is judged and its own iterations counted, not the failed run's."""
+    from tasks.recovery.job import logged_iterations
+
+    failed_run = _log(trained).read_text()
+    log = tmp_path / "train.out"
+    log.write_text(failed_run)
+    offset = log.stat().st_size
+    assert logged_iterations(log) > 0 and logged_iterations(log, offset) == 0
+    # Nothing of the relaunch yet: no block, however long it is waited for.
+    assert watch_printed(log, 0.0, lambda: True, offset) is None
+    relaunch = re.sub(r"^(  num_layers \.+ )2$", r"\g<1>3", failed_run, flags=re.M)
+    assert relaunch != failed_run
+    with log.open("a") as f:
+        f.write(relaunch.split(CLOSING)[0] + CLOSING + "\n")
+    printed = watch_printed(log, 0.0, lambda: True, offset)
+    assert printed.typed("num_layers") == 3 and read_printed_args(log).typed("num_layers") == 2
+    assert logged_iterations(log, offset) == 0

@@ -15,7 +15,7 @@ from pathlib import Path
 from tasks.cluster import process, slurm
 from tasks.errors import CkptopsError, Unreadable, UsageError, unreadable
 from tasks.resume.printed_args import PrintedArgs, watch_printed
-from tasks.resume.records import Steps, load_steps
+from tasks.resume.records import Steps, iteration_lines, load_steps
 from tasks.storage.local import open_regular
 
 _POLL_SECONDS = 2.0
@@ -197,11 +197,29 @@ def relaunch_output(job: str, holder: dict | None, local_log: str | None) -> tup
     return (Path(local_log) if local_log else None), cwd
 
 
-def logged_iterations(log: Path) -> int:
-    """How many Megatron-LM iteration lines the relaunch's output holds so far (0 while it has
-    none, or cannot be read yet)."""
+def output_offset(job: str) -> int:
+    """The size of a Slurm job's output file now, right after it was submitted (0 when it is not
+    there yet or not known): what it holds of earlier runs (``--open-mode=append``, a requeue)
+    is not the relaunch's."""
     try:
-        return len(load_steps(log))
+        found = slurm_job(job)
+    except CkptopsError:
+        return 0
+    try:
+        return found.stdout.stat().st_size if found.stdout else 0
+    except OSError:
+        return 0
+
+
+def logged_iterations(log: Path, start: int = 0) -> int:
+    """How many Megatron-LM iteration lines the relaunch's output holds so far, from byte
+    ``start`` (0 while it has none, or cannot be read yet)."""
+    try:
+        if start == 0:
+            return len(load_steps(log))
+        with open_regular(log) as f:
+            f.seek(start)
+            return iteration_lines(f.read().decode(errors="replace"))
     except (UsageError, Unreadable):
         return 0
 
@@ -213,6 +231,7 @@ def wait_printed(
     before: int,
     timeout_seconds: float,
     holder: dict | None = None,
+    start: int = 0,
 ) -> PrintedArgs | None:
     """Megatron-LM's arguments block in the relaunch's output ``log`` as soon as it is complete
     (Megatron-LM prints it before it builds the model or loads the checkpoint); None when the job
@@ -226,9 +245,9 @@ def wait_printed(
         if time.monotonic() - checked >= _POLL_SECONDS:
             checked = time.monotonic()
             starting = alive(job, holder) and (records is None or _progress(records, before).steps == 0)
-        return starting and not logged_iterations(log)
+        return starting and not logged_iterations(log, start)
 
-    return watch_printed(log, timeout_seconds, still_starting)
+    return watch_printed(log, timeout_seconds, still_starting, start)
 
 
 # A local relaunch whose process is on another host: it may run, this host cannot tell.

@@ -155,6 +155,9 @@ class Incident:
     # The argument names whose differences a person approved (the pre-check's ``approve`` ones).
     approved_args: list[str] = field(default_factory=list)
     relaunch_log: str | None = None  # the relaunched job's own output (a local relaunch's file)
+    # Its size when the relaunch was submitted: a Slurm output kept across runs (a fixed
+    # --output in --open-mode=append, a requeue) holds the failed run's lines before it.
+    relaunch_log_offset: int = 0
     # Megatron-LM's own printed arguments in that output against the checkpoint's: where they
     # were read, the summary, then each difference as "<kind>: <words>".
     printed_args: list[str] = field(default_factory=list)

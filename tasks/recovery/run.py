@@ -596,6 +596,10 @@ class _Recovery:
             incident.relaunched_job = new
             incident.mark("relaunch_submitted")
             self._save()
+        if settings.launcher == "slurm":
+            # Where the relaunch's own lines start in an output file earlier runs may have written.
+            incident.relaunch_log_offset = jobs.output_offset(new)
+            self._save()
 
     def _running_copy(self) -> str | None:
         """A copy of the job that still runs: on Slurm a job of the singleton name, queued or
@@ -641,6 +645,7 @@ class _Recovery:
                 incident.records_before or 0,
                 self.settings.progress_timeout_seconds,
                 holder,
+                incident.relaunch_log_offset,
             )
         except CkptopsError as e:
             printed, unread = None, f"Megatron-LM's arguments not read: {e}"
@@ -662,7 +667,7 @@ class _Recovery:
             return True
         why = [d.words for d in fit.refused] + [f"{d.words} (no person approved this)" for d in unapproved]
         stopped = jobs.cancel(new, holder, hard=True)  # no save on its way out
-        trained = jobs.logged_iterations(log)
+        trained = jobs.logged_iterations(log, incident.relaunch_log_offset)
         self._stop(
             f"relaunch {new} does not fit checkpoint {incident.checkpoint} by the arguments Megatron-LM "
             f"printed ({printed.where()}): {'; '.join(why)}; {stopped} "

@@ -129,17 +129,20 @@ def _block(log, path: Path) -> PrintedArgs | None:
     return None
 
 
-def watch_printed(path: Path, deadline_s: float, alive: Callable[[], bool]) -> PrintedArgs | None:
-    """The arguments block of the log at ``path`` as soon as it is complete; None when the
-    process ends (``alive()`` false) or ``deadline_s`` seconds pass without it. The log is read
-    once more after the process is seen ended: it may have printed the block and exited."""
+def watch_printed(
+    path: Path, deadline_s: float, alive: Callable[[], bool], start: int = 0
+) -> PrintedArgs | None:
+    """The arguments block of the log at ``path`` (from byte ``start``) as soon as it is
+    complete; None when the process ends (``alive()`` false) or ``deadline_s`` seconds pass
+    without it. The log is read once more after the process is seen ended: it may have printed
+    the block and exited."""
     deadline = time.monotonic() + deadline_s
     while True:
-        found = read_printed_args(path)
+        found = read_printed_args(path, start)
         if found is not None:
             return found
         if not alive():
-            return read_printed_args(path)
+            return read_printed_args(path, start)
         if time.monotonic() >= deadline:
             return None
         time.sleep(_POLL_SECONDS)

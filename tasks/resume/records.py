@@ -206,6 +206,11 @@ _MEMORY = re.compile(r"\(after (\d+) iterations\) memory \(MB\) \|.*?max allocat
 _LOADED = re.compile(r"successfully loaded checkpoint from .* at iteration (\d+)")
 
 
+def iteration_lines(text: str) -> int:
+    """How many Megatron-LM iteration lines ``text`` holds."""
+    return sum(1 for line in text.splitlines() if _ITERATION.search(line))
+
+
 class _Run:
     """One run's iteration lines in a log, for the window each printed loss averages.
 
