@@ -240,8 +240,7 @@ def check_node(
                 try:
                     record_facts(settings.raw_dir, node, report.facts)
                 except (CkptopsError, OSError) as e:  # that node's tool error; the sweep goes on
-                    unrecorded = Evidence(f"facts not recorded: {e}")
-                    report.checks.append(result(CheckName.SUSPECT_HISTORY, Verdict.TOOL_ERROR, unrecorded))
+                    report.checks.append(_unrecorded("facts", e))
     repeat = suspect_check(settings.raw_dir, node, settings) if suspects else None
     if repeat is not None:
         report.checks.append(repeat)
@@ -339,10 +338,13 @@ def _record(raw_dir: Path, report: NodeReport) -> None:
     try:
         record_verdict(raw_dir, report)
     except (CkptopsError, OSError) as e:
-        report.checks.append(
-            result(CheckName.SUSPECT_HISTORY, Verdict.TOOL_ERROR, Evidence(f"verdict not recorded: {e}"))
-        )
+        report.checks.append(_unrecorded("verdict", e))
         report.verdict = worst(c.verdict for c in report.checks)
+
+
+def _unrecorded(what: str, error: Exception) -> HealthCheck:
+    """The node's history could not take its ``what``: a tool error of that node."""
+    return result(CheckName.SUSPECT_HISTORY, Verdict.TOOL_ERROR, Evidence(f"{what} not recorded: {error}"))
 
 
 def compare_fleet(reports: list[NodeReport], settings, admit: bool) -> None:

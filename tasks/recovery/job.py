@@ -201,22 +201,18 @@ def output_offset(job: str) -> int:
     """The size of a Slurm job's output file now, right after it was submitted (0 when it is not
     there yet or not known): what it holds of earlier runs (``--open-mode=append``, a requeue)
     is not the relaunch's."""
+    log, _ = relaunch_output(job, None, None)
     try:
-        found = slurm_job(job)
-    except CkptopsError:
-        return 0
-    try:
-        return found.stdout.stat().st_size if found.stdout else 0
+        return log.stat().st_size if log else 0
     except OSError:
         return 0
 
 
 def logged_iterations(log: Path, start: int = 0) -> int:
     """How many Megatron-LM iteration lines the relaunch's output holds so far, from byte
-    ``start`` (0 while it has none, or cannot be read yet)."""
+    ``start`` (0 while it has none, or cannot be read yet). Counted, not parsed: the watch asks
+    at every poll."""
     try:
-        if start == 0:
-            return len(load_steps(log))
         with open_regular(log) as f:
             f.seek(start)
             return iteration_lines(f.read().decode(errors="replace"))
