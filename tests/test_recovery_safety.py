@@ -462,6 +462,30 @@ def test_a_minimal_profile_drives_every_phase_of_a_recovery_and_a_rejection_stop
         stop_job(new)
 
 
+def test_a_job_that_writes_only_its_log_is_watched_and_validated_from_the_relaunchs_output(failed, tmp_path):
+    """A team's unmodified Megatron-LM job: no step recorder, no ``recovery.step_records``. The
+    failed run's steps come from its log; the relaunch is watched, and its resume validated, from
+    the output ckptops gave it (nothing writes the failed run's log any more), which the incident
+    names."""
+    job = job_copy(failed, tmp_path)
+    settings = yaml.safe_load(job.profile.read_text())
+    del settings["recovery"]["step_records"]
+    job.profile.write_text(yaml.safe_dump(settings))
+    run = recover(job)
+    out, err = run.communicate(timeout=600)
+    incident = json.loads(out)
+    new = incident["relaunched_job"]
+    try:
+        assert run.returncode == 0, err[-3000:] + incident["reason"]
+        assert incident["outcome"] == "completed" and incident["checkpoint"] == 8, incident["reason"]
+        assert incident["watched"] == incident["relaunch_log"]
+        assert Path(incident["watched"]).parent == tmp_path / "logs"
+        assert incident["validation"].startswith("VALIDATED resume from iteration 8"), incident["validation"]
+        assert incident["failure_iteration"] == 9  # from the failed run's log
+    finally:
+        stop_job(new)
+
+
 def test_a_relaunch_whose_printed_arguments_change_the_model_is_stopped_before_it_trains(failed, tmp_path):
     """The script reads the model's size from a config file (``$(cat model.args)``), which the
     pre-check reading the script cannot see: it finds nothing to refuse. Megatron-LM's own

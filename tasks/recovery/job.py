@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from tasks.cluster import process, slurm
 from tasks.errors import CkptopsError, Unreadable, UsageError, unreadable
 from tasks.resume.printed_args import PrintedArgs, watch_printed
@@ -220,27 +222,63 @@ def logged_iterations(log: Path, start: int = 0) -> int:
         return 0
 
 
+@dataclass
+class RelaunchProgress:
+    steps: int
+    first_step_at: float | None
+    last_iteration: int | None
+
+
+@dataclass(frozen=True)
+class Watched:
+    """Where a relaunch's steps are read: the job's own step records past the ``before`` that
+    were there at relaunch, or Megatron-LM's iteration lines in the relaunch's own output from
+    byte ``start`` (what earlier runs wrote there is not the relaunch's)."""
+
+    path: Path
+    before: int = 0
+    start: int = 0
+
+    def __str__(self) -> str:
+        return str(self.path) + (f" (from byte {self.start})" if self.start else "")
+
+    def steps(self) -> Steps:
+        """The relaunch's steps so far (an error while there are none to read)."""
+        found = load_steps(self.path, self.start)
+        return found.take(np.arange(min(self.before, len(found)), len(found)))
+
+    def progress(self) -> RelaunchProgress:
+        try:
+            found = self.steps()
+        except (UsageError, Unreadable):  # not written yet, or torn while the job writes it
+            return RelaunchProgress(0, None, None)
+        if not len(found):
+            return RelaunchProgress(0, None, None)
+        times = found.columns.get("time")
+        first = float(times[0]) if times is not None and times.size and np.isfinite(times[0]) else None
+        return RelaunchProgress(len(found), first, int(found.iteration[-1]))
+
+
 def wait_printed(
     job: str,
     log: Path,
-    records: Path | None,
-    before: int,
+    sources: list[Watched],
     timeout_seconds: float,
     holder: dict | None = None,
     start: int = 0,
 ) -> PrintedArgs | None:
     """Megatron-LM's arguments block in the relaunch's output ``log`` as soon as it is complete
     (Megatron-LM prints it before it builds the model or loads the checkpoint); None when the job
-    ends, or trains (an iteration line in ``log``, a step record past ``before``) without it having
-    been printed there, or after ``timeout_seconds``. The log is read at the block's own pace; the
-    job's state and its records at the pace of the other waits."""
+    ends, or trains (an iteration line in ``log``, a step in one of ``sources``) without it
+    having been printed there, or after ``timeout_seconds``. The log is read at the block's own
+    pace; the job's state and its steps at the pace of the other waits."""
     checked, starting = 0.0, True
 
     def still_starting() -> bool:
         nonlocal checked, starting
         if time.monotonic() - checked >= _POLL_SECONDS:
             checked = time.monotonic()
-            starting = alive(job, holder) and (records is None or _progress(records, before).steps == 0)
+            starting = alive(job, holder) and ahead(sources, 1)[1].steps == 0
         return starting and not logged_iterations(log, start)
 
     return watch_printed(log, timeout_seconds, still_starting, start)
@@ -356,47 +394,43 @@ def wait_ended(job: str, timeout_seconds: float) -> str:
     return state
 
 
-@dataclass
-class RelaunchProgress:
-    steps: int
-    first_step_at: float | None
-    last_iteration: int | None
+def ahead(sources: list[Watched], steps: int) -> tuple[Watched | None, RelaunchProgress]:
+    """The first of ``sources`` that holds ``steps`` of the relaunch's steps, else the one that
+    holds the most so far (None with no source)."""
+    best: tuple[Watched | None, RelaunchProgress] = (None, RelaunchProgress(0, None, None))
+    for source in sources:
+        found = source.progress()
+        if found.steps >= steps:
+            return source, found
+        if found.steps > best[1].steps or best[0] is None:
+            best = (source, found)
+    return best
 
 
 def wait_progress(
-    job: str, records: Path, before: int, steps: int, timeout_seconds: float, holder: dict | None = None
-) -> RelaunchProgress:
-    """Wait until the relaunched job has recorded ``steps`` steps past the ``before`` records
-    that were there at relaunch. Ends early, with an error, when the job ends first."""
+    job: str, sources: list[Watched], steps: int, timeout_seconds: float, holder: dict | None = None
+) -> tuple[Watched, RelaunchProgress]:
+    """Wait until the relaunched job has ``steps`` steps in one of ``sources`` (its own step
+    records, its own output): that source and what it holds. Ends early, with an error naming
+    where it looked, when the job ends first."""
+    where = " or ".join(map(str, sources))
     deadline = time.monotonic() + timeout_seconds
     while True:
-        found = _progress(records, before)
+        source, found = ahead(sources, steps)
         if found.steps >= steps:
-            return found
+            return source, found
         state = job_state(job, holder)
         if state not in ACTIVE:
-            found = _progress(records, before)
+            source, found = ahead(sources, steps)
             if found.steps >= steps:
-                return found
+                return source, found
             raise CkptopsError(
                 f"job {job}: ended ({state}) after {found.steps} resumed steps, before {steps}; "
-                "see its output"
+                f"see its output: {where}"
             )
         if time.monotonic() > deadline:
             raise CkptopsError(
-                f"job {job}: {found.steps} resumed steps after {timeout_seconds:.0f}s, wanted {steps}"
+                f"job {job}: {found.steps} resumed steps after {timeout_seconds:.0f}s, wanted {steps} "
+                f"(read from {where})"
             )
         time.sleep(_POLL_SECONDS)
-
-
-def _progress(records: Path, before: int) -> RelaunchProgress:
-    try:
-        found: Steps = load_steps(records)
-    except (UsageError, Unreadable):  # not written yet, or torn while the job writes it
-        return RelaunchProgress(0, None, None)
-    new = len(found) - before
-    if new <= 0:
-        return RelaunchProgress(0, None, None)
-    times = found.columns.get("time")
-    first = float(times[before]) if times is not None and times.size > before else None
-    return RelaunchProgress(new, first, int(found.iteration[-1]))

@@ -161,6 +161,8 @@ class Incident:
     # Megatron-LM's own printed arguments in that output against the checkpoint's: where they
     # were read, the summary, then each difference as "<kind>: <words>".
     printed_args: list[str] = field(default_factory=list)
+    # Where the relaunch's steps were read and validated: the job's step records, or its output.
+    watched: str | None = None
 
     def mark(self, phase: str, at: float | None = None) -> None:
         """``phase`` happened at ``at`` (now, if None); a time that is not a number (a NaN from

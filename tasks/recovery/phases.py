@@ -293,6 +293,20 @@ def read_records(records: Path | None) -> Steps | None:
     return load_steps(records)
 
 
+def read_steps(records: Path | None, logs: list[Path]) -> Steps | None:
+    """The failed run's steps: its step records (``read_records``), or, with none configured,
+    Megatron-LM's iteration lines in the first of its ``logs`` that holds any (a job that
+    writes only its log); None when neither has a step."""
+    if records is not None:
+        return read_records(records)
+    for log in logs:
+        try:
+            return load_steps(log)
+        except (UsageError, Unreadable):
+            continue
+    return None
+
+
 def roll_back(profile, iteration: int) -> None:
     promote(
         profile.job.save_dir,

@@ -61,7 +61,7 @@ from tasks.recovery.phases import (
     failure_key,
     nodes_phase,
     promote_pending,
-    read_records,
+    read_steps,
     records_path,
     relaunch_compatibility,
     relaunched_facts,
@@ -74,7 +74,7 @@ from tasks.recovery.triage import Triage, triage
 from tasks.recovery.triage.model import FailureClass
 from tasks.resume.compat import Compatibility, Difference
 from tasks.resume.printed_args import PrintedArgs, fit_printed
-from tasks.resume.records import Steps, load_steps
+from tasks.resume.records import Steps
 from tasks.resume.validate import validate_resume
 
 
@@ -318,7 +318,7 @@ class _Recovery:
         self._save()
 
         def watch() -> None:
-            steps = read_records(self.records)
+            steps = read_steps(self.records, [])
             before = old.records_before or 0
             self.failed_steps = (
                 failed_attempt(steps.take(np.arange(min(before, len(steps)))), old.failed_job)
@@ -354,7 +354,7 @@ class _Recovery:
 
     def _phases(self) -> None:
         incident, settings = self.incident, self.settings
-        self.steps = self._do("step-records", read_records, self.records)
+        self.steps = self._do("step-records", read_steps, self.records, self.detected.logs)
         self.failed_steps = failed_attempt(self.steps, self.source.slurm_job)
         if self.failed_steps is not None:
             incident.failure_iteration = int(self.failed_steps.iteration[-1])
@@ -620,6 +620,18 @@ class _Recovery:
                 return f"{job}, relaunched by incident {other.id}, may still run"
         return None
 
+    def _sources(self) -> list[jobs.Watched]:
+        """Where the relaunch's steps are read: the job's step records past those of the failed
+        run (a recorder's, or a log the job's script appends to), then the relaunch's own output
+        (a local relaunch's file, the Slurm job's StdOut) from where it started."""
+        incident, sources = self.incident, []
+        if self.records is not None:
+            sources.append(jobs.Watched(Path(self.records), before=incident.records_before or 0))
+        log = incident.relaunch_log
+        if log and (self.records is None or Path(log) != Path(self.records)):
+            sources.append(jobs.Watched(Path(log), start=incident.relaunch_log_offset))
+        return sources
+
     def _fits_as_printed(self, new: str, holder: dict | None) -> bool:
         """Megatron-LM's own printed arguments, read from the relaunch's own output as soon as they
         are there, against the checkpoint: the authority the script's pre-check could only read
@@ -641,8 +653,7 @@ class _Recovery:
                 jobs.wait_printed,
                 new,
                 log,
-                self.records,
-                incident.records_before or 0,
+                self._sources(),
                 self.settings.progress_timeout_seconds,
                 holder,
                 incident.relaunch_log_offset,
@@ -703,17 +714,18 @@ class _Recovery:
             self._save()
             if not self._fits_as_printed(new, holder):
                 return
-            if self.records is None:
+            sources = self._sources()
+            if not sources:
                 self._stop(
-                    f"relaunched ({new}, {state}); no recovery.step_records to watch its progress or validate"
+                    f"relaunched ({new}, {state}); neither its output nor recovery.step_records is known "
+                    f"to watch its progress or validate: {jobs.cancel(new, holder)}"
                 )
                 return
-            progress = self._do(
+            watched, progress = self._do(
                 "wait-progress",
                 jobs.wait_progress,
                 new,
-                self.records,
-                incident.records_before or 0,
+                sources,
                 settings.progress_steps,
                 settings.progress_timeout_seconds,
                 holder,
@@ -724,8 +736,8 @@ class _Recovery:
         incident.mark("first_resumed_step", progress.first_step_at)
         self._save()
         checkpoint_dir = self.save_dir / layout.iter_dir_name(incident.checkpoint)
-        now = load_steps(self.records)
-        resumed = now.take(np.arange(incident.records_before or 0, len(now)))
+        resumed = watched.steps()
+        incident.watched = str(watched)
         nodes = relaunched_facts(self.profile, new)
         result = self._do(
             "validate-resume",

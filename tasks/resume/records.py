@@ -325,15 +325,22 @@ def parse_megatron_log(path: Path, lines) -> Steps:
     )
 
 
-def load_steps(path: Path) -> Steps:
+def is_step_records(path: Path) -> bool:
+    """Whether ``path`` holds step records (JSON lines, a recorder's) rather than a log: told
+    by its first meaningful line (False for an empty file)."""
+    first = next((line for line in read_lines(path, 4096) if line.strip()), "")
+    return first.lstrip().startswith("{")
+
+
+def load_steps(path: Path, start: int = 0) -> Steps:
     """Step records or a Megatron-LM log, told apart by their first meaningful line; either is
-    read without holding the file in memory whole (a FIFO or a device is refused)."""
+    read without holding the file in memory whole (a FIFO or a device is refused). ``start``: a
+    log's lines from that byte on (a relaunch's, in an output file earlier runs wrote)."""
     path = Path(path)
     try:
-        first = next((line for line in read_lines(path, 4096) if line.strip()), "")
-        if first.lstrip().startswith("{"):
+        if not start and is_step_records(path):
             return _load_records(path)
-        steps = parse_megatron_log(path, read_lines(path))
+        steps = parse_megatron_log(path, read_lines(path, start=start))
     except OSError as e:
         raise unreadable(path, e) from None
     if not len(steps):

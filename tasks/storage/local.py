@@ -413,12 +413,13 @@ def clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[:limit]} [... {len(text)} characters in all]"
 
 
-def read_lines(path: Path, limit: int = MAX_LINE) -> Iterator[str]:
-    """The lines of a text file (a regular one: ``open_regular``), decoded as UTF-8 with errors
-    replaced, without their line ends. A line longer than ``limit`` bytes is cut there, its whole
-    length noted after the cut; the rest is read past in pieces, so a 200 MB line costs ``limit``
-    of memory, not 200 MB."""
+def read_lines(path: Path, limit: int = MAX_LINE, start: int = 0) -> Iterator[str]:
+    """The lines of a text file (a regular one: ``open_regular``) from byte ``start``, decoded
+    as UTF-8 with errors replaced, without their line ends. A line longer than ``limit`` bytes is
+    cut there, its whole length noted after the cut; the rest is read past in pieces, so a 200 MB
+    line costs ``limit`` of memory, not 200 MB."""
     with open_regular(path) as f:
+        f.seek(start)
         while True:
             line = f.readline(limit)
             if not line:
