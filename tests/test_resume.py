@@ -12,7 +12,7 @@ import pytest
 
 from infra.local_job.dataset import build as build_dataset
 from infra.local_job.launch import PRETRAIN, run_local_job
-from tasks.checkpoint.pointer import read_pointer
+from tasks.checkpoint.pointer import POINTER, read_pointer
 from tasks.checkpoint.promote import promote
 from tasks.checkpoint.state import VerifyOptions
 from tasks.errors import CkptopsError, UsageError
@@ -120,10 +120,39 @@ def test_another_data_seed_is_caught_by_data_order(failed_run):
     assert "loss and grad norm" in failed_checks(result)
 
 
-def test_resume_without_optimizer_and_scheduler_is_caught_by_learning_rate(failed_run):
-    result = validate(failed_run, resume(failed_run, "no-optim", extra=("--no-load-optim",)))
+@pytest.fixture(scope="module")
+def no_optim_resume(failed_run) -> Path:
+    """The failed run resumed without its optimizer and scheduler (``--no-load-optim``)."""
+    return resume(failed_run, "no-optim", extra=("--no-load-optim",))
+
+
+def test_resume_without_optimizer_and_scheduler_is_caught_by_learning_rate(failed_run, no_optim_resume):
+    result = validate(failed_run, no_optim_resume)
     assert not result.ok and failed_checks(result)[0] == "learning rate"
     assert result.line().startswith("REJECTED resume from iteration 12: learning rate: expected ")
+
+
+def test_a_resume_made_before_ckptops_ran_leaves_the_pointer_unchecked_and_a_wrong_one_names_its_fault(
+    failed_run, good_resume, no_optim_resume, tmp_path
+):
+    """ckptops brought in after the job resumed: its first promotion is later than the resume.
+    Which checkpoint was promoted then is not known (unchecked, saying why), so the correct resume
+    is validated and the wrong one is rejected by its own fault, the learning rate."""
+    root, save = failed_run
+    late = shutil.copytree(save, tmp_path / "checkpoints")
+    shutil.rmtree(late / ".ckptops-history")
+    (late / POINTER).unlink()
+    for manifest in late.glob("iter_*/manifest.*"):
+        manifest.unlink()
+    promote(late, VerifyOptions(job="resume-test"), 30)
+    before = load_steps(root / "before.jsonl")
+
+    good = validate_resume(late / "iter_0000012", before, load_steps(good_resume), SETTINGS)
+    assert good.ok, good.line()
+    promoted = next(c for c in good.checks if c.name == "promoted checkpoint")
+    assert promoted.outcome == "unchecked" and "resumed before the pointer's history begins" in promoted.detail
+    wrong = validate_resume(late / "iter_0000012", before, load_steps(no_optim_resume), SETTINGS)
+    assert wrong.line().startswith("REJECTED resume from iteration 12: learning rate: expected "), wrong.line()
 
 
 def test_resume_from_another_checkpoint_is_caught_by_resume_point(failed_run):

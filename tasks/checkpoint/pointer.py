@@ -131,6 +131,12 @@ def last_logged(save_dir: Path) -> tuple[bool, int | None]:
     return (True, changes[-1].iteration) if changes else (False, None)
 
 
+def history_begins(save_dir: Path) -> float | None:
+    """When the promotion log's first change was made (epoch seconds); None without a log."""
+    changes = _changes(save_dir)
+    return changes[0].time if changes else None
+
+
 def pointer_during(save_dir: Path, start: float, end: float) -> set[int | None] | None:
     """Every value the pointer may have had between ``start`` and ``end`` (epoch seconds), from
     the promotion log; None without a log. A span that ends in a gap entry may have held either

@@ -10,6 +10,7 @@ the baseline (tasks.resume.baseline).
 
 import math
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +20,7 @@ import numpy as np
 from tasks.checkpoint.batches import changed_indices, next_batch
 from tasks.checkpoint.catalog import catalog
 from tasks.checkpoint.facts import CheckpointFacts
-from tasks.checkpoint.pointer import pointer_during, read_pointer
+from tasks.checkpoint.pointer import history_begins, pointer_during, read_pointer
 from tasks.checkpoint.state import State, VerifyOptions
 from tasks.errors import CkptopsError
 from tasks.health.fleet import relaunched_note
@@ -41,6 +42,9 @@ class ResumeCheck(StrEnum):
     PEAK_MEMORY = "peak memory"
     THROUGHPUT = "throughput"
     SKIPPED = "skipped and NaN iterations"
+
+
+_PROVENANCE = (ResumeCheck.PROMOTED, ResumeCheck.BASELINE)
 
 
 @dataclass
@@ -65,7 +69,9 @@ class Validation:
             return f"VALIDATED resume from iteration {self.iteration}: every check passed" + (
                 f" (not checkable here: {', '.join(unchecked)})" if unchecked else ""
             )
-        first = self.failures[0]
+        # The resume's own faults first (learning rate, data, loss, memory, speed): where it
+        # started from is named after them.
+        first = min(self.failures, key=lambda c: c.name in _PROVENANCE)
         return (
             f"REJECTED resume from iteration {self.iteration}: {first.name}: expected {first.expected}, "
             f"observed {first.observed}" + (f" ({first.detail})" if first.detail else "")
@@ -268,6 +274,18 @@ class Validator:
             self._promoted_without_log()
             return
         named = sorted(v for v in values if v is not None)
+        begins = history_begins(f.directory.parent)
+        if not named and begins is not None and started < begins:
+            when = datetime.fromtimestamp(begins, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+            self.add(
+                ResumeCheck.PROMOTED,
+                None,
+                "",
+                "",
+                f"the run resumed before the pointer's history begins ({when}, the first promotion "
+                "ckptops logged): which checkpoint was promoted then is not known: not checkable",
+            )
+            return
         expected = (
             f"iteration {named[0]} (latest verified when the run resumed)"
             if len(named) == 1
