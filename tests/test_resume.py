@@ -150,9 +150,10 @@ def test_a_resume_made_before_ckptops_ran_leaves_the_pointer_unchecked_and_a_wro
     good = validate_resume(late / "iter_0000012", before, load_steps(good_resume), SETTINGS)
     assert good.ok, good.line()
     promoted = next(c for c in good.checks if c.name == "promoted checkpoint")
-    assert promoted.outcome == "unchecked" and "resumed before the pointer's history begins" in promoted.detail
+    assert promoted.outcome == "unchecked"
+    assert "resumed before the pointer's history begins" in promoted.detail
     wrong = validate_resume(late / "iter_0000012", before, load_steps(no_optim_resume), SETTINGS)
-    assert wrong.line().startswith("REJECTED resume from iteration 12: learning rate: expected "), wrong.line()
+    assert wrong.line().startswith("REJECTED resume from iteration 12: learning rate: "), wrong.line()
 
 
 def test_resume_from_another_checkpoint_is_caught_by_resume_point(failed_run):
