@@ -131,6 +131,46 @@ def test_the_calendar_of_the_local_jobs_megatron_log(trained, tmp_path):
     assert data["checkpoint_bytes"] == size and data["write_bytes_per_day_now"] == pytest.approx(size * 1440)
 
 
+def test_goodput_options_reach_the_subcommand_and_the_save_cost_is_megatron_lms_timer(trained, tmp_path):
+    """Options given before the subcommand are the subcommand's (or refused); every output names
+    the job and the profile; the save cost C is Megatron-LM's save-checkpoint timer in the job's
+    log, never the checkpoints' file times (ckptops's own manifests are written after them)."""
+    save = shutil.copytree(trained, tmp_path / "checkpoints")
+    profile = write_profile(tmp_path, tmp_path / "absent.jsonl", save, name="mine")
+    log = trained_log(trained)
+    timers = [
+        float(m[1]) / 1000
+        for m in re.finditer(r"save-checkpoint \.*: \([0-9.]+, ([0-9.]+)\)", log.read_text())
+    ]
+    assert timers  # Megatron-LM's own timer, one per save
+    given = ("--mtbf-hours", 1, "--restart-minutes", 1, "--interval-minutes", 1)
+    done = ckptops_here("goodput", "-p", profile, "--log", log, "advise", *given, "--json")
+    assert done.exit_code == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["job"] == "mine" and found["profile"] == str(profile)
+    assert found["save_seconds"] == pytest.approx(float(np.median(timers)))
+    assert found["sources"]["save"] == f"save timers in {log}"
+    # Without the log there is no timer to read: not measured, and the flag to give is named.
+    done = ckptops_here("goodput", "-p", profile, "advise", *given)
+    assert (
+        done.exit_code == 2
+        and "not measured for mine" in done.stderr
+        and "give --save-seconds" in done.stderr
+    )
+    text = ckptops_here("goodput", "-p", profile, "--log", log)
+    assert text.exit_code == 0 and text.stdout.startswith(f"job mine (profile {profile})")
+    assert "lost to saves: not measured" not in text.stdout and f"save timers in {log}" in text.stdout
+    # An option the subcommand does not use, or one given twice, is refused, never dropped.
+    refused = ckptops_here(
+        "goodput", "--since", "2026-01-01", "calendar", "--target-tokens", 1e6, "-p", profile
+    )
+    assert refused.exit_code == 2 and "goodput --since: not used by 'goodput calendar'" in refused.stderr
+    twice = ckptops_here("goodput", "-p", "local", "calendar", "--target-tokens", 1e6, "-p", profile)
+    assert twice.exit_code == 2 and "give it once" in twice.stderr
+    calendar = ckptops_here("goodput", "-p", profile, "calendar", "--target-tokens", 1e6, "--log", log)
+    assert calendar.exit_code == 0 and calendar.stdout.startswith(f"job mine (profile {profile})")
+
+
 def test_the_projection_day_by_day_from_records_spanning_days(tmp_path):
     records = write_records(
         tmp_path / "records.jsonl", range(1, 400), step_seconds=600.0, start=START, save_seconds=60.0

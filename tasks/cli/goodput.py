@@ -27,6 +27,40 @@ def _since(value: str | None, option: str = "--since") -> float | None:
     return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
 
 
+def _given(ctx: typer.Context, used: tuple[str, ...], **mine):
+    """This subcommand's options (``mine``, in order), with those given before it on ``goodput``
+    (``goodput -p X advise``): an option the subcommand does not use (not in ``used``), or one
+    given twice with two values, is refused, never dropped."""
+    group = (ctx.parent.obj if ctx.parent is not None else None) or {}
+    values = []
+    for name, value in mine.items():
+        option = _OPTIONS[name]
+        before = group.get(name)
+        if before is not None and value is not None and value != before and not isinstance(value, bool):
+            raise UsageError(f"goodput {option} {before} and {ctx.info_name} {option} {value}: give it once")
+        values.append(value if value not in (None, False) else before if before is not None else value)
+    for name, value in group.items():
+        if value not in (None, False) and name not in used:
+            raise UsageError(f"goodput {_OPTIONS[name]}: not used by 'goodput {ctx.info_name}'")
+    return values
+
+
+_OPTIONS = {"profile": "--profile", "log": "--log", "since": "--since", "as_json": "--json"}
+
+
+def _named(prof, lines: list[str]) -> list[str]:
+    """Every goodput output says whose job it measured and from which profile."""
+    return [f"job {prof.job.name} (profile {prof.source})", *lines]
+
+
+def _emit(prof, found, lines: list[str], as_json: bool) -> None:
+    if as_json:
+        out.print_json(json.dumps({"job": prof.job.name, "profile": str(prof.source), **found.to_dict()}))
+        return
+    for line in _named(prof, lines):
+        out.print(line, markup=False)
+
+
 @commands.callback(invoke_without_command=True)
 def goodput(
     ctx: typer.Context,
@@ -43,16 +77,14 @@ def goodput(
     """The job's goodput ledger: wall time, productive time on the surviving lineage, time lost
     per cause, ETTR, incidents and MTBF; every figure with its source."""
     if ctx.invoked_subcommand is not None:
+        ctx.obj = {"profile": profile, "log": log, "since": since, "as_json": as_json}
         return
     with expected_errors():
         from tasks.goodput.report import ledger, ledger_lines
 
-        found = ledger(load_profile(profile), _since(since), log, warn)
-    if as_json:
-        out.print_json(json.dumps(found.to_dict()))
-        return
-    for line in ledger_lines(found):
-        out.print(line, markup=False)
+        prof = load_profile(profile)
+        found = ledger(prof, _since(since), log, warn)
+    _emit(prof, found, ledger_lines(found), as_json)
 
 
 # The advice's inputs, for advise and calendar alike (each measured unless given).
@@ -64,8 +96,15 @@ IntervalMinutesOpt = Annotated[
 ]
 
 
+LogOpt = Annotated[
+    Path | None,
+    typer.Option("--log", help="the job's Megatron-LM log: its iteration lines and save-checkpoint timers"),
+]
+
+
 @commands.command("advise")
 def goodput_advise(
+    ctx: typer.Context,
     save_seconds: SaveSecondsOpt = None,
     mtbf_hours: MtbfHoursOpt = None,
     restart_minutes: RestartMinutesOpt = None,
@@ -77,6 +116,8 @@ def goodput_advise(
         float | None,
         typer.Option("--checkpoint-tb", help="one checkpoint's size [default: the newest checkpoint's]"),
     ] = None,
+    log: LogOpt = None,
+    since: Annotated[str | None, typer.Option("--since", help="measure from this date or time (UTC)")] = None,
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ):
@@ -85,10 +126,14 @@ def goodput_advise(
     with expected_errors():
         from tasks.goodput.report import advice, interval_note, ledger
 
+        used = ("profile", "log", "since", "as_json")
+        profile, log, since, as_json = _given(
+            ctx, used, profile=profile, log=log, since=since, as_json=as_json
+        )
         prof = load_profile(profile)
         found = advice(
             prof,
-            ledger(prof, warn=warn),
+            ledger(prof, _since(since), log, warn),
             save_seconds,
             mtbf_hours,
             restart_minutes,
@@ -96,18 +141,13 @@ def goodput_advise(
             gpus,
             checkpoint_tb,
         )
-    if as_json:
-        out.print_json(json.dumps(found.to_dict()))
-        return
-    for line in found.lines():
-        out.print(line, markup=False)
     note = interval_note(found)
-    if note:
-        out.print(note, markup=False)
+    _emit(prof, found, [*found.lines(), *([note] if note else [])], as_json)
 
 
 @commands.command("simulate")
 def goodput_simulate(
+    ctx: typer.Context,
     gpus: Annotated[int, typer.Option("--gpus")],
     days: Annotated[float, typer.Option("--days")],
     mtbf_hours: Annotated[float, typer.Option("--mtbf-hours")],
@@ -133,6 +173,8 @@ def goodput_simulate(
     with expected_errors():
         from tasks.goodput.report import simulation_report
 
+        given = {"profile": profile, "as_json": as_json}
+        profile, as_json = _given(ctx, tuple(given), **given)
         report = simulation_report(
             profile,
             gpus,
@@ -154,6 +196,7 @@ def goodput_simulate(
 
 @commands.command("calendar")
 def goodput_calendar(
+    ctx: typer.Context,
     target_tokens: Annotated[
         float, typer.Option("--target-tokens", help="the tokens to train on, e.g. 10e12")
     ],
@@ -181,8 +224,12 @@ def goodput_calendar(
     with expected_errors():
         from tasks.goodput.calendar import calendar
 
+        profile, log, as_json = _given(
+            ctx, ("profile", "log", "as_json"), profile=profile, log=log, as_json=as_json
+        )
+        prof = load_profile(profile)
         found = calendar(
-            load_profile(profile),
+            prof,
             target_tokens,
             log,
             _since(start, "--start"),
@@ -197,8 +244,4 @@ def goodput_calendar(
             },
             warn,
         )
-    if as_json:
-        out.print_json(json.dumps(found.to_dict()))
-        return
-    for line in found.lines():
-        out.print(line, markup=False)
+    _emit(prof, found, found.lines(), as_json)

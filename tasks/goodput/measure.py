@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.checkpoint import layout
 from tasks.errors import Malformed, Unreadable, UsageError
 from tasks.recovery.ledger import Incident, IncidentOutcome
 from tasks.resume.records import Steps
@@ -106,17 +105,6 @@ def save_times_from_records(steps: Steps, save_interval: int | None) -> list[flo
         if it[i] % save_interval == 0 and it[i + 1] == it[i] + 1:
             held.append(max(0.0, float(t[i + 1] - t[i] - step[i + 1])))
     return held
-
-
-def save_times_from_files(save_dir: Path) -> list[float]:
-    """The spread of each checkpoint's file times: how long its files took to persist."""
-    found = []
-    for iteration in layout.list_iterations(save_dir):
-        directory = save_dir / layout.iter_dir_name(iteration)
-        times = [p.stat().st_mtime for p in directory.iterdir() if p.is_file()]
-        if len(times) > 1:
-            found.append(max(times) - min(times))
-    return found
 
 
 def _lineage(steps: Steps) -> np.ndarray:

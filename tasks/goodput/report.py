@@ -18,7 +18,6 @@ from tasks.goodput.measure import (
     GoodputLedger,
     job_save_interval,
     measure,
-    save_times_from_files,
     save_times_from_log,
     save_times_from_records,
 )
@@ -58,23 +57,25 @@ def _newest_checkpoint(save_dir: Path) -> Path | None:
 
 
 def _save_times(profile, steps: Steps | None, log: Path | None, save_interval: int | None):
-    """Blocking save times and where they came from, the best source first."""
-    if log is not None:
+    """Blocking save times and where they came from, the best source first: Megatron-LM's
+    ``save-checkpoint`` timers in the job's log (``log``, else the log the steps came from), then
+    the step loop held after each save in its step records. Never the checkpoints' file times:
+    they span ckptops's own writes (manifests, signatures) long after the save."""
+    logs = [log] if log is not None else []
+    if steps is not None and steps.kind == "megatron-log" and Path(steps.source) not in logs:
+        logs.append(Path(steps.source))
+    for path in logs:
         try:
-            found = save_times_from_log(read_lines(log))
+            found = save_times_from_log(read_lines(path))
         except OSError as e:
-            raise unreadable(log, e) from None
+            raise unreadable(path, e) from None
         if found:
-            return found, f"save timers in {log}"
+            return found, f"save timers in {path}"
     if steps is not None and steps.kind == "records":
         found = save_times_from_records(steps, save_interval)
         if found:
             return found, f"step loop held after each save, {steps.source}"
-    if profile.job.save_dir.is_dir():
-        found = save_times_from_files(profile.job.save_dir)
-        if found:
-            return found, f"file times of the checkpoints in {profile.job.save_dir} (persist time)"
-    return [], "no save timer, step records or checkpoint files"
+    return [], "not measured: no save-checkpoint timer in the job's log (--log) and no step records"
 
 
 def _interval(save_interval: int | None, steps: Steps | None) -> Figure:
@@ -126,6 +127,10 @@ def ledger(profile, since: float | None = None, log: Path | None = None, warn=No
     return measure(profile.job.name, steps, found, saves, since, _interval(save_interval, steps))
 
 
+# The option that gives each of the advice's inputs when the ledger cannot measure it.
+_FLAGS = {"save": "--save-seconds", "mtbf": "--mtbf-hours", "restart": "--restart-minutes"}
+
+
 def advice(
     profile,
     measured: GoodputLedger,
@@ -147,7 +152,11 @@ def advice(
             sources[option] = "given"
             return given * scale
         if figure_seconds is None:
-            raise UsageError(f"{option}: not measured for {profile.job.name} ({figure_source}); give it")
+            flag = _FLAGS[option]
+            raise UsageError(
+                f"{option}: not measured for {profile.job.name} "
+                f"({figure_source.removeprefix('not measured: ')}); give {flag}"
+            )
         sources[option] = figure_source
         return figure_seconds
 
