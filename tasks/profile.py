@@ -801,10 +801,9 @@ def _resolve(value: str, base: Path) -> str:
 
 
 def _one_line(error: ValidationError, path: Path) -> str:
-    first = error.errors()[0]
-    key = ".".join(str(p) for p in first["loc"]) or "(top level)"
-    more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
-    return f"{path}: {key}: {first['msg']}{more}"
+    """Every problem of the profile, each naming its key, in one line."""
+    said = [f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in error.errors()]
+    return f"{path}: " + "; ".join(said)
 
 
 def profile_path(name_or_path: str | Path | None) -> Path:

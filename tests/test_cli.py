@@ -76,7 +76,7 @@ def test_usage_and_unreadable_input_exit_2(save_dir, tmp_path):
 def test_promote_then_status(save_dir):
     result = ckptops("promote", save_dir)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "latest verified: None -> 24 (first promotion)"
+    assert result.stdout.strip().splitlines()[-1] == "latest verified: none -> 24 (first promotion)"
     rows = json.loads(ckptops("status", save_dir, "--json").stdout)
     assert [(r["iteration"], r["state"], r["promoted"]) for r in rows] == [
         (4, "valid", False),

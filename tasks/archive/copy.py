@@ -395,7 +395,8 @@ def status_lines(save_dir: Path) -> list[str]:
         return []
     last = logged[-1]
     lines = [
-        f"archive: {len(logged)} copies logged; newest: iteration {last.get('iteration')} at "
+        f"archive: {len(logged)} {'copy' if len(logged) == 1 else 'copies'} logged; "
+        f"newest: iteration {last.get('iteration')} at "
         f"{last.get('url')}, committed {last.get('committed_at')}"
     ]
     check = "CRC64NVME by the store" if last.get("crc64nvme") else "read back"

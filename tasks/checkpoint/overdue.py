@@ -37,7 +37,9 @@ class Overdue:
         why = "" if self.state in (State.VALID, State.UNVERIFIED) else f" (it is {self.state})"
         return (
             f"ALERT {layout.iter_dir_name(self.iteration)}: complete for {self.waited_seconds / 60:.0f} min "
-            f"and not promoted{why}; the pointer is at {self.promoted}; verify.alert_after_seconds is "
+            f"and not promoted{why}; "
+            + ("no checkpoint is promoted" if self.promoted is None else f"the pointer is at {self.promoted}")
+            + "; verify.alert_after_seconds is "
             f"{self.alert_after_seconds:.0f} ({self.alert_source}): is verify-and-promote running?"
         )
 
@@ -65,7 +67,7 @@ def alert_after(save_dir: Path, infos: list[CheckpointInfo], configured: float |
     interval = statistics.median(gaps[-5:])
     return (
         max(MIN_ALERT_SECONDS, 2 * interval),
-        f"twice the save interval of {interval:.0f} s the saves show, at least {MIN_ALERT_SECONDS:.0f}",
+        f"twice the save interval of {interval:.3g} s the saves show, at least {MIN_ALERT_SECONDS:.0f}",
     )
 
 

@@ -90,7 +90,7 @@ class PromotionReport:
         return "".join(
             [
                 f"verified {', '.join(done)}; " if done else "",
-                f"latest verified: {self.current} ({self.message})",
+                f"latest verified: {'none' if self.current is None else self.current} ({self.message})",
                 f"; retention deleted {', '.join(map(str, deleted))}" if deleted else "",
                 f"; still in progress: {', '.join(waiting)}" if waiting else "",
                 f"; refused: {'; '.join(self.refused)}" if self.refused else "",

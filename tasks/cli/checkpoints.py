@@ -132,8 +132,11 @@ def promote(
             )
         )
     else:
+        name = lambda i: "none" if i is None else str(i)  # noqa: E731
         arrow = (
-            f"{report_.previous} -> {report_.current}" if report_.changed else f"stays at {report_.current}"
+            f"{name(report_.previous)} -> {name(report_.current)}"
+            if report_.changed
+            else f"stays at {name(report_.current)}"
         )
         out.print(f"latest verified: {arrow} ({report_.message})", markup=False)
     for line in report_.refused:

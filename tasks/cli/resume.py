@@ -43,6 +43,8 @@ def validate_resume_command(
     else:
         out.print(result.line(), markup=False)
         for check in result.checks:
-            text = f"expected {check.expected}; observed {check.observed}" if check.expected else check.detail
+            said = [f"expected {check.expected}; observed {check.observed}"] if check.expected else []
+            said += [check.detail] if check.detail else []
+            text = "; ".join(said) or ("checked" if check.ok else "no reason recorded")
             out.print(f"  {check.outcome:<9} {check.name}: {text}", markup=False)
     raise typer.Exit(0 if result.ok else 1)

@@ -45,6 +45,13 @@ def iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
 
 
+def _days(days: float) -> str:
+    """A span given in days, in the unit that shows it: days, hours or minutes."""
+    if days >= 1:
+        return f"{days:.2f} days"
+    return f"{days * 24:.1f} hours" if days * 24 >= 1 else f"{days * 1440:.1f} minutes"
+
+
 @dataclass
 class Projection:
     ettr: float
@@ -232,8 +239,8 @@ class Calendar:
             f"target; {self.tokens_source})",
             f"  steady-state throughput: {rate(self.tokens_per_second)} tokens/s ({self.throughput_source})",
             f"  remaining: {self.target_tokens - self.tokens_done:,.0f} tokens, "
-            f"{p.compute_days:.2f} days of compute",
-            f"  ETTR {p.ettr:.2%} ({self.ettr_source}): {p.wall_days:.2f} days; projected end {p.end}",
+            f"{_days(p.compute_days)} of compute",
+            f"  ETTR {p.ettr:.2%} ({self.ettr_source}): {_days(p.wall_days)}; projected end {p.end}",
         ]
         if self.advised is not None:
             a = self.advised
@@ -241,7 +248,7 @@ class Calendar:
             which = "sooner" if sooner >= 0 else "later"
             lines.append(
                 f"  at the advised interval: ETTR {a.ettr:.2%} ({self.advised_note}): "
-                f"{a.wall_days:.2f} days; projected end {a.end} ({abs(sooner):.2f} days {which})"
+                f"{_days(a.wall_days)}; projected end {a.end} ({abs(sooner):.2f} days {which})"
             )
         else:
             lines.append(f"  at the advised interval: {self.advised_note}")
