@@ -25,6 +25,8 @@ the drill history (so repeated demos show a trend); the job's incident ledger st
 the job.
 """
 
+import contextlib
+import hashlib
 import os
 import shutil
 import sys
@@ -47,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Where the demo's job fails: after the save at 12 (rank 1, an uncorrectable ECC error).
 FAULT = "1:14:ecc"
 POOL = "ckptops"
+PREFECT_YAML = ROOT / "infra" / "prefect.yaml"
 # The worker asks for work this often (Prefect's default is 10 s): the demo waits on it.
 WORKER_POLL_SECONDS = "2"
 STOP_GRACE_SECONDS = 10  # demo down: SIGTERM, then SIGKILL after this long
@@ -79,18 +82,59 @@ def _site_profiles(profile) -> dict[str, str]:
     return {PROFILES_ENV: str(site)}
 
 
-def _deploy(env: dict) -> None:
+def _deployment_digest(env: dict) -> str:
+    """What the registered deployments depend on: infra/prefect.yaml, the flows (their
+    parameters become the deployments' schemas) and where the worker finds the profiles."""
+    digest = hashlib.sha256(PREFECT_YAML.read_bytes())
+    for flow in sorted((ROOT / "flows").glob("*.py")):
+        digest.update(flow.name.encode() + b"\0" + flow.read_bytes())
+    digest.update(env.get(PROFILES_ENV, "").encode())
+    return digest.hexdigest()
+
+
+def _registered() -> bool:
+    """Whether the server has the work pool and every deployment of infra/prefect.yaml."""
+    import yaml
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    wanted = {d["name"] for d in yaml.safe_load(PREFECT_YAML.read_text())["deployments"]}
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(POOL)
+        except ObjectNotFound:
+            return False
+        return wanted <= {d.name for d in client.read_deployments()}
+
+
+def _deploy(env: dict, home: Path) -> bool:
     """The work pool and every deployment of infra/prefect.yaml (idempotent: a second demo
-    updates them in place)."""
-    prefect = [sys.executable, "-m", "prefect"]
-    if capture([*prefect, "work-pool", "inspect", POOL], 120, env).exit_code != 0:
-        made = capture([*prefect, "work-pool", "create", POOL, "--type", "process"], 120, env)
-        if made.exit_code != 0:
-            raise CkptopsError(f"prefect work-pool create {POOL}: {made.stderr.strip()[-300:]}")
-    deploy = [*prefect, "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml"]
+    updates them in place); False when the server has them as registered from the same
+    prefect.yaml and flows (``deployed.sha256`` in the Prefect home), which are then kept."""
+    stamp, digest = home / "deployed.sha256", _deployment_digest(env)
+    if stamp.exists() and stamp.read_text() == digest and _registered():
+        return False
+    from prefect import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):
+        client.create_work_pool(WorkPoolCreate(name=POOL, type="process"))
+    deploy = [
+        sys.executable,
+        "-m",
+        "prefect",
+        "--no-prompt",
+        "deploy",
+        "--all",
+        "--prefect-file",
+        "infra/prefect.yaml",
+    ]
     deployed = capture(deploy, 300, env, cwd=ROOT)
     if deployed.exit_code != 0:
         raise CkptopsError(f"prefect deploy: {(deployed.stdout + deployed.stderr).strip()[-500:]}")
+    stamp.write_text(digest)
+    return True
 
 
 def _worker(home: Path, env: dict) -> tuple[int, bool, list[str]]:
@@ -185,10 +229,11 @@ def _serve(profile) -> str:
     os.environ.update(server_env(api_url, home))
     env = {**os.environ, "CKPTOPS_ROOT": str(ROOT), **_site_profiles(profile)}
     with console.status("deployments of infra/prefect.yaml: registering..."):
-        _deploy(env)
+        deployed = _deploy(env, home)
     pid, new, crashed = _worker(home, env)
     console.print(
-        f"deployments registered (work pool {POOL}); worker {'started' if new else 'reused'} "
+        f"deployments {'registered' if deployed else 'up to date'} (work pool {POOL}); "
+        f"worker {'started' if new else 'reused'} "
         f"(pid {pid}, log: {home / 'worker.log'})"
     )
     if crashed:

@@ -31,13 +31,13 @@ job: {name: local-tiny, save_dir: checkpoints, layout: {data_parallel: 2}}
 verify: {settle_seconds: 1, wait_timeout_seconds: 60, poll_seconds: 1, lock_timeout_seconds: 120}
 retention: {keep_verified: 3}
 prefect: {api_url: 'API', home: prefect}
-local_job: {nproc: 2, train_iters: 20, save_interval: 4, timeout_seconds: 600}
+local_job: {nproc: 2, train_iters: 16, save_interval: 4, timeout_seconds: 600}
 archive: {url: archive, keep: 2}
 drill: {scratch_dir: scratch, budget_seconds: {shared: 600, archive: 600}}
 health: {nodes: [localhost], transport: local, gpus_per_node: 1, raw_dir: health}
 resume: {warmup_steps: 2, min_steps: 4, loss_rel_tolerance: 0.0, memory_band: 0.5, throughput_drop: 0.9}
 recovery: {launcher: local, script: job.sh, step_records: records.jsonl, log_dir: logs,
-           auto_approve: [hardware], progress_steps: 6, progress_timeout_seconds: 600}
+           auto_approve: [hardware], progress_steps: 4, progress_timeout_seconds: 600}
 """
 
 
@@ -69,7 +69,7 @@ def test_the_story_runs_through_deployments_and_a_worker_and_recovers(demo_run):
         "node-health: Failed: 1 nodes: FAIL_CONFIG 1; localhost FAIL_CONFIG: gpu-count: no GPUs found" in out
     )
     assert "recovery-run: Completed:" in out and "hardware: completed: resumed from 12" in out
-    assert read_pointer(root / "checkpoints") == 20
+    assert read_pointer(root / "checkpoints") == 16
     assert "goodput-report: Completed: ETTR " in out and ", 1 incidents" in out
     (incident,) = incidents(root / "checkpoints")
     assert incident.cls == "hardware" and incident.outcome == "completed" and incident.checkpoint == 12
@@ -133,3 +133,5 @@ def test_a_second_start_reuses_the_server_and_the_worker(demo_run):
     second = demo("up", str(profile))  # the demo's own start of the services, without the story
     assert second.returncode == 0, second.stdout[-3000:]
     assert "Prefect server: reused" in second.stdout and "worker reused" in second.stdout
+    # Nothing of the deployments changed since the first start: they are not registered again.
+    assert "deployments up to date (work pool ckptops)" in second.stdout
