@@ -13,7 +13,7 @@ import sys
 
 import typer
 
-from tasks.cli import archive, checkpoints, goodput, health, recovery, resume
+from tasks.cli import archive, checkpoints, goodput, health, profile, recovery, resume
 
 app = typer.Typer(
     add_completion=False,
@@ -26,6 +26,7 @@ for group in (checkpoints, archive, resume, recovery):
     app.add_typer(group.commands)
 app.add_typer(goodput.commands, name="goodput")
 app.add_typer(health.commands, name="health")
+app.add_typer(profile.commands, name="profile")
 
 
 def main() -> None:

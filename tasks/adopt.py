@@ -1,0 +1,208 @@
+"""Bringing a team's existing job in: a starting profile read off its save directory and batch
+script (``ckptops profile init``), and a profile checked against this machine (``ckptops profile
+check``): every path it names, the launcher's tools, the script's relaunch and continuation
+lines, and what each section it lacks would enable."""
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from tasks.checkpoint import layout
+from tasks.errors import CkptopsError, UsageError
+from tasks.outcome import Check, Outcome
+
+# What each optional section of a profile makes possible.
+ENABLES = {
+    "recovery": "ckptops recover and the recovery-run flow: triage, relaunch, watch and validation",
+    "drill": "ckptops drill and the restore drills from the shared store and the archive",
+    "archive": "ckptops archive, the archive copy and the drill from the archive",
+    "health": "ckptops health run and the node-health flow (DCGM, nccl-tests, drains)",
+    "resume": "the windows and tolerances of validate-resume (the defaults apply without it)",
+}
+_SLURM_TOOLS = ("sbatch", "scontrol", "squeue", "scancel")
+
+
+def _check(name: str, ok: bool | None, detail: str, file: Path | None = None) -> Check:
+    outcome = Outcome.UNCHECKED if ok is None else Outcome.PASS if ok else Outcome.FAIL
+    return Check(name, outcome, detail, file=str(file) if file else None)
+
+
+def newest_checkpoint(save_dir: Path) -> Path | None:
+    found = layout.list_iterations(save_dir) if save_dir.is_dir() else []
+    return save_dir / layout.iter_dir_name(max(found)) if found else None
+
+
+def saved_layout(checkpoint: Path) -> dict[str, int]:
+    """TP, PP and DP as the checkpoint's saved args say (DP from the world size)."""
+    from tasks.checkpoint.facts import saved_args
+
+    args, _ = saved_args(checkpoint)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    world = int(getattr(args, "world_size", tp * pp) or tp * pp)
+    return {"tensor_parallel": tp, "pipeline_parallel": pp, "data_parallel": max(1, world // (tp * pp))}
+
+
+def _save_dir(profile) -> list[Check]:
+    save_dir = profile.job.save_dir
+    if not save_dir.is_dir():
+        return [_check("job.save_dir", False, f"{save_dir}: no such directory", save_dir)]
+    newest = newest_checkpoint(save_dir)
+    if newest is None:
+        return [_check("job.save_dir", None, f"{save_dir}: no iter_* checkpoint yet: nothing to compare")]
+    found = [_check("job.save_dir", True, f"{save_dir}: {len(layout.list_iterations(save_dir))} checkpoints")]
+    try:
+        saved = saved_layout(newest)
+    except CkptopsError as e:
+        return [*found, _check("job.layout", None, f"{newest.name}: its args cannot be read: {e}")]
+    said = profile.job.layout.model_dump()
+    differ = [f"{k} {said[k]} (the checkpoint: {v})" for k, v in saved.items() if said[k] != v]
+    found.append(
+        _check(
+            "job.layout",
+            not differ,
+            f"against {newest.name}'s saved args: " + ("; ".join(differ) if differ else "the same"),
+        )
+    )
+    return found
+
+
+def _script(name: str, script: Path, needs: tuple[str, ...]) -> Check:
+    from tasks.storage.local import open_regular
+
+    try:
+        with open_regular(script) as f:
+            text = f.read().decode(errors="replace")
+    except (OSError, CkptopsError) as e:
+        return _check(name, False, f"{script}: {e}", script)
+    missing = [n for n in needs if n not in text]
+    if missing:
+        return _check(name, False, f"{script}: does not use {', '.join(missing)}", script)
+    return _check(name, True, f"{script}: uses {', '.join(needs)}")
+
+
+def _recovery(profile) -> list[Check]:
+    from tasks.recovery.job import REQUIRED_FLAG
+
+    settings = profile.recovery
+    found = [_script("recovery.script", settings.script, (REQUIRED_FLAG,))]
+    tools = _SLURM_TOOLS if settings.launcher == "slurm" else ("bash",)
+    absent = [t for t in tools if shutil.which(t) is None]
+    found.append(
+        _check(
+            "recovery.launcher",
+            not absent,
+            f"{settings.launcher}: "
+            + (f"{', '.join(absent)} not on PATH" if absent else "its tools are here"),
+        )
+    )
+    records = settings.step_records
+    if records is None:
+        found.append(
+            _check(
+                "recovery.step_records",
+                True,
+                "not set: the failed run's steps come from its logs, the relaunch's from its own output",
+            )
+        )
+    else:
+        found.append(_check("recovery.step_records", records.is_file(), f"{records}: the job's step records"))
+    log_dir = settings.log_dir or profile.job.save_dir.parent / "logs"
+    found.append(
+        _check("recovery.log_dir", _writable(log_dir), f"{log_dir}: the relaunch's output goes here")
+    )
+    return found
+
+
+def _writable(folder: Path) -> bool:
+    """Whether ``folder`` is, or could be made, a folder this user writes."""
+    existing = next((p for p in [folder, *folder.parents] if p.exists()), None)
+    return existing is not None and existing.is_dir() and os.access(existing, os.W_OK)
+
+
+def _drill(profile) -> list[Check]:
+    drill = profile.drill
+    found = [
+        _check("drill.scratch_dir", _writable(drill.scratch_dir), f"{drill.scratch_dir}: drills restore here")
+    ]
+    if drill.continuation.script is not None:
+        found.append(
+            _script("drill.continuation.script", drill.continuation.script, ("CKPT_LOAD", "CKPT_SAVE"))
+        )
+    return found
+
+
+def _archive(profile) -> list[Check]:
+    url = profile.archive.url
+    if "://" in url:
+        return [_check("archive.url", None, f"{url}: an object store, not contacted by this check")]
+    return [_check("archive.url", _writable(Path(url)), f"{url}: a local directory")]
+
+
+def _health(profile) -> list[Check]:
+    raw = profile.health.raw_dir
+    return [_check("health.raw_dir", _writable(raw), f"{raw}: raw tool outputs go here")]
+
+
+def check_profile(profile) -> list[Check]:
+    """The profile against this machine, section by section; a section the profile lacks is a
+    line saying what it would enable."""
+    found = _save_dir(profile)
+    for section, check in (
+        ("recovery", _recovery),
+        ("drill", _drill),
+        ("archive", _archive),
+        ("health", _health),
+    ):
+        if getattr(profile, section) is None:
+            found.append(_check(section, None, f"not set: it would enable {ENABLES[section]}"))
+        else:
+            found += check(profile)
+    return found
+
+
+_SLUG = re.compile(r"[^a-z0-9-]+")
+
+
+def starting_profile(save_dir: Path, script: Path | None = None, name: str | None = None) -> str:
+    """A profile for the job that saves into ``save_dir`` (its layout from the newest
+    checkpoint's saved args) and is launched by ``script`` (Slurm when it holds ``#SBATCH``
+    lines), with a comment on each key and on each section left to fill in."""
+    save_dir = Path(save_dir).resolve()
+    if not save_dir.is_dir():
+        raise UsageError(f"{save_dir}: no such directory")
+    newest = newest_checkpoint(save_dir)
+    if newest is None:
+        raise UsageError(f"{save_dir}: no iter_* checkpoint to read the job's layout from")
+    saved = saved_layout(newest)
+    job = name or _SLUG.sub("-", save_dir.name.lower()).strip("-") or "job"
+    lines = [
+        f"# A starting profile for {job}, read off {save_dir} ({newest.name}) by ckptops profile init.",
+        "# Check it against this machine: ckptops profile check -p THIS_FILE",
+        "job:",
+        f"  name: {job}",
+        f"  save_dir: {save_dir}",
+        f"  layout: {{tensor_parallel: {saved['tensor_parallel']}, pipeline_parallel: "
+        f"{saved['pipeline_parallel']}, data_parallel: {saved['data_parallel']}}}  # from {newest.name}",
+    ]
+    if script is not None:
+        script = Path(script).resolve()
+        text = script.read_text(errors="replace") if script.is_file() else ""
+        launcher = "slurm" if "#SBATCH" in text else "local"
+        why = "#SBATCH lines" if launcher == "slurm" else "no #SBATCH line"
+        lines += [
+            "recovery:",
+            f"  launcher: {launcher}  # {why} in the script",
+            f"  script: {script}",
+            f"  log_dir: {save_dir.parent / 'ckptops-logs'}  # the relaunch's own output, watched",
+            "  # step_records: only for a job with its own step recorder (ckptops_records)",
+        ]
+    else:
+        lines.append(f"# recovery: {{launcher, script, log_dir}} would enable {ENABLES['recovery']}")
+    lines += [
+        f"# drill: {{scratch_dir: DIR}} would enable {ENABLES['drill']}",
+        f"# archive: {{url: DIR or s3://BUCKET/PREFIX}} would enable {ENABLES['archive']}",
+        f"# health: {{nodes: [...], raw_dir: DIR}} would enable {ENABLES['health']}",
+    ]
+    return "\n".join(lines) + "\n"
