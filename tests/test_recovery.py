@@ -356,9 +356,12 @@ def test_an_aborted_recovery_stands_until_retry_and_a_retry_is_no_recurrence(sav
     profile = local_profile(tmp_path, save_dir)
     first = ckptops_here("recover", "--logs", HARDWARE_LOG, "--json", "--profile", profile)
     assert first.exit_code == 1 and json.loads(first.stdout)["outcome"] == "aborted"
+    # Nobody could be asked: the plan is shown, with the exact flags that approve it.
+    assert "relaunch" in first.stderr.lower()
+    assert "run the same command with --retry --approve" in first.stderr
     again = ckptops_here("recover", "--logs", HARDWARE_LOG, "--json", "--profile", profile)
     assert again.exit_code == 3 and "already handled this failure" in again.stderr
-    assert "aborted, retry to recover it again; nothing relaunched" in again.stderr
+    assert "aborted, recover it again with --retry (the CLI) or retry: true (the flow)" in again.stderr
     retried = ckptops_here("recover", "--logs", HARDWARE_LOG, "--json", "--retry", "--profile", profile)
     incident = json.loads(retried.stdout)
     assert incident["outcome"] == "aborted" and incident["stop_rule"] is None

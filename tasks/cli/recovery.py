@@ -67,7 +67,16 @@ def _ask_on_terminal(approve: bool, timeout_seconds: float):
         if approve:
             return Decision(True, "--approve on the command line")
         if not sys.stdin.isatty():
-            return Decision(False, "no terminal to ask and no --approve")
+            # Nobody to ask: the plan is shown all the same, with the way to approve it.
+            err.print(plan_markdown(plan), markup=False)
+            err.print(
+                "ckptops: no terminal to ask and no --approve: nothing relaunched; to relaunch from "
+                f"checkpoint {plan.checkpoint} as planned, run the same command with --retry --approve",
+                markup=False,
+            )
+            return Decision(
+                False, "no terminal to ask and no --approve (run it again with --retry --approve)"
+            )
         err.print(plan_markdown(plan), markup=False)  # stdout stays the answer (--json)
         err.print(
             f"relaunch from checkpoint {plan.checkpoint}? [yes / no / another iteration] "

@@ -304,7 +304,7 @@ class _Recovery:
                     + (
                         f", relaunched {other.relaunched_job}"
                         if other.relaunched_job
-                        else ", retry to recover it again"
+                        else ", recover it again with --retry (the CLI) or retry: true (the flow)"
                     )
                     + "; nothing relaunched",
                     other,
