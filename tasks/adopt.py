@@ -165,10 +165,13 @@ def check_profile(profile) -> list[Check]:
 _SLUG = re.compile(r"[^a-z0-9-]+")
 
 
-def starting_profile(save_dir: Path, script: Path | None = None, name: str | None = None) -> str:
+def starting_profile(
+    save_dir: Path, script: Path | None = None, name: str | None = None, launcher: str | None = None
+) -> str:
     """A profile for the job that saves into ``save_dir`` (its layout from the newest
-    checkpoint's saved args) and is launched by ``script`` (Slurm when it holds ``#SBATCH``
-    lines), with a comment on each key and on each section left to fill in."""
+    checkpoint's saved args) and is launched by ``script`` with ``launcher`` (by default Slurm
+    when the script holds ``#SBATCH`` lines), with a comment on each key and on each section
+    left to fill in."""
     save_dir = Path(save_dir).resolve()
     if not save_dir.is_dir():
         raise UsageError(f"{save_dir}: no such directory")
@@ -189,11 +192,14 @@ def starting_profile(save_dir: Path, script: Path | None = None, name: str | Non
     if script is not None:
         script = Path(script).resolve()
         text = script.read_text(errors="replace") if script.is_file() else ""
-        launcher = "slurm" if "#SBATCH" in text else "local"
-        why = "#SBATCH lines" if launcher == "slurm" else "no #SBATCH line"
+        if launcher is None:
+            launcher = "slurm" if "#SBATCH" in text else "local"
+            why = "#SBATCH lines in the script" if launcher == "slurm" else "no #SBATCH line in the script"
+        else:
+            why = "--launcher"
         lines += [
             "recovery:",
-            f"  launcher: {launcher}  # {why} in the script",
+            f"  launcher: {launcher}  # {why}",
             f"  script: {script}",
             f"  log_dir: {save_dir.parent / 'ckptops-logs'}  # the relaunch's own output, watched",
             "  # step_records: only for a job with its own step recorder (ckptops_records)",

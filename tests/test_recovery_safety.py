@@ -5,6 +5,7 @@ batch script and ``ckptops recover`` as a process, killed with real signals."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -462,26 +463,41 @@ def test_a_minimal_profile_drives_every_phase_of_a_recovery_and_a_rejection_stop
         stop_job(new)
 
 
-def test_a_job_that_writes_only_its_log_is_watched_and_validated_from_the_relaunchs_output(failed, tmp_path):
-    """A team's unmodified Megatron-LM job: no step recorder, no ``recovery.step_records``. The
-    failed run's steps come from its log; the relaunch is watched, and its resume validated, from
-    the output ckptops gave it (nothing writes the failed run's log any more), which the incident
-    names."""
+def test_the_adopting_page_runs_as_written_on_a_job_whose_profile_names_no_step_records(failed, tmp_path):
+    """docs/adopting.md, every ``sh`` block in order, as a new user runs them on the failed job
+    (its save directory, batch script and log; a profile ckptops writes, naming no step records):
+    a starting profile that checks, promotion, a drill, a recovery watched and validated from the
+    relaunch's own output (nothing writes the failed run's log any more), goodput from
+    Megatron-LM's save timers."""
+    blocks = re.findall(r"```sh\n(.*?)```", (ROOT / "docs" / "adopting.md").read_text(), re.S)
+    assert len(blocks) >= 6
     job = job_copy(failed, tmp_path)
-    settings = yaml.safe_load(job.profile.read_text())
-    del settings["recovery"]["step_records"]
-    job.profile.write_text(yaml.safe_dump(settings))
-    run = recover(job)
-    out, err = run.communicate(timeout=600)
-    incident = json.loads(out)
+    work = tmp_path / "work"
+    work.mkdir()
+    names = {"SAVE": job.save, "SCRIPT": job.script, "LOG": job.log, "WORK": work}
+    env = {**os.environ, **{k: str(v) for k, v in names.items()}}
+    env["PATH"] = f"{CKPTOPS.parent}{os.pathsep}{os.environ['PATH']}"
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", "\n".join(blocks)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+    incident = json.loads((work / "incident.json").read_text())
     new = incident["relaunched_job"]
     try:
-        assert run.returncode == 0, err[-3000:] + incident["reason"]
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        assert "step_records" not in (work / "mine.yaml").read_text().split("# step_records")[0]
         assert incident["outcome"] == "completed" and incident["checkpoint"] == 8, incident["reason"]
         assert incident["watched"] == incident["relaunch_log"]
-        assert Path(incident["watched"]).parent == tmp_path / "logs"
+        assert Path(incident["watched"]).parent == tmp_path / "ckptops-logs"  # profile init's log_dir
         assert incident["validation"].startswith("VALIDATED resume from iteration 8"), incident["validation"]
         assert incident["failure_iteration"] == 9  # from the failed run's log
+        assert "PASS drill from shared, iteration 8" in done.stdout
+        assert f"save timers in {job.log}" in done.stdout
     finally:
         stop_job(new)
 

@@ -19,6 +19,10 @@ def profile_init(
         Path | None, typer.Option("--script", help="the job's batch script (its relaunch)")
     ] = None,
     name: Annotated[str | None, typer.Option("--name", help="the job's name [default: the folder's]")] = None,
+    launcher: Annotated[
+        str | None,
+        typer.Option("--launcher", help="slurm or local [default: slurm when the script has #SBATCH lines]"),
+    ] = None,
     output: Annotated[
         Path | None, typer.Option("--out", help="write it here (never over a file) [default: stdout]")
     ] = None,
@@ -28,7 +32,9 @@ def profile_init(
     with expected_errors():
         from tasks.adopt import starting_profile
 
-        text = starting_profile(save_dir, script, name)
+        if launcher not in (None, "slurm", "local"):
+            raise UsageError(f"--launcher {launcher}: slurm or local")
+        text = starting_profile(save_dir, script, name, launcher)
         if output is None:
             out.print(text, markup=False, end="", soft_wrap=True)
             return
