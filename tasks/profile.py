@@ -819,12 +819,27 @@ def profile_path(name_or_path: str | Path | None) -> Path:
     return PROFILES_DIR / f"{value}.yaml"
 
 
+def _where_named(name_or_path) -> str:
+    """For a bare name not found: where names are looked up, and a file of that name here."""
+    value = str(name_or_path or DEFAULT_PROFILE)
+    if value.endswith((".yaml", ".yml")) or "/" in value:
+        return ""
+    here = Path(f"{value}.yaml")
+    site = os.environ.get(PROFILES_ENV)
+    where = f"${PROFILES_ENV}" + (f" ({site})" if site else ", unset,")
+    return (
+        f" (a name is looked up in {where} and in {PROFILES_DIR}"
+        + (f"; for the file in this directory give -p ./{here}" if here.is_file() else "; give a path")
+        + ")"
+    )
+
+
 def load_profile(name_or_path: str | Path | None = None) -> Profile:
     path = profile_path(name_or_path)
     try:
         data = yaml.safe_load(path.read_bytes())
     except FileNotFoundError:
-        raise UsageError(f"{path}: profile not found") from None
+        raise UsageError(f"{path}: profile not found{_where_named(name_or_path)}") from None
     except OSError as e:
         raise UsageError(f"{path}: cannot read the profile ({e.strerror})") from None
     except yaml.YAMLError as e:

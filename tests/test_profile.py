@@ -95,9 +95,15 @@ def test_bad_values_name_the_file_and_key(tmp_path, text, message):
     assert "\n" not in str(caught.value)
 
 
-def test_missing_profile_is_named():
-    with pytest.raises(UsageError, match="nope.yaml: profile not found"):
+def test_missing_profile_is_named_with_where_a_name_is_looked_up(tmp_path, monkeypatch):
+    with pytest.raises(UsageError, match="nope.yaml: profile not found") as caught:
         load_profile("nope")
+    assert "a name is looked up in $CKPTOPS_PROFILES" in str(caught.value)
+    # A file of that name in this directory is not taken for the name, but pointed at.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.yaml").write_text("job: {name: mine, save_dir: .}\n")
+    with pytest.raises(UsageError, match="for the file in this directory give -p ./mine.yaml"):
+        load_profile("mine")
 
 
 def test_unreadable_profiles_are_usage_errors(tmp_path):
