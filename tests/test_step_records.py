@@ -125,3 +125,25 @@ def test_a_wsd_schedule_is_replayed_from_the_checkpoint_args(tmp_path):
     for consumed in (40, 400, 700, 760, 800):
         job.num_steps = consumed
         assert lr_after(consumed) == job.get_lr({})
+
+
+def test_an_iteration_line_rank_0s_memory_report_landed_on_is_still_read(tmp_path):
+    """Rank 0's memory report and the last rank's iteration lines share one output: under load
+    the report is written onto the end of an iteration line (two lines of a real Megatron-LM
+    pretrain() log of the local job, as they were printed). Both are read."""
+    log = tmp_path / "resumed.log"
+    log.write_text(
+        "[2026-12-06 02:17:17.190034] iteration       13/      24 | consumed samples:          104 | "
+        "elapsed time per iteration (ms): 172.3 | learning rate: 9.920673E-04 | global batch size:     8 | "
+        "lm loss: 4.001231E+00 | loss scale: 1.0 | grad norm: 1.389 | number of skipped iterations:   0 | "
+        "number of nan iterations:   0 |[Rank 0] (after 13 iterations) memory (MB) | allocated: 0.00 | "
+        "max allocated: 0.00 | reserved: 0.00 | max reserved: 0.00\n"
+        "[2026-12-06 02:17:17.237115] iteration       14/      24 | consumed samples:          112 | "
+        "elapsed time per iteration (ms): 109.6 | learning rate: 9.913462E-04 | global batch size:     8 | "
+        "lm loss: 3.955131E+00 | loss scale: 1.0 | grad norm: 1.372 | number of skipped iterations:   0 | "
+        "number of nan iterations:   0 |\n"
+    )
+    steps = load_steps(log)
+    assert steps.iteration.tolist() == [13, 14] and steps.columns["consumed"].tolist() == [104, 112]
+    assert steps.columns["grad_norm"].tolist() == [1.389, 1.372]
+    assert steps.columns["peak_memory"][0] == 0  # the report, for the iteration it followed

@@ -269,7 +269,9 @@ def parse_megatron_log(path: Path, lines) -> Steps:
         found = _MEMORY.search(line)
         if found:
             memory[int(found[1])] = int(float(found[2]) * 1024 * 1024)
-            continue
+            # Rank 0's report and the last rank's iteration line share one output: under load
+            # the report lands on the end of an iteration line, which is still read.
+            line = line[: found.start()]
         found = _LOADED.search(line)
         if found:
             run = _Run(int(found[1]))
