@@ -79,9 +79,23 @@ def test_the_story_runs_through_deployments_and_a_worker_and_recovers(demo_run):
     from prefect import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from tasks.watchdog import HEARTBEAT_SECONDS, TAG
+
     with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
-        names = {f"{client.read_flow(d.flow_id).name}/{d.name}" for d in client.read_deployments()}
+        deployments = client.read_deployments()
+        names = {f"{client.read_flow(d.flow_id).name}/{d.name}" for d in deployments}
         runs = client.read_flow_runs()
+        promoting = client.read_deployment_by_name("verify-and-promote/local-tiny")
+    assert promoting.parameters == {"profile": "local"}
+    assert promoting.schedules and promoting.schedules[0].schedule.interval.total_seconds() == 30
+    # The job's saved events (a plain HTTP POST from the job) started verify-and-promote runs.
+    triggered = [r for r in runs if r.deployment_id == promoting.id and r.created_by.type == "AUTOMATION"]
+    assert triggered and all(r.parameters == {"profile": "local"} for r in triggered)
+    # Every deployment's runs beat their heart at the watchdog's rate and carry its tag.
+    for each in deployments:
+        if each.entrypoint and each.entrypoint.startswith("flows/") and each.work_pool_name == "ckptops":
+            assert TAG in each.tags, each.name
+            assert each.job_variables["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == str(HEARTBEAT_SECONDS)
     assert {
         "verify-and-promote/local-tiny",
         "archive-copy/local-tiny-archive",

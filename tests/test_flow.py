@@ -1,21 +1,17 @@
-"""The verify-and-promote flow against a real Prefect server, and its deployments and trigger."""
+"""The verify-and-promote flow against a real Prefect server (its deployments and trigger are
+checked in make demo's test, tests/test_demo.py)."""
 
 import json
-import os
-import subprocess
-import sys
 from datetime import UTC, datetime
 
 from prefect.artifacts import Artifact
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
 from flows.verify_and_promote import verify_and_promote
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.pointer import read_pointer
-from tests.conftest import ROOT, flip_byte, iter_dir
-from tests.helpers.events import post_saved
-from tests.helpers.poll import until, within
+from tests.conftest import flip_byte, iter_dir
+from tests.helpers.poll import within
 from tests.test_verify import tensor_data_offset
 
 
@@ -105,53 +101,6 @@ def test_flow_does_not_run_while_another_run_holds_the_job(prefect_api, save_dir
     assert state.is_failed() and ".ckptops.lock: held by pid" in state.message
     assert read_pointer(save_dir) is None
     assert not list(save_dir.glob("iter_*/manifest.json"))
-
-
-def _prefect(*args, env):
-    return subprocess.run(
-        [sys.executable, "-m", "prefect", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def test_deployments_register_and_the_saved_event_starts_a_run(prefect_api):
-    env = {**os.environ, "PREFECT_API_URL": prefect_api, "CKPTOPS_ROOT": str(ROOT)}
-    created = _prefect("work-pool", "create", "ckptops", "--type", "process", env=env)
-    assert created.returncode == 0, created.stdout + created.stderr
-    deployed = _prefect("deploy", "--all", "--prefect-file", "infra/prefect.yaml", env=env)
-    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-
-    with get_client(sync_client=True) as client:
-        deployment = client.read_deployment_by_name("verify-and-promote/local-tiny")
-        assert deployment.parameters == {"profile": "local"}
-        assert deployment.schedules and deployment.schedules[0].schedule.interval.total_seconds() == 30
-        # Every deployment's runs beat their heart at the watchdog's rate and carry its tag.
-        from tasks.watchdog import HEARTBEAT_SECONDS, TAG
-
-        for each in client.read_deployments():
-            if each.entrypoint and each.entrypoint.startswith("flows/") and each.work_pool_name == "ckptops":
-                assert TAG in each.tags, each.name
-                assert each.job_variables["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == str(
-                    HEARTBEAT_SECONDS
-                )
-
-        # What the training job does after a save: a plain HTTP POST, no Prefect client.
-        assert post_saved(prefect_api, "local-tiny", 4) in (200, 201, 202, 204)
-
-        # The trigger runs inside the server; poll (bounded) until it has created the run.
-
-        def triggered_runs():
-            runs = client.read_flow_runs(
-                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
-            )
-            return [r for r in runs if r.created_by and r.created_by.type == "AUTOMATION"]
-
-        triggered = until(triggered_runs, 90, "a flow run created by the training.checkpoint.saved trigger")
-        assert triggered[0].parameters == {"profile": "local"}
 
 
 def test_archive_and_drill_flows_publish_their_results(prefect_api, save_dir, tmp_path):
