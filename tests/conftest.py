@@ -50,13 +50,23 @@ HEAVY_MODULES = frozenset(
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
+    groups = {}
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
         if HEAVY_FIXTURES & set(item.fixturenames) or module in HEAVY_MODULES:
             item.add_marker(pytest.mark.slow)
-        group = xdist_group(item, module)
+        groups[item.nodeid] = group = xdist_group(item, module)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+    # The longest groups first (each runs on one worker, start to end): one that started last
+    # would leave the other worker idle while it finishes. The rest keeps its order.
+    items.sort(
+        key=lambda item: FIRST.index(groups[item.nodeid]) if groups[item.nodeid] in FIRST else len(FIRST)
+    )
+
+
+# The groups that take longest, longest first (the Slurm cluster's tests, make demo's story).
+FIRST = ("slurm", "test_demo", "test_recovery_safety", "test_resume")
 
 
 def xdist_group(item, module: str) -> str | None:
