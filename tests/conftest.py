@@ -50,23 +50,34 @@ HEAVY_MODULES = frozenset(
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    groups = {}
+    first = {}
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
         if HEAVY_FIXTURES & set(item.fixturenames) or module in HEAVY_MODULES:
             item.add_marker(pytest.mark.slow)
-        groups[item.nodeid] = group = xdist_group(item, module)
+        group = xdist_group(item, module)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
-    # The longest groups first (each runs on one worker, start to end): one that started last
-    # would leave the other worker idle while it finishes. The rest keeps its order.
-    items.sort(
-        key=lambda item: FIRST.index(groups[item.nodeid]) if groups[item.nodeid] in FIRST else len(FIRST)
-    )
+        first[item.nodeid] = next((i for i, name in enumerate(FIRST) if name in (group, module)), len(FIRST))
+    # The longest work first: a group runs on one worker start to end, and a long test or group
+    # handed out last leaves the other worker idle while it finishes (a minute, measured). The
+    # rest keeps its order.
+    items.sort(key=lambda item: first[item.nodeid])
 
 
-# The groups that take longest, longest first (the Slurm cluster's tests, make demo's story).
-FIRST = ("slurm", "test_demo", "test_recovery_safety", "test_resume")
+# The groups and modules whose tests take longest, longest first: the Slurm cluster's tests, make
+# demo's story, the recoveries, the resumes, PostgreSQL, the dead worker, the faults' timeouts.
+FIRST = (
+    "slurm",
+    "test_demo",
+    "test_recovery_safety",
+    "test_resume",
+    "test_production",
+    "test_watchdog",
+    "test_faults",
+    "test_promote",
+    "test_continuation",
+)
 
 
 def xdist_group(item, module: str) -> str | None:
