@@ -38,7 +38,7 @@ def _given(ctx: typer.Context, used: tuple[str, ...], **mine):
         before = group.get(name)
         if before is not None and value is not None and value != before and not isinstance(value, bool):
             raise UsageError(f"goodput {option} {before} and {ctx.info_name} {option} {value}: give it once")
-        values.append(value if value not in (None, False) else before if before is not None else value)
+        values.append(before if value in (None, False) and before is not None else value)
     for name, value in group.items():
         if value not in (None, False) and name not in used:
             raise UsageError(f"goodput {_OPTIONS[name]}: not used by 'goodput {ctx.info_name}'")
@@ -48,29 +48,26 @@ def _given(ctx: typer.Context, used: tuple[str, ...], **mine):
 _OPTIONS = {"profile": "--profile", "log": "--log", "since": "--since", "as_json": "--json"}
 
 
-def _named(prof, lines: list[str]) -> list[str]:
-    """Every goodput output says whose job it measured and from which profile."""
-    return [f"job {prof.job.name} (profile {prof.source})", *lines]
-
-
 def _emit(prof, found, lines: list[str], as_json: bool) -> None:
+    """Every goodput output says whose job it measured and from which profile."""
     if as_json:
         out.print_json(json.dumps({"job": prof.job.name, "profile": str(prof.source), **found.to_dict()}))
         return
-    for line in _named(prof, lines):
+    for line in [f"job {prof.job.name} (profile {prof.source})", *lines]:
         out.print(line, markup=False)
+
+
+LogOpt = Annotated[
+    Path | None,
+    typer.Option("--log", help="the job's Megatron-LM log: its iteration lines and save-checkpoint timers"),
+]
 
 
 @commands.callback(invoke_without_command=True)
 def goodput(
     ctx: typer.Context,
     since: Annotated[str | None, typer.Option("--since", help="from this date or time (UTC)")] = None,
-    log: Annotated[
-        Path | None,
-        typer.Option(
-            "--log", help="the job's Megatron-LM log: its iteration lines and save-checkpoint timers"
-        ),
-    ] = None,
+    log: LogOpt = None,
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ):
@@ -93,12 +90,6 @@ MtbfHoursOpt = Annotated[float | None, typer.Option("--mtbf-hours", help="M [def
 RestartMinutesOpt = Annotated[float | None, typer.Option("--restart-minutes", help="R [default: measured]")]
 IntervalMinutesOpt = Annotated[
     float | None, typer.Option("--interval-minutes", help="the current interval [default: the job's]")
-]
-
-
-LogOpt = Annotated[
-    Path | None,
-    typer.Option("--log", help="the job's Megatron-LM log: its iteration lines and save-checkpoint timers"),
 ]
 
 

@@ -61,6 +61,7 @@ from tasks.recovery.phases import (
     failure_key,
     nodes_phase,
     promote_pending,
+    read_records,
     read_steps,
     records_path,
     relaunch_compatibility,
@@ -318,7 +319,7 @@ class _Recovery:
         self._save()
 
         def watch() -> None:
-            steps = read_steps(self.records, [])
+            steps = read_records(self.records)
             before = old.records_before or 0
             self.failed_steps = (
                 failed_attempt(steps.take(np.arange(min(before, len(steps)))), old.failed_job)
