@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tasks.checkpoint import layout
 from tasks.errors import CkptopsError, UsageError
+from tasks.job import step_records
 from tasks.outcome import Check, Outcome
 
 # What each optional section of a profile makes possible.
@@ -97,7 +98,7 @@ def _recovery(profile) -> list[Check]:
             + (f"{', '.join(absent)} not on PATH" if absent else "its tools are here"),
         )
     )
-    records = settings.step_records
+    records = step_records.configured(profile)
     if records is None:
         found.append(
             _check(

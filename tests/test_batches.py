@@ -13,9 +13,9 @@ from tasks.checkpoint.batches import next_batch
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
 from tasks.checkpoint.facts import checkpoint_facts
 from tasks.checkpoint.manifest import read_manifest
+from tasks.job.step_records import load_steps
 from tasks.profile import load_profile
 from tasks.resume.checks import Validator
-from tasks.resume.records import load_steps
 from tests.conftest import iter_dir, verify_and_record_here
 from tests.test_cli import ckptops_here
 from tests.test_continuation import by_name

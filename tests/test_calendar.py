@@ -15,8 +15,8 @@ import yaml
 from tasks.goodput.advice import advise, daly
 from tasks.goodput.calendar import WARMUP_STEPS, daily, project, steady_throughput
 from tasks.goodput.report import ledger
+from tasks.job.step_records import load_steps
 from tasks.profile import load_profile
-from tasks.resume.records import load_steps
 from tests.helpers.records import write_records
 from tests.test_cli import ckptops_here
 

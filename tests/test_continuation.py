@@ -18,12 +18,12 @@ from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.promote import promote
 from tasks.cluster import process
 from tasks.errors import CkptopsError, UsageError
+from tasks.job.step_records import load_steps
 from tasks.profile import load_profile
 from tasks.restore.continuation import TOLERANCES
 from tasks.restore.drill import run_drill
 from tasks.restore.history import read_drills, trend_rows
 from tasks.resume.checks import Validator
-from tasks.resume.records import load_steps
 from tests.conftest import CORRUPTED, free_port, iter_dir, verify_and_record_here, write_job_profile
 from tests.test_cli import ckptops_here
 from tests.test_slurm import ON_TWO_NODES

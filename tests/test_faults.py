@@ -9,8 +9,8 @@ import pytest
 
 from infra.local_job.launch import run_local_job
 from tasks.cluster.process import Failed
+from tasks.job.step_records import load_steps
 from tasks.recovery.triage import triage
-from tasks.resume.records import load_steps
 
 # kind -> (class, text of the first error)
 EXPECTED = {

@@ -14,8 +14,8 @@ from tasks.errors import UsageError
 from tasks.goodput.advice import advise, daly, ettr, ettr_exact, young
 from tasks.goodput.measure import measure, save_times_from_log, save_times_from_records
 from tasks.goodput.simulate import restart_for, save_cost_for, simulate
+from tasks.job.step_records import Steps
 from tasks.recovery.ledger import Incident, record
-from tasks.resume.records import Steps
 from tests.test_cli import ckptops, ckptops_here
 
 SEED = dict(save=180.0, mtbf=24 * 3600.0)

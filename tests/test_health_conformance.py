@@ -126,8 +126,8 @@ def test_a_slower_resume_names_the_relaunched_node_that_differs(tmp_path, monkey
     """The relaunched Slurm job's nodes (scontrol stand-in), their recorded facts (read from the
     recordings), and the throughput check of a resumed run that is far below its baseline."""
     from tasks.health.checks.conformance import gpu_facts, gpu_rows
+    from tasks.job.step_records import load_steps
     from tasks.resume.checks import Validator
-    from tasks.resume.records import load_steps
 
     raw = tmp_path / "raw"
     recorded = "nvidia_smi_query_gpu_8xH100_driver_power_clocks.csv"

@@ -16,8 +16,8 @@ from tasks.checkpoint.pointer import POINTER, read_pointer
 from tasks.checkpoint.promote import promote
 from tasks.checkpoint.state import VerifyOptions
 from tasks.errors import CkptopsError, UsageError
+from tasks.job.step_records import load_steps
 from tasks.profile import load_profile
-from tasks.resume.records import load_steps
 from tasks.resume.validate import validate_resume
 from tests.conftest import ROOT
 from tests.helpers.poll import until

@@ -6,7 +6,7 @@ import pytest
 
 from ckptops_records import FULL_IDS, StepRecorder, batch_summary
 from tasks.errors import UsageError
-from tasks.resume.records import load_steps
+from tasks.job.step_records import load_steps
 
 
 def record_steps(path, count=5, ids=range(8), attempt="attempt-1", first=1):

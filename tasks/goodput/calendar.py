@@ -25,7 +25,7 @@ import numpy as np
 
 from tasks.errors import Malformed, Unreadable, UsageError
 from tasks.goodput.measure import _lineage
-from tasks.resume.records import Steps
+from tasks.job.step_records import Steps
 
 # The first steps of each run are warm-up (compilation, allocator, data loader): left out.
 WARMUP_STEPS = 10

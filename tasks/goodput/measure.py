@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from tasks.errors import Malformed, Unreadable, UsageError
+from tasks.job.step_records import Steps
 from tasks.recovery.ledger import Incident, IncidentOutcome
-from tasks.resume.records import Steps
 
 # Megatron-LM's timers: "    save-checkpoint ...............: (2561.08, 2561.37)" (min, max in ms).
 _TIMER = re.compile(r"save-checkpoint\s*\.*:\s*\(\s*([0-9.]+),\s*([0-9.]+)\)")

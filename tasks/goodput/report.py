@@ -22,10 +22,11 @@ from tasks.goodput.measure import (
     save_times_from_records,
 )
 from tasks.goodput.simulate import Simulation, restart_for, save_cost_for, simulate
+from tasks.job import step_records
+from tasks.job.step_records import Steps, load_steps
 from tasks.plots import markdown_image, png, pyplot
 from tasks.profile import load_profile
 from tasks.recovery.ledger import read_ledger
-from tasks.resume.records import Steps, load_steps
 from tasks.storage.local import read_lines
 
 # An advised interval this far from the job's own is worth a line in the summary.
@@ -42,7 +43,7 @@ def _steps(profile, log: Path | None) -> Steps | None:
             return load_steps(log)
         except UsageError:
             pass  # its save timers may still be there; the steps come from the records
-    records = profile.recovery.step_records if profile.recovery else None
+    records = step_records.configured(profile)
     if records is None or not Path(records).exists():
         return None
     return load_steps(records)

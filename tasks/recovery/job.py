@@ -16,8 +16,8 @@ import numpy as np
 
 from tasks.cluster import process, slurm
 from tasks.errors import CkptopsError, Unreadable, UsageError, unreadable
+from tasks.job.step_records import Steps, iteration_lines, load_steps
 from tasks.resume.printed_args import PrintedArgs, watch_printed
-from tasks.resume.records import Steps, iteration_lines, load_steps
 from tasks.storage.local import open_regular
 
 _POLL_SECONDS = 2.0

@@ -26,13 +26,12 @@ from tasks.health.actions import Readiness
 from tasks.health.run import run_health
 from tasks.health.sweep import HELD_STATES, sweep
 from tasks.health.verdict import CheckName
+from tasks.job.step_records import Steps, load_steps, read_configured
 from tasks.outcome import Verdict
 from tasks.recovery import job as jobs
 from tasks.recovery.ledger import Incident, lost_gpu_hours
 from tasks.recovery.triage import Triage
 from tasks.resume import compat
-from tasks.resume.records import Steps, load_steps
-from tasks.storage.local import open_regular
 
 
 @dataclass
@@ -273,32 +272,12 @@ def anomaly(tri: Triage, steps) -> int | None:
     return tri.iteration
 
 
-def records_path(profile) -> Path | None:
-    return profile.recovery.step_records if profile.recovery else None
-
-
-def read_records(records: Path | None) -> Steps | None:
-    """The job's step records: a configured path must be a file (nothing is relaunched that
-    could never be watched or validated); one without a record yet holds no steps."""
-    if records is None:
-        return None
-    try:
-        open_regular(records).close()
-    except (UsageError, Unreadable) as e:
-        raise type(e)(
-            f"recovery.step_records: {e}; a relaunch could neither be watched nor validated"
-        ) from None
-    if Path(records).stat().st_size == 0:
-        return None
-    return load_steps(records)
-
-
 def read_steps(records: Path | None, logs: list[Path]) -> Steps | None:
-    """The failed run's steps: its step records (``read_records``), or, with none configured,
+    """The failed run's steps: its step records (``step_records.read_configured``), or, with none configured,
     Megatron-LM's iteration lines in the first of its ``logs`` that holds any (a job that
     writes only its log); None when neither has a step."""
     if records is not None:
-        return read_records(records)
+        return read_configured(records)
     for log in logs:
         try:
             return load_steps(log)

@@ -39,6 +39,8 @@ from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.state import State
 from tasks.cluster import process, slurm
 from tasks.errors import CkptopsError, LockTimeout, UsageError
+from tasks.job import step_records
+from tasks.job.step_records import Steps
 from tasks.recovery import job as jobs
 from tasks.recovery.guard import signal_name, signals_held, sigterm_ends_the_run, who
 from tasks.recovery.ledger import (
@@ -61,9 +63,7 @@ from tasks.recovery.phases import (
     failure_key,
     nodes_phase,
     promote_pending,
-    read_records,
     read_steps,
-    records_path,
     relaunch_compatibility,
     relaunched_facts,
     reverify_checkpoint,
@@ -75,7 +75,6 @@ from tasks.recovery.triage import Triage, triage
 from tasks.recovery.triage.model import FailureClass
 from tasks.resume.compat import Compatibility, Difference
 from tasks.resume.printed_args import PrintedArgs, fit_printed
-from tasks.resume.records import Steps
 from tasks.resume.validate import validate_resume
 
 
@@ -139,7 +138,7 @@ class _Recovery:
         self.approve, self.step, self.warn, self.retry = approve, step, warn, retry
         self.incident = Incident(new_id(), profile.job.name, trigger, source.slurm_job, flow_run=flow_run)
         self.phase = "detect"
-        self.records = records_path(profile)
+        self.records = step_records.configured(profile)
         self.steps: Steps | None = None
         self.failed_steps: Steps | None = None
         self.detected: Detected | None = None
@@ -319,7 +318,7 @@ class _Recovery:
         self._save()
 
         def watch() -> None:
-            steps = read_records(self.records)
+            steps = step_records.read_configured(self.records)
             before = old.records_before or 0
             self.failed_steps = (
                 failed_attempt(steps.take(np.arange(min(before, len(steps)))), old.failed_job)

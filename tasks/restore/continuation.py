@@ -39,12 +39,13 @@ from tasks.checkpoint.facts import checkpoint_facts
 from tasks.checkpoint.manifest import Manifest
 from tasks.cluster import process
 from tasks.errors import CkptopsError, UsageError
+from tasks.job import step_records
+from tasks.job.step_records import Steps, load_steps
 from tasks.outcome import Check, Outcome
 from tasks.restore.launch import allocation_options, cancel, sbatch_wait
 from tasks.resume.checks import Validator
 from tasks.resume.compat import Compatibility, Kind, checkpoint_fit
 from tasks.resume.printed_args import PrintedArgs, fit_printed, read_printed_args
-from tasks.resume.records import Steps, load_steps
 from tasks.storage.local import open_regular
 
 # Relative tolerance of the loss and grad norm at the first iteration and after it, by the
@@ -81,7 +82,7 @@ def continuation_sources(profile) -> tuple[Path, Steps]:
     anything is restored."""
     settings, recovery = profile.drill.continuation, profile.recovery
     script = settings.script or (recovery.script if recovery else None)
-    reference = settings.reference or (recovery.step_records if recovery else None)
+    reference = settings.reference or step_records.configured(profile)
     if script is None:
         raise UsageError(
             f"{profile.source}: drill.continuation.script (or recovery.script): the job's batch script"

@@ -50,13 +50,13 @@ from megatron.core.dist_checkpointing.validation import StrictHandling  # noqa: 
 from tasks.checkpoint import layout as ckpt_layout  # noqa: E402
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata  # noqa: E402
 from tasks.checkpoint.facts import wsd_decay_steps  # noqa: E402
+from tasks.checkpoint.schedule import ScheduleError, scheduler_from_state  # noqa: E402
 from tasks.errors import CkptopsError, UsageError  # noqa: E402
 from tasks.restore import buffers, param_groups  # noqa: E402
 from tasks.restore import build as builder  # noqa: E402
 from tasks.restore.compare import compare, sample  # noqa: E402
 from tasks.restore.model_args import ModelArgsError, resolve  # noqa: E402
 from tasks.restore.report import LoadReport, RankCheck, write_error, write_report  # noqa: E402
-from tasks.restore.schedule import ScheduleError, scheduler_from_state  # noqa: E402
 
 RESHARDABLE_FORMATS = {"fully_reshardable", "fully_sharded_model_space"}
 

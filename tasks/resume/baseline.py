@@ -13,7 +13,7 @@ from tasks.checkpoint import layout
 from tasks.checkpoint.facts import CheckpointFacts
 from tasks.checkpoint.manifest import now_iso
 from tasks.errors import Malformed
-from tasks.resume.records import Steps
+from tasks.job.step_records import Steps
 from tasks.storage.local import atomic_write, own_folder, read_json_state
 
 BASELINE = "resume-baseline.json"

@@ -24,9 +24,9 @@ from tasks.checkpoint.pointer import history_begins, pointer_during, read_pointe
 from tasks.checkpoint.state import State, VerifyOptions
 from tasks.errors import CkptopsError
 from tasks.health.fleet import relaunched_note
+from tasks.job.step_records import Steps
 from tasks.outcome import Check, Outcome
 from tasks.resume.baseline import median, throughput_of
-from tasks.resume.records import Steps
 
 
 class ResumeCheck(StrEnum):
@@ -90,7 +90,7 @@ class Validation:
 def schedule(facts: CheckpointFacts):
     """The learning rate after a given count of the scheduler's unit, by the checkpoint's own
     schedule (megatron-core's class, not a copy)."""
-    from tasks.restore.schedule import ScheduleError, scheduler_from_state
+    from tasks.checkpoint.schedule import ScheduleError, scheduler_from_state
 
     try:
         scheduler = scheduler_from_state(

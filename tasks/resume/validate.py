@@ -12,10 +12,10 @@ from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.state import VerifyOptions
 from tasks.errors import UsageError
+from tasks.job.step_records import Steps
 from tasks.outcome import Check, Outcome
 from tasks.resume.baseline import make_baseline, store_baseline, stored_baseline
 from tasks.resume.checks import ResumeCheck, Validation, Validator
-from tasks.resume.records import Steps
 
 
 def validate_resume(
@@ -64,7 +64,7 @@ def validate(profile, after: Path, before: Path | None = None, checkpoint: Path 
     """Post-resume validation as the CLI and the flow run it: the checkpoint (default: the promoted
     one) verified now if nothing ever verified it, the records or Megatron-LM logs read, every check
     run, the baseline stored with the job."""
-    from tasks.resume.records import load_steps
+    from tasks.job.step_records import load_steps
 
     if checkpoint is None:
         iteration = read_pointer(profile.job.save_dir)

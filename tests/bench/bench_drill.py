@@ -25,13 +25,13 @@ from tasks.archive.copy import archive_checkpoint
 from tasks.checkpoint.promote import promote
 from tasks.checkpoint.state import VerifyOptions
 from tasks.cluster import process
+from tasks.job.step_records import load_steps
 from tasks.profile import load_profile
 from tasks.restore.continuation import changes, fingerprint
 from tasks.restore.drill import run_drill
 from tasks.restore.launch import drill_layout, loader_args, loader_env, torchrun
 from tasks.restore.report import read_report
 from tasks.resume.printed_args import fit_printed, read_printed_args
-from tasks.resume.records import load_steps
 from tests.bench.bench_verify import BENCH, LARGE, LARGE_MODEL, checkpoint, data_files, median_seconds
 
 console = Console(highlight=False)

@@ -25,8 +25,8 @@ from rich.table import Table
 
 from ckptops_records import StepRecorder, batch_summary
 from infra.local_job.launch import run_local_job
+from tasks.job.step_records import load_steps
 from tasks.profile import load_profile
-from tasks.resume.records import load_steps
 from tasks.resume.validate import validate_resume
 from tests.bench.bench_verify import BENCH, checkpoint
 

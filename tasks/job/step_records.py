@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.errors import UsageError, unreadable
-from tasks.storage.local import read_lines
+from tasks.errors import Unreadable, UsageError, unreadable
+from tasks.storage.local import open_regular, read_lines
 
 _COLUMNS = (
     "iteration",
@@ -348,3 +348,25 @@ def load_steps(path: Path, start: int = 0) -> Steps:
     if not len(steps):
         raise UsageError(f"{path}: neither step records nor Megatron-LM log lines")
     return steps
+
+
+def configured(profile) -> Path | None:
+    """Where the profile says the job's step records (or its Megatron log) are: the one place
+    that setting is read (recovery, the continuation drill, goodput and adoption ask here)."""
+    return profile.recovery.step_records if profile.recovery else None
+
+
+def read_configured(records: Path | None) -> Steps | None:
+    """The job's step records: a configured path must be a file (nothing is relaunched that
+    could never be watched or validated); one without a record yet holds no steps."""
+    if records is None:
+        return None
+    try:
+        open_regular(records).close()
+    except (UsageError, Unreadable) as e:
+        raise type(e)(
+            f"recovery.step_records: {e}; a relaunch could neither be watched nor validated"
+        ) from None
+    if Path(records).stat().st_size == 0:
+        return None
+    return load_steps(records)

@@ -1,0 +1,1 @@
+"""The training job's own records, read back: its step records or its Megatron log (one reader)."""
