@@ -12,7 +12,6 @@ from prefect.concurrency.sync import concurrency
 from prefect.states import Completed, Failed
 
 from tasks.checkpoint.flow_tasks import (
-    announce_if_caught_up,
     check_rows,
     ensure_job_limit,
     promote_step,
@@ -27,6 +26,7 @@ from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.promote import verify_pending
 from tasks.checkpoint.state import VerifyOptions
 from tasks.profile import load_profile
+from tasks.watchdog import announce_if_caught_up
 
 # Prefect's slot acquisition needs a moment even when the slot is free.
 _MIN_SLOT_WAIT_SECONDS = 30

@@ -14,7 +14,8 @@ lasting:
   is crashed; a crashed run gives its concurrency slot back, so the waiting runs go on;
 - promotion overdue, per job, with ``notify.block``: a ``training.checkpoint.saved`` not followed
   by a ``ckptops.checkpoint.promoted`` for that job within ``verify.alert_after_seconds`` tells a
-  person, whatever the cause. Its threshold follows the saves (``refresh_alarm``).
+  person, whatever the cause. Its threshold follows the saves (``refresh_alarm``), and
+  verify-and-promote tells it of each promotion that caught up (``announce_if_caught_up``).
 
 Only runs tagged ``ckptops`` (every deployment of infra/prefect.yaml) are watched. The buckets of
 these automations live in the server's database, so they outlast a server restart. And
@@ -24,18 +25,17 @@ these automations live in the server's database, so they outlast a server restar
 
 from datetime import timedelta
 
-from prefect import get_client
+from prefect import get_client, task
 from prefect.automations import Automation
 from prefect.client.schemas.objects import StateType
 from prefect.events.actions import ChangeFlowRunState, SendNotification
 from prefect.events.schemas.automations import EventTrigger, Posture
 
+from tasks.events import CHECKPOINT_PROMOTED, CHECKPOINT_SAVED, flow_run_event, job_resource
 from tasks.notify import block_id
 
 TAG = "ckptops"
 HEARTBEAT_SECONDS = 30  # infra/prefect.yaml sets PREFECT_FLOWS_HEARTBEAT_FREQUENCY to this
-PROMOTED_EVENT = "ckptops.checkpoint.promoted"
-SAVED_EVENT = "training.checkpoint.saved"
 SILENT = "ckptops crash silent runs"
 STUCK = "ckptops crash stuck submissions"
 _ENDED = ("Completed", "Failed", "Cancelled", "Crashed", "Cancelling", "Paused", "Scheduled")
@@ -50,7 +50,7 @@ def overdue_name(job: str) -> str:
 
 
 def _flow_run_events(*names: str) -> set[str]:
-    return {f"prefect.flow-run.{name}" for name in names}
+    return {flow_run_event(name) for name in names}
 
 
 def _crash(
@@ -62,7 +62,7 @@ def _crash(
         name=name,
         description=description,
         trigger=EventTrigger(
-            match={"prefect.resource.id": "prefect.flow-run.*"},
+            match={"prefect.resource.id": flow_run_event("*")},
             match_related={"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{TAG}"},
             after=after,
             expect=expect,
@@ -84,8 +84,8 @@ def crash_automations(settings) -> list[Automation]:
             f"crash a ckptops run whose heartbeats stopped for {silent:.0f} s (its process died): its "
             "concurrency slot is given back",
             # From its start: a process that dies before its first beat is silent too.
-            {"prefect.flow-run.heartbeat", "prefect.flow-run.Running"},
-            {"prefect.flow-run.heartbeat", *_flow_run_events(*_ENDED)},
+            _flow_run_events("heartbeat", "Running"),
+            _flow_run_events("heartbeat", *_ENDED),
             silent,
             f"no heartbeat for {silent:.0f} s: its process is gone",
         ),
@@ -93,7 +93,7 @@ def crash_automations(settings) -> list[Automation]:
             STUCK,
             f"crash a ckptops run pending for {pending:.0f} s (its worker died while submitting it): its "
             "concurrency slot is given back",
-            {"prefect.flow-run.Pending"},
+            _flow_run_events("Pending"),
             _flow_run_events("Running", *_ENDED),
             pending,
             f"pending for {pending:.0f} s without starting: its worker is gone",
@@ -107,9 +107,9 @@ def alarm(job: str, seconds: float, block) -> Automation:
         name=overdue_name(job),
         description=f"tell a person when a save of {job} is not promoted within {seconds:.0f} s",
         trigger=EventTrigger(
-            match={"prefect.resource.id": f"ckptops.job.{job}"},
-            after={SAVED_EVENT},
-            expect={PROMOTED_EVENT},
+            match={"prefect.resource.id": job_resource(job)},
+            after={CHECKPOINT_SAVED},
+            expect={CHECKPOINT_PROMOTED},
             for_each={"prefect.resource.id"},
             posture=Posture.Proactive,
             threshold=1,
@@ -180,10 +180,26 @@ def announce_promotion(job: str, iteration: int) -> None:
     from prefect.events import emit_event
 
     emit_event(
-        event=PROMOTED_EVENT,
-        resource={"prefect.resource.id": f"ckptops.job.{job}"},
+        event=CHECKPOINT_PROMOTED,
+        resource={"prefect.resource.id": job_resource(job)},
         payload={"iteration": iteration},
     )
+
+
+@task(name="announce-promotion")
+def announce_if_caught_up(profile, options) -> bool:
+    """Tell the promotion alarm when the pointer names the newest complete checkpoint, and keep
+    its threshold what the saves show (``options``: the job's verify options); whether it does."""
+    from tasks.checkpoint.catalog import catalog
+    from tasks.checkpoint.overdue import caught_up
+
+    infos = catalog(profile.job.save_dir, options)
+    refresh_alarm(profile, infos)
+    if not caught_up(infos):
+        return False
+    promoted = next(i.iteration for i in infos if i.promoted)
+    announce_promotion(profile.job.name, promoted)
+    return True
 
 
 def crash_orphans(pool: str, why: str) -> list[str]:

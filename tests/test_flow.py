@@ -10,6 +10,7 @@ from prefect.client.orchestration import get_client
 from flows.verify_and_promote import verify_and_promote
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.pointer import read_pointer
+from tasks.events import CHECKPOINT_PROMOTED, job_resource
 from tests.conftest import flip_byte, iter_dir
 from tests.helpers.poll import within
 from tests.test_verify import tensor_data_offset
@@ -60,8 +61,8 @@ def promoted_events(job: str, since: datetime, count: int, timeout: float = 60) 
             page = client.read_events(
                 filter=EventFilter(
                     occurred=EventOccurredFilter(since=since),
-                    event=EventNameFilter(name=["ckptops.checkpoint.promoted"]),
-                    resource=EventResourceFilter(id=[f"ckptops.job.{job}"]),
+                    event=EventNameFilter(name=[CHECKPOINT_PROMOTED]),
+                    resource=EventResourceFilter(id=[job_resource(job)]),
                 ),
                 limit=50,
             )

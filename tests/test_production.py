@@ -23,6 +23,7 @@ import yaml
 from tasks.checkpoint.layout import HISTORY
 from tasks.checkpoint.pointer import PROMOTIONS, read_pointer
 from tasks.errors import CkptopsError
+from tasks.events import CHECKPOINT_SAVED, job_resource
 from tasks.prefect_server import start_server
 from tests.conftest import ROOT, free_port
 from tests.helpers.poll import until
@@ -146,8 +147,8 @@ def saved_event(iteration: int) -> list[dict]:
         {
             "id": str(uuid.uuid4()),
             "occurred": datetime.now(UTC).isoformat(),
-            "event": "training.checkpoint.saved",
-            "resource": {"prefect.resource.id": "ckptops.job.local-tiny"},
+            "event": CHECKPOINT_SAVED,
+            "resource": {"prefect.resource.id": job_resource("local-tiny")},
             "payload": {"iteration": iteration},
         }
     ]

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from tasks.errors import UsageError
+from tasks.events import JOB_FAILED, job_resource
 from tasks.profile import load_profile
 from tasks.recovery.automation import automation_name, install
 from tests.helpers.poll import within
@@ -21,8 +22,8 @@ def post_failed(api: str, job: str, slurm_job: str) -> None:
         {
             "id": str(uuid.uuid4()),
             "occurred": datetime.now(UTC).isoformat(),
-            "event": "training.job.failed",
-            "resource": {"prefect.resource.id": f"ckptops.job.{job}"},
+            "event": JOB_FAILED,
+            "resource": {"prefect.resource.id": job_resource(job)},
             "payload": {"slurm_job": slurm_job, "exit_code": 1},
         }
     ]

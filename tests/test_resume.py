@@ -16,6 +16,7 @@ from tasks.checkpoint.pointer import POINTER, read_pointer
 from tasks.checkpoint.promote import promote
 from tasks.checkpoint.state import VerifyOptions
 from tasks.errors import CkptopsError, UsageError
+from tasks.events import RESUME_VALIDATED, job_resource
 from tasks.job.step_records import load_steps
 from tasks.profile import load_profile
 from tasks.resume.validate import validate_resume
@@ -333,11 +334,11 @@ def test_post_resume_validation_flow_emits_its_event(failed_run, good_resume, pr
 
         def recorded() -> bool:
             page = client.read_events(
-                filter=EventFilter(event=EventNameFilter(name=["training.resume.validated"])), limit=50
+                filter=EventFilter(event=EventNameFilter(name=[RESUME_VALIDATED])), limit=50
             )
-            return any(e.resource.id == "ckptops.job.resume-test" for e in page.events)
+            return any(e.resource.id == job_resource("resume-test") for e in page.events)
 
-        until(recorded, 60, "training.resume.validated recorded for ckptops.job.resume-test")
+        until(recorded, 60, f"{RESUME_VALIDATED} recorded for {job_resource('resume-test')}")
 
 
 def _as_megatron_log(records: Path, target: Path, tflops: bool = True) -> Path:

@@ -20,11 +20,9 @@ from prefect.artifacts import (
 )
 
 from tasks.checkpoint import layout
-from tasks.checkpoint.catalog import catalog
 from tasks.checkpoint.content import worst_tensors
 from tasks.checkpoint.lock import Held
 from tasks.checkpoint.manifest import RESUME_WORDS
-from tasks.checkpoint.overdue import caught_up
 from tasks.checkpoint.prescan import wait_and_verify
 from tasks.checkpoint.promote import PromotionReport, apply_promotion
 from tasks.checkpoint.retention import RetentionPlan, apply_retention
@@ -32,7 +30,6 @@ from tasks.checkpoint.state import Completeness, State, VerifyOptions, wait_unti
 from tasks.checkpoint.verify import Verification, verify_and_record
 from tasks.profile import Profile
 from tasks.storage.local import list_files
-from tasks.watchdog import announce_promotion, refresh_alarm
 
 _PROGRESS_EVERY_SECONDS = 1.0
 _SHARD_TABLE_EVERY_SECONDS = 5.0
@@ -169,19 +166,6 @@ def _publish_shards(job: str, checkpoint: str, rows: list[dict]) -> None:
 @task(name="promote")
 def promote_step(save_dir: Path, options: VerifyOptions, requested: int | None) -> PromotionReport:
     return apply_promotion(save_dir, options, requested)
-
-
-@task(name="announce-promotion")
-def announce_if_caught_up(profile: Profile, options: VerifyOptions) -> bool:
-    """Tell the promotion alarm (``ckptops.checkpoint.promoted``) when the pointer names the
-    newest complete checkpoint, and keep its threshold what the saves show; whether it does."""
-    infos = catalog(profile.job.save_dir, options)
-    refresh_alarm(profile, infos)
-    if not caught_up(infos):
-        return False
-    promoted = next(i.iteration for i in infos if i.promoted)
-    announce_promotion(profile.job.name, promoted)
-    return True
 
 
 @task(name="retention")

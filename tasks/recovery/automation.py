@@ -19,10 +19,8 @@ from prefect.events.schemas.automations import EventTrigger, Posture
 from prefect.exceptions import ObjectNotFound
 
 from tasks.errors import UsageError
+from tasks.events import JOB_FAILED, flow_run_event, job_resource
 from tasks.notify import block_id
-
-FAILED_EVENT = "training.job.failed"
-PAUSED_EVENT = "prefect.flow-run.Paused"
 
 
 def automation_name(job: str) -> str:
@@ -72,8 +70,8 @@ def _storm_guard(profile, deployment: str, deployment_id, block) -> Automation:
         name=automation_name(job),
         description=f"pause {deployment} after more than {limit} failures of {job} within an hour",
         trigger=EventTrigger(
-            match={"prefect.resource.id": f"ckptops.job.{job}"},
-            expect={FAILED_EVENT},
+            match={"prefect.resource.id": job_resource(job)},
+            expect={JOB_FAILED},
             posture=Posture.Reactive,
             # More than max_per_hour failures: the one past the budget trips it.
             threshold=limit + 1,
@@ -88,9 +86,9 @@ def _approval_notice(job: str, deployment: str, deployment_id, block) -> Automat
         name=approval_name(job),
         description=f"tell the approver when a run of {deployment} waits for approval",
         trigger=EventTrigger(
-            match={"prefect.resource.id": "prefect.flow-run.*"},
+            match={"prefect.resource.id": flow_run_event("*")},
             match_related={"prefect.resource.id": f"prefect.deployment.{deployment_id}"},
-            expect={PAUSED_EVENT},
+            expect={flow_run_event("Paused")},
             posture=Posture.Reactive,
             threshold=1,
         ),

@@ -11,15 +11,10 @@ from prefect.exceptions import FlowPauseTimeout
 from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
 
+from tasks.events import RECOVERY_COMPLETED, RECOVERY_STARTED, RECOVERY_STOPPED, job_resource
 from tasks.recovery.ledger import Incident, IncidentOutcome, incidents
 from tasks.recovery.report import incident_rows, incidents_markdown, plan_markdown
 from tasks.recovery.run import Decision, RecoveryPlan
-
-STARTED, STOPPED, COMPLETED_EVENT = (
-    "training.recovery.started",
-    "training.recovery.stopped",
-    "training.recovery.completed",
-)
 
 
 def flow_step(name: str, fn, *args, **kwargs):
@@ -55,8 +50,8 @@ def ask_in_ui(timeout_seconds: float):
 
 def announce(job: str, incident_id: str, source: dict) -> None:
     emit_event(
-        event=STARTED,
-        resource={"prefect.resource.id": f"ckptops.job.{job}"},
+        event=RECOVERY_STARTED,
+        resource={"prefect.resource.id": job_resource(job)},
         payload={"incident": incident_id, **source},
     )
 
@@ -75,8 +70,8 @@ def publish_incident(save_dir, incident: Incident) -> None:
         description=f"{incident.id}: {incident.outcome}",
     )
     emit_event(
-        event=COMPLETED_EVENT if incident.outcome == IncidentOutcome.COMPLETED else STOPPED,
-        resource={"prefect.resource.id": f"ckptops.job.{incident.job}"},
+        event=RECOVERY_COMPLETED if incident.outcome == IncidentOutcome.COMPLETED else RECOVERY_STOPPED,
+        resource={"prefect.resource.id": job_resource(incident.job)},
         payload={
             "incident": incident.id,
             "class": incident.cls,

@@ -6,14 +6,16 @@ import urllib.request
 import uuid
 from datetime import UTC, datetime
 
+from tasks.events import CHECKPOINT_SAVED, job_resource
+
 
 def post_saved(api_url: str, job: str, iteration: int) -> int:
     """``training.checkpoint.saved`` for ``job`` at ``iteration``; the reply's HTTP status."""
     event = {
         "id": str(uuid.uuid4()),
         "occurred": datetime.now(UTC).isoformat(),
-        "event": "training.checkpoint.saved",
-        "resource": {"prefect.resource.id": f"ckptops.job.{job}"},
+        "event": CHECKPOINT_SAVED,
+        "resource": {"prefect.resource.id": job_resource(job)},
         "payload": {"iteration": iteration},
     }
     request = urllib.request.Request(
