@@ -108,33 +108,22 @@ def health_history(
     oldest first, then whether the repeat-suspect rule (health.suspect) drains it."""
     with expected_errors():
         from tasks.cluster.transport import check_node_name
-        from tasks.health.history import counted_suspicions, describe, read_history
+        from tasks.health.history import describe, read_history, standing
 
         prof = load_profile(profile)
         if prof.health is None:
             raise UsageError(f"{prof.source}: no health section")
         node = check_node_name(node)
         entries = read_history(prof.health.raw_dir, node)
-        rule = prof.health.suspect
-        counted = counted_suspicions(entries, rule.window_days)
-    repeat = len(counted) >= rule.repeat
-    verdict = (
-        f"{node}: named as suspect in {len(counted)} incidents within {rule.window_days:g} days "
-        f"(the rule: {rule.repeat}): "
-        + (
-            "a repeat suspect, drained and replaced even when its checks pass"
-            if repeat
-            else "not a repeat suspect"
-        )
-    )
+        found = standing(node, entries, prof.health.suspect)
     if as_json:
         out.print_json(
             json.dumps(
                 {
                     "node": node,
                     "entries": entries,
-                    "counted_incidents": [e.get("incident") for e in counted],
-                    "repeat_suspect": repeat,
+                    "counted_incidents": [e.get("incident") for e in found.counted],
+                    "repeat_suspect": found.repeat_suspect,
                 }
             )
         )
@@ -143,4 +132,4 @@ def health_history(
             out.print(f"{node}: no history in {prof.health.raw_dir}", markup=False)
         for entry in entries:
             out.print(describe(entry), markup=False)
-        out.print(verdict, markup=False)
+        out.print(found.line(), markup=False)

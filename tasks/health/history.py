@@ -18,6 +18,7 @@ admission) fails the ``suspect-history`` check, even when its own checks pass: t
 it (within the drain caps) and a recovery replaces it with a spare.
 """
 
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -140,26 +141,57 @@ def counted_suspicions(entries: list[dict], window_days: float, now: datetime | 
     return counted
 
 
+@dataclass(frozen=True)
+class Standing:
+    """A node under the repeat-suspect rule (``health.suspect``): the suspicions that count now,
+    and whether they make it a repeat suspect."""
+
+    node: str
+    counted: list[dict]
+    repeat: int
+    window_days: float
+
+    @property
+    def repeat_suspect(self) -> bool:
+        return len(self.counted) >= self.repeat
+
+    def line(self) -> str:
+        """The rule's verdict on the node, as ``ckptops health history`` ends."""
+        return (
+            f"{self.node}: named as suspect in {len(self.counted)} incidents within {self.window_days:g} "
+            f"days (the rule: {self.repeat}): "
+            + (
+                "a repeat suspect, drained and replaced even when its checks pass"
+                if self.repeat_suspect
+                else "not a repeat suspect"
+            )
+        )
+
+
+def standing(node: str, entries: list[dict], rule, now: datetime | None = None) -> Standing:
+    """The node's standing under ``rule`` (``health.suspect``), from its history ``entries``."""
+    return Standing(node, counted_suspicions(entries, rule.window_days, now), rule.repeat, rule.window_days)
+
+
 def suspect_check(raw_dir: Path, node: str, settings, now: datetime | None = None) -> HealthCheck | None:
-    """FAIL_HARDWARE (drain and replace) when the node was a suspect in ``repeat`` incidents
-    within the window; None otherwise (nothing to add to the node's report); TOOL_ERROR when
-    its history cannot be read (the sweep goes on)."""
-    rule = settings.suspect
+    """FAIL_HARDWARE (drain and replace) when the node is a repeat suspect (``standing``); None
+    otherwise (nothing to add to the node's report); TOOL_ERROR when its history cannot be read
+    (the sweep goes on)."""
     try:
         entries = read_history(raw_dir, node)
     except Unreadable as e:
         return result(CheckName.SUSPECT_HISTORY, Verdict.TOOL_ERROR, Evidence(f"history not read: {e}"))
-    counted = counted_suspicions(entries, rule.window_days, now)
-    if len(counted) < rule.repeat:
+    found = standing(node, entries, settings.suspect, now)
+    if not found.repeat_suspect:
         return None
-    named = ", ".join(f"{e.get('incident')} ({e.get('at')})" for e in counted)
+    named = ", ".join(f"{e.get('incident')} ({e.get('at')})" for e in found.counted)
     return result(
         CheckName.SUSPECT_HISTORY,
         Verdict.FAIL_HARDWARE,
         Evidence(
-            f"named as suspect in {len(counted)} incidents within {rule.window_days:g} days: {named}",
-            value=len(counted),
-            gate=rule.repeat,
+            f"named as suspect in {len(found.counted)} incidents within {found.window_days:g} days: {named}",
+            value=len(found.counted),
+            gate=found.repeat,
         ),
     )
 
