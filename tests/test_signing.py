@@ -23,7 +23,7 @@ from tasks.checkpoint.facts import checkpoint_facts
 from tasks.checkpoint.manifest import UntrustedManifest, read_manifest, verified_newest_first
 from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.promote import promote, reverify
-from tasks.checkpoint.signing import CannotSign
+from tasks.checkpoint.signing import CannotSign, Trust
 from tasks.checkpoint.state import State, VerifyOptions
 from tasks.checkpoint.verify import verify_with_profile
 from tasks.errors import UsageError
@@ -170,16 +170,19 @@ def test_without_a_signature_a_shard_rewritten_with_valid_crcs_and_its_digest_up
 
 def test_a_forged_shard_in_a_signed_checkpoint_is_never_promoted_or_chosen(save_dir, keys, tmp_path):
     profile = signing_profile(tmp_path, save_dir, keys)
+    trust = Trust.of(profile)
     report = promote(save_dir, options_of(profile), 30)
     assert report.current == 24 and all(v.signed_by for v in report.verifications)
     target = _tamper(save_dir)
     with pytest.raises(UntrustedManifest, match=r"manifest.sig: __1_0.distcp differs from its signed digest"):
-        read_manifest(target)
+        read_manifest(target, trust)
+    # Read with no policy handed in (another job's save directory), nothing is checked.
+    assert read_manifest(target).valid
     # The recovery's and the drill's choice passes it over, post-resume validation refuses it
     # before loading anything from it, and re-verification moves the pointer off it.
-    assert next(verified_newest_first(save_dir))[0] == 20
+    assert next(verified_newest_first(save_dir, trust=trust))[0] == 20
     with pytest.raises(UntrustedManifest, match="differs from its signed digest"):
-        checkpoint_facts(target)
+        checkpoint_facts(target, trust)
     result, report = reverify(save_dir, options_of(profile), 24, 30)
     assert result.state is State.INVALID and "differs from its signed digest" in result.reason
     assert "key release (" in result.reason
@@ -187,11 +190,12 @@ def test_a_forged_shard_in_a_signed_checkpoint_is_never_promoted_or_chosen(save_
     # The forged manifest is kept as evidence, never replaced by a verdict signed anew.
     assert "__1_0.distcp" in (target / layout.MANIFEST).read_text()
     with pytest.raises(UntrustedManifest):
-        read_manifest(target)
+        read_manifest(target, trust)
 
 
 def test_a_flipped_verdict_or_an_added_subject_breaks_the_signature(save_dir, keys, tmp_path):
     profile = signing_profile(tmp_path, save_dir, keys)
+    trust = Trust.of(profile)
     directory = iter_dir(save_dir, 24)
     assert verify_with_profile(profile, directory).ok
     path = directory / layout.MANIFEST
@@ -200,38 +204,42 @@ def test_a_flipped_verdict_or_an_added_subject_breaks_the_signature(save_dir, ke
     data["files"].append({"path": "__9_0.distcp", "size": 1, "hash": "00" * 32})
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     with pytest.raises(UntrustedManifest, match="__9_0.distcp is not among the signed subjects"):
-        read_manifest(directory)
+        read_manifest(directory, trust)
     data = json.loads(original)
     data["reason"] = "all checks passed, honestly"
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     with pytest.raises(UntrustedManifest, match="manifest.json differs from its signed digest"):
-        read_manifest(directory)
+        read_manifest(directory, trust)
 
 
 def test_a_manifest_signed_by_a_key_not_listed_or_not_signed_is_untrusted(save_dir, keys, tmp_path):
     directory = iter_dir(save_dir, 24)
     intruder = signing_profile(tmp_path, save_dir, keys, signer="intruder", allowed=("intruder",))
     assert verify_with_profile(intruder, directory).signed_by.startswith("intruder (")
-    signing_profile(tmp_path, save_dir, keys)  # the job's real policy: only the release key
+    release = Trust.of(signing_profile(tmp_path, save_dir, keys))  # the job's real policy
     with pytest.raises(
         UntrustedManifest, match=r"manifest.sig: signed by key [0-9a-f]{16}, not in sign.public_keys"
     ):
-        read_manifest(directory)
+        read_manifest(directory, release)
     assert promote(save_dir, options_of(signing_profile(tmp_path, save_dir, keys)), 30).current == 20
 
     (directory / layout.SIGNATURE).unlink()
     with pytest.raises(
         UntrustedManifest, match="not signed .manifest.sig missing., and sign.required is set"
     ):
-        read_manifest(directory)
-    signing_profile(tmp_path, save_dir, keys, required=False)
-    assert read_manifest(directory).valid  # unsigned is allowed where not required
+        read_manifest(directory, release)
+    optional = Trust.of(signing_profile(tmp_path, save_dir, keys, required=False))
+    assert read_manifest(directory, optional).valid  # unsigned is allowed where not required
 
 
 def test_key_files_others_can_read_and_signing_weak_hashes_are_refused(save_dir, keys, tmp_path):
     keys["release"][0].chmod(0o644)
+    profile = signing_profile(tmp_path, save_dir, keys)
     with pytest.raises(Exposed, match=r"release.pem: sign.key_file refused, .*UNPROTECTED PRIVATE KEY FILE"):
-        signing_profile(tmp_path, save_dir, keys)
+        Trust.of(profile)
+    with pytest.raises(Exposed, match=r"release.pem: sign.key_file refused"):
+        verify_with_profile(profile, iter_dir(save_dir, 24))
+    assert not (iter_dir(save_dir, 24) / layout.MANIFEST).exists()
     keys["release"][0].chmod(0o600)
     sign = {"key_file": keys["release"][0], "public_keys": [keys["release"][1]]}
     with pytest.raises(UsageError, match="sign: a signature vouches only for cryptographic digests"):
@@ -240,7 +248,7 @@ def test_key_files_others_can_read_and_signing_weak_hashes_are_refused(save_dir,
         profile_for(tmp_path, save_dir, {"required": True})
 
 
-def test_an_rsa_signing_key_is_one_line_when_the_profile_loads(tmp_path, keys):
+def test_an_rsa_signing_key_is_one_line_before_anything_is_signed(tmp_path, keys):
     """model signing signs with elliptic-curve keys only; an RSA key made its signer fail with an
     AttributeError on the first manifest written."""
     from cryptography.hazmat.primitives.asymmetric import rsa
@@ -254,7 +262,7 @@ def test_an_rsa_signing_key_is_one_line_when_the_profile_loads(tmp_path, keys):
     private.chmod(0o600)
     sign = {"key_file": private, "public_keys": [keys["release"][1]]}
     with pytest.raises(UsageError) as refused:
-        profile_for(tmp_path, tmp_path, sign, name="rsa")
+        Trust.of(profile_for(tmp_path, tmp_path, sign, name="rsa"))
     line = str(refused.value)
     assert line.startswith(f"{private}: sign.key_file: an RSA key, not an elliptic-curve one; make one with")
     assert "\n" not in line
@@ -262,7 +270,7 @@ def test_an_rsa_signing_key_is_one_line_when_the_profile_loads(tmp_path, keys):
     with pytest.raises(
         UsageError, match=f"{private}: sign.key_file: not a PEM private key without a password"
     ):
-        profile_for(tmp_path, tmp_path, sign, name="garbled")
+        Trust.of(profile_for(tmp_path, tmp_path, sign, name="garbled"))
 
 
 @pytest.mark.parametrize(
@@ -274,7 +282,7 @@ def test_a_damaged_signature_is_one_line_naming_it(save_dir, keys, tmp_path, bun
     assert verify_with_profile(profile, directory).ok
     (directory / layout.SIGNATURE).write_bytes(bundle)
     with pytest.raises(UntrustedManifest) as refused:
-        read_manifest(directory)
+        read_manifest(directory, Trust.of(profile))
     line = str(refused.value)
     assert line.startswith(f"{directory / layout.SIGNATURE}: unreadable signature (") and "\n" not in line
 
@@ -296,20 +304,20 @@ def test_the_archive_signs_its_entry_and_an_altered_archived_manifest_is_not_use
     profile = profile_for(tmp_path, save_dir, sign, "blake3", "archived", archive)
     assert promote(save_dir, options_of(profile), 30).current == 24
     assert archive_checkpoint(save_dir, profile).committed
-    store = ArchiveStore.from_settings(profile.archive)
-    assert archived_manifest(store, "signed-job", 24).valid
+    store, trust = ArchiveStore.from_settings(profile.archive), Trust.of(profile)
+    assert archived_manifest(store, "signed-job", 24, trust).valid
     entry = tmp_path / "archive" / "signed-job" / "iter_0000024"
     assert (entry / layout.SIGNATURE).is_file()
     data = json.loads((entry / layout.MANIFEST).read_text())
     data["files"][0]["size"] += 1
     (entry / layout.MANIFEST).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     with pytest.raises(UnreadableManifest, match="manifest.json differs from its signed digest .key release"):
-        archived_manifest(store, "signed-job", 24)
+        archived_manifest(store, "signed-job", 24, trust)
     (entry / layout.SIGNATURE).unlink()
     with pytest.raises(
         UnreadableManifest, match="not signed .manifest.sig missing., and sign.required is set"
     ):
-        archived_manifest(store, "signed-job", 24)
+        archived_manifest(store, "signed-job", 24, trust)
     # The archive run says which entry it cannot trust, and why, and overwrites nothing.
     result = archive_checkpoint(save_dir, profile, force=True)
     assert not result.committed and "\n" not in result.message
@@ -329,13 +337,13 @@ def test_a_signature_holds_only_for_its_own_job_and_iteration(save_dir, keys, tm
     profile = profile_for(tmp_path, save_dir, sign, name="a")
     assert verify_with_profile(profile, iter_dir(save_dir, 24)).ok
     # The same key signs another job: job A's signed manifest, put beside job B's same bytes.
-    profile_for(tmp_path, other_dir, sign, name="b", job="other-job")
+    other = Trust.of(profile_for(tmp_path, other_dir, sign, name="b", job="other-job"))
     _copy_signed(iter_dir(save_dir, 24), iter_dir(other_dir, 24))
     with pytest.raises(UntrustedManifest, match="signs signed-job/iter_0000024, not other-job/iter_0000024"):
-        read_manifest(iter_dir(other_dir, 24))
+        read_manifest(iter_dir(other_dir, 24), other)
     _copy_signed(iter_dir(save_dir, 24), iter_dir(save_dir, 20))  # another iteration of the same job
     with pytest.raises(UntrustedManifest, match="signs signed-job/iter_0000024, not signed-job/iter_0000020"):
-        read_manifest(iter_dir(save_dir, 20))
+        read_manifest(iter_dir(save_dir, 20), Trust.of(profile))
 
 
 def test_a_digest_that_is_not_hex_is_one_line_not_a_crash(save_dir, keys, tmp_path):
@@ -346,20 +354,21 @@ def test_a_digest_that_is_not_hex_is_one_line_not_a_crash(save_dir, keys, tmp_pa
     data["files"][0]["hash"] = "not-a-digest"
     (directory / layout.MANIFEST).write_text(json.dumps(data))
     with pytest.raises(UntrustedManifest, match=r"manifest.json: \S+: its digest 'not-a-digest' is not hex"):
-        read_manifest(directory)
-    assert [i for i, _ in verified_newest_first(save_dir)] == []
+        read_manifest(directory, Trust.of(profile))
+    assert [i for i, _ in verified_newest_first(save_dir, trust=Trust.of(profile))] == []
 
 
 def test_turning_signing_on_judges_an_xxh3_checkpoint_afresh_and_signs_it(save_dir, keys, tmp_path):
     unsigned = profile_for(tmp_path, save_dir, None, digest="xxh3", name="before")
     assert verify_with_profile(unsigned, iter_dir(save_dir, 24)).ok
     profile = signing_profile(tmp_path, save_dir, keys, required=False)
-    assert read_manifest(iter_dir(save_dir, 24)).hash_algorithm == "xxh3-128"  # unsigned, not required
+    # Unsigned, and the policy does not require a signature.
+    assert read_manifest(iter_dir(save_dir, 24), Trust.of(profile)).hash_algorithm == "xxh3-128"
     result, _ = reverify(save_dir, options_of(profile), 24, 30)
     assert result.ok and result.signed_by.startswith("release (")
     assert any("judged afresh with blake3, to be signed" in c.detail for c in result.checks)
-    signing_profile(tmp_path, save_dir, keys)  # now required
-    assert read_manifest(iter_dir(save_dir, 24)).hash_algorithm == "blake3"
+    required = Trust.of(signing_profile(tmp_path, save_dir, keys))
+    assert read_manifest(iter_dir(save_dir, 24), required).hash_algorithm == "blake3"
 
 
 def test_a_copy_that_differs_from_its_manifest_is_not_unpickled(save_dir, keys, tmp_path, monkeypatch):

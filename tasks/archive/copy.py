@@ -21,7 +21,6 @@ Archive layout: ``<archive url>/<job>/iter_NNNNNNN/{files..., manifest.json}``.
 """
 
 import copy
-import json
 import math
 import os
 import socket
@@ -33,9 +32,18 @@ from pathlib import Path
 
 from tasks.checkpoint import layout, signing
 from tasks.checkpoint.lock import job_lock
-from tasks.checkpoint.manifest import CorruptManifest, Manifest, now_iso
+from tasks.checkpoint.manifest import (
+    UNCHECKED,
+    CorruptManifest,
+    Manifest,
+    check_trusted,
+    now_iso,
+    parse_manifest,
+    sign_manifest,
+)
 from tasks.checkpoint.pins import pinned, pins
 from tasks.checkpoint.pointer import promoted, read_pointer
+from tasks.checkpoint.signing import Trust
 from tasks.errors import CkptopsError, UsageError
 from tasks.storage.archive import (
     AccessDenied,
@@ -92,45 +100,35 @@ class NoEntry(CkptopsError):
     """No committed manifest at that key (never committed, or removed meanwhile)."""
 
 
-def archived_manifest(store: ArchiveStore, job: str, iteration: int) -> Manifest:
-    """A committed entry's manifest, its signature checked as the job's profile asks (``sign``):
-    one that does not verify is unreadable, never used."""
+def archived_manifest(store: ArchiveStore, job: str, iteration: int, trust: Trust = UNCHECKED) -> Manifest:
+    """A committed entry's manifest, its signature checked as ``trust`` (the job's ``sign``
+    section) asks: one that does not verify is unreadable, never used."""
     key = entry_key(job, iteration, layout.MANIFEST)
     try:
         raw = store.read(key)
-        data = json.loads(raw)
+        manifest = parse_manifest(raw, store.where(key))
     except FileNotFoundError:
         raise NoEntry(f"{store.where(key)}: no committed archive entry") from None
     except AccessDenied as e:
         raise UnreadableManifest(f"{e} (unreadable archived manifest)") from None
-    except ValueError as e:
-        raise UnreadableManifest(f"{store.where(key)}: unreadable archived manifest ({e})") from None
-    try:
-        manifest = Manifest.from_dict(data, store.where(key))
     except CorruptManifest as e:
         raise UnreadableManifest(f"{e} (unreadable archived manifest)") from None
-    trust = signing.trust_for_job(job)
-    if trust is not None and trust.checks:
-        _check_archived_signature(store, job, iteration, manifest, raw, trust)
+    if trust.checks:
+        signature_key = entry_key(job, iteration, layout.SIGNATURE)
+        try:
+            signature = store.read(signature_key)
+        except FileNotFoundError:
+            signature = None
+        except AccessDenied as e:
+            raise UnreadableManifest(f"{e} (unreadable signature)") from None
+        name = signing.name_of(job, iteration)  # from where it is kept, not from what it says
+        try:
+            check_trusted(
+                manifest, raw, signature, (store.where(key), store.where(signature_key)), trust, name
+            )
+        except signing.BadSignature as e:
+            raise UnreadableManifest(f"{e} (untrusted archived manifest)") from None
     return manifest
-
-
-def _check_archived_signature(
-    store: ArchiveStore, job: str, iteration: int, manifest: Manifest, raw: bytes, trust
-) -> None:
-    key = entry_key(job, iteration, layout.SIGNATURE)
-    try:
-        signature = store.read(key)
-    except FileNotFoundError:
-        signature = None
-    except AccessDenied as e:
-        raise UnreadableManifest(f"{e} (unreadable signature)") from None
-    where = store.where(entry_key(job, iteration, layout.MANIFEST))
-    name = signing.name_of(job, iteration)  # from where it is kept, not from what it says
-    try:
-        signing.check_signature(signature, store.where(key), where, manifest, raw, trust, name)
-    except signing.BadSignature as e:
-        raise UnreadableManifest(f"{e} (untrusted archived manifest)") from None
 
 
 def newest_committed(store: ArchiveStore, job: str) -> int | None:
@@ -250,11 +248,10 @@ def _mismatches(store: ArchiveStore, job: str, manifest: Manifest, progress) -> 
     return sorted(key for key, want in expected.items() if found.get(key) != want)
 
 
-def _refuse_an_entry_nobody_could_read(job: str, manifest: Manifest) -> None:
+def _refuse_an_entry_nobody_could_read(manifest: Manifest, trust: Trust) -> None:
     """Under ``sign.required`` an archived manifest this host cannot sign (no key here, or XXH3
     digests) would be unreadable once committed: refused before anything is uploaded."""
-    trust = signing.trust_for_job(job)
-    if trust is None or not trust.required or (trust.signs and signing.signable(manifest)):
+    if not trust.required or trust.signs_manifest(manifest):
         return
     why = (
         "no sign.key_file or key_secret here"
@@ -268,7 +265,7 @@ def _refuse_an_entry_nobody_could_read(job: str, manifest: Manifest) -> None:
 
 
 def _commit(
-    store: ArchiveStore, job: str, manifest: Manifest, source: Path, checked: dict, lock_until
+    store: ArchiveStore, job: str, manifest: Manifest, source: Path, checked: dict, lock_until, trust: Trust
 ) -> dict:
     status = {
         "url": store.where(entry_key(job, manifest.iteration)),
@@ -281,10 +278,9 @@ def _commit(
     archived.archive = status
     data = archived.to_json().encode()
     key = entry_key(job, manifest.iteration, layout.MANIFEST)
-    trust = signing.trust_for_job(job)
-    if trust is not None and trust.signs and signing.signable(archived):  # before the commit marker
-        name = signing.name_of(job, manifest.iteration)
-        signature, _ = signing.signature_for(archived, data, trust, store.where(key), name)
+    name = signing.name_of(job, manifest.iteration)
+    signature, _ = sign_manifest(archived, data, trust, store.where(key), name)
+    if signature is not None:  # before the commit marker
         store.write(entry_key(job, manifest.iteration, layout.SIGNATURE), signature, lock_until=lock_until)
     store.write(key, data, lock_until=lock_until)
     store.write(f"{job}/{POINTER_OBJECT}", f"{manifest.iteration}\n".encode())
@@ -292,7 +288,7 @@ def _commit(
 
 
 def _by_commit_time(
-    store: ArchiveStore, job: str, committed: list[int]
+    store: ArchiveStore, job: str, committed: list[int], trust: Trust
 ) -> tuple[dict[int, dict], dict[int, str]]:
     """The archive status of the committed iterations (``committed_at``, ``object_lock``, ...),
     oldest commit first (after a rollback an older iteration is newer), and the iterations whose
@@ -302,7 +298,7 @@ def _by_commit_time(
     times, unreadable = {}, {}
     for iteration in committed:
         try:
-            status = archived_manifest(store, job, iteration).archive or {}
+            status = archived_manifest(store, job, iteration, trust).archive or {}
         except UnreadableManifest as e:  # an outage (ArchiveUnavailable) still fails the run
             unreadable[iteration] = str(e)
             continue
@@ -336,6 +332,7 @@ def apply_archive_retention(
     keep_days: float | None = None,
     pinned_iterations=(),
     notes: list[str] | None = None,
+    trust: Trust = UNCHECKED,
 ) -> list[int]:
     """Keep the ``keep`` most recently committed entries (commit time, not iteration: after a
     rollback an older iteration is the newest copy), every entry committed within ``keep_days``,
@@ -346,7 +343,7 @@ def apply_archive_retention(
     Lock archive every version of its objects goes (a plain delete would only hide them).
     Uncommitted leftovers older than the newest commit are removed too."""
     committed = committed_iterations(store, job)
-    statuses = _by_commit_time(store, job, committed)[0]
+    statuses = _by_commit_time(store, job, committed, trust)[0]
     by_commit = list(statuses)
     named = newest_committed(store, job)
     deleted, notes = [], notes if notes is not None else []
@@ -443,14 +440,14 @@ def archive_checkpoint(
     if profile.archive is None:
         raise UsageError(f"{profile.source}: no archive section")
     save_dir = Path(save_dir)
-    job = profile.job.name
+    job, trust = profile.job.name, Trust.of(profile)
     store = ArchiveStore.from_settings(profile.archive)
     with job_lock(save_dir, profile.verify.lock_timeout_seconds, name=layout.ARCHIVE_LOCK):
-        found = promoted(save_dir)
+        found = promoted(save_dir, trust)
         iteration, directory, manifest = found.iteration, found.directory, found.manifest
-        _refuse_an_entry_nobody_could_read(job, manifest)
+        _refuse_an_entry_nobody_could_read(manifest, trust)
         committed = committed_iterations(store, job)
-        commit_times, unreadable = _by_commit_time(store, job, committed)
+        commit_times, unreadable = _by_commit_time(store, job, committed, trust)
         if iteration in unreadable:
             return ArchiveResult(
                 iteration,
@@ -459,12 +456,12 @@ def archive_checkpoint(
                 f"iteration {iteration} is archived but its archived manifest is unreadable "
                 f"({unreadable[iteration]}); kept for inspection, never overwritten",
             )
-        damaged = _uncommit_if_damaged(store, job, manifest, committed)
+        damaged = _uncommit_if_damaged(store, job, manifest, committed, trust)
         skip = (
             None
             if damaged
             else _skip_reason(
-                store, job, manifest, committed, commit_times, profile.archive.period_hours, force
+                store, job, manifest, committed, commit_times, profile.archive.period_hours, force, trust
             )
         )
         if skip:
@@ -507,7 +504,7 @@ def archive_checkpoint(
                     "mode": profile.archive.object_lock.mode,
                     "retain_until": lock_until.isoformat(),
                 }
-            status = _commit(store, job, manifest, directory, checked, lock_until)
+            status = _commit(store, job, manifest, directory, checked, lock_until, trust)
         seconds = time.monotonic() - started
         append_jsonl(own_folder(save_dir, layout.HISTORY) / COPIES, {"iteration": iteration, **status})
         kept: list[str] = []
@@ -518,6 +515,7 @@ def archive_checkpoint(
             profile.archive.keep_days,
             set(pins(save_dir)),
             kept,
+            trust,
         )
         message = (
             "committed"
@@ -609,14 +607,14 @@ def _verified(
 
 
 def _uncommit_if_damaged(
-    store: ArchiveStore, job: str, manifest: Manifest, committed: list[int]
+    store: ArchiveStore, job: str, manifest: Manifest, committed: list[int], trust: Trust
 ) -> str | None:
     """A committed copy of this very save whose objects have vanished or shrunk (a lifecycle rule,
     a hand's rm) is no copy: it is uncommitted (its manifest removed) and copied again. Checked by
     one listing of sizes, not by reading: every run pays it."""
     if manifest.iteration not in committed:
         return None
-    archived = archived_manifest(store, job, manifest.iteration)
+    archived = archived_manifest(store, job, manifest.iteration, trust)
     if archived.files != manifest.files:
         return None
     found = store.sizes(entry_key(job, manifest.iteration))
@@ -657,9 +655,10 @@ def _skip_reason(
     commit_times: dict[int, dict],
     period_hours: float,
     force: bool,
+    trust: Trust,
 ) -> str | None:
     if manifest.iteration in committed:
-        archived = archived_manifest(store, job, manifest.iteration)
+        archived = archived_manifest(store, job, manifest.iteration, trust)
         if archived.files == manifest.files:
             return f"iteration {manifest.iteration} is already archived"
     if force or not commit_times:

@@ -67,7 +67,7 @@ def describe(directory: Path, options: VerifyOptions) -> CheckpointInfo:
         info.state, info.reason = progress.state, progress.reason
         return info
     try:
-        manifest = read_manifest(directory)
+        manifest = read_manifest(directory, options.trust)
     except CorruptManifest as e:
         info.state, info.reason, info.manifest_error = State.INVALID, str(e), str(e)
         return info

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
-from tasks.checkpoint.manifest import read_manifest
+from tasks.checkpoint.manifest import UNCHECKED, read_manifest
+from tasks.checkpoint.signing import Trust
 from tasks.errors import Malformed, UsageError
 
 
@@ -57,32 +58,33 @@ def wsd_decay_steps(args) -> int | None:
     return None if samples is None else int(samples)
 
 
-def _manifest_and_common(directory: Path):
+def _manifest_and_common(directory: Path, trust: Trust):
     """The checkpoint's manifest (None if never verified) and its common state, read with the safe
-    loader. The manifest first: one whose signature the profile does not accept stops here,
-    before any of the checkpoint is loaded."""
+    loader. The manifest first: one whose signature ``trust`` does not accept stops here, before
+    any of the checkpoint is loaded."""
     if layout.parse_iter_dir(directory.name) is None or not directory.is_dir():
         raise UsageError(f"{directory}: not a checkpoint directory (expected iter_NNNNNNN)")
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory, trust)
     return manifest, load_common_state(
         directory, build_index(load_dcp_metadata(directory / layout.DCP_METADATA))
     )
 
 
-def saved_args(directory: Path) -> tuple[object, dict]:
+def saved_args(directory: Path, trust: Trust = UNCHECKED) -> tuple[object, dict]:
     """The job's Megatron-LM arguments as the checkpoint saved them, and the writer's versions
     its manifest recorded (empty if never verified)."""
     directory = Path(directory)
-    manifest, common = _manifest_and_common(directory)
+    manifest, common = _manifest_and_common(directory, trust)
     if common.get("args") is None:
         raise UsageError(f"{directory}: its common state holds no Megatron-LM args")
     return common["args"], (manifest.writer if manifest is not None else {})
 
 
-def checkpoint_facts(directory: Path) -> CheckpointFacts:
-    """What the checkpoint says it is (its own common state, read with the safe loader)."""
+def checkpoint_facts(directory: Path, trust: Trust = UNCHECKED) -> CheckpointFacts:
+    """What the checkpoint says it is (its own common state, read with the safe loader; its
+    manifest read as ``trust`` asks)."""
     directory = Path(directory)
-    manifest, common = _manifest_and_common(directory)
+    manifest, common = _manifest_and_common(directory, trust)
     try:
         return _facts(directory, manifest, common)
     except (KeyError, AttributeError, TypeError, ValueError) as e:

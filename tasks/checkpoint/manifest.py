@@ -24,6 +24,7 @@ import pydantic
 from tasks import __version__
 from tasks.checkpoint import layout, signing, verdicts
 from tasks.checkpoint.layout import CORE_FILES, MANIFEST
+from tasks.checkpoint.signing import Trust
 from tasks.checkpoint.state import State
 from tasks.errors import CkptopsError, Malformed, unreadable
 from tasks.outcome import Check
@@ -34,6 +35,10 @@ from tasks.storage.local import atomic_write_together, list_files, read_state
 # 3: per-tensor statistics (tensors), object families (objects) and the optimizer's step.
 SCHEMA_VERSION = 3
 READABLE_SCHEMAS = (1, 2, 3)
+
+# No signing policy handed in: signatures are neither checked nor made (a save directory no
+# profile speaks for; the caller says so).
+UNCHECKED = Trust()
 
 
 def now_iso() -> str:
@@ -168,52 +173,86 @@ def save_identity(files: dict[str, os.stat_result]) -> dict:
     return {name: [files[name].st_size, files[name].st_mtime_ns] for name in CORE_FILES if name in files}
 
 
-def read_manifest(directory: Path) -> Manifest | None:
+def parse_manifest(raw: bytes, where: str) -> Manifest:
+    """A manifest from its bytes, wherever they were kept (the shared store, the archive):
+    ``CorruptManifest`` naming ``where`` if they are not one."""
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise CorruptManifest(f"{where}: the manifest does not parse ({e})") from None
+    return Manifest.from_dict(data, where)
+
+
+def check_trusted(
+    manifest: Manifest, raw: bytes, signature: bytes | None, kept: tuple[str, str], trust: Trust, name: str
+) -> signing.AllowedKey | None:
+    """The key that signed ``manifest`` (its bytes ``raw``) under ``name``, checked as ``trust``
+    asks, wherever the two were kept (``kept``: where the manifest and where its signature are,
+    for messages); None when the policy checks nothing or it is unsigned and may be.
+    ``signing.BadSignature`` otherwise."""
+    if not trust.checks:
+        return None
+    where, signature_where = kept
+    return signing.check_signature(signature, signature_where, where, manifest, raw, trust, name)
+
+
+def sign_manifest(
+    manifest: Manifest, data: bytes, trust: Trust, where: str, name: str
+) -> tuple[bytes | None, str | None]:
+    """The signature to keep beside a manifest about to be written (its bytes ``data``) under
+    ``name``, and which key made it; (None, None) where the policy does not sign this manifest."""
+    if not trust.signs_manifest(manifest):
+        return None, None
+    signature, key = signing.signature_for(manifest, data, trust, where, name)
+    return signature, key.label() if isinstance(key, signing.AllowedKey) else f"key {key}"
+
+
+def read_manifest(directory: Path, trust: Trust = UNCHECKED) -> Manifest | None:
     """The checkpoint's manifest, or None if it has never been verified (``CorruptManifest`` if
-    it cannot be trusted, ``UntrustedManifest`` if its signature is not what the profile of its
-    save directory asks for, ``Unreadable`` if the environment refuses to read it)."""
-    return read_signed_manifest(directory)[0]
+    it cannot be trusted, ``UntrustedManifest`` if its signature is not what ``trust`` asks for,
+    ``Unreadable`` if the environment refuses to read it)."""
+    return read_signed_manifest(directory, trust)[0]
 
 
-def read_signed_manifest(directory: Path) -> tuple[Manifest | None, str | None]:
+def read_signed_manifest(directory: Path, trust: Trust = UNCHECKED) -> tuple[Manifest | None, str | None]:
     """``read_manifest``, with the allowed key that signed it, for messages (None: unsigned, or
-    no signing policy for its save directory)."""
+    a policy that checks nothing)."""
     path = Path(directory) / MANIFEST
     raw = read_state(path)
     if raw is None:
         return None, None
-    try:
-        data = json.loads(raw)
-    except ValueError as e:
-        raise CorruptManifest(f"{path}: the manifest does not parse ({e})") from None
-    manifest = Manifest.from_dict(data, str(path))
+    manifest = parse_manifest(raw, str(path))
     iteration = layout.parse_iter_dir(Path(directory).name)
     if iteration is not None:
         older = verdicts.put_back(Path(directory).parent, iteration, manifest.verdict)
         if older is not None:
             # Read once more, in case this read fell between a writer's rename and its append.
             if read_state(path) != raw:
-                return read_signed_manifest(directory)
+                return read_signed_manifest(directory, trust)
             raise UntrustedManifest(f"{path}: {older}")
-    trust = signing.trust_for(Path(directory).parent)
-    if trust is None or not trust.checks:
+    if not trust.checks:
         return manifest, None
+    signature_path = Path(directory) / layout.SIGNATURE
     try:
-        key = signing.check(directory, manifest, raw, trust)
+        signature = read_state(signature_path)
+        name = signing.local_name(trust, directory, manifest)
+        key = check_trusted(manifest, raw, signature, (str(path), str(signature_path)), trust, name)
+    except OSError as e:
+        raise UntrustedManifest(f"{signature_path}: unreadable signature ({e.strerror})") from None
     except signing.BadSignature as e:
         # A writer renames the signature and the manifest in turn: read once more, in case this
         # read fell between the two renames.
         if read_state(path) != raw:
-            return read_signed_manifest(directory)
+            return read_signed_manifest(directory, trust)
         raise UntrustedManifest(str(e)) from None
     return manifest, key.label() if key else None
 
 
-def valid_for_this_save(directory: Path, iteration: int) -> Manifest | None:
+def valid_for_this_save(directory: Path, iteration: int, trust: Trust = UNCHECKED) -> Manifest | None:
     """The checkpoint's manifest if it says valid for the very save now on disk (the right
     iteration, not a symlinked directory, the same save), else None."""
     directory = Path(directory)
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory, trust)
     if (
         manifest is None
         or not manifest.valid
@@ -225,7 +264,9 @@ def valid_for_this_save(directory: Path, iteration: int) -> Manifest | None:
     return manifest
 
 
-def verified_newest_first(save_dir: Path, below: int | None = None) -> Iterator[tuple[int, Manifest]]:
+def verified_newest_first(
+    save_dir: Path, below: int | None = None, trust: Trust = UNCHECKED
+) -> Iterator[tuple[int, Manifest]]:
     """The job's checkpoints (those before iteration ``below``, if given) whose manifests say
     valid for the save on disk, newest first, with their manifests; one that cannot be read, or
     was deleted by retention meanwhile, is passed over."""
@@ -236,7 +277,7 @@ def verified_newest_first(save_dir: Path, below: int | None = None) -> Iterator[
         raise unreadable(save_dir, e) from None
     for iteration in reversed([i for i in iterations if below is None or i < below]):
         try:
-            manifest = valid_for_this_save(save_dir / layout.iter_dir_name(iteration), iteration)
+            manifest = valid_for_this_save(save_dir / layout.iter_dir_name(iteration), iteration, trust)
         except (CkptopsError, FileNotFoundError):
             continue  # deleted by retention while we listed, or a manifest not to trust
         if manifest is not None:
@@ -253,16 +294,15 @@ def _number_on_disk(path: Path) -> int | None:
     return number if type(number) is int else None
 
 
-def write_manifest(directory: Path, manifest: Manifest) -> str | None:
-    """Write the manifest, signed where the profile of its save directory has a key and its
-    digests are cryptographic (``signing``): the signature is made first, so a key that cannot
-    sign changes nothing, and the two files are renamed into place together. Which key signed,
-    or None. The manifest gets the next verdict number of its checkpoint, and is recorded in
-    the save directory's verdict log once it is in place."""
+def write_manifest(directory: Path, manifest: Manifest, trust: Trust) -> str | None:
+    """Write the manifest, signed where ``trust`` has a key and its digests are cryptographic
+    (``signing``): the signature is made first, so a key that cannot sign changes nothing, and
+    the two files are renamed into place together. Which key signed, or None. The manifest gets
+    the next verdict number of its checkpoint, and is recorded in the save directory's verdict
+    log once it is in place."""
     path = Path(directory) / MANIFEST
     save_dir = Path(directory).parent
-    trust = signing.trust_for(save_dir)
-    if trust is not None and trust.checks and not trust.signs:
+    if trust.checks and not trust.signs:
         raise signing.CannotSign(
             f"{path}: not written: the profile checks signatures (sign) and this host has no signing key"
         )
@@ -270,11 +310,13 @@ def write_manifest(directory: Path, manifest: Manifest) -> str | None:
     if iteration is not None:
         manifest.verdict = verdicts.next_number(save_dir, iteration, _number_on_disk(path))
     data = manifest.to_json().encode()
-    files, key = [(path, data)], None
-    if trust is not None and trust.signs and signing.signable(manifest):
-        name = signing.local_name(trust, directory, manifest)
-        signature, key = signing.signature_for(manifest, data, trust, str(path), name)
-        files.insert(0, (Path(directory) / layout.SIGNATURE, signature))
+    name = signing.local_name(trust, directory, manifest)
+    signature, key = sign_manifest(manifest, data, trust, str(path), name)
+    files = (
+        [(path, data)]
+        if signature is None
+        else [(Path(directory) / layout.SIGNATURE, signature), (path, data)]
+    )
     try:
         atomic_write_together(files)
     except OSError as e:
@@ -283,6 +325,4 @@ def write_manifest(directory: Path, manifest: Manifest) -> str | None:
         verdicts.record(
             save_dir, iteration, manifest.verdict, manifest.status.value, data, manifest.checked_at
         )
-    if key is None:
-        return None
-    return key.label() if isinstance(key, signing.AllowedKey) else f"key {key}"
+    return key

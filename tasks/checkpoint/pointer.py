@@ -18,7 +18,8 @@ from datetime import datetime
 from pathlib import Path
 
 from tasks.checkpoint.layout import HISTORY, POINTER, iter_dir_name
-from tasks.checkpoint.manifest import Manifest, now_iso, valid_for_this_save
+from tasks.checkpoint.manifest import UNCHECKED, Manifest, now_iso, valid_for_this_save
+from tasks.checkpoint.signing import Trust
 from tasks.errors import CkptopsError, Malformed
 from tasks.storage.local import (
     append_jsonl,
@@ -59,14 +60,15 @@ class Promoted:
     manifest: Manifest
 
 
-def promoted(save_dir: Path) -> Promoted:
+def promoted(save_dir: Path, trust: Trust = UNCHECKED) -> Promoted:
     """The checkpoint the pointer names, re-checked as promotion checks it: its manifest says
-    valid for the save now on disk. What every reader of the promoted checkpoint starts from."""
+    valid for the save now on disk (read as ``trust`` asks). What every reader of the promoted
+    checkpoint starts from."""
     iteration = read_pointer(save_dir)
     if iteration is None:
         raise CkptopsError(f"{save_dir}: nothing promoted")
     directory = Path(save_dir) / iter_dir_name(iteration)
-    manifest = valid_for_this_save(directory, iteration)
+    manifest = valid_for_this_save(directory, iteration, trust)
     if manifest is None:
         raise CkptopsError(f"{directory.name}: promoted but its manifest does not say valid for this save")
     return Promoted(iteration, directory, manifest)

@@ -10,10 +10,10 @@ neither a shard, nor a hash, nor the verdict can change unseen. The statement's 
 ``<job>/iter_NNNNNNN``: a signature is not valid for another checkpoint.
 
 ``sign.public_keys`` lists the keys that may sign; ``sign.required`` makes an unsigned manifest
-untrusted. Every read of a manifest goes through ``manifest.read_manifest``, which checks the
-signature against the policy of the profile loaded for that save directory (``register``): the
-promotion, re-verification, the drill, the archive, the recovery's choice and post-resume
-validation all read manifests that way.
+untrusted. The policy is a ``Trust``, built from a profile's ``sign`` section and handed to
+whoever reads or writes manifests (``manifest.read_manifest`` and ``write_manifest``, the
+archive's entries): nothing is looked up by path, so a save directory no profile names is read
+unchecked, and the command says so (``Trust.describe``).
 
 Why model signing's internal modules: its public API (``model_signing.signing.Config.sign``)
 hashes every file itself, a second read of a 7 TB checkpoint that verification has just read.
@@ -137,8 +137,11 @@ class Trust:
     key_file: Path | None = None
     key_secret: str | None = None
     job: str | None = None  # whose checkpoints: a signature names the job and the iteration
-    _signer: object = field(default=None, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _signer: object = field(default=None, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        return hash((tuple(sorted(self.keys)), self.required, self.key_file, self.key_secret, self.job))
 
     @classmethod
     def from_settings(cls, settings, job: str | None = None) -> "Trust":
@@ -151,6 +154,32 @@ class Trust:
             {k.identifier: k for k in keys}, settings.required, settings.key_file, settings.key_secret, job
         )
 
+    @classmethod
+    def of(cls, profile, save_dir: Path | None = None) -> "Trust":
+        """The profile's policy (its ``sign`` section) for its own save directory; for any other
+        (``save_dir`` given and not the profile's), no policy: the profile does not speak for
+        another job's manifests."""
+        own = save_dir is None or Path(save_dir).resolve() == Path(profile.job.save_dir).resolve()
+        return cls.from_settings(profile.sign, profile.job.name) if own else cls()
+
+    def signs_manifest(self, manifest) -> bool:
+        """Whether a manifest written under this policy is signed: a key is here and the
+        manifest's digests are cryptographic."""
+        return self.signs and signable(manifest)
+
+    def describe(self) -> str:
+        """What this policy does to the manifests it reads, for a command's output."""
+        if self.key_file is not None:
+            signs = f"signs with {self.key_file}"
+        elif self.key_secret is not None:
+            signs = f"signs with Secret block {self.key_secret!r}"
+        else:
+            signs = "signs nothing (no key here)"
+        if not self.checks:
+            return f"signatures not checked (no sign section covers this save directory); {signs}"
+        keys = f"{len(self.keys)} allowed key{'s' if len(self.keys) != 1 else ''}"
+        return f"signatures checked ({keys}{', required' if self.required else ''}); {signs}"
+
     @property
     def signs(self) -> bool:
         return self.key_file is not None or self.key_secret is not None
@@ -158,6 +187,14 @@ class Trust:
     @property
     def checks(self) -> bool:
         return self.required or bool(self.keys)
+
+    def __getstate__(self) -> dict:
+        """Handed to another process (a Prefect task's inputs, a worker): the policy, not the
+        loaded signer nor its lock."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_signer", "_lock")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _signer=None, _lock=threading.Lock())
 
     def signer(self):
         """model signing's elliptic-curve signer, the key loaded once per process."""
@@ -200,27 +237,6 @@ def _load_signer(trust: Trust):
         path = Path(folder) / "key.pem"
         atomic_write(path, data, secret=True)
         return sign_ec_key.Signer(path)
-
-
-# The policy of each profile loaded in this process, by its save directory and by its job (the
-# archive knows an entry by its job). A save directory no profile has named is not checked.
-_BY_SAVE_DIR: dict[Path, Trust] = {}
-_BY_JOB: dict[str, Trust] = {}
-
-
-def register(profile) -> Trust:
-    trust = Trust.from_settings(profile.sign, profile.job.name)
-    _BY_SAVE_DIR[Path(profile.job.save_dir).resolve()] = trust
-    _BY_JOB[profile.job.name] = trust
-    return trust
-
-
-def trust_for(save_dir: Path) -> Trust | None:
-    return _BY_SAVE_DIR.get(Path(save_dir).resolve())
-
-
-def trust_for_job(job: str) -> Trust | None:
-    return _BY_JOB.get(job)
 
 
 def _statement(manifest, manifest_bytes: bytes, name: str, where: str):

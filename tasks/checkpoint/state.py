@@ -7,11 +7,12 @@ retention, promotion decisions) stays cheap and does not import torch.
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
 from tasks.checkpoint import layout
+from tasks.checkpoint.signing import Trust
 from tasks.errors import unreadable
 from tasks.storage.digest import PROFILE_NAMES, Hashing
 from tasks.storage.local import list_files
@@ -45,6 +46,7 @@ class VerifyOptions:
     drift_factor: float = 10.0  # a weight's norm moving more than this is a warning
     job_user: str | None = None  # owner trusted besides root and us; None: the save dir's (access)
     allow_group_write: bool = False  # a group-writable save dir, manifest or pointer is trusted
+    trust: Trust = field(default_factory=Trust)  # who may sign its manifests (none: unchecked)
 
     @classmethod
     def from_profile(cls, profile, save_dir: Path | None = None, **overrides) -> "VerifyOptions":
@@ -66,6 +68,7 @@ class VerifyOptions:
             drift_factor=profile.verify.drift_factor,
             job_user=profile.job.user if own else None,
             allow_group_write=profile.verify.allow_group_write,
+            trust=Trust.of(profile, save_dir),
             layout=(job_layout.tensor_parallel, job_layout.pipeline_parallel, job_layout.data_parallel)
             if own
             else None,

@@ -49,6 +49,7 @@ from tasks.checkpoint.manifest import (
     write_manifest,
 )
 from tasks.checkpoint.scan import FileScan, scan_file, scan_files
+from tasks.checkpoint.signing import Trust
 from tasks.checkpoint.state import State, VerifyOptions, completeness
 from tasks.errors import CkptopsError, UsageError, unreadable
 from tasks.outcome import Check, Outcome, failed, passed
@@ -265,7 +266,7 @@ class _Verifier:
 
     def _load_reference(self) -> None:
         try:
-            manifest, signer = read_signed_manifest(self.directory)
+            manifest, signer = read_signed_manifest(self.directory, self.options.trust)
         except CorruptManifest as e:
             # Kept as evidence: a manifest we cannot read is never replaced by a new one, or a
             # corruption it would have caught could be accepted as the new reference.
@@ -301,8 +302,8 @@ class _Verifier:
         """A manifest hashed with XXH3 before its job signed manifests: a signature cannot vouch
         for its hashes, so the checkpoint is judged afresh (every check, the profile's digest)
         and its new manifest signed."""
-        trust = signing.trust_for(self.directory.parent)
-        if trust is None or not trust.signs or signing.signable(manifest) or not self.hashing.cryptographic:
+        trust = self.options.trust
+        if not trust.signs or signing.signable(manifest) or not self.hashing.cryptographic:
             return False
         self.checks.passed(
             VerifyCheck.MANIFEST,
@@ -564,7 +565,7 @@ class _Verifier:
     def _previous(self) -> Manifest | None:
         """The newest verified checkpoint of the job before this one: its manifest, valid for
         the save on disk (one that cannot be read, or describes an older save, is passed over)."""
-        found = next(verified_newest_first(self.directory.parent, below=self.iteration), None)
+        found = next(verified_newest_first(self.directory.parent, self.iteration, self.options.trust), None)
         return found[1] if found else None
 
     def _check_layout(self, args) -> None:
@@ -764,7 +765,7 @@ def verify_and_record(
         raise CkptopsError(f"{directory}: recording its manifest needs its save directory's job lock")
     result = verify_checkpoint(directory, options, progress, watch=watch, prescan=prescan)
     if result.manifest is not None and result.recordable:
-        result.signed_by = write_manifest(result.directory, result.manifest)
+        result.signed_by = write_manifest(result.directory, result.manifest, options.trust)
         if result.ok:
             result.rejudged = rejudge_lineage(result.directory, result.manifest, options)
     return result
@@ -787,7 +788,7 @@ def rejudge_lineage(directory: Path, verified: Manifest, options: VerifyOptions)
     for later in [i for i in layout.list_iterations(save_dir) if i > verified.iteration]:
         target = save_dir / layout.iter_dir_name(later)
         try:
-            manifest = valid_for_this_save(target, later)
+            manifest = valid_for_this_save(target, later, options.trust)
         except (CkptopsError, FileNotFoundError):
             continue  # not to be trusted, or deleted meanwhile: not a valid one to judge
         if manifest is None:
@@ -802,7 +803,7 @@ def rejudge_lineage(directory: Path, verified: Manifest, options: VerifyOptions)
         if result.ok:
             previous = manifest
             continue
-        write_manifest(target, result.manifest)
+        write_manifest(target, result.manifest, options.trust)
         invalid.append(result)
         voided.add(later)
     return invalid
@@ -843,19 +844,22 @@ def _rejudged(
     return Verification(directory, manifest.iteration, rewritten.status, rewritten.reason, checks, rewritten)
 
 
-def record_certification(directory: Path, files: list[FileEntry], record: dict, held: Held) -> bool:
+def record_certification(
+    directory: Path, files: list[FileEntry], record: dict, held: Held, trust: Trust
+) -> bool:
     """Record what a continuation drill of this checkpoint found, in its manifest, if the manifest
     is valid for the save on disk and lists the very files the drill restored (``files``, the
-    drilled manifest's): False, and nothing written, otherwise."""
+    drilled manifest's): False, and nothing written, otherwise. ``trust``: the job's signing
+    policy, which the manifest is read and written under."""
     if not held.covers(directory):
         raise CkptopsError(f"{directory}: recording its manifest needs its save directory's job lock")
     iteration = layout.parse_iter_dir(Path(directory).name)
-    manifest = valid_for_this_save(directory, iteration) if iteration is not None else None
+    manifest = valid_for_this_save(directory, iteration, trust) if iteration is not None else None
     if manifest is None or manifest.file_map() != {f.path: f for f in files}:
         return False
     manifest.certification = record
     try:
-        write_manifest(directory, manifest)
+        write_manifest(directory, manifest, trust)
     except signing.CannotSign:
         return False  # the drill's result stands in its history; the manifest stays as signed
     return True

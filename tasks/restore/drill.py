@@ -31,6 +31,7 @@ from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.manifest import Manifest, now_iso, valid_for_this_save, verified_newest_first
 from tasks.checkpoint.pins import pinned
 from tasks.checkpoint.pointer import promoted
+from tasks.checkpoint.signing import Trust
 from tasks.checkpoint.state import State, VerifyOptions
 from tasks.checkpoint.verify import record_certification, verify_checkpoint
 from tasks.errors import CkptopsError, UsageError
@@ -133,6 +134,7 @@ class _Drill:
         self.up_to = checkable_up_to(self.continuation[1], self.continue_steps) if self.continuation else None
         self.passed_over: int | None = None  # the newest, passed over for one that can be compared
         self.save_dir = profile.job.save_dir
+        self.trust = Trust.of(profile)  # the job's manifests, here and in the archive, read as it says
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         self.report = DrillReport(
             profile.job.name,
@@ -186,14 +188,15 @@ class _Drill:
 
     def _copy_shared(self, target: Path) -> Manifest:
         iteration = self._comparable(
-            promoted(self.save_dir).iteration, [i for i, _ in verified_newest_first(self.save_dir)]
+            promoted(self.save_dir, self.trust).iteration,
+            [i for i, _ in verified_newest_first(self.save_dir, trust=self.trust)],
         )
         source = self.save_dir / layout.iter_dir_name(iteration)
         destination = target / layout.iter_dir_name(iteration)
         self.report.iteration, self.report.location = iteration, str(source)
         # The lease keeps retention from deleting the checkpoint while it is being copied.
         with pinned(self.save_dir, iteration, f"drill-{os.getpid()}", "restore drill reading"):
-            manifest = valid_for_this_save(source, iteration)  # again, under the lease
+            manifest = valid_for_this_save(source, iteration, self.trust)  # again, under the lease
             if manifest is None:
                 raise CkptopsError(
                     f"{source.name}: promoted, but its manifest no longer says valid for this save"
@@ -221,7 +224,7 @@ class _Drill:
             raise CkptopsError(f"{store.where(job)}: no committed archive entry to restore")
         iteration = self._comparable(iteration, committed_iterations(store, job))
         self.report.iteration, self.report.location = iteration, store.where(entry_key(job, iteration))
-        manifest = archived_manifest(store, job, iteration)
+        manifest = archived_manifest(store, job, iteration, self.trust)
         destination = target / layout.iter_dir_name(iteration)
         destination.mkdir()
 
@@ -359,7 +362,9 @@ class _Drill:
             "detail": detail if ok else f"loads, does not resume: {detail}",
         }
         with job_lock(self.save_dir, self.profile.verify.lock_timeout_seconds) as held:
-            self.report.certified = record_certification(original, manifest.files, record, held) and ok
+            self.report.certified = (
+                record_certification(original, manifest.files, record, held, self.trust) and ok
+            )
 
     @staticmethod
     def _checks(manifest: Manifest, loaded: LoadReport) -> list[Check]:

@@ -159,7 +159,7 @@ def main() -> int:
             def promote_step(save_dir=save_dir, iteration=int(directory.name[5:])):
                 with job_lock(save_dir, 10):
                     target, _ = choose_target(save_dir, VerifyOptions(job="bench"), iteration)
-                    point_to(save_dir, target)
+                    point_to(save_dir, target, options.trust)
 
             promotion[name] = median_seconds(promote_step, repeats=20)
             rows.append(
