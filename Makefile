@@ -43,10 +43,13 @@ chromium:
 		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null; } \
 		|| { echo "make: the UI test needs Chromium (Debian: apt-get install chromium)"; exit 2; }
 
-# The linter first: it costs seconds, the suite minutes.
+# The linter first: it costs seconds, the suite minutes. Then the house rules ruff has no rule
+# for: no import cycle between the packages of tasks/, no function over 80 lines.
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python infra/lint/import_cycles.py
+	$(BIN)/python infra/lint/long_functions.py
 
 # Two xdist workers (CI has two cores): the tests that share the Slurm cluster or a module's
 # fixture run on one worker (tests/conftest.py, xdist_group); the others wherever one is free.

@@ -16,7 +16,7 @@ def long_functions(root: Path, limit: int = LIMIT) -> list[tuple[str, int, str, 
     found = []
     for top in ROOTS:
         base = root / top
-        files = [base] if base.is_file() else sorted(base.rglob("*.py"))
+        files = [base] if base.is_file() else sorted(base.rglob("*.py")) if base.is_dir() else []
         for path in files:
             tree = ast.parse(path.read_text(), filename=str(path))
             for node in ast.walk(tree):
