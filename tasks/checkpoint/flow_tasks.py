@@ -1,14 +1,17 @@
 """Thin Prefect wrappers around the checkpoint code, and the artifacts the UI shows.
 
-One task per checkpoint step, never one per file: a checkpoint has thousands of files, and
-Prefect's task-run bookkeeping (20-45 ms each, a SQLite database behind it) would cost more than
-the hashing. Files are parallelised inside ``verify_checkpoint`` with threads instead.
+The promotion cycle's steps as Prefect tasks (``PrefectSteps``, which verify-and-promote hands to
+tasks.checkpoint.promote.promote), the job's concurrency slot, and the run's artifacts. One task
+per checkpoint step, never one per file: a checkpoint has thousands of files, and Prefect's
+task-run bookkeeping (20-45 ms each, a SQLite database behind it) would cost more than the
+hashing. Files are parallelised inside ``verify_checkpoint`` with threads instead.
 """
 
 import contextvars
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import get_client, get_run_logger, task
@@ -18,21 +21,22 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.concurrency.sync import concurrency
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.content import worst_tensors
 from tasks.checkpoint.lock import Held
 from tasks.checkpoint.manifest import RESUME_WORDS
-from tasks.checkpoint.prescan import wait_and_verify
-from tasks.checkpoint.promote import PromotionReport, apply_promotion
-from tasks.checkpoint.retention import RetentionPlan, apply_retention
-from tasks.checkpoint.state import Completeness, State, VerifyOptions, wait_until_complete
-from tasks.checkpoint.verify import Verification, verify_and_record
-from tasks.profile import Profile
+from tasks.checkpoint.promote import Here, PromotionReport, Waiting
+from tasks.checkpoint.retention import RetentionPlan
+from tasks.checkpoint.state import Completeness, State, VerifyOptions
+from tasks.checkpoint.verify import Verification
 from tasks.storage.local import list_files
 
 _PROGRESS_EVERY_SECONDS = 1.0
 _SHARD_TABLE_EVERY_SECONDS = 5.0
+# Prefect's slot acquisition needs a moment even when the slot is free.
+_MIN_SLOT_WAIT_SECONDS = 30
 
 
 def job_limit_name(job: str) -> str:
@@ -48,13 +52,18 @@ def ensure_job_limit(job: str) -> str:
     return name
 
 
+@contextmanager
+def job_slot(job: str, lock_timeout_seconds: float):
+    """Hold the job's concurrency slot: it serialises runs on one job across workers and shows who
+    waits in the UI (the job lock also keeps out the CLI and runs from other Prefect servers)."""
+    slot_timeout = max(lock_timeout_seconds, _MIN_SLOT_WAIT_SECONDS)
+    with concurrency(ensure_job_limit(job), occupy=1, strict=True, timeout_seconds=slot_timeout):
+        yield
+
+
 @task(name="wait-for-save", task_run_name="wait-{iteration}")
-def wait_for_save(
-    save_dir: Path, iteration: int, options: VerifyOptions, timeout_seconds: float, poll_seconds: float
-) -> Completeness:
-    return wait_until_complete(
-        save_dir / layout.iter_dir_name(iteration), options, timeout_seconds, poll_seconds
-    )
+def wait_for_save(save_dir: Path, iteration: int, options: VerifyOptions, waiting: Waiting) -> Completeness:
+    return Here().wait(save_dir, iteration, options, waiting)
 
 
 class _ByteCounter:
@@ -90,16 +99,11 @@ class _ByteCounter:
 
 @task(name="verify-checkpoint", task_run_name="verify-{iteration}")
 def verify_one(
-    save_dir: Path,
-    iteration: int,
-    options: VerifyOptions,
-    held: Held,
-    wait_seconds: float = 0,
-    poll_seconds: float = 1,
+    save_dir: Path, iteration: int, options: VerifyOptions, held: Held, waiting: Waiting | None
 ) -> Verification:
     """Verify one checkpoint and record the verdict (``held``: the job lock) while a progress
-    artifact follows it in the UI; with ``wait_seconds`` (``overlap_save``), wait for its save
-    first, reading its data files as they settle.
+    artifact follows it in the UI; with ``waiting`` (``overlap_save``), wait for its save first,
+    reading its data files as they settle.
 
     The verification runs in a helper thread; this (the task's) thread owns the Prefect context
     and updates the artifact once a second, so the hashing threads never wait on the API.
@@ -114,28 +118,10 @@ def verify_one(
     logger = get_run_logger()
     published = 0.0
     with ThreadPoolExecutor(max_workers=1) as pool:
-        if wait_seconds:
-            future = pool.submit(
-                contextvars.copy_context().run,
-                wait_and_verify,
-                directory,
-                options,
-                held,
-                wait_seconds,
-                poll_seconds,
-                counter,
-                counter.watch,
-            )
-        else:
-            future = pool.submit(
-                contextvars.copy_context().run,
-                verify_and_record,
-                directory,
-                options,
-                held,
-                counter,
-                watch=counter.watch,
-            )
+        here = Here(counter, counter.watch)
+        future = pool.submit(
+            contextvars.copy_context().run, here.verify, save_dir, iteration, options, held, waiting
+        )
         while True:
             finished = wait([future], timeout=_PROGRESS_EVERY_SECONDS).done
             update_progress_artifact(artifact, progress=min(100.0, 100.0 * counter.done / total))
@@ -165,12 +151,34 @@ def _publish_shards(job: str, checkpoint: str, rows: list[dict]) -> None:
 
 @task(name="promote")
 def promote_step(save_dir: Path, options: VerifyOptions, requested: int | None) -> PromotionReport:
-    return apply_promotion(save_dir, options, requested)
+    return Here().promote(save_dir, options, requested)
 
 
 @task(name="retention")
 def retention(save_dir: Path, options: VerifyOptions, keep_verified: int) -> tuple[RetentionPlan, list[int]]:
-    return apply_retention(save_dir, options, keep_verified)
+    return Here().retain(save_dir, options, keep_verified)
+
+
+class PrefectSteps:
+    """The promotion cycle's steps (tasks.checkpoint.promote.Steps) as Prefect tasks: each wait,
+    verification, promotion and retention a task run the UI shows, each verification with its
+    progress artifact and, on the Slurm engine, its shard table."""
+
+    def wait(self, save_dir: Path, iteration: int, options: VerifyOptions, waiting: Waiting) -> Completeness:
+        return wait_for_save(save_dir, iteration, options, waiting)
+
+    def verify(
+        self, save_dir: Path, iteration: int, options: VerifyOptions, held: Held, waiting: Waiting | None
+    ) -> Verification:
+        return verify_one(save_dir, iteration, options, held, waiting)
+
+    def promote(self, save_dir: Path, options: VerifyOptions, requested: int | None) -> PromotionReport:
+        return promote_step(save_dir, options, requested)
+
+    def retain(
+        self, save_dir: Path, options: VerifyOptions, keep_verified: int
+    ) -> tuple[RetentionPlan, list[int]]:
+        return retention(save_dir, options, keep_verified)
 
 
 def check_rows(verifications: list[Verification]) -> list[dict]:
@@ -187,14 +195,12 @@ def check_rows(verifications: list[Verification]) -> list[dict]:
     ]
 
 
-def summary_markdown(
-    profile: Profile, report: PromotionReport, plan: RetentionPlan | None, deleted: list[int]
-) -> str:
-    verifications = report.verifications
+def summary_markdown(job: str, save_dir: Path, report: PromotionReport) -> str:
+    verifications, plan, deleted = report.verifications, report.retention, report.deleted
     lines = [
-        f"# verify-and-promote: {profile.job.name}",
+        f"# verify-and-promote: {job}",
         "",
-        f"- save directory: `{profile.job.save_dir}`",
+        f"- save directory: `{save_dir}`",
         f"- latest verified: **{report.current}** (was {report.previous}; {report.message})",
         *(f"- **not promoted**: `{line}`" for line in report.refused),
         "",
@@ -245,6 +251,14 @@ def tensor_rows(verifications: list[Verification]) -> list[dict]:
         if v.manifest is not None and v.manifest.tensors
         for row in worst_tensors(v.manifest.tensors)
     ]
+
+
+def publish(job: str, save_dir: Path, report: PromotionReport) -> None:
+    """The run's artifacts: the checks per checkpoint, its worst tensors, the summary."""
+    verifications = report.verifications
+    publish_report(
+        job, check_rows(verifications), summary_markdown(job, save_dir, report), tensor_rows(verifications)
+    )
 
 
 @task(name="publish-report")

@@ -1,5 +1,12 @@
 """Promotion: verify the new complete checkpoints, then point at the newest that passed.
 
+The promotion cycle is ``promote``: under the job lock, verify what needs it and record each
+verdict, move the pointer, and apply retention where asked; nothing is deleted when the promotion
+was refused. Its callers hand in how the steps run (``Steps``: ``Here``, in this process, for the
+CLI; the flow's Prefect tasks, tasks.checkpoint.flow_tasks.PrefectSteps) and how long to wait for a
+save still being written (``Waiting``). Every verdict ckptops records is recorded under the job lock
+``recording`` takes.
+
 Rules the pointer obeys:
 - it names only a checkpoint whose manifest says valid for the save now on disk, re-read under
   the lock just before the write; if none is left, the pointer is removed rather than left
@@ -17,20 +24,19 @@ Rules the pointer obeys:
   trusted, so re-verification that found a checkpoint invalid cannot be undone by putting its
   old manifest and signature back; and a checkpoint verified before the one preceding it had
   its lineage judged again once that one was (``verify.rejudge_lineage``).
-
-The CLI and the flow run the same two steps under the job lock: ``verify_pending`` then
-``apply_promotion``; the flow passes Prefect tasks as the verify and wait steps.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.access import unsafe_for_promotion
 from tasks.checkpoint.catalog import CheckpointInfo, catalog, describe, resumable
-from tasks.checkpoint.lock import job_lock
+from tasks.checkpoint.lock import Held, job_lock
 from tasks.checkpoint.manifest import CorruptManifest, valid_for_this_save
 from tasks.checkpoint.pointer import (
     Hold,
@@ -43,7 +49,10 @@ from tasks.checkpoint.pointer import (
     write_hold,
     write_pointer,
 )
-from tasks.checkpoint.state import Completeness, State, VerifyOptions
+from tasks.checkpoint.prescan import wait_and_verify
+from tasks.checkpoint.retention import RetentionPlan, apply_retention
+from tasks.checkpoint.signing import Trust
+from tasks.checkpoint.state import Completeness, State, VerifyOptions, wait_until_complete
 from tasks.checkpoint.verify import Verification, verify_and_record
 from tasks.errors import CkptopsError, UsageError
 
@@ -55,6 +64,8 @@ class PromotionReport:
     message: str
     verifications: list[Verification] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # paths others can write: nothing was changed
+    retention: RetentionPlan | None = None  # None: retention was not applied
+    deleted: list[int] = field(default_factory=list)  # by retention
 
     @property
     def changed(self) -> bool:
@@ -83,7 +94,7 @@ class PromotionReport:
         lines = [v.line() for v in self.invalid] + [f"not promoted: {line}" for line in self.refused]
         return lines + ([f"pointer removed: {self.message}"] if self.cleared else [])
 
-    def summary(self, deleted: list[int] = ()) -> str:
+    def summary(self) -> str:
         """One line for a run that is ok: what was verified, where the pointer is, what went."""
         done = [str(v.iteration) for v in self.verifications if v.state is State.VALID]
         waiting = [str(v.iteration) for v in self.in_progress]
@@ -91,7 +102,7 @@ class PromotionReport:
             [
                 f"verified {', '.join(done)}; " if done else "",
                 f"latest verified: {'none' if self.current is None else self.current} ({self.message})",
-                f"; retention deleted {', '.join(map(str, deleted))}" if deleted else "",
+                f"; retention deleted {', '.join(map(str, self.deleted))}" if self.deleted else "",
                 f"; still in progress: {', '.join(waiting)}" if waiting else "",
                 f"; refused: {'; '.join(self.refused)}" if self.refused else "",
             ]
@@ -113,37 +124,122 @@ def pending(save_dir: Path, options: VerifyOptions) -> list[int]:
     return [info.iteration for info in catalog(save_dir, options) if _needs_verifying(info, pointer)]
 
 
+def _todo(save_dir: Path, options: VerifyOptions, requested: int | None) -> list[int]:
+    """What to verify: what ``pending`` names, or only ``requested`` if it needs it."""
+    if requested is None:
+        return pending(save_dir, options)
+    directory = save_dir / layout.iter_dir_name(requested)
+    return [requested] if directory.is_dir() and _needs_verifying(describe(directory, options), None) else []
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """How long to wait for a checkpoint still being saved before it is verified, and how often to
+    look; without it, a checkpoint still being saved is skipped (the next run picks it up)."""
+
+    timeout_seconds: float
+    poll_seconds: float
+
+
+class Steps(Protocol):
+    """How the promotion cycle's steps run: ``Here``, in this process, or as the flow's Prefect
+    tasks (tasks.checkpoint.flow_tasks.PrefectSteps). ``verify`` records the verdict under
+    ``held``, the job lock; with ``waiting`` it waits for the save first."""
+
+    def wait(
+        self, save_dir: Path, iteration: int, options: VerifyOptions, waiting: Waiting
+    ) -> Completeness: ...
+
+    def verify(
+        self, save_dir: Path, iteration: int, options: VerifyOptions, held: Held, waiting: Waiting | None
+    ) -> Verification: ...
+
+    def promote(self, save_dir: Path, options: VerifyOptions, requested: int | None) -> PromotionReport: ...
+
+    def retain(
+        self, save_dir: Path, options: VerifyOptions, keep_verified: int
+    ) -> tuple[RetentionPlan, list[int]]: ...
+
+
+@dataclass(frozen=True)
+class Here:
+    """The cycle's steps in this process: ``progress`` is told the bytes each verification reads,
+    ``watch`` the Slurm engine's shard table and news."""
+
+    progress: Callable[[int], None] | None = None
+    watch: Callable | None = None
+
+    def wait(self, save_dir: Path, iteration: int, options: VerifyOptions, waiting: Waiting) -> Completeness:
+        directory = save_dir / layout.iter_dir_name(iteration)
+        return wait_until_complete(directory, options, waiting.timeout_seconds, waiting.poll_seconds)
+
+    def verify(
+        self, save_dir: Path, iteration: int, options: VerifyOptions, held: Held, waiting: Waiting | None
+    ) -> Verification:
+        """Verify and record the verdict; with ``waiting``, wait for the save first, reading its data
+        files as they settle (``verify.overlap_save``)."""
+        directory = save_dir / layout.iter_dir_name(iteration)
+        if waiting is None or not waiting.timeout_seconds:
+            return verify_and_record(directory, options, held, self.progress, watch=self.watch)
+        return wait_and_verify(
+            directory, options, held, waiting.timeout_seconds, waiting.poll_seconds, self.progress, self.watch
+        )
+
+    def promote(self, save_dir: Path, options: VerifyOptions, requested: int | None) -> PromotionReport:
+        return apply_promotion(save_dir, options, requested)
+
+    def retain(
+        self, save_dir: Path, options: VerifyOptions, keep_verified: int
+    ) -> tuple[RetentionPlan, list[int]]:
+        return apply_retention(save_dir, options, keep_verified)
+
+
+@dataclass(frozen=True)
+class Recorder:
+    """A save directory under its job lock (what ``recording`` yields): its checkpoints verified,
+    and the verdicts recorded, by ``steps``."""
+
+    save_dir: Path
+    held: Held
+    steps: Steps
+
+    def verify(self, iteration: int, options: VerifyOptions, waiting: Waiting | None = None) -> Verification:
+        return self.steps.verify(self.save_dir, iteration, options, self.held, waiting)
+
+
+@contextmanager
+def recording(save_dir: Path, lock_timeout_seconds: float, steps: Steps | None = None) -> Iterator[Recorder]:
+    """Hold the job lock of ``save_dir`` (LockTimeout naming the holder after the timeout) and
+    yield the ``Recorder`` that verifies its checkpoints and records the verdicts: the one way a
+    verdict is recorded (a promotion re-reads manifests under the lock, and retention may be
+    removing the very checkpoint)."""
+    save_dir = Path(save_dir)
+    with job_lock(save_dir, lock_timeout_seconds) as held:
+        yield Recorder(save_dir, held, steps or Here())
+
+
 def verify_pending(
-    save_dir: Path,
+    recorder: Recorder,
     options: VerifyOptions,
     requested: int | None,
-    verify: Callable[[int], Verification],
-    wait: Callable[[int], Completeness] | None = None,
+    waiting: Waiting | None = None,
     on_verified: Callable[[Verification], None] | None = None,
 ) -> list[Verification]:
-    """Verify what needs it (only ``requested``, if given), oldest first, with ``verify`` (which
-    records the verdict: ``verify_and_record`` under the job lock). ``wait`` may hold a
-    checkpoint still being saved until it finishes; one still in progress is skipped."""
-    save_dir = Path(save_dir)
-    if requested is None:
-        todo = pending(save_dir, options)
-    else:
-        directory = save_dir / layout.iter_dir_name(requested)
-        todo = (
-            [requested] if directory.is_dir() and _needs_verifying(describe(directory, options), None) else []
-        )
+    """Verify what needs it (only ``requested``, if given), oldest first, recording each verdict.
+    With ``waiting``, a checkpoint still being saved is waited for: inside the verify step with
+    ``verify.overlap_save`` (it reads the data files as they settle), else before it; one still
+    in progress after the wait is skipped. ``on_verified`` is told each verdict as it comes."""
+    save_dir, steps = recorder.save_dir, recorder.steps
+    overlap = waiting is not None and options.overlap_save
     results = []
-    for iteration in todo:
-        if wait is not None:
-            done = wait(iteration)
+    for iteration in _todo(save_dir, options, requested):
+        if waiting is not None and not overlap:
+            done = steps.wait(save_dir, iteration, options, waiting)
             if done.state is State.IN_PROGRESS:
-                results.append(
-                    Verification(
-                        save_dir / layout.iter_dir_name(iteration), iteration, State.IN_PROGRESS, done.reason
-                    )
-                )
+                directory = save_dir / layout.iter_dir_name(iteration)
+                results.append(Verification(directory, iteration, State.IN_PROGRESS, done.reason))
                 continue
-        result = verify(iteration)
+        result = recorder.verify(iteration, options, waiting if overlap else None)
         # A later checkpoint judged again against this one (``verify.rejudge_lineage``) is
         # reported as verified: found invalid, the run fails naming it.
         for found in (result, *result.rejudged):
@@ -200,10 +296,11 @@ def choose_target(
     )
 
 
-def point_to(save_dir: Path, iteration: int) -> None:
-    """Write the pointer after re-reading the manifest: the last line of defence."""
+def point_to(save_dir: Path, iteration: int, trust: Trust) -> None:
+    """Write the pointer after re-reading the manifest (as ``trust`` asks): the last line of
+    defence."""
     directory = Path(save_dir) / layout.iter_dir_name(iteration)
-    if valid_for_this_save(directory, iteration) is None:
+    if valid_for_this_save(directory, iteration, trust) is None:
         raise CkptopsError(
             f"{directory.name}: refusing to promote, its manifest does not say valid for this save"
         )
@@ -233,7 +330,7 @@ def apply_promotion(save_dir: Path, options: VerifyOptions, requested: int | Non
             clear_pointer(save_dir)
             changed = True
     elif target != previous:
-        point_to(save_dir, target)
+        point_to(save_dir, target, options.trust)
         changed = True
     if requested is not None:
         rolled_back = any(
@@ -279,32 +376,60 @@ def promote(
     options: VerifyOptions,
     lock_timeout_seconds: float,
     requested: int | None = None,
-    progress: Callable[[int], None] | None = None,
+    *,
+    steps: Steps | None = None,
+    waiting: Waiting | None = None,
+    keep_verified: int | None = None,
     on_verified: Callable[[Verification], None] | None = None,
 ) -> PromotionReport:
-    """Verify pending checkpoints (or the requested one) oldest first, then promote."""
-    save_dir = Path(save_dir)
-    with job_lock(save_dir, lock_timeout_seconds) as held:
-
-        def verify(iteration: int) -> Verification:
-            return verify_and_record(save_dir / layout.iter_dir_name(iteration), options, held, progress)
-
-        verifications = verify_pending(save_dir, options, requested, verify=verify, on_verified=on_verified)
-        report = apply_promotion(save_dir, options, requested)
-        report.verifications = verifications
-        return report
+    """The promotion cycle, under the job lock: verify the pending checkpoints (or the requested
+    one) oldest first and record each verdict, move the pointer (to ``requested``, if given), and
+    with ``keep_verified`` apply retention unless the promotion was refused. ``steps``: how each
+    step runs (``Here`` if not given); ``waiting``: whether and how long to wait for a save still
+    being written; ``on_verified``: told each verdict as it comes. The report says it all."""
+    with recording(save_dir, lock_timeout_seconds, steps) as recorder:
+        verifications = verify_pending(recorder, options, requested, waiting, on_verified)
+        return _promote_and_retain(recorder, options, requested, verifications, keep_verified)
 
 
-def _identity_only(directory: Path, iteration: int) -> Verification:
+def _promote_and_retain(
+    recorder: Recorder,
+    options: VerifyOptions,
+    requested: int | None,
+    verifications: list[Verification],
+    keep_verified: int | None,
+) -> PromotionReport:
+    """Move the pointer and, with ``keep_verified``, apply retention (a refused promotion, where
+    others can write what it trusts, deletes nothing); the report, with the ``verifications``."""
+    save_dir, steps = recorder.save_dir, recorder.steps
+    report = steps.promote(save_dir, options, requested)
+    report.verifications = verifications
+    if keep_verified is not None and not report.refused:
+        report.retention, report.deleted = steps.retain(save_dir, options, keep_verified)
+    return report
+
+
+def _identity_only(directory: Path, iteration: int, trust: Trust) -> Verification:
     """The save's identity compared with its manifest (which must be trusted: signed, where the
     profile asks), without reading the data."""
     try:
-        if valid_for_this_save(directory, iteration) is not None:
+        if valid_for_this_save(directory, iteration, trust) is not None:
             return Verification(directory, iteration, State.VALID, "the manifest matches the save on disk")
         why = f"{layout.MANIFEST}: does not say valid for the save on disk"
     except CorruptManifest as e:
         why = str(e)
     return Verification(directory, iteration, State.INVALID, why)
+
+
+@dataclass(frozen=True)
+class IdentityOnly(Here):
+    """``Here``, except that a verification compares only the save's identity (the sizes and times
+    of its files) with its manifest, without reading the data, and records nothing."""
+
+    def verify(
+        self, save_dir: Path, iteration: int, options: VerifyOptions, held: Held, waiting: Waiting | None
+    ) -> Verification:
+        return _identity_only(save_dir / layout.iter_dir_name(iteration), iteration, options.trust)
 
 
 def reverify(
@@ -319,10 +444,6 @@ def reverify(
     fails is recorded invalid in its manifest and the pointer moves off it. ``full`` reads every
     byte against the manifest with the profile's engine; otherwise only the save's identity (the
     sizes and times of its files) is compared with the manifest."""
-    save_dir = Path(save_dir)
-    directory = save_dir / layout.iter_dir_name(iteration)
-    with job_lock(save_dir, lock_timeout_seconds) as held:
-        result = verify_and_record(directory, options, held) if full else _identity_only(directory, iteration)
-        report = apply_promotion(save_dir, options)
-        report.verifications = [result]
-        return result, report
+    with recording(save_dir, lock_timeout_seconds, Here() if full else IdentityOnly()) as recorder:
+        result = recorder.verify(iteration, options)
+        return result, _promote_and_retain(recorder, options, None, [result], None)
