@@ -73,7 +73,7 @@ def test_a_torn_last_line_is_forgiven_a_bad_line_is_not(tmp_path):
 
 def test_the_last_attempt_starts_where_the_attempt_id_changes(tmp_path):
     """An attempt that died exactly at a checkpoint leaves no drop in the iteration numbers."""
-    from tasks.resume.checks import last_attempt
+    from tasks.relaunch.continuity import last_attempt
 
     path = tmp_path / "steps.jsonl"
     record_steps(path, count=12)
@@ -93,7 +93,7 @@ def test_a_wsd_schedule_is_replayed_from_the_checkpoint_args(tmp_path):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from tasks.checkpoint.facts import CheckpointFacts, wsd_decay_steps
-    from tasks.resume.checks import schedule
+    from tasks.relaunch.continuity import schedule
 
     args = SimpleNamespace(
         train_iters=100, global_batch_size=8, lr_wsd_decay_iters=20, lr_wsd_decay_style="linear"

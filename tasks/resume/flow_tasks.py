@@ -6,7 +6,8 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
 
-from tasks.resume.validate import Validation, validate
+from tasks.relaunch.continuity import Validation
+from tasks.resume.validate import validate
 
 VALIDATED, REJECTED = "training.resume.validated", "training.resume.rejected"
 

@@ -1,7 +1,8 @@
 """Post-resume validation: does a resumed run continue exactly where it stopped?
 
-The checks are tasks.resume.checks, the steady state before the failure tasks.resume.baseline;
-this is their composition for the CLI, the flow and the recovery run.
+The checks are tasks.relaunch.continuity's (any run started from a checkpoint) and
+tasks.resume.checks' (the job's own resume), the steady state before the failure
+tasks.resume.baseline; this is their composition for the CLI, the flow and the recovery run.
 """
 
 from pathlib import Path
@@ -14,8 +15,9 @@ from tasks.checkpoint.state import VerifyOptions
 from tasks.errors import UsageError
 from tasks.job.step_records import Steps
 from tasks.outcome import Check, Outcome
+from tasks.relaunch.continuity import ResumeCheck, Validation
 from tasks.resume.baseline import make_baseline, store_baseline, stored_baseline
-from tasks.resume.checks import ResumeCheck, Validation, Validator
+from tasks.resume.checks import Validator
 
 
 def validate_resume(
