@@ -84,7 +84,7 @@ def _script(name: str, script: Path, needs: tuple[str, ...]) -> Check:
 
 
 def _recovery(profile) -> list[Check]:
-    from tasks.recovery.job import REQUIRED_FLAG
+    from tasks.relaunch.precheck import REQUIRED_FLAG
 
     settings = profile.recovery
     found = [_script("recovery.script", settings.script, (REQUIRED_FLAG,))]

@@ -20,10 +20,10 @@ from tasks.cluster import process
 from tasks.errors import CkptopsError, UsageError
 from tasks.job.step_records import load_steps
 from tasks.profile import load_profile
+from tasks.relaunch.continuity import Continuity
 from tasks.restore.continuation import TOLERANCES
 from tasks.restore.drill import run_drill
 from tasks.restore.history import read_drills, trend_rows
-from tasks.resume.checks import Validator
 from tests.conftest import CORRUPTED, free_port, iter_dir, verify_and_record_here, write_job_profile
 from tests.test_cli import ckptops_here
 from tests.test_slurm import ON_TWO_NODES
@@ -321,7 +321,7 @@ def test_the_bf16_envelope_holds_the_first_step_to_1e_6_and_later_steps_to_5e_3(
         update={"loss_rel_tolerance": later, "first_rel_tolerance": first}
     )
     facts = checkpoint_facts(iter_dir(trained, 16))
-    validation = Validator(facts, before, after, settings, None).continuation()
+    validation = Continuity(facts, before, after, settings).continuation()
     loss = by_name(validation)["loss and grad norm"]
     largest = max(changes.values()) - 1
     assert validation.largest_difference == pytest.approx(largest, rel=0.05)  # to the printed digits
@@ -399,8 +399,8 @@ def test_a_fifo_as_the_continuation_script_is_refused_in_one_line(tmp_path):
     """Before: reading it blocked the drill for good (no writer ever comes)."""
     from types import SimpleNamespace
 
+    from tasks.relaunch.script import script_args
     from tasks.restore.continuation import continuation_sources
-    from tasks.resume.compat import script_args
 
     fifo = tmp_path / "job.sh"
     os.mkfifo(fifo)

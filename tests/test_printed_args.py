@@ -1,13 +1,13 @@
-"""The job's arguments as Megatron-LM printed them (tasks/resume/printed_args.py): read from the
+"""The job's arguments as Megatron-LM printed them (tasks/relaunch/printed.py): read from the
 real logs of the local job (Megatron-LM's own loop), as they come and as other launchers mangle
 them, and compared with the args the checkpoint saved."""
 
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
-from tasks.resume.compat import Kind
-from tasks.resume.printed_args import fit_printed, read_printed_args, typed, watch_printed
+from tasks.relaunch.fit import Kind
+from tasks.relaunch.launch import watch_printed
+from tasks.relaunch.printed import fit_printed, read_printed_args, typed
 from tests.conftest import iter_dir
 
 OPENING = "------------------------ arguments ------------------------"
@@ -16,10 +16,6 @@ CLOSING = "-------------------- end of arguments ---------------------"
 
 def _log(trained: Path) -> Path:
     return trained.parent / f"{trained.name}-train.log"
-
-
-def _profile(save: Path):
-    return SimpleNamespace(job=SimpleNamespace(save_dir=save))
 
 
 def test_the_real_block_is_read_whole_with_every_argument_megatron_lm_holds(trained):
@@ -36,7 +32,7 @@ def test_the_real_block_is_read_whole_with_every_argument_megatron_lm_holds(trai
 
 
 def test_the_printed_arguments_of_the_run_fit_its_own_checkpoint(trained, tmp_path):
-    fits = fit_printed(read_printed_args(_log(trained)), iter_dir(trained, 24), _profile(tmp_path))
+    fits = fit_printed(read_printed_args(_log(trained)), iter_dir(trained, 24), {})
     assert fits.refused == [] and fits.needs_approval == [] and fits.of(Kind.WARN) == []
     assert fits.compared > 60, fits.summary()  # every argument of the rules is printed
 
@@ -74,11 +70,11 @@ def test_a_block_still_being_written_is_not_read_until_its_closing_line(trained,
 def test_the_watch_returns_the_block_or_none_when_the_process_ends_or_time_is_up(trained, tmp_path):
     log = tmp_path / "job.log"
     log.write_text("starting\n")
-    assert watch_printed(log, 60, alive=lambda: False) is None
-    assert watch_printed(log, 0, alive=lambda: True) is None
+    assert watch_printed([log], 60, starting=lambda: False) is None
+    assert watch_printed([log], 0, starting=lambda: True) is None
     log.write_text(_log(trained).read_text())
     asked = []
-    found = watch_printed(log, 60, alive=lambda: asked.append(1) or True)
+    found = watch_printed([log], 60, starting=lambda: asked.append(1) or True)
     assert found.get("num_layers") == "2" and asked == []  # read before asking
 
 
@@ -91,7 +87,7 @@ def test_printed_values_unlike_the_checkpoints_are_refused_or_approved_by_the_ru
         "tensor_model_parallel_size": "2",
         "data_path": "None",  # the job trains on mock data: None both sides
     }
-    fits = fit_printed(printed, iter_dir(trained, 24), _profile(tmp_path))
+    fits = fit_printed(printed, iter_dir(trained, 24), {})
     words = {d.name: (d.kind, d.words) for d in fits.differences}
     assert words["num_layers"][0] is Kind.REFUSE
     assert re.fullmatch(
@@ -125,11 +121,11 @@ def test_an_output_kept_across_runs_is_read_from_where_the_relaunch_began(traine
     offset = log.stat().st_size
     assert logged_iterations(log) > 0 and logged_iterations(log, offset) == 0
     # Nothing of the relaunch yet: no block, however long it is waited for.
-    assert watch_printed(log, 0.0, lambda: True, offset) is None
+    assert watch_printed([log], 0.0, lambda: True, offset) is None
     relaunch = re.sub(r"^(  num_layers \.+ )2$", r"\g<1>3", failed_run, flags=re.M)
     assert relaunch != failed_run
     with log.open("a") as f:
         f.write(relaunch.split(CLOSING)[0] + CLOSING + "\n")
-    printed = watch_printed(log, 0.0, lambda: True, offset)
+    printed = watch_printed([log], 0.0, lambda: True, offset)
     assert printed.typed("num_layers") == 3 and read_printed_args(log).typed("num_layers") == 2
     assert logged_iterations(log, offset) == 0

@@ -13,6 +13,7 @@ from tasks.profile import Recovery
 from tasks.recovery import job as jobs
 from tasks.recovery.ledger import Incident, incidents, ledger_path, lost_gpu_hours, record
 from tasks.recovery.rules import Failure, fired, soon_after_resume, stop_rules
+from tasks.relaunch.precheck import RelaunchRefused, check_script
 
 NOW = 1_800_000_000.0
 
@@ -177,17 +178,17 @@ def settings(tmp_path: Path, text: str, **extra) -> Recovery:
 
 def test_a_relaunch_that_could_start_from_random_weights_or_a_non_persistent_checkpoint_is_refused(tmp_path):
     missing = settings(tmp_path, "#!/bin/bash\nsrun python pretrain_gpt.py --load /ckpt --save /ckpt\n")
-    with pytest.raises(jobs.RelaunchRefused, match="lacks --exit-on-missing-checkpoint"):
-        jobs.check_script(missing.script)
+    with pytest.raises(RelaunchRefused, match="lacks --exit-on-missing-checkpoint"):
+        check_script(missing.script)
     local = settings(
         tmp_path,
         "#!/bin/bash\nsrun python pretrain_gpt.py --exit-on-missing-checkpoint "
         "--non-persistent-ckpt-type local\n",
     )
-    with pytest.raises(jobs.RelaunchRefused, match="--non-persistent-ckpt-type"):
-        jobs.check_script(local.script)
+    with pytest.raises(RelaunchRefused, match="--non-persistent-ckpt-type"):
+        check_script(local.script)
     with pytest.raises(Unreadable, match=str(tmp_path / "absent")):
-        jobs.check_script(tmp_path / "absent")
+        check_script(tmp_path / "absent")
 
 
 def test_the_sbatch_line_excludes_passes_the_step_both_ways_and_waits_for_the_singleton(tmp_path):
@@ -415,7 +416,7 @@ def test_a_fifo_as_the_jobs_script_is_refused_in_one_line_before_anything_reads_
     assert done.returncode == 1 and incident["relaunched_job"] is None, done.stderr[-2000:]
     assert incident["reason"] == f"{fifo}: a FIFO, not a regular file; give the file itself"
     with pytest.raises(UsageError, match=f"^{fifo}: a FIFO, not a regular file; give the file itself$"):
-        jobs.check_script(fifo)
+        check_script(fifo)
 
 
 def test_only_relaunches_count_and_a_retry_of_the_same_failure_is_no_recurrence():

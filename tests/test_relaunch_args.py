@@ -14,8 +14,10 @@ import pytest
 from infra.local_job.launch import write_job_script
 from tasks.checkpoint.facts import saved_args
 from tasks.checkpoint.state import VerifyOptions
-from tasks.restore.history import append_drill
-from tasks.resume.compat import Kind, checkpoint_fit, compare, job_versions, script_args
+from tasks.relaunch.fit import Kind, checkpoint_fit, compare
+from tasks.relaunch.script import script_args
+from tasks.relaunch.versions import job_versions
+from tasks.restore.history import append_drill, drilled_layouts
 from tests.conftest import iter_dir, verify_and_record_here
 
 DATA = Path(__file__).parent / "data" / "scripts"
@@ -117,7 +119,8 @@ def test_megatron_lm_taking_args_from_the_checkpoint_turns_only_what_it_forces_i
 
 
 def test_every_compared_argument_is_one_megatron_lms_parser_knows():
-    from tasks.resume.compat import KIND_OF, TAKEN_FROM_CHECKPOINT, megatron_parser
+    from tasks.relaunch.fit import KIND_OF, TAKEN_FROM_CHECKPOINT
+    from tasks.relaunch.script import megatron_parser
 
     known = {action.dest for action in megatron_parser()._actions}
     assert set(KIND_OF) - known == set()
@@ -283,7 +286,7 @@ def test_the_fit_reads_drills_from_the_jobs_history_and_the_versions_from_the_jo
         job=SimpleNamespace(save_dir=save), recovery=SimpleNamespace(job_python=[sys.executable])
     )
     script = _job_script(tmp_path, saved, ["--tensor-model-parallel-size", "2"])
-    fits = checkpoint_fit(profile, directory, script, {})
+    fits = checkpoint_fit(profile, directory, script, {}, drilled_layouts(save))
     assert [d.words.split(":")[0] for d in fits.needs_approval] == ["layout"]
     versions = {d.name: d for d in fits.differences if d.name in ("megatron_core", "torch", "cuda", "nccl")}
     assert versions["megatron_core"].kind is Kind.WARN

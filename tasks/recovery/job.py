@@ -1,11 +1,11 @@
 """The failed job and its relaunch: what Slurm says about a job, the job's own batch script
-checked and resubmitted (or, locally, run), Megatron-LM's printed arguments read from the
-relaunch's own output as soon as they are there, its progress watched through its step records.
+checked and resubmitted (or, locally, run) as ``tasks.relaunch.launch`` starts it, Megatron-LM's
+printed arguments read from the relaunch's own output as soon as they are there, its progress
+watched through its step records, and the job stopped, found again or waited for.
 
 Every Slurm call goes through ``tasks.cluster.slurm.run`` (an argv list with a timeout).
 """
 
-import os
 import re
 import socket
 import time
@@ -15,20 +15,14 @@ from pathlib import Path
 import numpy as np
 
 from tasks.cluster import process, slurm
-from tasks.errors import CkptopsError, Unreadable, UsageError, unreadable
+from tasks.errors import CkptopsError, Unreadable, UsageError
 from tasks.job.step_records import Steps, iteration_lines, load_steps
-from tasks.resume.printed_args import PrintedArgs, watch_printed
+from tasks.relaunch.launch import Launch, job_directory, watch_printed
+from tasks.relaunch.precheck import RelaunchRefused, check_script
+from tasks.relaunch.printed import PrintedArgs
 from tasks.storage.local import open_regular
 
 _POLL_SECONDS = 2.0
-# Megatron-LM switches a relaunch must (not) carry: without the first a missing checkpoint
-# silently starts from random weights; the second loads what was never persisted.
-REQUIRED_FLAG = "--exit-on-missing-checkpoint"
-FORBIDDEN_FLAG = "--non-persistent-ckpt-type"
-
-
-class RelaunchRefused(CkptopsError):
-    """The relaunch was not submitted: its script is unsafe, or the scheduler refused it."""
 
 
 @dataclass
@@ -93,31 +87,6 @@ def slurm_job(job_id: str) -> SlurmJob:
     )
 
 
-def check_script(script: Path) -> str:
-    """The job's batch script, refused when a relaunch with it could start from the wrong state
-    (or when it is not a regular file: a FIFO would block the reader, and bash, forever)."""
-    try:
-        with open_regular(script) as f:
-            text = f.read().decode(errors="replace")
-    except OSError as e:
-        raise unreadable(script, e) from None
-    if FORBIDDEN_FLAG in text:
-        raise RelaunchRefused(
-            f"{script}: uses {FORBIDDEN_FLAG}: a relaunch could load a checkpoint that was never persisted"
-        )
-    if REQUIRED_FLAG not in text:
-        raise RelaunchRefused(
-            f"{script}: lacks {REQUIRED_FLAG}: without a checkpoint a relaunch starts from random weights"
-        )
-    return text
-
-
-def step_passing(settings, step: int) -> tuple[dict[str, str], list[str]]:
-    env = {"CKPT_STEP": str(step)} if "env" in settings.pass_step else {}
-    args = ["--ckpt-step", str(step)] if "arg" in settings.pass_step else []
-    return env, args
-
-
 # Where a relaunch carries its incident's token: a local job's environment, a Slurm job's comment.
 TOKEN_ENV = "CKPTOPS_INCIDENT"
 JOB_ENV = "CKPTOPS_JOB"
@@ -127,23 +96,19 @@ COMMENT_PREFIX = "ckptops:"
 def sbatch_command(
     settings, job_name: str, step: int, exclude: list[str], log_dir: Path, token: str | None = None
 ) -> list[str]:
-    env, args = step_passing(settings, step)
-    argv = [
-        "sbatch",
-        "--parsable",
+    options = [
         f"--job-name={job_name}",
         # One instance of the job at a time: a relaunch never runs beside a straggling original.
         "--dependency=singleton",
-        f"--output={log_dir / '%x-%j.out'}",
-        "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in env.items())]),
     ]
     if token:
-        argv.append(f"--comment={COMMENT_PREFIX}{token}")
+        options.append(f"--comment={COMMENT_PREFIX}{token}")
     if exclude:
-        argv.append(f"--exclude={','.join(sorted(exclude))}")
+        options.append(f"--exclude={','.join(sorted(exclude))}")
     if settings.nodes:
-        argv.append(f"--nodes={settings.nodes}")
-    return [*argv, str(settings.script), *args]
+        options.append(f"--nodes={settings.nodes}")
+    launch = Launch(settings.script, step, settings.pass_step)
+    return ["sbatch", "--parsable", *launch.sbatch_arguments(options, log_dir / "%x-%j.out")]
 
 
 def submit(
@@ -165,11 +130,9 @@ def start_local(settings, job: str, step: int, log_dir: Path, token: str) -> tup
     that got the pid for it) and its output file (its own: named by ``token``, the incident).
     The job's name and ``token`` go in its environment."""
     check_script(settings.script)
-    env, args = step_passing(settings, step)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"relaunch-{time.strftime('%Y%m%d-%H%M%S')}-{token}.out"
-    env = {**os.environ, **env, TOKEN_ENV: token, JOB_ENV: job}
-    child = process.start(["bash", str(settings.script), *args], log, env)
+    child = Launch(settings.script, step, settings.pass_step, {TOKEN_ENV: token, JOB_ENV: job}).start(log)
     return f"local:{child.pid}", process.identity(child.pid), log
 
 
@@ -181,8 +144,6 @@ def relaunch_output(job: str, holder: dict | None, local_log: str | None) -> tup
     """The relaunched job's own output file (where Megatron-LM's rank 0 prints its arguments:
     a local relaunch's file, a Slurm job's StdOut) and its working directory, as far as they are
     known (None each where not: a job slurmctld forgot, a process that has ended)."""
-    import psutil
-
     pid = _local_pid(job)
     if pid is None:
         try:
@@ -190,12 +151,7 @@ def relaunch_output(job: str, holder: dict | None, local_log: str | None) -> tup
         except CkptopsError:
             return None, None
         return found.stdout, found.work_dir
-    cwd = None
-    if process.running(pid, holder):
-        try:
-            cwd = Path(psutil.Process(pid).cwd())
-        except psutil.Error:
-            cwd = None
+    cwd = job_directory(pid) if process.running(pid, holder) else None
     return (Path(local_log) if local_log else None), cwd
 
 
@@ -281,7 +237,7 @@ def wait_printed(
             starting = alive(job, holder) and ahead(sources, 1)[1].steps == 0
         return starting and not logged_iterations(log, start)
 
-    return watch_printed(log, timeout_seconds, still_starting, start)
+    return watch_printed([log], timeout_seconds, still_starting, start)
 
 
 # A local relaunch whose process is on another host: it may run, this host cannot tell.

@@ -149,7 +149,7 @@ class Incident:
     relaunch_token: str | None = None
     relaunch_process: Holder | None = None  # a local relaunch's process
     reverified: list[Reverified] = field(default_factory=list)  # each re-verification before relaunch
-    # The relaunch script's Megatron-LM flags against the checkpoint's args (tasks.resume.compat):
+    # The relaunch script's Megatron-LM flags against the checkpoint's args (tasks.relaunch.fit):
     # its summary, then each difference as "<kind>: <words>".
     relaunch_args: list[str] = field(default_factory=list)
     # The argument names whose differences a person approved (the pre-check's ``approve`` ones).

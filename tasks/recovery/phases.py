@@ -6,7 +6,6 @@ are tasks.recovery.run.
 """
 
 import hashlib
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,10 @@ from tasks.outcome import Verdict
 from tasks.recovery import job as jobs
 from tasks.recovery.ledger import Incident, lost_gpu_hours
 from tasks.recovery.triage import Triage
-from tasks.resume import compat
+from tasks.relaunch.fit import Compatibility, checkpoint_fit
+from tasks.relaunch.launch import Launch
+from tasks.relaunch.precheck import check_script
+from tasks.restore.history import drilled_layouts
 
 
 @dataclass
@@ -127,14 +129,16 @@ def certifications(profile, iterations: list[int]) -> dict[int, bool | None]:
     return {iteration: found.get(iteration) for iteration in iterations}
 
 
-def relaunch_compatibility(profile, iteration: int, versions: dict | None = None) -> compat.Compatibility:
+def relaunch_compatibility(profile, iteration: int, versions: dict | None = None) -> Compatibility:
     """The relaunch script's Megatron-LM flags against what checkpoint ``iteration`` saved, in
-    the environment the relaunch inherits (tasks.resume.compat); ``versions``: the relaunch
-    environment's, when an earlier comparison has asked them."""
-    jobs.check_script(profile.recovery.script)  # before any node is touched, as at the submission
-    env, _ = jobs.step_passing(profile.recovery, iteration)
+    the environment the relaunch inherits (tasks.relaunch.fit), a resharding allowed onto the
+    layouts the job's drills loaded; ``versions``: the relaunch environment's, when an earlier
+    comparison has asked them."""
+    check_script(profile.recovery.script)  # before any node is touched, as at the submission
+    launch = Launch(profile.recovery.script, iteration, profile.recovery.pass_step)
     directory = Path(profile.job.save_dir) / layout.iter_dir_name(iteration)
-    return compat.checkpoint_fit(profile, directory, profile.recovery.script, {**os.environ, **env}, versions)
+    drilled = drilled_layouts(profile.job.save_dir)
+    return checkpoint_fit(profile, directory, launch.script, launch.environ(), drilled, versions)
 
 
 def unusable(profile) -> str:

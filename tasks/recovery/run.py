@@ -73,8 +73,9 @@ from tasks.recovery.phases import (
 from tasks.recovery.rules import Failure, Rule, fired, soon_after_resume, stop_rules
 from tasks.recovery.triage import Triage, triage
 from tasks.recovery.triage.model import FailureClass
-from tasks.resume.compat import Compatibility, Difference
-from tasks.resume.printed_args import PrintedArgs, fit_printed
+from tasks.relaunch.fit import Compatibility, Difference
+from tasks.relaunch.printed import PrintedArgs, fit_printed
+from tasks.restore.history import drilled_layouts
 from tasks.resume.validate import validate_resume
 
 
@@ -670,7 +671,7 @@ class _Recovery:
             self._save()
             return True
         checkpoint = self.save_dir / layout.iter_dir_name(incident.checkpoint)
-        fit = fit_printed(printed, checkpoint, self.profile, cwd)
+        fit = fit_printed(printed, checkpoint, drilled_layouts(self.save_dir), cwd)
         incident.printed_args = [fit.summary(), *fit.lines()]
         unapproved = [d for d in fit.needs_approval if not self._approved(d, printed)]
         if not fit.refused and not unapproved:

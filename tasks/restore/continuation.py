@@ -2,18 +2,18 @@
 log with the original run's for those iterations.
 
 The job starts from its own batch script (``drill.continuation.script``, default
-``recovery.script``) with ``CKPT_LOAD`` (the restored copy's save directory), ``CKPT_SAVE`` (a
-folder in the drill's scratch), ``CKPT_STEP=N``, ``CKPT_EXIT_INTERVAL=N+K`` and ``CKPT_LOG`` in
-its environment and ``--ckpt-step N`` after it: a Megatron-LM script passes ``--load
-"$CKPT_LOAD" --save "$CKPT_SAVE" --ckpt-step "$CKPT_STEP" --exit-interval
-"$CKPT_EXIT_INTERVAL"`` and writes its output to ``$CKPT_LOG``. The reference is the original
-run's own log (``drill.continuation.reference``, default ``recovery.step_records``): nothing is
-compared that it has not logged yet. The comparison is post-resume validation's
-(``Validator.continuation``): resume point, learning rate, loss and grad norm where both runs
-printed them over the same iterations, skipped and NaN steps.
+``recovery.script``) as a relaunch starts it (``tasks.relaunch.launch``), with ``CKPT_LOAD`` (the
+restored copy's save directory), ``CKPT_SAVE`` (a folder in the drill's scratch), ``CKPT_STEP=N``,
+``CKPT_EXIT_INTERVAL=N+K`` and ``CKPT_LOG`` in its environment and ``--ckpt-step N`` after it: a
+Megatron-LM script passes ``--load "$CKPT_LOAD" --save "$CKPT_SAVE" --ckpt-step "$CKPT_STEP"
+--exit-interval "$CKPT_EXIT_INTERVAL"`` and writes its output to ``$CKPT_LOG``. The reference is
+the original run's own log (``drill.continuation.reference``, default ``recovery.step_records``):
+nothing is compared that it has not logged yet. The comparison is the one any run started from
+a checkpoint gets (``tasks.relaunch.continuity``): resume point, learning rate, loss and grad norm
+where both runs printed them over the same iterations, skipped and NaN steps.
 
-What the script says is only a pre-check (``tasks.resume.compat``). The authority is the
-arguments block Megatron-LM prints at start (``tasks.resume.printed_args``), read from the run's
+What the script says is only a pre-check (``tasks.relaunch.fit``). The authority is the
+arguments block Megatron-LM prints at start (``tasks.relaunch.printed``), read from the run's
 own log as soon as it is there: a run that does not fit the checkpoint, loads anything but the
 copy or saves anywhere but ``CKPT_SAVE`` is stopped (its process group, or ``scancel``) before
 its first iteration, naming the argument. Whatever the script does, the job's save directory is
@@ -32,8 +32,6 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-
 from tasks.checkpoint import layout
 from tasks.checkpoint.facts import checkpoint_facts
 from tasks.checkpoint.manifest import Manifest
@@ -42,16 +40,18 @@ from tasks.errors import CkptopsError, UsageError
 from tasks.job import step_records
 from tasks.job.step_records import Steps, load_steps
 from tasks.outcome import Check, Outcome
+from tasks.relaunch.continuity import Continuity
+from tasks.relaunch.fit import Compatibility, Kind, checkpoint_fit
+from tasks.relaunch.launch import Launch, job_directory, watch_printed
+from tasks.relaunch.printed import PrintedArgs, fit_printed
+from tasks.restore.history import drilled_layouts
 from tasks.restore.launch import allocation_options, cancel, sbatch_wait
-from tasks.resume.checks import Validator
-from tasks.resume.compat import Compatibility, Kind, checkpoint_fit
-from tasks.resume.printed_args import PrintedArgs, fit_printed, read_printed_args
 from tasks.storage.local import open_regular
 
 # Relative tolerance of the loss and grad norm at the first iteration and after it, by the
 # profile's word (bf16 as NeMo Automodel's resume tests hold it).
 TOLERANCES = {"exact": (0.0, 0.0), "fp32": (1e-6, 1e-6), "bf16": (1e-6, 5e-3)}
-ARGUMENTS = "relaunch arguments"  # the job's script against the checkpoint (tasks.resume.compat)
+ARGUMENTS = "relaunch arguments"  # the job's script against the checkpoint (tasks.relaunch.fit)
 PRINTED = "printed arguments"  # what Megatron-LM printed it runs with, against the checkpoint
 PRODUCTION = "save directory"  # the job's own save directory, untouched by the continuation
 EVIDENCE = "continuation evidence"  # the run loaded this copy and trained now
@@ -59,8 +59,6 @@ EVIDENCE = "continuation evidence"  # the run loaded this copy and trained now
 _LOADED = re.compile(r"successfully loaded checkpoint from (.*) \[ t \d+/\d+.*\] at iteration (\d+)\s*$")
 # Arguments that name where Megatron-LM writes checkpoints: CKPT_SAVE's or none.
 _SAVES = ("save", "non_persistent_global_ckpt_dir")
-# How often the run's log is read for its arguments block while it starts.
-_POLL_SECONDS = 0.2
 
 
 @dataclass
@@ -239,32 +237,57 @@ def iter_dir_in(found: dict[str, tuple], iteration: int) -> bool:
 # ---------------------------------------------------------------- the run, watched
 
 
+def _launch(script: Path, restored: Path, save_to: Path, n: int, steps: int, log: Path) -> Launch:
+    """The job's script from iteration ``n`` of the restored copy (``restored``, its
+    ``iter_NNNNNNN``) for ``steps`` iterations: the step passed both ways; the copy to load, the
+    scratch folder to save into, where to exit and where to log in its environment."""
+    env = {
+        "CKPT_LOAD": os.path.realpath(restored.parent),
+        "CKPT_SAVE": os.path.realpath(save_to),
+        "CKPT_EXIT_INTERVAL": str(n + steps),
+        "CKPT_LOG": str(log),
+    }
+    return Launch(script, n, ("env", "arg"), env)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One continuation run: how it starts, the restored checkpoint it must load, its log
+    (``CKPT_LOG``, which the caller keeps), the launcher's own output, and the layouts the job's
+    drills loaded (its printed arguments are judged with them)."""
+
+    profile: object
+    launch: Launch
+    restored: Path
+    log: Path
+    launcher_log: Path
+    drilled: dict[tuple[int, int], str]
+
+    @property
+    def job_log(self) -> Path:
+        """The Slurm job's own output (what a script that does not redirect to CKPT_LOG writes)."""
+        return self.log.with_suffix(".job.log")
+
+    @property
+    def logs(self) -> list[Path]:
+        """Where its arguments block is read: CKPT_LOG, the Slurm job's output, the launcher's."""
+        return [self.log, self.job_log, self.launcher_log]
+
+    def judge(self, printed: PrintedArgs, pid: int | None) -> str | None:
+        """Why the run must not go on as ``printed`` says it runs (None when it may); ``pid``:
+        its process here, whose working directory its relative paths are read from."""
+        cwd = job_directory(pid) if pid is not None else None
+        return _misfit(printed, fit_printed(printed, self.restored, self.drilled, cwd), self.launch.env, cwd)
+
+
 @dataclass
 class _Watch:
     """The continuation's start as Megatron-LM printed it, and why it must not go on."""
 
     printed: PrintedArgs | None = None
     stopped: str | None = None
+    late: bool = False  # the block was read only once the run had ended
     done: threading.Event = field(default_factory=threading.Event)
-
-
-def _cwd(root: int | None) -> Path | None:
-    """The working directory of the Python processes the launched script runs (a ``cd`` in the
-    script moves it), when they all have the same one; None when that cannot be told."""
-    if root is None:
-        return None
-    try:
-        tree = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
-    except psutil.Error:
-        return None
-    found = set()
-    for each in tree:
-        try:
-            if "python" in " ".join(each.cmdline()[:2]):
-                found.add(Path(each.cwd()))
-        except psutil.Error:
-            continue
-    return found.pop() if len(found) == 1 else None
 
 
 def _where(text: str | None, cwd: Path | None) -> Path | None:
@@ -305,74 +328,61 @@ def _misfit(printed: PrintedArgs, fit: Compatibility, env: dict, cwd: Path | Non
     return None
 
 
-def _stop(profile, started, launcher_log: Path) -> None:
+def _stop(run: _Run, started) -> None:
     """End the run now with SIGKILL, every process it started, or its Slurm job's steps and
     batch script: SIGTERM would let Megatron-LM's ``--exit-signal-handler`` save on its way out,
     into whatever ``--save`` it printed."""
     if started is None:
-        cancel(launcher_log, hard=True)
+        cancel(run.launcher_log, hard=True)
         return
     process.terminate(started.pid, hard=True)
 
 
-def _judge(profile, printed: PrintedArgs, restored: Path, env: dict, pid: int | None) -> str | None:
-    cwd = _cwd(pid) if pid is not None else None
-    return _misfit(printed, fit_printed(printed, restored, profile, cwd), env, cwd)
-
-
-def _watch(
-    profile, watch: _Watch, logs: list[Path], restored: Path, env: dict, started, launcher_log
-) -> None:
-    """Read the arguments block from the run's log (``CKPT_LOG``, else the launcher's) as soon
-    as it is there, and stop a run that does not fit."""
-    pid = getattr(started, "pid", None)
+def _watch(run: _Run, watch: _Watch, started) -> None:
+    """Read the arguments block from the run's output (``CKPT_LOG``, else the Slurm job's or the
+    launcher's) as soon as it is there, and stop a run that does not fit. A block read only once
+    the run has ended is judged after it (``_run_watched``)."""
     try:
-        while watch.printed is None:
-            watch.printed = next(filter(None, map(read_printed_args, logs)), None)
-            if watch.printed is None and watch.done.wait(_POLL_SECONDS):
-                return
-        watch.stopped = _judge(profile, watch.printed, restored, env, pid)
+        watch.printed = watch_printed(run.logs, math.inf, lambda: not watch.done.is_set())
+        watch.late = watch.done.is_set()
+        if watch.printed is None or watch.late:
+            return
+        watch.stopped = run.judge(watch.printed, getattr(started, "pid", None))
     except Exception as e:  # a watch that cannot judge must not let the run go on unjudged
-        watch.stopped = f"{logs[0]}: its arguments block could not be judged: {type(e).__name__}: {e}"
+        watch.stopped = f"{run.log}: its arguments block could not be judged: {type(e).__name__}: {e}"
     if watch.stopped is not None:
-        _stop(profile, started, launcher_log)
+        _stop(run, started)
 
 
-def _run_watched(
-    profile, argv: list[str], launcher_log: Path, log: Path, restored: Path, env: dict
-) -> _Watch:
+def _run_watched(run: _Run) -> _Watch:
     """The job's script to its end, or until the watch stops it: with bash here, or submitted
     to the drill's partition and account on Slurm (its own ``#SBATCH`` lines size it: a
     comparison needs the original's world). Whatever it started ends with it (its process
     groups; on Slurm, the job)."""
-    drill, watch = profile.drill, _Watch()
+    drill, watch = run.profile.drill, _Watch()
     timeout, what = drill.continuation.timeout_seconds, "the continuation run"
-    started = process.start(["bash", *argv], launcher_log, env) if drill.launcher != "slurm" else None
-    # CKPT_LOG, the Slurm job's own output (a script that does not redirect), the launcher's.
-    logs = [log, log.with_suffix(".job.log"), launcher_log]
-    arguments = (profile, watch, logs, restored, env, started, launcher_log)
-    watcher = threading.Thread(target=_watch, args=arguments)
+    started = run.launch.start(run.launcher_log) if drill.launcher != "slurm" else None
+    watcher = threading.Thread(target=_watch, args=(run, watch, started))
     watcher.start()
     try:
         if started is not None:
-            process.wait(started, launcher_log, timeout, what)
+            process.wait(started, run.launcher_log, timeout, what)
         else:
             options = [
-                f"--job-name=ckptops-continue-{profile.job.name}",
-                f"--output={log.with_suffix('.job.log')}",
+                f"--job-name=ckptops-continue-{run.profile.job.name}",
+                *allocation_options(drill.slurm),
             ]
-            sbatch_wait([*options, *allocation_options(drill.slurm), *argv], launcher_log, timeout, what, env)
+            arguments = run.launch.sbatch_arguments(options, run.job_log)
+            sbatch_wait(arguments, run.launcher_log, timeout, what, run.launch.environ())
     except process.Failed:
         if watch.stopped is None:
             raise
     finally:
         watch.done.set()
         watcher.join()
-    if watch.printed is None:  # it printed its block and ended before the watch read it
-        watch.printed = next(filter(None, map(read_printed_args, logs)), None)
-        if watch.printed is not None:
-            late = _judge(profile, watch.printed, restored, env, None)
-            watch.stopped = late and f"{late}; it ended before the block was read"
+    if watch.late and watch.printed is not None:  # it printed its block and ended before the watch read it
+        late = run.judge(watch.printed, None)
+        watch.stopped = late and f"{late}; it ended before the block was read"
     elif watch.stopped is not None:
         watch.stopped += "; stopped before its first iteration"
     return watch
@@ -452,26 +462,14 @@ def continue_training(
     facts = checkpoint_facts(restored)
     facts.data_version = manifest.data_version  # the copy has the files, the job's manifest the facts
     n = facts.iteration
-    logged = {int(i) for i in before.iteration}
-    wanted = set(range(n + 1, n + steps + 1))
-    if not wanted <= logged:
-        last = max(logged, default=0)
-        return Continued(
-            Outcome.UNCHECKED,
-            f"not checkable yet: the original run has logged up to iteration {last}, "
-            f"the {steps} after {n} are needed",
-        )
+    unlogged = _not_logged_yet(before, n, steps)
+    if unlogged is not None:
+        return unlogged
     save_to = scratch / "continuation-save"
     save_to.mkdir()
-    env = {
-        **os.environ,
-        "CKPT_LOAD": os.path.realpath(restored.parent),
-        "CKPT_SAVE": os.path.realpath(save_to),
-        "CKPT_STEP": str(n),
-        "CKPT_EXIT_INTERVAL": str(n + steps),
-        "CKPT_LOG": str(log),
-    }
-    fits = checkpoint_fit(profile, restored, script, env)
+    launch = _launch(script, restored, save_to, n, steps, log)
+    drilled = drilled_layouts(profile.job.save_dir)
+    fits = checkpoint_fit(profile, restored, script, launch.environ(), drilled)
     if fits.refused or fits.needs_approval:
         # The drill fails, and the checkpoint is not blamed (not checked, nothing certified): the
         # script would not resume it as the original run went.
@@ -479,14 +477,41 @@ def continue_training(
             d.words for d in fits.refused + fits.needs_approval
         )
         return Continued(Outcome.UNCHECKED, "not run", [Check(ARGUMENTS, Outcome.FAIL, said)])
+    run = _Run(profile, launch, restored, log, scratch / "continuation-launcher.log", drilled)
+    watch = _run_guarded(run)
+    if isinstance(watch, Continued):
+        return watch
+    after = _trained(run, watch, n, steps, began, save_to)
+    if isinstance(after, Continued):
+        return after
     warned = [Check(ARGUMENTS, Outcome.WARN, d.words) for d in fits.of(Kind.WARN)]
-    launcher_log = scratch / "continuation-launcher.log"
-    save_dir = profile.job.save_dir
-    ours = {Path(log), Path(log).with_suffix(".job.log")}
+    return _compared(profile, facts, before, after, steps, warned)
+
+
+def _not_logged_yet(before: Steps, n: int, steps: int) -> Continued | None:
+    """Not checkable yet when the original run (``before``) has not logged the ``steps``
+    iterations after ``n``; None when it has."""
+    logged = {int(i) for i in before.iteration}
+    if set(range(n + 1, n + steps + 1)) <= logged:
+        return None
+    last = max(logged, default=0)
+    return Continued(
+        Outcome.UNCHECKED,
+        f"not checkable yet: the original run has logged up to iteration {last}, "
+        f"the {steps} after {n} are needed",
+    )
+
+
+def _run_guarded(run: _Run) -> _Watch | Continued:
+    """The run, watched, with the job's save directory fingerprinted before and after: not
+    certified when it changed there (``touched``, for the caller's alarm) or when its printed
+    arguments stopped it; a run that failed otherwise raises, once the save directory was seen."""
+    save_dir = run.profile.job.save_dir
+    ours = {run.log, run.job_log}
     untouched = fingerprint(save_dir, ours)
     failure = watch = None
     try:
-        watch = _run_watched(profile, [str(script), "--ckpt-step", str(n)], launcher_log, log, restored, env)
+        watch = _run_watched(run)
     except CkptopsError as e:  # exited non-zero, timed out: production is looked at first
         failure = e
     touched = changes(untouched, fingerprint(save_dir, ours))
@@ -495,15 +520,23 @@ def continue_training(
         return Continued(
             Outcome.UNCHECKED, "not certified", [Check(PRODUCTION, Outcome.FAIL, said)], touched=touched
         )
-    if isinstance(failure, process.Failed) and _written(log):
+    if isinstance(failure, process.Failed) and _written(run.log):
         raise CkptopsError(
-            f"{log}: the continuation run exited {failure.code}: {process.tail(log)}"
+            f"{run.log}: the continuation run exited {failure.code}: {process.tail(run.log)}"
         ) from None
     if failure is not None:
         raise failure
     if watch.stopped is not None:
         return Continued(Outcome.UNCHECKED, "not certified", [Check(PRINTED, Outcome.FAIL, watch.stopped)])
-    output = next((p for p in (log, log.with_suffix(".job.log")) if _written(p)), launcher_log)
+    return watch
+
+
+def _trained(run: _Run, watch: _Watch, n: int, steps: int, began: float, save_to: Path) -> Steps | Continued:
+    """What the run trained, read from its output (``CKPT_LOG``, the Slurm job's, else the
+    launcher's), once it is evidence: Megatron-LM printed its arguments, loaded iteration ``n``
+    from the copy and trained after the drill ``began``, and, having reached its exit with a
+    save printed, saved there (``save_to``). Not certified otherwise."""
+    output = next((p for p in (run.log, run.job_log) if _written(p)), run.launcher_log)
     if watch.printed is None:
         said = (
             f"{output}: Megatron-LM printed no arguments block: what the run trained with is not "
@@ -511,7 +544,7 @@ def continue_training(
         )
         return Continued(Outcome.UNCHECKED, "not certified", [Check(PRINTED, Outcome.FAIL, said)])
     after = load_steps(output)
-    evidence = _evidence(output, after, n, steps, Path(env["CKPT_LOAD"]), began)
+    evidence = _evidence(output, after, n, steps, Path(run.launch.env["CKPT_LOAD"]), began)
     if evidence is not None:
         return Continued(Outcome.UNCHECKED, "not certified", [evidence])
     reached = int(after.iteration.max()) if len(after) else n
@@ -519,13 +552,22 @@ def continue_training(
         unsaved = _exit_save(save_to, n + steps)
         if unsaved is not None:
             return Continued(Outcome.UNCHECKED, "not certified", [unsaved])
-    first, later = TOLERANCES[profile.drill.continuation.tolerance]
+    return after
+
+
+def _compared(profile, facts, before: Steps, after: Steps, steps: int, warned: list[Check]) -> Continued:
+    """The continued run (``after``) against the original run's log over the ``steps``
+    iterations after the checkpoint, by the checks any run started from one gets
+    (``tasks.relaunch.continuity``) at ``drill.continuation.tolerance``; ``warned``: the script's
+    own warnings, kept with them."""
+    n, tolerance = facts.iteration, profile.drill.continuation.tolerance
+    first, later = TOLERANCES[tolerance]
     settings = profile.resume.model_copy(update={"loss_rel_tolerance": later, "first_rel_tolerance": first})
-    validation = Validator(facts, before, after, settings, None).continuation()
+    validation = Continuity(facts, before, after, settings).continuation()
     checks, largest = warned + validation.checks, validation.largest_difference
     drawn = series(before, after, n + 1, n + steps)
     failed = [c for c in checks if c.failed]
-    tolerance = profile.drill.continuation.tolerance
+    reached = int(after.iteration.max()) if len(after) else n
     if reached < n + steps:
         stopped = f"the continuation stopped at iteration {reached}, before {n + steps}"
         return Continued(Outcome.FAIL, stopped, checks, largest, drawn)

@@ -27,11 +27,12 @@ from tasks.checkpoint.state import VerifyOptions
 from tasks.cluster import process
 from tasks.job.step_records import load_steps
 from tasks.profile import load_profile
+from tasks.relaunch.printed import fit_printed, read_printed_args
 from tasks.restore.continuation import changes, fingerprint
 from tasks.restore.drill import run_drill
+from tasks.restore.history import drilled_layouts
 from tasks.restore.launch import drill_layout, loader_args, loader_env, torchrun
 from tasks.restore.report import read_report
-from tasks.resume.printed_args import fit_printed, read_printed_args
 from tests.bench.bench_verify import BENCH, LARGE, LARGE_MODEL, checkpoint, data_files, median_seconds
 
 console = Console(highlight=False)
@@ -217,7 +218,7 @@ def continuation_guards(report) -> tuple[float, float]:
     ours = {log}
     fingerprinted = median_seconds(lambda: changes(fingerprint(save, ours), fingerprint(save, ours)), REPEATS)
     watched = median_seconds(
-        lambda: fit_printed(read_printed_args(log), save / "iter_0000002", profile), REPEATS
+        lambda: fit_printed(read_printed_args(log), save / "iter_0000002", drilled_layouts(save)), REPEATS
     )
     return fingerprinted, watched
 

@@ -17,21 +17,20 @@ other value is compared as the text Megatron-LM printed.
 
 A log is read as it is being written, by anyone: a line may carry ``srun --label``'s ``N: ``,
 a timestamp, or come from another rank between two of rank 0's; bytes that do not decode are
-replaced. The block counts only once its closing line is there.
+replaced. The block counts only once its closing line is there (``tasks.relaunch.launch``
+watches for it while the run starts).
 """
 
 import ast
 import re
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.facts import saved_args
 from tasks.errors import unreadable
-from tasks.restore.history import drilled_layouts
-from tasks.resume.compat import KIND_OF, Compatibility, Difference, Kind, ScriptArgs, compare
+from tasks.relaunch.fit import KIND_OF, Compatibility, Difference, Kind, compare
+from tasks.relaunch.script import ScriptArgs
 
 _OPEN = re.compile(r"-{8,} arguments -{8,}\s*$")
 _CLOSE = re.compile(r"-{8,} end of arguments -{8,}\s*$")
@@ -43,7 +42,6 @@ _WIDTH = 48
 _TYPED_CHARACTERS = 10_000
 # The most of a log read for the block: Megatron-LM prints it before anything else of size.
 _READ_LIMIT = 64 << 20
-_POLL_SECONDS = 0.2
 
 
 @dataclass
@@ -129,25 +127,6 @@ def _block(log, path: Path) -> PrintedArgs | None:
     return None
 
 
-def watch_printed(
-    path: Path, deadline_s: float, alive: Callable[[], bool], start: int = 0
-) -> PrintedArgs | None:
-    """The arguments block of the log at ``path`` (from byte ``start``) as soon as it is
-    complete; None when the process ends (``alive()`` false) or ``deadline_s`` seconds pass
-    without it. The log is read once more after the process is seen ended: it may have printed
-    the block and exited."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        found = read_printed_args(path, start)
-        if found is not None:
-            return found
-        if not alive():
-            return read_printed_args(path, start)
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(_POLL_SECONDS)
-
-
 # Arguments that mean something only with a switch on: without it Megatron-LM overwrites them
 # after printing (num_query_groups becomes the head count in its FLOPs count, and is saved so).
 _ONLY_WITH = {"num_query_groups": "group_query_attention"}
@@ -172,13 +151,13 @@ def _resolved(value, cwd: Path | None):
 
 
 def fit_printed(
-    printed: PrintedArgs, checkpoint_dir: Path, profile, cwd: Path | None = None
+    printed: PrintedArgs, checkpoint_dir: Path, drilled: dict[tuple[int, int], str], cwd: Path | None = None
 ) -> Compatibility:
     """What Megatron-LM printed against the arguments the checkpoint in ``checkpoint_dir``
-    saved, by ``tasks.resume.compat``'s rules (architecture and vocabulary refused, layout only
-    onto a drilled one and approved, data, precision and load switches approved, optimizer
-    warned). Every argument of the rules is printed, so each is compared; ``cwd``, the job's
-    working directory, resolves relative paths on both sides. A value Megatron-LM printed as
+    saved, by ``tasks.relaunch.fit``'s rules (architecture and vocabulary refused, layout only
+    onto one of the ``drilled`` layouts and approved, data, precision and load switches approved,
+    optimizer warned). Every argument of the rules is printed, so each is compared; ``cwd``, the
+    job's working directory, resolves relative paths on both sides. A value Megatron-LM printed as
     None that the checkpoint holds is one it sets later (``num_query_groups`` in its FLOPs
     count): not compared."""
     saved, _ = saved_args(checkpoint_dir)
@@ -199,11 +178,6 @@ def fit_printed(
             if str(value) == str(before):
                 value = getattr(saved, name)
         found.values[name], found.flags[name] = value, f"{name} (printed at {printed.where()})"
-    fit = compare(
-        layout.parse_iter_dir(Path(checkpoint_dir).name),
-        saved,
-        found,
-        drilled_layouts(profile.job.save_dir),
-    )
+    fit = compare(layout.parse_iter_dir(Path(checkpoint_dir).name), saved, found, drilled)
     fit.differences += later
     return fit
