@@ -11,7 +11,7 @@ import typer
 from tasks import render
 from tasks.cli.common import JsonOpt, ProfileOpt, err, expected_errors, out
 from tasks.errors import UsageError
-from tasks.profile import load_profile
+from tasks.profile import Nccl, Pairs, load_profile
 
 commands = typer.Typer(no_args_is_help=True, help="Node health: DCGM, GPU basics, nccl-tests.")
 
@@ -87,8 +87,11 @@ def health_classify(
     has the schema's defaults)."""
     with expected_errors():
         from tasks.health.classify import classify_file
+        from tasks.health.nccl import Gates
 
-        check = classify_file(tool, file, exit_code, level, load_profile(profile).health)
+        health = load_profile(profile).health
+        nccl, pairs = (health.nccl, health.pairs) if health else (Nccl(), Pairs())
+        check = classify_file(tool, file, exit_code, level, Gates.from_settings(nccl, pairs))
     if as_json:
         out.print_json(json.dumps(check.to_dict()))
     else:

@@ -8,7 +8,6 @@ from tasks.errors import UsageError, unreadable
 from tasks.health.dcgm import UnexpectedDocument, classify_diag
 from tasks.health.nccl import Gates, classify_allreduce
 from tasks.health.verdict import HealthCheck
-from tasks.profile import Nccl, Pairs
 from tasks.storage.local import open_regular
 
 # Real DCGM and nccl-tests outputs are kilobytes; a file far larger is not one (and would cost
@@ -32,14 +31,12 @@ def _read_output(path: Path) -> str:
 
 
 def classify_file(
-    tool: str, path: Path, exit_code: int | None, level: int | None, health_settings
+    tool: str, path: Path, exit_code: int | None, level: int | None, gates: Gates
 ) -> HealthCheck:
     """The verdict on the output saved in ``path``: dcgm checks the test set of ``level``, and
     a document of a shape DCGM does not write is a usage error (the user handed over the wrong
-    file); nccl gates busbw with ``health_settings``' nccl (one node) and pairs (several) gates,
-    the schema's defaults without a health section."""
-    nccl, pairs = (health_settings.nccl, health_settings.pairs) if health_settings else (Nccl(), Pairs())
-    gates = Gates.from_settings(nccl, pairs)
+    file); nccl gates busbw with ``gates`` (the one-node gate or the several-nodes one, by the
+    hosts in the output's rank table)."""
     if tool not in TOOLS:
         raise UsageError(f"{tool!r}: classify dcgm or nccl")
     text = _read_output(path)

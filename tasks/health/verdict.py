@@ -7,6 +7,7 @@ the gate) so an operator can act without opening the raw output, which is kept a
 
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from typing import Literal
 
 from tasks.outcome import Check, Verdict
 
@@ -29,6 +30,27 @@ class CheckName(StrEnum):
 
     def with_peer(self, node: str) -> str:
         return f"{self.value}-{node}"
+
+
+# The checks a profile's health.checks may list: those run on a node, one file each under
+# tasks/health/checks, in the order they run by default (the others are the run's own: ssh, the
+# pair test, the history).
+NodeCheck = Literal[
+    tuple(
+        check.value
+        for check in (
+            CheckName.GPU_COUNT,
+            CheckName.GPU_PROCESSES,
+            CheckName.RECOVERY_ACTION,
+            CheckName.ROW_REMAP,
+            CheckName.XID,
+            CheckName.NVLINK,
+            CheckName.DCGM_DIAG,
+            CheckName.NCCL,
+            CheckName.CONFORMANCE,
+        )
+    )
+]
 
 
 @dataclass

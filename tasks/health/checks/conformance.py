@@ -16,17 +16,27 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import get_args
+from typing import Literal, get_args
 
 from tasks.health.checks import Context, failed_to_run
 from tasks.health.verdict import CheckName, Evidence, HealthCheck, result
 from tasks.outcome import Verdict
-from tasks.profile import ConformanceFact
 
 NAME = CheckName.CONFORMANCE
 
-# The facts, in the order reports name them (the keys of health.conformance.pins).
-FACTS = get_args(ConformanceFact)
+# The facts, in the order reports name them: what health.conformance.pins may pin.
+Fact = Literal[
+    "driver",
+    "cuda",
+    "nccl",
+    "kernel",
+    "gpu_clock_mhz",
+    "memory_clock_mhz",
+    "power_limit_w",
+    "nic_firmware",
+    "nic_rate_gbps",
+]
+FACTS = get_args(Fact)
 # nvidia-smi --query-gpu columns (without their unit) -> the fact each one gives.
 COLUMNS = {
     "driver_version": "driver",
