@@ -1,24 +1,37 @@
 """Profiles: one YAML per cluster or job, validated by one schema.
 
 ``profiles/local.yaml`` is the embedded default. Relative paths in a profile are relative to the
-profile file, so a profile and the data it names can move together. Unknown keys are errors (a
-misspelt ``keep_verfied`` must not silently fall back to a default), and every error names the
-file and the key.
+profile file, so a profile and the data it names can move together: every path field is a
+``ProfilePath``, which validation resolves against the folder ``load_profile`` passes in the
+validation context (a profile built in code, without one, keeps its paths as given). Unknown keys
+are errors (a misspelt ``keep_verfied`` must not silently fall back to a default), and every error
+names the file and the key.
 """
 
 import importlib.resources
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from types import UnionType
-from typing import Annotated, Literal, Union, get_args, get_origin
+from typing import Annotated, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from tasks.checkpoint import signing
 from tasks.errors import UsageError
+from tasks.health.checks.conformance import Fact
+from tasks.health.verdict import CheckName, NodeCheck
 from tasks.health.xids import CRITICAL_XIDS
+from tasks.recovery.triage.model import FailureClass
+from tasks.storage.digest import CRYPTOGRAPHIC, PROFILE_NAMES
 
 # The shipped profiles: package data, found the same way installed or in a checkout.
 PROFILES_DIR = Path(str(importlib.resources.files("profiles")))
@@ -27,6 +40,15 @@ PROFILES_ENV = "CKPTOPS_PROFILES"
 
 Slug = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
 Positive = Annotated[float, Field(gt=0)]
+
+
+def _in_profile_folder(path: Path, info: ValidationInfo) -> Path:
+    """A relative path is the profile folder's: the validation context's ``base``, when there is one."""
+    base = info.context.get("base") if info.context else None
+    return path if base is None or path.is_absolute() else (Path(base) / path).resolve()
+
+
+ProfilePath = Annotated[Path, AfterValidator(_in_profile_folder)]
 
 
 class _Section(BaseModel):
@@ -47,7 +69,7 @@ class Layout(_Section):
 
 class Job(_Section):
     name: Slug
-    save_dir: Path
+    save_dir: ProfilePath
     megatron_core_version: str | None = Field(
         default=None,
         description="the version the job pins; recorded in manifests of checkpoints that do not "
@@ -81,7 +103,7 @@ class SlurmVerify(_Section):
         default=None,
         description="the interpreter with ckptops installed on the nodes; default: the one verifying",
     )
-    work_dir: Path | None = Field(
+    work_dir: ProfilePath | None = Field(
         default=None,
         description="where the shard plan and results go, on storage every node sees; "
         "default: .ckptops-verify in the save directory",
@@ -116,7 +138,7 @@ class Verify(_Section):
         description="while waiting for a save (--async-save), read each data file once it has "
         "settled; the verdict then comes seconds after the last file (local engine)",
     )
-    digest: Literal["xxh3", "blake3", "sha256"] = Field(
+    digest: Literal[tuple(PROFILE_NAMES)] = Field(
         default="xxh3",
         description="each file's hash in new manifests: xxh3 finds accidents; blake3 and sha256 are "
         "cryptographic (what a signed manifest needs), read in the same pass as the CRCs",
@@ -171,7 +193,7 @@ class Verify(_Section):
 class Sign(_Section):
     """Signed manifests (tasks/checkpoint/signing.py): who may vouch for a checkpoint's bytes."""
 
-    key_file: Path | None = Field(
+    key_file: ProfilePath | None = Field(
         default=None,
         description="an elliptic-curve private key (PEM; P-256, P-384 or P-521), readable by its "
         "owner only: every manifest written is signed with it",
@@ -179,7 +201,7 @@ class Sign(_Section):
     key_secret: str | None = Field(
         default=None, description="a Prefect Secret block holding that private key instead of a file"
     )
-    public_keys: list[Path] = Field(
+    public_keys: list[ProfilePath] = Field(
         default_factory=list,
         description="the public keys (PEM) that may sign; a manifest signed by another key is untrusted",
     )
@@ -260,9 +282,19 @@ class Archive(_Section):
         description="Object Lock on committed copies (the bucket must have Object Lock enabled)",
     )
 
+    @field_validator("url")
+    @classmethod
+    def _directory_in_profile_folder(cls, url: str, info: ValidationInfo) -> str:
+        return url if "://" in url else str(_in_profile_folder(Path(url), info))
+
     @property
     def is_s3(self) -> bool:
         return self.url.startswith("s3://")
+
+    @property
+    def directory(self) -> Path | None:
+        """The local directory the archive is; None for a URL (s3://)."""
+        return None if "://" in self.url else Path(self.url)
 
     @model_validator(mode="after")
     def _protection_needs_s3(self):
@@ -323,12 +355,12 @@ class Continuation(_Section):
     steps: Annotated[int, Field(ge=0)] = Field(
         default=0, description="iterations to train after the restored checkpoint; 0: no continuation"
     )
-    script: Path | None = Field(
+    script: ProfilePath | None = Field(
         default=None,
         description="the job's batch script, run with CKPT_LOAD, CKPT_STEP, CKPT_EXIT_INTERVAL and "
         "CKPT_LOG in its environment (and --ckpt-step N); default: recovery.script",
     )
-    reference: Path | None = Field(
+    reference: ProfilePath | None = Field(
         default=None, description="the original run's log or step records; default: recovery.step_records"
     )
     tolerance: Literal["exact", "fp32", "bf16"] = Field(
@@ -340,7 +372,7 @@ class Continuation(_Section):
 
 
 class Drill(_Section):
-    scratch_dir: Path
+    scratch_dir: ProfilePath
     budget_seconds: Budget = Budget()
     tensor_sample: Annotated[int, Field(ge=1)] = Field(
         default=8, description="tensors each rank compares with the stored bytes"
@@ -365,11 +397,11 @@ class Drill(_Section):
 class SshAccess(_Section):
     user: str = "root"
     port: Annotated[int, Field(ge=1, le=65535)] = 22
-    known_hosts: Path = Field(
+    known_hosts: ProfilePath = Field(
         description="host keys are checked against this file; unknown or changed keys are refused"
     )
-    key_file: Path | None = None
-    config_file: Path | None = Field(
+    key_file: ProfilePath | None = None
+    config_file: ProfilePath | None = Field(
         default=None,
         description="an OpenSSH client config (Host, HostName, Port, User, IdentityFile) that maps "
         "node names to addresses, as ~/.ssh/config does",
@@ -443,24 +475,11 @@ class GpuProcesses(_Section):
     )
 
 
-ConformanceFact = Literal[
-    "driver",
-    "cuda",
-    "nccl",
-    "kernel",
-    "gpu_clock_mhz",
-    "memory_clock_mhz",
-    "power_limit_w",
-    "nic_firmware",
-    "nic_rate_gbps",
-]
-
-
 class Conformance(_Section):
     """The conformance check (tasks/health/checks/conformance.py): each node's versions, GPU
     clocks and power limit, NIC firmware and link rate against pins and the fleet's majority."""
 
-    pins: dict[ConformanceFact, str | float] = Field(
+    pins: dict[Fact, str | float] = Field(
         default_factory=dict,
         description="the value a fact must have (numbers compare as numbers, anything else exactly); "
         "a pinned fact that cannot be read fails the check as a tool error",
@@ -508,19 +527,9 @@ class Health(_Section):
     )
     node_timeout_seconds: Positive = 10800
     # conformance is not run unless listed: a fleet mid-upgrade would otherwise fail its minority.
-    checks: list[
-        Literal[
-            "gpu-count",
-            "gpu-processes",
-            "recovery-action",
-            "row-remap",
-            "xid",
-            "nvlink",
-            "dcgm-diag",
-            "nccl",
-            "conformance",
-        ]
-    ] = ["gpu-count", "gpu-processes", "recovery-action", "row-remap", "xid", "nvlink", "dcgm-diag", "nccl"]
+    checks: list[NodeCheck] = Field(
+        default_factory=lambda: [c for c in get_args(NodeCheck) if c != CheckName.CONFORMANCE]
+    )
     critical_xids: list[int] = Field(
         default_factory=lambda: sorted(CRITICAL_XIDS),
         description="XIDs that fail a node (tasks/health/xids.py)",
@@ -531,12 +540,12 @@ class Health(_Section):
     suspect: SuspectRule = SuspectRule()
     gpu_processes: GpuProcesses = GpuProcesses()
     conformance: Conformance = Conformance()
-    nvrx_segment_dir: Path | None = Field(
+    nvrx_segment_dir: ProfilePath | None = Field(
         default=None,
         description="NVRx's --ft-segment-health-check-dir: a segment file for each running job on a "
         "node judged unhealthy, removed when the node passes again",
     )
-    raw_dir: Path
+    raw_dir: ProfilePath
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -582,7 +591,7 @@ class Recovery(_Section):
     """The recovery run: how the job is relaunched after a failure, and when a human decides."""
 
     launcher: Literal["slurm", "local"] = "slurm"
-    script: Path = Field(
+    script: ProfilePath = Field(
         description="the job's own batch script: sbatch'ed on Slurm, run with bash locally; it must "
         "pass --exit-on-missing-checkpoint to Megatron and no --non-persistent-ckpt-type"
     )
@@ -601,10 +610,10 @@ class Recovery(_Section):
     gpus: Annotated[int, Field(ge=1)] | None = Field(
         default=None, description="GPUs the job holds, for lost GPU-hours (default: the layout's world size)"
     )
-    step_records: Path | None = Field(
+    step_records: ProfilePath | None = Field(
         default=None, description="the job's step records (or its Megatron log): progress and validation"
     )
-    log_dir: Path | None = Field(
+    log_dir: ProfilePath | None = Field(
         default=None, description="where relaunched jobs write their output (default: <save_dir>/../logs)"
     )
     max_per_hour: Annotated[int, Field(ge=1)] = 3
@@ -614,9 +623,9 @@ class Recovery(_Section):
         "last relaunch loaded: that checkpoint is suspect, the next recovery falls back to the "
         "verified one before it (pinned); a second time, the stop rules stop",
     )
-    auto_approve: list[
-        Literal["hardware", "network", "numerics", "oom", "software", "hang", "preempted", "unknown"]
-    ] = Field(default_factory=list, description="classes relaunched without asking, while budget is left")
+    auto_approve: list[FailureClass] = Field(
+        default_factory=list, description="classes relaunched without asking, while budget is left"
+    )
     approval_timeout_seconds: Positive = 1800
     progress_steps: Annotated[int, Field(ge=1)] = 5
     progress_timeout_seconds: Positive = 1800
@@ -655,7 +664,7 @@ class Notify(_Section):
 
 class Prefect(_Section):
     api_url: str = "http://127.0.0.1:4200/api"
-    home: Path | None = None
+    home: ProfilePath | None = None
     submission_timeout_seconds: Annotated[float, Field(ge=10)] = Field(
         default=600,
         description="a run pending this long without starting is crashed by the watchdog automation "
@@ -698,7 +707,8 @@ class Profile(_Section):
 
     @model_validator(mode="after")
     def _signing_needs_a_cryptographic_digest(self):
-        if self.sign and (self.sign.key_file or self.sign.key_secret) and self.verify.digest == "xxh3":
+        signs = self.sign and (self.sign.key_file or self.sign.key_secret)
+        if signs and PROFILE_NAMES[self.verify.digest] not in CRYPTOGRAPHIC:
             raise ValueError(
                 "sign: a signature vouches only for cryptographic digests: "
                 "set verify.digest to blake3 or sha256"
@@ -740,16 +750,10 @@ class Profile(_Section):
         return self
 
     def _paths(self) -> Iterator[tuple[str, Path]]:
-        """Every path the profile names, with its key: the schema's paths and a local archive."""
-        for keys in _path_keys(Profile):
-            value = self
-            for key in keys:
-                value = getattr(value, key, None)
-            for one in value if isinstance(value, list) else [value]:
-                if isinstance(one, Path):
-                    yield ".".join(keys), one
-        if self.archive is not None and "://" not in self.archive.url:
-            yield "archive.url", Path(self.archive.url)
+        """Every path the profile names, with its key: its path fields' values and a local archive."""
+        yield from _paths_in(self, ())
+        if self.archive is not None and self.archive.directory is not None:
+            yield "archive.url", self.archive.directory
 
     @model_validator(mode="after")
     def _local_job_matches_layout(self):
@@ -761,43 +765,20 @@ class Profile(_Section):
         return self
 
 
-def _alternatives(annotation) -> tuple:
-    """The types an annotation allows: each member of a union, without ``Annotated``."""
-    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
-    return tuple(get_args(m)[0] if get_origin(m) is Annotated else m for m in members)
-
-
-def _path_keys(model: type[BaseModel]) -> Iterator[tuple[str, ...]]:
-    """The keys of every path in the schema: each field typed ``Path`` (or a list of paths), in
-    ``model`` and in its sections, found from the schema itself."""
-    for name, info in model.model_fields.items():
-        if info.exclude:
-            continue
-        for kind in _alternatives(info.annotation):
-            if kind is Path or (get_origin(kind) is list and get_args(kind) == (Path,)):
-                yield (name,)
-            elif isinstance(kind, type) and issubclass(kind, BaseModel):
-                yield from ((name, *inner) for inner in _path_keys(kind))
-
-
-def _resolve_paths(data: dict, base: Path) -> dict:
-    """Make the profile's relative paths relative to the profile file, not the caller's cwd:
-    every path of the schema, and the archive's url when it is a directory. (Sections that are
-    not mappings are left for the schema to reject, naming the key.)"""
-    for path in (*_path_keys(Profile), ("archive", "url")):
-        values = data
-        for key in path[:-1]:
-            values = values.get(key) if isinstance(values, dict) else None
-        value = values.get(path[-1]) if isinstance(values, dict) else None
-        if isinstance(value, str):
-            values[path[-1]] = _resolve(value, base)
-        elif isinstance(value, list):
-            values[path[-1]] = [_resolve(v, base) if isinstance(v, str) else v for v in value]
-    return data
-
-
-def _resolve(value: str, base: Path) -> str:
-    return value if "://" in value or Path(value).is_absolute() else str((base / value).resolve())
+def _paths_in(value, keys: tuple[str, ...]) -> Iterator[tuple[str, Path]]:
+    """The paths in ``value`` (a section, a list, a mapping or a path), each with its key."""
+    if isinstance(value, Path):
+        yield ".".join(keys), value
+    elif isinstance(value, BaseModel):
+        for name, info in type(value).model_fields.items():
+            if not info.exclude:
+                yield from _paths_in(getattr(value, name), (*keys, name))
+    elif isinstance(value, list):
+        for index, one in enumerate(value):
+            yield from _paths_in(one, (*keys, str(index)))
+    elif isinstance(value, dict):
+        for key, one in value.items():
+            yield from _paths_in(one, (*keys, str(key)))
 
 
 def _one_line(error: ValidationError, path: Path) -> str:
@@ -849,9 +830,7 @@ def load_profile(name_or_path: str | Path | None = None) -> Profile:
     if not isinstance(data, dict):
         raise UsageError(f"{path}: a profile must be a mapping with a 'job' section")
     try:
-        profile = Profile.model_validate(_resolve_paths(data, path.resolve().parent))
+        profile = Profile.model_validate(data, context={"base": path.resolve().parent})
     except ValidationError as e:
         raise UsageError(_one_line(e, path)) from None
-    # Every manifest of its save directory is signed and checked as its sign section says.
-    signing.register(profile)
     return profile.model_copy(update={"source": path.resolve()})

@@ -1,9 +1,13 @@
 """Profiles: one schema, clear errors naming the file and the key."""
 
+from typing import get_args
+
 import pytest
 
 from tasks.errors import UsageError
-from tasks.profile import PROFILES_DIR, load_profile
+from tasks.health.run import CHECKS
+from tasks.health.verdict import NodeCheck
+from tasks.profile import PROFILES_DIR, Health, load_profile
 
 
 def test_embedded_default_resolves_paths_inside_the_project():
@@ -84,6 +88,18 @@ _HEALTH = "job: {name: j, save_dir: /x}\nhealth: {nodes: [a], transport: local, 
             f"{_HEALTH}conformance: {{spares: admit}}}}\n",
             "health.conformance.spares: Input should be 'refuse' or 'warn'",
         ),
+        (
+            f"{_HEALTH}checks: [gpu-count, ssh]}}\n",
+            "health.checks.1: Input should be 'gpu-count', 'gpu-processes', 'recovery-action'",
+        ),
+        (
+            "job: {name: j, save_dir: /x}\nrecovery: {script: /x.sh, auto_approve: [hardware, gremlins]}\n",
+            "recovery.auto_approve.1: Input should be 'hardware', 'network', 'numerics'",
+        ),
+        (
+            "job: {name: j, save_dir: /x}\nverify: {digest: md5}\n",
+            "verify.digest: Input should be 'xxh3', 'blake3' or 'sha256'",
+        ),
     ],
 )
 def test_bad_values_name_the_file_and_key(tmp_path, text, message):
@@ -93,6 +109,14 @@ def test_bad_values_name_the_file_and_key(tmp_path, text, message):
         load_profile(path)
     assert str(caught.value).startswith(f"{path}:") and message in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_the_checks_a_profile_may_list_are_those_run_on_a_node():
+    """health.checks' words are health's own: every check run on a node, and only those; by
+    default all but conformance, in the order they run."""
+    assert set(get_args(NodeCheck)) == set(CHECKS)
+    default = Health(nodes=["a"], transport="local", raw_dir="/x").checks
+    assert default == [c for c in get_args(NodeCheck) if c != "conformance"]
 
 
 def test_missing_profile_is_named_with_where_a_name_is_looked_up(tmp_path, monkeypatch):

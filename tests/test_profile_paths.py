@@ -2,11 +2,12 @@
 the working directory; a drill's scratch dir that mixes with the job's data is refused."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from tasks.errors import UsageError
-from tasks.profile import load_profile
+from tasks.profile import Profile, load_profile
 
 # Every path the schema has, relative, in a profile that lives in its own folder.
 RELATIVE = {
@@ -55,6 +56,32 @@ def test_every_path_of_the_schema_is_the_profiles_folders(tmp_path, monkeypatch)
     ]
     assert all(p.parent == folder for p in found), found
     assert profile.archive.url == str(folder / "archive")
+
+
+def test_a_list_of_paths_in_a_section_is_the_profiles_folders(tmp_path, monkeypatch):
+    """sign.public_keys: each relative path of a list, in a section, is the profile folder's
+    (an absolute one stays), whichever the working directory."""
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    path = folder / "signed.yaml"
+    settings = {
+        "job": {"name": "signed", "save_dir": "/data/checkpoints"},
+        "verify": {"digest": "blake3"},
+        "sign": {"key_file": "keys/signer.pem", "public_keys": ["keys/signer.pub", "/etc/keys/other.pub"]},
+    }
+    path.write_text(json.dumps(settings))
+    monkeypatch.chdir(tmp_path)
+    sign = load_profile(path).sign
+    assert sign.key_file == folder / "keys" / "signer.pem"
+    assert sign.public_keys == [folder / "keys" / "signer.pub", Path("/etc/keys/other.pub")]
+
+
+def test_a_profile_built_in_code_keeps_its_paths_as_given():
+    """Without a profile file there is no folder to resolve against: paths stay as given."""
+    profile = Profile.model_validate(
+        {"job": {"name": "code", "save_dir": "checkpoints"}, "archive": {"url": "archive"}}
+    )
+    assert profile.job.save_dir == Path("checkpoints") and profile.archive.url == "archive"
 
 
 @pytest.mark.parametrize(
