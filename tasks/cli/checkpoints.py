@@ -156,48 +156,28 @@ def status(
     (exit 1) when the newest complete checkpoint has waited past verify.alert_after_seconds
     without being promoted."""
     with expected_errors():
-        from tasks.checkpoint.catalog import catalog
-        from tasks.checkpoint.overdue import overdue
-        from tasks.checkpoint.pointer import read_pointer
+        from tasks.status import job_status
 
         prof = load_profile(profile)
         directory = _save_dir(prof, save_dir)
-        # A garbled pointer must not hide the checkpoints: list them, and say what is wrong.
-        try:
-            pointer, problem = read_pointer(directory), None
-        except Malformed as e:
-            pointer, problem = None, str(e)
-        infos = catalog(directory, _options(prof, directory), pointer=pointer)
-        own = directory.resolve() == prof.job.save_dir.resolve()
-        # With a garbled pointer what is promoted is unknown: that problem is reported instead.
-        late = (
-            None if problem else overdue(directory, infos, prof.verify.alert_after_seconds if own else None)
-        )
+        found = job_status(prof, directory, _options(prof, directory), details=not as_json)
     if as_json:
-        out.print_json(json.dumps([i.to_dict() for i in infos]))
+        out.print_json(json.dumps([i.to_dict() for i in found.checkpoints]))
     else:
-        render.status(out, directory, infos, problem)
-    if late is not None:
-        (err if as_json else out).print(late.line(), markup=False)
-    if prof.archive and not as_json:
-        from tasks.archive.copy import status_lines
-
-        for line in status_lines(directory):
-            out.print(line, markup=False)
-    if prof.drill and not as_json:
-        from tasks.restore.scratch import stale_scratch
-
-        leftovers = stale_scratch(prof.drill.scratch_dir, prof.job.save_dir)
-        for path, why in leftovers.stale:
-            out.print(f"stale drill scratch: {path} ({why}); the next drill removes it", markup=False)
-        for path, why in leftovers.foreign:
-            out.print(f"not a drill's scratch: {path} ({why}); ckptops leaves it alone", markup=False)
-    problems = [problem] * bool(problem) + [i.manifest_error for i in infos if i.manifest_error]
-    for line in problems:
+        render.status(out, directory, found.checkpoints, found.pointer_problem)
+    if found.overdue is not None:
+        (err if as_json else out).print(found.overdue.line(), markup=False)
+    for line in found.archive:
+        out.print(line, markup=False)
+    for path, why in found.stale_scratch:
+        out.print(f"stale drill scratch: {path} ({why}); the next drill removes it", markup=False)
+    for path, why in found.foreign_scratch:
+        out.print(f"not a drill's scratch: {path} ({why}); ckptops leaves it alone", markup=False)
+    for line in found.problems:
         err.print(f"ckptops: {line}", markup=False)
-    if problems:
+    if found.problems:
         raise typer.Exit(Malformed.exit_code)
-    if late is not None:
+    if found.overdue is not None:
         raise typer.Exit(1)
 
 
