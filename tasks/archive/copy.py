@@ -175,7 +175,7 @@ def _upload_checked(
         if found[key] is not None and found[key].size == f.size and found[key].crc64nvme
     ]
     sent: dict[str, Sent] = {}
-    for key, local in store._parallel(
+    for key, local in store.parallel(
         lambda key: (key, checksum_file(directory / files[key].path, manifest.hashing)),
         candidates,
     ):

@@ -81,14 +81,41 @@ class Sent:
     uploaded: bool
 
 
+class _SourceRead:
+    """One read of a source file, in order, that hashes it as its manifest does and computes its
+    CRC64NVME on the way: what goes up is what was hashed."""
+
+    def __init__(self, local: Path, hashing: Hashing):
+        self.local, self.hashing = local, hashing
+        self.hasher, self.crc = FileHash(hashing), 0
+
+    def read(self, f, size: int = -1) -> bytes:
+        data = f.read(size)
+        self.hasher.update(data)
+        self.crc = _crc64nvme(data, self.crc)
+        return data
+
+    def sent(self, uploaded: bool) -> Sent:
+        digest = combine(self.hasher.finish(), self.hashing.algorithm)
+        return Sent(self.hasher.position, digest, crc64nvme_b64(self.crc), uploaded)
+
+    def check(self, want: tuple[int, str]) -> None:
+        """Raises SourceChanged unless what was read is ``want`` (its manifest's size and hash)."""
+        got = self.sent(uploaded=False)
+        if (got.size, got.hash) != want:
+            raise SourceChanged(
+                f"{self.local}: reads {got.size} bytes, hash {got.hash}; its manifest says {want[0]} bytes, "
+                f"hash {want[1]}: the source changed since it was verified; not archived"
+            )
+
+
 def checksum_file(local: Path, hashing: Hashing) -> Sent:
     """One read of a local file: its size, its manifest hash and its CRC64NVME (not uploaded)."""
-    hasher, crc = FileHash(hashing), 0
+    source = _SourceRead(local, hashing)
     with open(local, "rb") as f:
-        while data := f.read(READ_BLOCK):
-            hasher.update(data)
-            crc = _crc64nvme(data, crc)
-    return Sent(hasher.position, combine(hasher.finish(), hashing.algorithm), crc64nvme_b64(crc), False)
+        while source.read(f, READ_BLOCK):
+            pass
+    return source.sent(uploaded=False)
 
 
 class _PartsPool(ThreadPoolExecutor):
@@ -322,7 +349,7 @@ class ArchiveStore:
         )
 
     def heads(self, keys: list[str]) -> dict[str, Stored | None]:
-        return dict(self._parallel(lambda key: (key, self.head(key)), keys))
+        return dict(self.parallel(lambda key: (key, self.head(key)), keys))
 
     def check_object_lock(self) -> None:
         """Before anything goes up: the bucket must have Object Lock enabled, or the archive's
@@ -353,7 +380,7 @@ class ArchiveStore:
                 ChecksumAlgorithm="CRC64NVME",
             )
 
-        self._parallel(one, keys)
+        self.parallel(one, keys)
 
     def remove_versions(self, key: str) -> None:
         """Every version of every object under ``key`` (on a versioned bucket, as an Object Lock
@@ -399,86 +426,80 @@ class ArchiveStore:
         if parts_pool is None:
             with _PartsPool(self.concurrency) as pool:
                 return self.put_checked(local, key, want, hashing, progress, pool)
-        bucket, name = self._bucket_key(key)
-        hasher, crc, size = FileHash(hashing), 0, local.stat().st_size
-
-        def mismatch():
-            got = (hasher.position, combine(hasher.finish(), hashing.algorithm))
-            if got != want:
-                raise SourceChanged(
-                    f"{local}: reads {got[0]} bytes, hash {got[1]}; its manifest says {want[0]} bytes, "
-                    f"hash {want[1]}: the source changed since it was verified; not archived"
-                )
-
+        source, size = _SourceRead(local, hashing), local.stat().st_size
         with open(local, "rb") as f:
             if size <= self.chunk_bytes:
-                data = f.read()
-                hasher.update(data)
-                crc = _crc64nvme(data)
-                mismatch()
-                self._put("upload", key, data, crc)
+                data = source.read(f)
+                source.check(want)
+                self._put("upload", key, data, source.crc)
                 if progress:
                     progress(len(data))
-                return Sent(
-                    hasher.position, combine(hasher.digests, hashing.algorithm), crc64nvme_b64(crc), True
-                )
-            upload = self._call(
+            else:
+                self._put_multipart(key, f, source, want, progress, parts_pool)
+        return source.sent(uploaded=True)
+
+    def _put_multipart(
+        self, key: str, f, source: _SourceRead, want: tuple[int, str], progress, parts_pool: _PartsPool
+    ) -> None:
+        """A multipart upload of checksum type FULL_OBJECT, completed only if the whole file read
+        as ``want``; on any failure the parts in flight are waited for and the upload aborted."""
+        bucket, name = self._bucket_key(key)
+        upload = self._call(
+            "upload",
+            key,
+            self.client.create_multipart_upload,
+            Bucket=bucket,
+            Key=name,
+            ChecksumAlgorithm="CRC64NVME",
+            ChecksumType="FULL_OBJECT",
+            **self._protection(),
+        )["UploadId"]
+        pending = []
+        try:
+            self._send_parts(f, source, (bucket, name, key, upload), progress, parts_pool, pending)
+            parts = [part.result() for part in pending]
+            source.check(want)
+            self._call(
                 "upload",
                 key,
-                self.client.create_multipart_upload,
+                self.client.complete_multipart_upload,
                 Bucket=bucket,
                 Key=name,
-                ChecksumAlgorithm="CRC64NVME",
+                UploadId=upload,
+                MultipartUpload={"Parts": parts},
+                ChecksumCRC64NVME=crc64nvme_b64(source.crc),
                 ChecksumType="FULL_OBJECT",
-                **self._protection(),
-            )["UploadId"]
-            # The file is read and hashed in order (one CRC over all of it); its parts go up in
-            # parallel on the parts pool, at most ``concurrency`` parts in memory across files.
-            pending = []
+            )
+        except BaseException:
+            for part in pending:  # no part may land after the abort
+                with contextlib.suppress(BaseException):
+                    part.result()
+            with contextlib.suppress(Exception):
+                self.client.abort_multipart_upload(Bucket=bucket, Key=name, UploadId=upload)
+            raise
+
+    def _send_parts(
+        self, f, source: _SourceRead, upload: tuple, progress, parts_pool: _PartsPool, pending: list
+    ) -> None:
+        """The file read and hashed in order (one CRC over all of it) while its parts go up to
+        ``upload`` (bucket, name, key, upload id) in parallel on the parts pool, at most
+        ``concurrency`` parts in memory across files; each part's future is appended to ``pending``
+        as it is submitted. Stops at the end of the file or at the first failed part (its error is
+        raised when ``pending`` is waited for)."""
+        while not any(part.done() and part.exception() for part in pending):
+            parts_pool.room.acquire()
             try:
-                while True:
-                    failed = next((p for p in pending if p.done() and p.exception()), None)
-                    if failed is not None:  # a part failed: stop reading, report it below
-                        break
-                    parts_pool.room.acquire()
-                    try:
-                        data = f.read(self.chunk_bytes)
-                        if data:
-                            hasher.update(data)
-                            crc = _crc64nvme(data, crc)
-                            number = len(pending) + 1
-                            pending.append(
-                                parts_pool.submit(
-                                    self._put_part, bucket, name, key, upload, number, data, progress
-                                )
-                            )
-                    except BaseException:
-                        parts_pool.room.release()
-                        raise
-                    if not data:
-                        parts_pool.room.release()
-                        break
-                parts = [part.result() for part in pending]
-                mismatch()
-                self._call(
-                    "upload",
-                    key,
-                    self.client.complete_multipart_upload,
-                    Bucket=bucket,
-                    Key=name,
-                    UploadId=upload,
-                    MultipartUpload={"Parts": parts},
-                    ChecksumCRC64NVME=crc64nvme_b64(crc),
-                    ChecksumType="FULL_OBJECT",
-                )
+                data = source.read(f, self.chunk_bytes)
+                if data:
+                    pending.append(
+                        parts_pool.submit(self._put_part, *upload, len(pending) + 1, data, progress)
+                    )
             except BaseException:
-                for part in pending:  # no part may land after the abort
-                    with contextlib.suppress(BaseException):
-                        part.result()
-                with contextlib.suppress(Exception):
-                    self.client.abort_multipart_upload(Bucket=bucket, Key=name, UploadId=upload)
+                parts_pool.room.release()
                 raise
-        return Sent(hasher.position, combine(hasher.digests, hashing.algorithm), crc64nvme_b64(crc), True)
+            if not data:
+                parts_pool.room.release()
+                return
 
     def _put_part(self, bucket, name, key, upload, number, data, progress) -> dict:
         part_crc = crc64nvme_b64(_crc64nvme(data))
@@ -517,7 +538,7 @@ class ArchiveStore:
                 chunksize=self.chunk_bytes,
             )
 
-        self._parallel(put, pairs)
+        self.parallel(put, pairs)
         if self.is_local and pairs:  # on disk, uploaded must mean on the disk before the commit
             self._call(
                 "upload",
@@ -537,7 +558,7 @@ class ArchiveStore:
         of large files go up in parallel too."""
         with _PartsPool(self.concurrency) as parts:
             return dict(
-                self._parallel(
+                self.parallel(
                     lambda item: (
                         item[1],
                         self.put_checked(item[0], item[1], item[2], hashing, progress, parts),
@@ -553,7 +574,7 @@ class ArchiveStore:
                 "download", key, self.fs.get_file, self._path(key), str(local), callback=_Relay(progress)
             )
 
-        self._parallel(get, pairs)
+        self.parallel(get, pairs)
 
     def hash_object(
         self, key: str, hashing: Hashing, progress: Callable[[int], None] | None = None
@@ -585,9 +606,10 @@ class ArchiveStore:
             except FileNotFoundError:
                 return key, None
 
-        return dict(self._parallel(one, keys))
+        return dict(self.parallel(one, keys))
 
-    def _parallel(self, fn, items):
+    def parallel(self, fn, items) -> list:
+        """``fn`` of each item on the store's concurrency (no more threads than items), in order."""
         with ThreadPoolExecutor(
             max_workers=max(1, min(self.concurrency, len(items) or 1, os.cpu_count() * 4))
         ) as pool:
