@@ -123,3 +123,40 @@ def test_a_scratch_dir_of_its_own_inside_another_of_the_profiles_folders_is_fine
     }
     path.write_text(json.dumps(settings))
     assert load_profile(path).drill.scratch_dir == tmp_path / "scratch" / "drills"
+
+
+def _paths_typed_plainly(model, where: str = "") -> list[str]:
+    """The fields of ``model`` (and of its sections) whose type holds a ``Path`` that is not the
+    profile's path type: one validation would leave relative to the caller's working directory."""
+    from typing import Annotated, get_args, get_origin
+
+    from pydantic import BaseModel
+
+    from tasks.profile import ProfilePath
+
+    def plain(annotation) -> bool:
+        if annotation is Path:
+            return True
+        if annotation == ProfilePath:
+            return False
+        if get_origin(annotation) is Annotated:
+            return plain(get_args(annotation)[0])
+        return any(plain(a) for a in get_args(annotation))
+
+    resolving = get_args(ProfilePath)[1:]  # what makes a Path the profile's (pydantic keeps a
+    found = []  # field's own Annotated metadata apart from its annotation)
+    for name, info in model.model_fields.items():
+        own = info.annotation is Path and all(m in info.metadata for m in resolving)
+        if plain(info.annotation) and not own:
+            found.append(f"{where}{name}")
+        for inner in get_args(info.annotation) or (info.annotation,):
+            for kind in get_args(inner) or (inner,):
+                if isinstance(kind, type) and issubclass(kind, BaseModel):
+                    found += _paths_typed_plainly(kind, f"{where}{name}.")
+    return found
+
+
+def test_no_path_of_the_schema_escapes_the_profiles_folder():
+    """A path field added later as a plain ``Path`` would resolve against the working directory:
+    every path of the schema is typed ``ProfilePath`` (``source``, set by the loader, aside)."""
+    assert _paths_typed_plainly(Profile) == ["source"]
