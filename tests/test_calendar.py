@@ -15,6 +15,7 @@ import yaml
 from tasks.goodput.advice import advise, daly
 from tasks.goodput.calendar import WARMUP_STEPS, daily, project, steady_throughput
 from tasks.goodput.report import ledger
+from tasks.goodput.snapshot import read_job
 from tasks.job.step_records import load_steps
 from tasks.profile import load_profile
 from tests.helpers.records import write_records
@@ -103,7 +104,7 @@ def test_the_calendar_of_the_local_jobs_megatron_log(trained, tmp_path):
     lines = log_lines(trained_log(trained))
     done = lines[-1][0] * seq
     tps = float(np.median([batch / (ms / 1000) * seq for _, ms, batch in lines[WARMUP_STEPS:]]))
-    ettr = ledger(load_profile(str(profile)), log=trained_log(trained)).ettr
+    ettr = ledger(read_job(load_profile(str(profile)), trained_log(trained))).ettr
     assert len(lines) > WARMUP_STEPS and 0 < ettr < 1
     target = 10 * done
     result = ckptops_here(

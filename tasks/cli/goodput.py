@@ -78,9 +78,10 @@ def goodput(
         return
     with expected_errors():
         from tasks.goodput.report import ledger, ledger_lines
+        from tasks.goodput.snapshot import read_job
 
         prof = load_profile(profile)
-        found = ledger(prof, _since(since), log, warn)
+        found = ledger(read_job(prof, log, warn), _since(since))
     _emit(prof, found, ledger_lines(found), as_json)
 
 
@@ -116,15 +117,17 @@ def goodput_advise(
     the GPU-hours a day the change would save, and the storage written a day at each interval."""
     with expected_errors():
         from tasks.goodput.report import advice, interval_note, ledger
+        from tasks.goodput.snapshot import read_job
 
         used = ("profile", "log", "since", "as_json")
         profile, log, since, as_json = _given(
             ctx, used, profile=profile, log=log, since=since, as_json=as_json
         )
         prof = load_profile(profile)
+        job = read_job(prof, log, warn)
         found = advice(
-            prof,
-            ledger(prof, _since(since), log, warn),
+            job,
+            ledger(job, _since(since)),
             save_seconds,
             mtbf_hours,
             restart_minutes,
@@ -167,7 +170,7 @@ def goodput_simulate(
         given = {"profile": profile, "as_json": as_json}
         profile, as_json = _given(ctx, tuple(given), **given)
         report = simulation_report(
-            profile,
+            lambda: load_profile(profile),
             gpus,
             days,
             mtbf_hours,
@@ -214,15 +217,15 @@ def goodput_calendar(
     checkpoint interval; day by day in --json."""
     with expected_errors():
         from tasks.goodput.calendar import calendar
+        from tasks.goodput.snapshot import read_job
 
         profile, log, as_json = _given(
             ctx, ("profile", "log", "as_json"), profile=profile, log=log, as_json=as_json
         )
         prof = load_profile(profile)
         found = calendar(
-            prof,
+            read_job(prof, log, warn),
             target_tokens,
-            log,
             _since(start, "--start"),
             tokens_done,
             tokens_per_second,
@@ -233,6 +236,5 @@ def goodput_calendar(
                 "restart_minutes": restart_minutes,
                 "interval_minutes": interval_minutes,
             },
-            warn,
         )
     _emit(prof, found, found.lines(), as_json)

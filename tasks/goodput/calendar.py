@@ -19,12 +19,13 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 
 import numpy as np
 
-from tasks.errors import Malformed, Unreadable, UsageError
-from tasks.goodput.measure import _lineage
+from tasks.errors import UsageError
+from tasks.goodput.measure import GoodputLedger, _lineage
+from tasks.goodput.report import advice, ledger
+from tasks.goodput.snapshot import JobSnapshot
 from tasks.job.step_records import Steps
 
 # The first steps of each run are warm-up (compilation, allocator, data loader): left out.
@@ -255,91 +256,73 @@ class Calendar:
         return lines
 
 
-def _seq_length(save_dir: Path) -> int | None:
-    """The newest checkpoint's --seq-length (None without one: then torch is never imported)."""
-    from tasks.goodput.report import _newest_checkpoint
+def _measured(job: JobSnapshot, done: float | None, tps: float | None) -> tuple[float, str, float, str]:
+    """Tokens so far and the steady tokens/s, each given, else measured from the job's steps."""
+    if job.steps is None and (done is None or tps is None):
+        where = f"{job.log}" if job.log else "recovery.step_records"
+        raise UsageError(
+            f"no step records or log to measure from ({where}); "
+            "give --log, or --tokens-done and --tokens-per-second"
+        )
+    done, tokens_source = (done, "given") if done is not None else tokens_done(job.steps, job.seq_length)
+    tps, throughput_source = (
+        (tps, "given") if tps is not None else steady_throughput(job.steps, job.seq_length)
+    )
+    return done, tokens_source, tps, throughput_source
 
-    newest = _newest_checkpoint(save_dir)
-    if newest is None:
-        return None
-    from tasks.checkpoint.facts import checkpoint_facts
 
+def _ettr(ettr: float | None, found: GoodputLedger) -> tuple[float, str]:
+    """ETTR given, else the ledger's productive / wall, else 1.0 (assumed, and said so)."""
+    if ettr is not None:
+        return ettr, "given"
+    if found.ettr is not None and found.ettr > 0:
+        return min(found.ettr, 1.0), f"productive / wall, goodput ledger, {found.incidents} incidents"
+    return 1.0, f"assumed 1.0: the ledger has none ({found.wall.source})"
+
+
+def _advised_ettr(
+    job: JobSnapshot, found: GoodputLedger, advice_inputs: dict, ratio: float
+) -> tuple[float | None, str]:
+    """The ETTR at Daly's interval: the measured one moved by the gain the advice predicts; or
+    None, and why not."""
     try:
-        return checkpoint_facts(newest).seq_length
-    except (UsageError, Unreadable, Malformed):
-        return None
+        adv = advice(job, found, **advice_inputs)
+    except UsageError as e:
+        return None, f"no advice: {e}"
+    if adv.ettr_now is None:
+        return None, "the job's current interval is not measured; give --interval-minutes"
+    gain = adv.ettr_advised - adv.ettr_now
+    moved = min(1.0, ratio + gain)
+    if moved <= 0:
+        return None, f"ETTR {ratio:.2%} {gain:+.2%} at Daly's interval: no progress"
+    return moved, (
+        f"Daly's {adv.daly_minutes:.1f} min instead of {adv.interval_seconds / 60:.1f} min: "
+        f"{gain * 100:+.2f} points, as the advice predicts"
+    )
 
 
 def calendar(
-    profile,
+    job: JobSnapshot,
     target: float,
-    log: Path | None = None,
     start: float | None = None,
     done: float | None = None,
     tps: float | None = None,
     ettr: float | None = None,
     advice_inputs: dict | None = None,
-    warn=None,
-    measured=None,
 ) -> Calendar:
-    """The calendar of the profile's job: each of tokens so far, tokens/s and ETTR given, else
-    measured (records or ``log``, the goodput ledger); the advice from the ledger with
-    ``advice_inputs`` (report.advice's save, mtbf_hours, restart_minutes, interval_minutes);
-    ``measured``: the job's ledger when the caller has read it already (with the same ``log``)."""
-    from tasks.goodput.report import _steps, advice, ledger
-
+    """The calendar of the job: each of tokens so far, tokens/s and ETTR given, else measured (its
+    steps, the goodput ledger); the advice from the ledger with ``advice_inputs`` (report.advice's
+    save, mtbf_hours, restart_minutes, interval_minutes)."""
     if not math.isfinite(target) or target <= 0:
         raise UsageError(f"--target-tokens: must be a positive number, got {target}")
     start = time.time() if start is None else start
-    steps = _steps(profile, log)
-    if steps is not None and not len(steps):
-        steps = None
-    if steps is None and (done is None or tps is None):
-        where = f"{log}" if log else "recovery.step_records"
-        raise UsageError(
-            f"no step records or log to measure from ({where}); "
-            "give --log, or --tokens-done and --tokens-per-second"
-        )
-    seq = _seq_length(profile.job.save_dir) if steps is not None else None
-    if done is not None:
-        tokens_source = "given"
-    else:
-        done, tokens_source = tokens_done(steps, seq)
-    if tps is not None:
-        throughput_source = "given"
-    else:
-        tps, throughput_source = steady_throughput(steps, seq)
-    found = measured if measured is not None else ledger(profile, log=log, warn=warn)
-    if ettr is not None:
-        ratio, ettr_source = ettr, "given"
-    elif found.ettr is not None and found.ettr > 0:
-        ratio = min(found.ettr, 1.0)
-        ettr_source = f"productive / wall, goodput ledger, {found.incidents} incidents"
-    else:
-        ratio, ettr_source = 1.0, f"assumed 1.0: the ledger has none ({found.wall.source})"
+    done, tokens_source, tps, throughput_source = _measured(job, done, tps)
+    found = ledger(job)
+    ratio, ettr_source = _ettr(ettr, found)
     now = project(done, tps, ratio, target, start)
-    advised, note = None, ""
-    try:
-        adv = advice(profile, found, **(advice_inputs or {}))
-    except UsageError as e:
-        note = f"no advice: {e}"
-    else:
-        if adv.ettr_now is None:
-            note = "the job's current interval is not measured; give --interval-minutes"
-        else:
-            gain = adv.ettr_advised - adv.ettr_now
-            moved = min(1.0, ratio + gain)
-            if moved <= 0:
-                note = f"ETTR {ratio:.2%} {gain:+.2%} at Daly's interval: no progress"
-            else:
-                advised = project(done, tps, moved, target, start)
-                note = (
-                    f"Daly's {adv.daly_minutes:.1f} min instead of {adv.interval_seconds / 60:.1f} min: "
-                    f"{gain * 100:+.2f} points, as the advice predicts"
-                )
-    days = daily(steps, seq, target, ettr) if steps is not None else []
+    moved, note = _advised_ettr(job, found, advice_inputs or {}, ratio)
     return Calendar(
-        profile.job.name,
+        job.name,
         float(target),
         float(done),
         tokens_source,
@@ -348,9 +331,9 @@ def calendar(
         ettr_source,
         iso(start),
         now,
-        advised,
+        None if moved is None else project(done, tps, moved, target, start),
         note,
-        days,
+        daily(job.steps, job.seq_length, target, ettr) if job.steps is not None else [],
     )
 
 

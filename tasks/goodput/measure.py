@@ -17,11 +17,9 @@ already record, each figure with its source; a figure without a source is "not m
 import re
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 
 import numpy as np
 
-from tasks.errors import Malformed, Unreadable, UsageError
 from tasks.job.step_records import Steps
 from tasks.recovery.ledger import Incident, IncidentOutcome
 
@@ -241,13 +239,3 @@ def _per_day(
         for cause, seconds in incident_losses(incident, step_seconds).items():
             bucket[cause] += (seconds or 0.0) / 3600
     return [days[k] for k in sorted(days)]
-
-
-def job_save_interval(directory: Path) -> int | None:
-    """The job's --save-interval from a checkpoint's args (None if absent)."""
-    from tasks.checkpoint.facts import checkpoint_facts
-
-    try:
-        return checkpoint_facts(directory).save_interval
-    except (UsageError, Unreadable, Malformed):  # Malformed: a manifest not to trust
-        return None

@@ -1,82 +1,26 @@
-"""Goodput as the CLI and the flow both compute it: the job's ledger from its records, save
-times and incidents, and the interval advice from the measured C, M and R (each overridable),
-with the job's current interval from its checkpoint's args; the per-day chart; a simulation
-beside the closed forms and the job's measured recoveries."""
+"""Goodput as the CLI and the flow both compute it, from the job's snapshot
+(tasks.goodput.snapshot): the ledger of its records, save times and incidents, and the interval
+advice from the measured C, M and R (each overridable), with the job's current interval from its
+checkpoint's args; the per-day chart; a simulation beside the closed forms and the job's measured
+recoveries."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from tasks.checkpoint import layout
-from tasks.checkpoint.pointer import read_pointer
-from tasks.errors import UsageError, unreadable
+from tasks.errors import UsageError
 from tasks.goodput.advice import Advice, advise, ettr, ettr_exact
-from tasks.goodput.measure import (
-    CAUSES,
-    Figure,
-    GoodputLedger,
-    job_save_interval,
-    measure,
-    save_times_from_log,
-    save_times_from_records,
-)
+from tasks.goodput.measure import CAUSES, Figure, GoodputLedger, measure
 from tasks.goodput.simulate import Simulation, restart_for, save_cost_for, simulate
-from tasks.job import step_records
-from tasks.job.step_records import Steps, load_steps
+from tasks.goodput.snapshot import JobSnapshot, read_job
+from tasks.job.step_records import Steps
 from tasks.plots import markdown_image, png, pyplot
-from tasks.profile import load_profile
-from tasks.recovery.ledger import read_ledger
-from tasks.storage.local import read_lines
 
 # An advised interval this far from the job's own is worth a line in the summary.
 INTERVAL_GAP = 0.25
 # The ETTR a simulation says what it would take to reach (the JSON keys name it: *_for_97).
 TARGET_ETTR = 0.97
-
-
-def _steps(profile, log: Path | None) -> Steps | None:
-    """The steps to measure: the Megatron-LM log the user named (its iteration lines carry their
-    times), else (no log, or one without iteration lines) the profile's step records."""
-    if log is not None:
-        try:
-            return load_steps(log)
-        except UsageError:
-            pass  # its save timers may still be there; the steps come from the records
-    records = step_records.configured(profile)
-    if records is None or not Path(records).exists():
-        return None
-    return load_steps(records)
-
-
-def _newest_checkpoint(save_dir: Path) -> Path | None:
-    pointer = read_pointer(save_dir) if save_dir.is_dir() else None
-    if pointer is not None:
-        return save_dir / layout.iter_dir_name(pointer)
-    found = layout.list_iterations(save_dir) if save_dir.is_dir() else []
-    return save_dir / layout.iter_dir_name(max(found)) if found else None
-
-
-def _save_times(profile, steps: Steps | None, log: Path | None, save_interval: int | None):
-    """Blocking save times and where they came from, the best source first: Megatron-LM's
-    ``save-checkpoint`` timers in the job's log (``log``, else the log the steps came from), then
-    the step loop held after each save in its step records. Never the checkpoints' file times:
-    they span ckptops's own writes (manifests, signatures) long after the save."""
-    logs = [log] if log is not None else []
-    if steps is not None and steps.kind == "megatron-log" and Path(steps.source) not in logs:
-        logs.append(Path(steps.source))
-    for path in logs:
-        try:
-            found = save_times_from_log(read_lines(path))
-        except OSError as e:
-            raise unreadable(path, e) from None
-        if found:
-            return found, f"save timers in {path}"
-    if steps is not None and steps.kind == "records":
-        found = save_times_from_records(steps, save_interval)
-        if found:
-            return found, f"step loop held after each save, {steps.source}"
-    return [], "not measured: no save-checkpoint timer in the job's log (--log) and no step records"
 
 
 def _interval(save_interval: int | None, steps: Steps | None) -> Figure:
@@ -90,42 +34,16 @@ def _interval(save_interval: int | None, steps: Steps | None) -> Figure:
     )
 
 
-def checkpoint_size(save_dir: Path) -> Figure:
-    """The newest checkpoint's size in bytes (in ``Figure.seconds``' place): its manifest's file
-    sizes, else its files on disk."""
-    from tasks.checkpoint.manifest import read_manifest
-    from tasks.errors import CkptopsError
-    from tasks.storage.local import list_files
-
-    newest = _newest_checkpoint(save_dir)
-    if newest is None or not newest.is_dir():
-        return Figure(None, f"not measured: no checkpoint in {save_dir}")
-    try:
-        manifest = read_manifest(newest)
-    except CkptopsError:  # a manifest not to trust: the files on disk still have their sizes
-        manifest = None
-    if manifest is not None and manifest.files:
-        return Figure(float(sum(f.size for f in manifest.files)), f"manifest of {newest.name}")
-    try:
-        files = list_files(newest)
-    except OSError as e:
-        raise unreadable(newest, e) from None
-    total = sum(st.st_size for st in files.values())
-    return Figure(float(total), f"files of {newest.name} on disk") if total else Figure(None, "not measured")
-
-
-def ledger(profile, since: float | None = None, log: Path | None = None, warn=None) -> GoodputLedger:
-    """The job's ledger, its records, checkpoint args and incidents each read once; ``warn``
-    gets the incident ledger's lines that could not be used."""
-    steps = _steps(profile, log)
-    newest = _newest_checkpoint(profile.job.save_dir)
-    save_interval = job_save_interval(newest) if newest else None
-    read = read_ledger(profile.job.save_dir)
-    for problem in read.problems if warn else ():
-        warn(problem)
-    found = [i for i in read.incidents if i.job == profile.job.name]
-    saves = _save_times(profile, steps, log, save_interval)
-    return measure(profile.job.name, steps, found, saves, since, _interval(save_interval, steps))
+def ledger(job: JobSnapshot, since: float | None = None) -> GoodputLedger:
+    """The job's ledger from its snapshot: steps, incidents, save times, and its interval."""
+    return measure(
+        job.name,
+        job.steps,
+        list(job.incidents),
+        (list(job.save_times), job.save_source),
+        since,
+        _interval(job.save_interval, job.steps),
+    )
 
 
 # The option that gives each of the advice's inputs when the ledger cannot measure it.
@@ -133,7 +51,7 @@ _FLAGS = {"save": "--save-seconds", "mtbf": "--mtbf-hours", "restart": "--restar
 
 
 def advice(
-    profile,
+    job: JobSnapshot,
     measured: GoodputLedger,
     save: float | None = None,
     mtbf_hours: float | None = None,
@@ -143,8 +61,8 @@ def advice(
     checkpoint_tb: float | None = None,
 ) -> Advice:
     """The advice from the given values, else the measured ones; a value neither given nor
-    measured is a usage error naming the option. ``gpus`` defaults to recovery.gpus, else the
-    job's world size; the checkpoint's size (for the storage written a day) to the newest
+    measured is a usage error naming the option. ``gpus`` defaults to the job's (recovery.gpus,
+    else its world size); the checkpoint's size (for the storage written a day) to the newest
     checkpoint's, left out when there is none."""
     sources: dict[str, str] = {}
 
@@ -155,7 +73,7 @@ def advice(
         if figure_seconds is None:
             flag = _FLAGS[option]
             raise UsageError(
-                f"{option}: not measured for {profile.job.name} "
+                f"{option}: not measured for {job.name} "
                 f"({figure_source.removeprefix('not measured: ')}); give {flag}"
             )
         sources[option] = figure_source
@@ -170,20 +88,13 @@ def advice(
         t, sources["interval"] = interval_minutes * 60, "given"
     else:
         t, sources["interval"] = measured.interval.seconds, measured.interval.source
-    if gpus is None:
-        gpus = (
-            profile.recovery.gpus if profile.recovery and profile.recovery.gpus else None
-        ) or profile.job.layout.world_size
-    if checkpoint_tb is not None:
-        size = Figure(checkpoint_tb * 1e12, "given")
-    else:
-        size = checkpoint_size(profile.job.save_dir)
+    size = Figure(checkpoint_tb * 1e12, "given") if checkpoint_tb is not None else job.checkpoint_bytes
     return advise(
         c,
         m,
         r,
         t,
-        gpus,
+        job.gpus if gpus is None else gpus,
         {
             "save": sources["save"],
             "mtbf": sources["mtbf"],
@@ -264,14 +175,8 @@ class SimulationReport:
         return lines
 
 
-def _measured_restart(profile: str | None) -> Figure | None:
-    """The median measured recovery time of the profile's job, when its ledger has one."""
-    found = ledger(load_profile(profile)).restart_seconds
-    return found if found.seconds is not None else None
-
-
 def simulation_report(
-    profile: str | None,
+    profile: Callable[[], object],
     gpus: int,
     days: float,
     mtbf_hours: float,
@@ -282,11 +187,13 @@ def simulation_report(
     runs: int = 200,
     seed: int = 0,
 ) -> SimulationReport:
-    """Simulate the given job, then again with the recovery time the profile's job measured (the
-    profile is read only once the inputs have passed the simulation's checks)."""
+    """Simulate the given job, then again with the median recovery time the profile's job
+    measured, when its ledger has one (``profile`` loads the profile: it is read only once the
+    inputs have passed the simulation's checks)."""
     m, c, t, r = mtbf_hours * 3600, save_seconds, interval_minutes * 60, recover_minutes * 60
     result = simulate(gpus, days, m, c, t, r, seed, runs, blocking_seconds)
-    measured = _measured_restart(profile)
+    restart = ledger(read_job(profile())).restart_seconds
+    measured = restart if restart.seconds is not None else None
     with_measured = (
         simulate(gpus, days, m, c, t, measured.seconds, seed, runs, blocking_seconds) if measured else None
     )
