@@ -5,6 +5,7 @@ its bad input; the storage written a day in the interval advice; the flow's cale
 import json
 import re
 import shutil
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -249,7 +250,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, make, target, says):
     assert len(done.stderr.strip().splitlines()) == 1
 
 
-def test_the_goodput_report_flow_publishes_the_calendar(prefect_api, trained, tmp_path):
+def test_the_goodput_report_flow_publishes_the_calendar(prefect_api, trained, tmp_path, monkeypatch):
+    """The flow reads the job once a run, for the ledger, the advice and the calendar."""
     from prefect.artifacts import Artifact
 
     from flows.goodput_report import goodput_report
@@ -257,10 +259,62 @@ def test_the_goodput_report_flow_publishes_the_calendar(prefect_api, trained, tm
     save = shutil.copytree(trained, tmp_path / "checkpoints")
     records = write_records(tmp_path / "records.jsonl", range(1, 400), step_seconds=600.0, start=START)
     profile = write_profile(tmp_path, records, save, name="flowcal")
+    reads = job_reads(monkeypatch)
     state = goodput_report(profile=str(profile), target_tokens=1e6, return_state=True)
     assert state.is_completed() and "projected end 20" in state.message
+    assert counts(reads) == dict.fromkeys(reads, 1)
     text = Artifact.get("goodput-calendar-flowcal").data
     assert "days of compute" in text and "data:image/png;base64," in text
     # Without a target: no calendar, the rest as before.
     state = goodput_report(profile=str(profile), return_state=True)
     assert state.is_completed() and "projected end" not in state.message
+
+
+def counted(monkeypatch, function) -> list:
+    """The calls of ``function`` from here on, the real function still answering them, wherever
+    a loaded module bound it (and where a module imported later will find it)."""
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return function(*args, **kwargs)
+
+    for module in list(sys.modules.values()):
+        for name, value in list(getattr(module, "__dict__", {}).items()):
+            if value is function:
+                monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+def job_reads(monkeypatch) -> dict[str, list]:
+    """The calls of each reader of the job from here on: its step records (or log), the pointer
+    to its newest checkpoint, that checkpoint's facts (a torch.load of the common state and a
+    signature check), its incident ledger."""
+    from tasks.checkpoint.facts import checkpoint_facts
+    from tasks.checkpoint.pointer import read_pointer
+    from tasks.job.step_records import load_steps
+    from tasks.recovery.ledger import read_ledger
+
+    readers = (load_steps, read_pointer, checkpoint_facts, read_ledger)
+    return {reader.__name__: counted(monkeypatch, reader) for reader in readers}
+
+
+def counts(reads: dict[str, list]) -> dict[str, int]:
+    return {name: len(calls) for name, calls in reads.items()}
+
+
+def test_goodput_calendar_reads_the_job_once(trained, tmp_path, monkeypatch):
+    """One snapshot of the job a command: each of its sources read once, for the ledger, the
+    advice and the calendar together."""
+    save = shutil.copytree(trained, tmp_path / "checkpoints")
+    records = write_records(tmp_path / "records.jsonl", range(1, 400), step_seconds=600.0, start=START)
+    profile = write_profile(tmp_path, records, save)
+    reads = job_reads(monkeypatch)
+    done = ckptops_here(
+        "goodput", "calendar", "--target-tokens", 1e6, "--save-seconds", 60, "--mtbf-hours", 24,
+        "--restart-minutes", 10, "-p", profile, "--json",
+    )  # fmt: skip
+    assert done.exit_code == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["advised"] is not None and "sequence length" in found["tokens_source"]
+    assert counts(reads) == dict.fromkeys(reads, 1)
