@@ -7,8 +7,8 @@ already record, each figure with its source; a figure without a source is "not m
   step records or a Megatron-LM log;
 - checkpoint saves, per save: the blocking time from Megatron-LM's ``save-checkpoint`` timer or
   the local job's ``saved checkpoint ... in Xs`` line, else the time the step loop was held (the
-  gap between two step records less the step's own time), else the spread of the checkpoint's
-  file times (persist time);
+  gap between two step records less the step's own time); never the checkpoints' file times
+  (tasks.goodput.snapshot picks the source);
 - per incident, from the ledger: detection, triage and approval, queue and relaunch, load,
   recomputation, and the time lost to resumes that failed validation;
 - wall time, ETTR = productive / wall, the incidents and the mean time between failures.
