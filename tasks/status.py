@@ -45,7 +45,7 @@ def job_status(profile, save_dir: Path, options: VerifyOptions, details: bool = 
     late = None if problem else overdue(save_dir, infos, profile.verify.alert_after_seconds if own else None)
     found = JobStatus(save_dir, infos, problem, late)
     if details and profile.archive:
-        from tasks.archive.copy import status_lines
+        from tasks.archive.history import status_lines
 
         found.archive = status_lines(save_dir)
     if details and profile.drill:

@@ -13,13 +13,10 @@ import uuid
 import pytest
 import xxhash
 
-from tasks.archive.copy import (
-    apply_archive_retention,
-    archive_checkpoint,
-    committed_iterations,
-    copies,
-    newest_committed,
-)
+from tasks.archive.copy import archive_checkpoint
+from tasks.archive.entries import committed_iterations, newest_committed
+from tasks.archive.history import copies
+from tasks.archive.retention import apply_archive_retention
 from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.pins import expired_leases
 from tasks.checkpoint.promote import promote

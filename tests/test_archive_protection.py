@@ -13,16 +13,12 @@ import pytest
 from awscrt.checksums import crc64nvme
 from botocore.exceptions import ClientError
 
-from tasks.archive import copy as archive_copy
-from tasks.archive.copy import (
-    apply_archive_retention,
-    archive_checkpoint,
-    committed_iterations,
-    copies,
-    copies_path,
-    reads_back,
-    status_lines,
-)
+from tasks.archive import retention
+from tasks.archive.check import reads_back
+from tasks.archive.copy import archive_checkpoint
+from tasks.archive.entries import committed_iterations
+from tasks.archive.history import copies, copies_path, status_lines
+from tasks.archive.retention import apply_archive_retention
 from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.promote import promote
 from tasks.errors import UsageError
@@ -341,7 +337,7 @@ def test_archive_retention_never_deletes_a_locked_copy_before_its_date_and_says_
     ]
     with pytest.raises(ClientError, match="AccessDenied"):
         s3.delete_object(Bucket=bucket, Key=locked["Key"], VersionId=locked["VersionId"])
-    monkeypatch.setattr(archive_copy, "_locked_until", lambda *a: None)
+    monkeypatch.setattr(retention, "locked_until", lambda *a: None)
     with pytest.raises(ArchiveUnavailable) as failed:
         apply_archive_retention(store, JOB, keep=2)
     line = str(failed.value)

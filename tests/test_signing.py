@@ -16,7 +16,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from tasks.archive.copy import UnreadableManifest, archive_checkpoint, archived_manifest
+from tasks.archive.copy import archive_checkpoint
+from tasks.archive.entries import UnreadableManifest, archived_manifest
 from tasks.checkpoint import layout
 from tasks.checkpoint.access import Exposed
 from tasks.checkpoint.facts import checkpoint_facts

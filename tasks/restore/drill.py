@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from tasks.archive.copy import archived_manifest, committed_iterations, entry_key, newest_committed
+from tasks.archive.entries import archived_manifest, committed_iterations, entry_key, newest_committed
 from tasks.checkpoint import layout
 from tasks.checkpoint.facts import scheduler_unit
 from tasks.checkpoint.lock import job_lock
