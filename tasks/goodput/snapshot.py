@@ -22,12 +22,11 @@ from tasks.storage.local import list_files, read_lines
 @dataclass(frozen=True)
 class JobSnapshot:
     name: str
-    save_dir: Path
     gpus: int  # recovery.gpus, else the job's world size
     log: Path | None  # the Megatron-LM log the user named
     steps: Steps | None  # None: no log with iteration lines and no step records
-    newest: Path | None  # the promoted checkpoint, else the highest iteration in save_dir
-    seq_length: int | None  # the newest checkpoint's args (None: no checkpoint, or not readable)
+    newest: Path | None  # the promoted checkpoint, else the highest iteration saved
+    seq_length: int | None  # from the newest checkpoint's args (None: none, or not readable)
     save_interval: int | None
     checkpoint_bytes: Figure  # the newest checkpoint's size (in Figure.seconds' place)
     incidents: tuple[Incident, ...]  # this job's, from the save directory's incident ledger
@@ -50,7 +49,6 @@ def read_job(profile, log: Path | None = None, warn=None) -> JobSnapshot:
     recovery_gpus = profile.recovery.gpus if profile.recovery else None
     return JobSnapshot(
         profile.job.name,
-        save_dir,
         recovery_gpus or profile.job.layout.world_size,
         log,
         steps,
