@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 from tasks.checkpoint import layout
+from tasks.checkpoint.signing import Trust
 from tasks.errors import CkptopsError, UsageError
 from tasks.job import step_records
 from tasks.outcome import Check, Outcome
@@ -20,6 +21,7 @@ ENABLES = {
     "archive": "ckptops archive, the archive copy and the drill from the archive",
     "health": "ckptops health run and the node-health flow (DCGM, nccl-tests, drains)",
     "resume": "the windows and tolerances of validate-resume (the defaults apply without it)",
+    "sign": "signed manifests: who may vouch for a checkpoint's bytes (unset: manifests unsigned)",
 }
 _SLURM_TOOLS = ("sbatch", "scontrol", "squeue", "scancel")
 
@@ -146,6 +148,15 @@ def _health(profile) -> list[Check]:
     return [_check("health.raw_dir", _writable(raw), f"{raw}: raw tool outputs go here")]
 
 
+def _sign(profile) -> list[Check]:
+    """The signing keys the sign section names, loaded as every command loads them."""
+    try:
+        trust = Trust.of(profile)
+    except CkptopsError as e:
+        return [_check("sign", False, str(e))]
+    return [_check("sign", True, trust.describe())]
+
+
 def check_profile(profile) -> list[Check]:
     """The profile against this machine, section by section; a section the profile lacks is a
     line saying what it would enable."""
@@ -155,6 +166,7 @@ def check_profile(profile) -> list[Check]:
         ("drill", _drill),
         ("archive", _archive),
         ("health", _health),
+        ("sign", _sign),
     ):
         if getattr(profile, section) is None:
             found.append(_check(section, None, f"not set: it would enable {ENABLES[section]}"))

@@ -414,3 +414,27 @@ def test_an_archive_that_could_not_sign_under_required_uploads_nothing(save_dir,
         verify_with_profile(profile, iter_dir(save_dir, 24))
     assert (iter_dir(save_dir, 24) / layout.MANIFEST).read_bytes() == before
     assert read_manifest(iter_dir(save_dir, 24)).valid
+
+
+def test_a_command_on_another_save_directory_says_its_signatures_go_unchecked(save_dir, keys, tmp_path):
+    """The profile's policy is its own job's: a save directory it does not name is read with no
+    policy, and the command says so; ``profile check`` loads the keys as every command does."""
+    from tests.test_cli import ckptops_here
+
+    profile = signing_profile(tmp_path, save_dir, keys)
+    other = shutil.copytree(save_dir, tmp_path / "other", copy_function=shutil.copy2)
+    done = ckptops_here("verify", iter_dir(other, 24), "--read-only", "-p", profile.source)
+    assert done.exit_code == 0, done.output
+    assert f"{other}: not signed-job's save directory: signatures not checked" in done.stderr
+    own = ckptops_here("verify", iter_dir(save_dir, 24), "--read-only", "-p", profile.source)
+    assert own.exit_code == 0 and "signatures not checked" not in own.stderr
+
+    checked = json.loads(ckptops_here("profile", "check", "-p", profile.source, "--json").stdout)
+    (sign,) = [c for c in checked["checks"] if c["name"] == "sign"]
+    assert sign["outcome"] == "pass" and sign["detail"].startswith(
+        "signatures checked (1 allowed key, required)"
+    )
+    keys["release"][0].chmod(0o644)
+    checked = json.loads(ckptops_here("profile", "check", "-p", profile.source, "--json").stdout)
+    (sign,) = [c for c in checked["checks"] if c["name"] == "sign"]
+    assert sign["outcome"] == "fail" and "release.pem: sign.key_file refused" in sign["detail"]

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from tasks import render
-from tasks.cli.common import ANY_SAVE_DIR, JsonOpt, ProfileOpt, byte_progress, err, expected_errors, out
+from tasks.cli.common import ANY_SAVE_DIR, JsonOpt, ProfileOpt, byte_progress, err, expected_errors, out, warn
 from tasks.errors import Malformed, UsageError
 from tasks.profile import Profile, load_profile
 
@@ -35,9 +35,20 @@ def _save_dir(profile: Profile, given: Path | None) -> Path:
 
 
 def _options(profile: Profile, save_dir: Path, **overrides):
+    """The profile's options for ``save_dir``; where the profile signs its own manifests and this
+    is another save directory, a warning says that its signatures go unchecked."""
     from tasks.checkpoint.state import VerifyOptions
 
-    return VerifyOptions.from_profile(profile, save_dir, **overrides)
+    options = VerifyOptions.from_profile(profile, save_dir, **overrides)
+    _say_if_unchecked(profile, save_dir, options.trust)
+    return options
+
+
+def _say_if_unchecked(profile: Profile, save_dir: Path, trust) -> None:
+    """Where the profile signs its own manifests and ``save_dir`` is another job's, a warning that
+    its signatures go unchecked (the profile speaks for its own job only)."""
+    if profile.sign is not None and not trust.checks:
+        warn(f"{save_dir}: not {profile.job.name}'s save directory: {trust.describe()}")
 
 
 @commands.command()
@@ -56,10 +67,12 @@ def verify(
 ):
     """Verify one checkpoint: exit 0 valid, 1 invalid or still in progress, 2 unreadable input."""
     with expected_errors():
+        from tasks.checkpoint.signing import Trust
         from tasks.checkpoint.verify import checkpoint_path, verify_with_profile
 
         prof = load_profile(profile)
         directory = checkpoint_path(path)
+        _say_if_unchecked(prof, directory.parent, Trust.of(prof, directory.parent))
         with byte_progress(f"verify {path.name}", _dir_bytes(directory), not as_json) as progress:
             result = verify_with_profile(prof, directory, read_only, engine, nodes, progress, _shard_lines)
     if as_json:

@@ -17,6 +17,7 @@ from tasks.checkpoint.catalog import catalog, resumable
 from tasks.checkpoint.facts import checkpoint_facts
 from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.promote import promote, reverify
+from tasks.checkpoint.signing import Trust
 from tasks.checkpoint.state import VerifyOptions
 from tasks.cluster import slurm
 from tasks.errors import CkptopsError, Unreadable, UsageError
@@ -299,13 +300,14 @@ def roll_back(profile, iteration: int) -> None:
     )
 
 
-def account(incident: Incident, steps, checkpoint_dir: Path) -> None:
-    """Recomputed work and lost GPU-hours, from the records before the failure."""
+def account(incident: Incident, steps, checkpoint_dir: Path, trust: Trust) -> None:
+    """Recomputed work and lost GPU-hours, from the records before the failure (the checkpoint's
+    manifest read as ``trust`` asks)."""
     if incident.failure_iteration is None or incident.checkpoint is None:
         return
     recomputed = max(0, incident.failure_iteration - incident.checkpoint)
     incident.recomputed_iterations = recomputed
-    facts = checkpoint_facts(checkpoint_dir)
+    facts = checkpoint_facts(checkpoint_dir, trust)
     per_step = facts.global_batch_size * (facts.seq_length or 0)
     incident.recomputed_tokens = recomputed * per_step if per_step else None
     step_seconds = 0.0

@@ -36,6 +36,7 @@ from tasks.checkpoint import layout
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.pins import pin
 from tasks.checkpoint.pointer import read_pointer
+from tasks.checkpoint.signing import Trust
 from tasks.checkpoint.state import State
 from tasks.cluster import process, slurm
 from tasks.errors import CkptopsError, LockTimeout, UsageError
@@ -751,7 +752,7 @@ class _Recovery:
         )
         incident.mark("validated")
         incident.validation = result.line()
-        account(incident, self.failed_steps, checkpoint_dir)
+        account(incident, self.failed_steps, checkpoint_dir, Trust.of(self.profile))
         if result.ok:
             self._stop(
                 f"resumed from {incident.checkpoint} as {new}; {result.line()}", IncidentOutcome.COMPLETED
