@@ -9,11 +9,13 @@ import time
 
 import pytest
 
-from tasks.checkpoint.layout import POINTER
+from tasks.checkpoint.layout import POINTER, iter_dir_name
 from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.pointer import pointer_during, read_hold, read_pointer, write_pointer
-from tasks.checkpoint.promote import promote
-from tasks.checkpoint.state import State
+from tasks.checkpoint.promote import PromotionReport, Waiting, promote
+from tasks.checkpoint.retention import RetentionPlan
+from tasks.checkpoint.state import Completeness, State, VerifyOptions
+from tasks.checkpoint.verify import Verification
 from tasks.errors import CkptopsError, UsageError
 from tests.conftest import ROOT, flip_byte, iter_dir, verify_and_record_here
 from tests.test_verify import tensor_data_offset
@@ -256,3 +258,56 @@ def test_explicit_iteration_must_be_valid(save_dir, options):
     assert read_pointer(save_dir) == 8
     with pytest.raises(UsageError, match="--iteration 99: no such checkpoint"):
         promote(save_dir, options, 10, requested=99)
+
+
+class LoggedSteps:
+    """The cycle's steps, logging what the cycle asks of them; every checkpoint verifies valid
+    except those ``still_saving``, which a wait reports in progress."""
+
+    def __init__(self, still_saving=(), refused=()):
+        self.calls, self.still_saving, self.refused = [], set(still_saving), list(refused)
+
+    def wait(self, save_dir, iteration, options, waiting):
+        self.calls.append(("wait", iteration, waiting.timeout_seconds))
+        return Completeness(State.IN_PROGRESS if iteration in self.still_saving else None)
+
+    def verify(self, save_dir, iteration, options, held, waiting):
+        directory = save_dir / iter_dir_name(iteration)
+        assert held.covers(directory)  # under the job lock
+        self.calls.append(("verify", iteration, waiting and waiting.timeout_seconds))
+        return Verification(directory, iteration, State.VALID, "fine")
+
+    def promote(self, save_dir, options, requested):
+        self.calls.append(("promote", requested))
+        return PromotionReport(None, 8, "first promotion", refused=self.refused)
+
+    def retain(self, save_dir, options, keep_verified):
+        self.calls.append(("retain", keep_verified))
+        return RetentionPlan(keep_verified, 8), [4]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_cycle_waits_for_a_save_before_verifying_or_inside_the_verify_step(tmp_path, overlap):
+    """A save still being written is waited for before it is verified, or with verify.overlap_save
+    inside the verify step (which reads its files as they settle); after a promotion, retention."""
+    for iteration in (4, 8):
+        iter_dir(tmp_path, iteration).mkdir()  # no metadata yet: both still being saved
+    steps = LoggedSteps(still_saving=[8])
+    options = VerifyOptions(job="cycle", overlap_save=overlap)
+    report = promote(tmp_path, options, 1, steps=steps, waiting=Waiting(60, 1), keep_verified=2)
+    if overlap:
+        assert steps.calls[:2] == [("verify", 4, 60), ("verify", 8, 60)]
+        assert [v.state for v in report.verifications] == [State.VALID, State.VALID]
+    else:
+        assert steps.calls[:3] == [("wait", 4, 60), ("verify", 4, None), ("wait", 8, 60)]
+        assert [v.state for v in report.verifications] == [State.VALID, State.IN_PROGRESS]
+    assert steps.calls[-2:] == [("promote", None), ("retain", 2)]
+    assert report.deleted == [4] and "; retention deleted 4" in report.summary()
+
+
+def test_the_cycle_without_waiting_verifies_at_once_and_a_refused_promotion_deletes_nothing(tmp_path):
+    iter_dir(tmp_path, 4).mkdir()
+    steps = LoggedSteps(refused=["iter_0000004: group-writable"])
+    report = promote(tmp_path, VerifyOptions(job="cycle"), 1, steps=steps, keep_verified=2)
+    assert steps.calls == [("verify", 4, None), ("promote", None)]
+    assert report.retention is None and report.deleted == [] and not report.ok
