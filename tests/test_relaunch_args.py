@@ -283,7 +283,9 @@ def test_the_fit_reads_drills_from_the_jobs_history_and_the_versions_from_the_jo
     }
     append_drill(save, SimpleNamespace(to_dict=lambda: drill))
     profile = SimpleNamespace(
-        job=SimpleNamespace(save_dir=save), recovery=SimpleNamespace(job_python=[sys.executable])
+        job=SimpleNamespace(name="test", save_dir=save),
+        sign=None,
+        recovery=SimpleNamespace(job_python=[sys.executable]),
     )
     script = _job_script(tmp_path, saved, ["--tensor-model-parallel-size", "2"])
     fits = checkpoint_fit(profile, directory, script, {}, drilled_layouts(save))

@@ -36,7 +36,7 @@ from tasks.checkpoint.dcp import (
     load_dcp_metadata,
     load_object,
 )
-from tasks.checkpoint.lock import Held, job_lock
+from tasks.checkpoint.lock import Held
 from tasks.checkpoint.manifest import (
     CorruptManifest,
     FileEntry,
@@ -890,5 +890,7 @@ def verify_with_profile(
     )
     if read_only:
         return verify_checkpoint(directory, options, progress, watch=watch)
-    with job_lock(directory.parent, profile.verify.lock_timeout_seconds) as held:
-        return verify_and_record(directory, options, held, progress, watch=watch)
+    from tasks.checkpoint.promote import Here, recording  # promote builds on this module
+
+    with recording(directory.parent, profile.verify.lock_timeout_seconds, Here(progress, watch)) as recorder:
+        return recorder.verify(layout.parse_iter_dir(directory.name), options)

@@ -672,7 +672,7 @@ class _Recovery:
             self._save()
             return True
         checkpoint = self.save_dir / layout.iter_dir_name(incident.checkpoint)
-        fit = fit_printed(printed, checkpoint, drilled_layouts(self.save_dir), cwd)
+        fit = fit_printed(printed, checkpoint, drilled_layouts(self.save_dir), cwd, Trust.of(self.profile))
         incident.printed_args = [fit.summary(), *fit.lines()]
         unapproved = [d for d in fit.needs_approval if not self._approved(d, printed)]
         if not fit.refused and not unapproved:
@@ -749,6 +749,7 @@ class _Recovery:
             resumed,
             self.profile.resume,
             relaunched=nodes,
+            trust=Trust.of(self.profile),
         )
         incident.mark("validated")
         incident.validation = result.line()

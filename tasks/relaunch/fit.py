@@ -28,6 +28,7 @@ from pathlib import Path
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.facts import saved_args
+from tasks.checkpoint.signing import Trust
 from tasks.relaunch.script import ScriptArgs, script_args
 from tasks.relaunch.versions import JOB_PYTHON_TIMEOUT_SECONDS, job_versions
 
@@ -366,7 +367,7 @@ def checkpoint_fit(
     (with that drill's id), and the relaunch environment's versions against the writer's when
     ``recovery.job_python`` says how to ask (``versions``: as an earlier comparison asked them;
     they do not change with the checkpoint)."""
-    saved, writer = saved_args(directory)
+    saved, writer = saved_args(directory, Trust.of(profile, Path(directory).parent))
     found = script_args(script, environ)
     recovery = getattr(profile, "recovery", None)
     if versions is None:

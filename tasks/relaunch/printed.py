@@ -28,6 +28,8 @@ from pathlib import Path
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.facts import saved_args
+from tasks.checkpoint.manifest import UNCHECKED
+from tasks.checkpoint.signing import Trust
 from tasks.errors import unreadable
 from tasks.relaunch.fit import KIND_OF, Compatibility, Difference, Kind, compare
 from tasks.relaunch.script import ScriptArgs
@@ -151,7 +153,11 @@ def _resolved(value, cwd: Path | None):
 
 
 def fit_printed(
-    printed: PrintedArgs, checkpoint_dir: Path, drilled: dict[tuple[int, int], str], cwd: Path | None = None
+    printed: PrintedArgs,
+    checkpoint_dir: Path,
+    drilled: dict[tuple[int, int], str],
+    cwd: Path | None = None,
+    trust: Trust = UNCHECKED,
 ) -> Compatibility:
     """What Megatron-LM printed against the arguments the checkpoint in ``checkpoint_dir``
     saved, by ``tasks.relaunch.fit``'s rules (architecture and vocabulary refused, layout only
@@ -159,8 +165,9 @@ def fit_printed(
     optimizer warned). Every argument of the rules is printed, so each is compared; ``cwd``, the
     job's working directory, resolves relative paths on both sides. A value Megatron-LM printed as
     None that the checkpoint holds is one it sets later (``num_query_groups`` in its FLOPs
-    count): not compared."""
-    saved, _ = saved_args(checkpoint_dir)
+    count): not compared. ``trust``: the job's signing policy, the checkpoint's manifest read
+    under it first."""
+    saved, _ = saved_args(checkpoint_dir, trust)
     found = ScriptArgs(printed.path)
     later: list[Difference] = []
     for name in sorted(set(printed.values) & set(KIND_OF)):

@@ -6,10 +6,9 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
 
+from tasks.events import RESUME_REJECTED, RESUME_VALIDATED
 from tasks.relaunch.continuity import Validation
 from tasks.resume.validate import validate
-
-VALIDATED, REJECTED = "training.resume.validated", "training.resume.rejected"
 
 
 @task(name="validate-resume")
@@ -45,7 +44,7 @@ def publish_validation(job: str, result: Validation) -> None:
         ),
     )
     emit_event(
-        event=VALIDATED if result.ok else REJECTED,
+        event=RESUME_VALIDATED if result.ok else RESUME_REJECTED,
         resource={"prefect.resource.id": f"ckptops.job.{job}"},
         payload={
             "checkpoint": result.checkpoint,

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.facts import checkpoint_facts
-from tasks.checkpoint.manifest import read_manifest
+from tasks.checkpoint.manifest import UNCHECKED, read_manifest
 from tasks.checkpoint.pointer import read_pointer
+from tasks.checkpoint.signing import Trust
 from tasks.checkpoint.state import VerifyOptions
 from tasks.errors import UsageError
 from tasks.job.step_records import Steps
@@ -27,12 +28,14 @@ def validate_resume(
     settings,
     verified_now: bool = False,
     relaunched: dict[str, dict | None] | None = None,
+    trust: Trust = UNCHECKED,
 ) -> Validation:
     """Validate ``after`` (the resumed run) against ``before`` (the run before the failure).
     ``verified_now``: the checkpoint was verified by this validation, not before the resume.
     ``relaunched``: the resumed job's nodes and their recorded conformance facts (None for a
-    node never read), which a throughput drop is explained with."""
-    facts = checkpoint_facts(checkpoint)
+    node never read), which a throughput drop is explained with. ``trust``: the job's signing
+    policy, its checkpoint's manifest read under it before anything of it is loaded."""
+    facts = checkpoint_facts(checkpoint, trust)
     note = None
     if before is not None:
         baseline = make_baseline(before, facts, settings)
@@ -50,16 +53,16 @@ def validate_resume(
 def verify_if_never_verified(directory: Path, profile) -> bool:
     """Verify a checkpoint that has no manifest, as promote would (under the job lock, writing its
     manifest); True if it did. A resume may have started from a save ckptops had not reached yet."""
-    from tasks.checkpoint.lock import job_lock
-    from tasks.checkpoint.verify import verify_and_record
+    from tasks.checkpoint.promote import recording
 
-    if read_manifest(directory) is not None:
+    options = VerifyOptions.from_profile(profile, directory.parent)
+    if read_manifest(directory, options.trust) is not None:
         return False
-    with job_lock(directory.parent, profile.verify.lock_timeout_seconds) as held:
-        if read_manifest(directory) is not None:  # verified by a promotion while we waited
+    with recording(directory.parent, profile.verify.lock_timeout_seconds) as recorder:
+        if read_manifest(directory, options.trust) is not None:  # verified by a promotion meanwhile
             return False
-        verify_and_record(directory, VerifyOptions.from_profile(profile, directory.parent), held)
-    return read_manifest(directory) is not None
+        recorder.verify(layout.parse_iter_dir(directory.name), options)
+    return read_manifest(directory, options.trust) is not None
 
 
 def validate(profile, after: Path, before: Path | None = None, checkpoint: Path | None = None) -> Validation:
@@ -79,6 +82,8 @@ def validate(profile, after: Path, before: Path | None = None, checkpoint: Path 
     if layout.parse_iter_dir(checkpoint.name) is None or not checkpoint.is_dir():
         raise UsageError(f"{checkpoint}: not a checkpoint directory (expected iter_NNNNNNN)")
     verified_now = verify_if_never_verified(checkpoint, profile)
+    before_steps = load_steps(before) if before else None
+    trust = Trust.of(profile, checkpoint.parent)
     return validate_resume(
-        checkpoint, load_steps(before) if before else None, load_steps(after), profile.resume, verified_now
+        checkpoint, before_steps, load_steps(after), profile.resume, verified_now, trust=trust
     )
