@@ -63,3 +63,20 @@ def test_a_function_over_eighty_lines_is_named_with_its_length(tmp_path):
         },
     )
     assert lengths.long_functions(tmp_path) == [("tasks/long.py", 84, "over", 82)]
+
+
+def test_a_flow_run_starts_without_importing_torch():
+    """Every flow run is a new process on the worker (a verify-and-promote poll every 30 s among
+    them): importing the flows and the CLI must not import torch (about 3 s of CPU) before a
+    checkpoint is actually read."""
+    import subprocess
+    import sys
+
+    flows = sorted(p.stem for p in (ROOT / "flows").glob("*.py") if p.stem != "__init__")
+    code = "; ".join(f"import flows.{name}" for name in flows)
+    code += (
+        "; import tasks.cli; import sys; print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"imported at start: {done.stdout.strip()}"

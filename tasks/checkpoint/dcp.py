@@ -5,7 +5,13 @@ no restriction. Megatron stores its common state (args, iteration, scheduler) as
 inside the data files. Neither is loaded with full unpickling here: ``.metadata`` goes through an
 allowlist of DCP's own dataclasses and torch's dtypes, and the common state through
 ``torch.load(weights_only=True)`` with megatron-core's own safe-globals list.
+
+torch is imported when something is read, not with this module: what only names a check or
+an error from here (a promotion that finds nothing to verify, a flow run's start) does not pay
+for it.
 """
+
+from __future__ import annotations
 
 import argparse
 import dataclasses
@@ -20,20 +26,16 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from types import SimpleNamespace
-
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    TensorStorageMetadata,
-)
+from typing import TYPE_CHECKING
 
 from tasks.checkpoint.checks import VerifyCheck
 from tasks.checkpoint.scan import Record
 from tasks.errors import CkptopsError, unreadable
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
 _DCP_MODULES = ("torch.distributed.checkpoint.", "megatron.core.dist_checkpointing.")
-_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
 _EXPLICIT = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
 _SHARD_KEY = re.compile(r"^(?P<family>.+)/shard_(?P<offset>[\d.]+)_(?P<shape>[\d.]+)$")
 
@@ -51,9 +53,12 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Admits only DCP's metadata dataclasses and enums, torch.Size, and torch dtype constants."""
 
     def find_class(self, module, name):
+        import torch
+
         if (module, name) in _EXPLICIT:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS):
+        constants = (torch.dtype, torch.layout, torch.memory_format)
+        if module == "torch" and isinstance(getattr(torch, name, None), constants):
             return getattr(torch, name)
         if module.startswith(_DCP_MODULES):
             cls = super().find_class(module, name)
@@ -64,6 +69,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def load_dcp_metadata(path: Path) -> Metadata:
     """Unpickle a DCP ``.metadata`` file through the allowlist."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -120,6 +127,8 @@ class DcpIndex:
 
 
 def build_index(metadata: Metadata) -> DcpIndex:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
     tensors, objects = {}, {}
     for fqn, item in metadata.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
@@ -183,6 +192,8 @@ def load_object(directory: Path, index: DcpIndex, key: str):
 
 
 def _weights_only_load(source, name: str):
+    import torch
+
     def attempt():
         if isinstance(source, io.BytesIO):
             source.seek(0)

@@ -30,7 +30,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from isal import isal_zlib
 
 from tasks.checkpoint.values import RecordValues, ValueScan, tensor_dtype
@@ -173,6 +172,8 @@ def plan_crc_ranges(fd: int, record: Record) -> list[CrcRange]:
     ``data.pkl``; anything else (compression, encryption, flags torch never sets, a local header
     or data descriptor that disagrees with the central directory) is a damaged record.
     """
+    import torch
+
     window = _Window(fd, record.offset, record.length)
     # First the parser torch.load itself uses (miniz, reading only the directory): whatever it
     # would refuse is damaged, however lenient Python's zipfile is about the same bytes.

@@ -15,29 +15,45 @@ the buffer counted element by element. Types numpy lacks (bfloat16, float8) are 
 by torch first.
 """
 
+from __future__ import annotations
+
 import math
 import pickletools
 from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-# torch.save names a storage by its legacy class for these dtypes (torch.FloatStorage, ...) and
-# by UntypedStorage with the dtype beside it for the others (the float8 types among them).
-_LEGACY_STORAGES = {
-    "DoubleStorage": torch.float64,
-    "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-}
-# The floating types numpy reads as they are; the others are widened by torch.
-_NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16}
+if TYPE_CHECKING:
+    import torch
+
+
+@cache
+def _torch():
+    """torch, and its dtypes by the names torch.save gives them, imported on first use: a
+    process that only names a check (a promotion with nothing to verify) does not pay for it.
+    torch.save names a storage by its legacy class for the types of ``legacy`` (torch.FloatStorage,
+    ...) and by UntypedStorage with the dtype beside it for the others (the float8 types among
+    them); numpy reads the types of ``numpy`` as they are, torch widens the others."""
+    import torch
+
+    legacy = {
+        "DoubleStorage": torch.float64,
+        "FloatStorage": torch.float32,
+        "HalfStorage": torch.float16,
+        "BFloat16Storage": torch.bfloat16,
+        "LongStorage": torch.int64,
+        "IntStorage": torch.int32,
+        "ShortStorage": torch.int16,
+        "CharStorage": torch.int8,
+        "ByteStorage": torch.uint8,
+        "BoolStorage": torch.bool,
+    }
+    numpy = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16}
+    return torch, legacy, numpy
+
+
 _WIDE = (np.float32, np.float64)
 
 
@@ -62,10 +78,11 @@ def tensor_dtype(pickled: bytes) -> torch.dtype | None:
         return None
     if not names or not names[0].startswith("torch._utils._rebuild_tensor"):
         return None
+    torch, legacy, _ = _torch()
     for name in names[1:]:
         module, _, attribute = name.rpartition(".")
-        if module == "torch" and attribute in _LEGACY_STORAGES:
-            return _LEGACY_STORAGES[attribute]
+        if module == "torch" and attribute in legacy:
+            return legacy[attribute]
         if module == "torch" and isinstance(getattr(torch, attribute, None), torch.dtype):
             return getattr(torch, attribute)
     return None
@@ -93,6 +110,7 @@ class ValueScan:
 
     def __init__(self, dtype: torch.dtype, record_offset: int, nbytes: int):
         self.dtype = dtype
+        self.torch, _, self.numpy_types = _torch()
         self.itemsize = dtype.itemsize
         self.values = RecordValues(record_offset, dtype_name(dtype), nbytes, nbytes // self.itemsize)
         self.floating = dtype.is_floating_point
@@ -114,12 +132,12 @@ class ValueScan:
 
     def _take(self, data) -> None:
         if self.values.numel == 1:
-            element = torch.frombuffer(data, dtype=self.dtype)
+            element = self.torch.frombuffer(data, dtype=self.dtype)
             self.values.value = element.double().item() if self.floating else float(element.item())
         if not self.floating:
             return
-        if self.dtype in _NUMPY:
-            wide = np.frombuffer(data, dtype=_NUMPY[self.dtype])
+        if self.dtype in self.numpy_types:
+            wide = np.frombuffer(data, dtype=self.numpy_types[self.dtype])
             # Misaligned elements (a piece the reader could not align, see scan._CrcCursor.shift)
             # take numpy's slow loops and no BLAS, 40x slower than a copy to aligned memory.
             if wide.dtype not in _WIDE:
@@ -127,7 +145,7 @@ class ValueScan:
             elif not wide.flags.aligned:
                 wide = wide.copy()
         else:
-            wide = torch.frombuffer(data, dtype=self.dtype).float().numpy()
+            wide = self.torch.frombuffer(data, dtype=self.dtype).float().numpy()
         with np.errstate(over="ignore", invalid="ignore"):  # a NaN or a huge element: counted below
             total = float(np.dot(wide, wide))
         if not math.isfinite(total):

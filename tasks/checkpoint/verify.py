@@ -701,6 +701,8 @@ def verify_checkpoint(
     while the save was still going (``prescan.Prescan``), taken where still exactly what was read.
     Raises Unreadable (and writes nothing) when the environment keeps us from reading it.
     """
+    import torch  # noqa: F401  (the readers import it on first use: here, before the clock starts)
+
     directory = checkpoint_path(directory)
     iteration = layout.parse_iter_dir(directory.name)
     started = time.monotonic()
