@@ -45,6 +45,10 @@ def test_verify_invalid_exits_1_naming_file_and_check_without_traceback(save_dir
 
 def test_verify_in_progress_exits_1(save_dir):
     (iter_dir(save_dir, 24) / "metadata.json").unlink()
+    # A save still being written has fresh files: the session's trained copy may be older than
+    # the profile's abandon_after_seconds by the time this runs, which would read as abandoned.
+    for path in iter_dir(save_dir, 24).iterdir():
+        os.utime(path)
     result = ckptops("verify", iter_dir(save_dir, 24))
     assert result.returncode == 1 and result.stdout.startswith("IN-PROGRESS iter_0000024: metadata.json")
 

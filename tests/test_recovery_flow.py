@@ -100,10 +100,11 @@ def test_numerics_rolls_back_before_the_anomaly_and_an_abort_relaunches_nothing(
     from tasks.profile import load_profile
 
     two = tmp_path / "checkpoints" / "iter_0000002"
+    options = VerifyOptions.from_profile(load_profile(profile), two.parent)
     with job_lock(two.parent, 10) as held:
-        verified = verify_and_record(two, VerifyOptions.from_profile(load_profile(profile), two.parent), held)
+        verified = verify_and_record(two, options, held)
         record = {"ok": True, "drill": "shared-test", "steps": 2, "detail": "iterations 3-4 match"}
-        assert record_certification(two, verified.manifest.files, record, held)
+        assert record_certification(two, verified.manifest.files, record, held, options.trust)
     seen: dict = {}
     waiter = answer_when_paused({"decision": "abort", "checkpoint": None, "note": "data first"}, seen)
     state = recovery_run(profile=str(profile), logs=[str(nan_run[2])], mode="ask", return_state=True)
