@@ -316,20 +316,6 @@ def signature_for(
     return signature.bundle.to_json().encode(), trust.keys.get(identifier) or short(identifier)
 
 
-def check(directory: Path, manifest, manifest_bytes: bytes, trust: Trust) -> AllowedKey | None:
-    """``check_signature`` of ``directory/manifest.sig``, for the checkpoint of that directory."""
-    path = Path(directory) / SIGNATURE
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        data = None
-    except OSError as e:
-        raise BadSignature(f"{path}: unreadable signature ({e.strerror})") from None
-    where = str(Path(directory) / layout.MANIFEST)
-    name = local_name(trust, directory, manifest)
-    return check_signature(data, str(path), where, manifest, manifest_bytes, trust, name)
-
-
 def check_signature(
     data: bytes | None, path: str, where: str, manifest, manifest_bytes: bytes, trust: Trust, name: str
 ) -> AllowedKey | None:

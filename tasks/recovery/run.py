@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -147,6 +148,11 @@ class _Recovery:
         self.tri: Triage | None = None
         self.rules: list[Rule] = []
         self.resumed: Incident | None = None  # the last relaunch, if it turned numerically bad soon
+
+    @cached_property
+    def trust(self) -> Trust:
+        """The job's signing policy, built once when a phase first reads the job's manifests."""
+        return Trust.of(self.profile)
 
     def _save(self) -> None:
         try:
@@ -672,7 +678,7 @@ class _Recovery:
             self._save()
             return True
         checkpoint = self.save_dir / layout.iter_dir_name(incident.checkpoint)
-        fit = fit_printed(printed, checkpoint, drilled_layouts(self.save_dir), cwd, Trust.of(self.profile))
+        fit = fit_printed(printed, checkpoint, drilled_layouts(self.save_dir), cwd, self.trust)
         incident.printed_args = [fit.summary(), *fit.lines()]
         unapproved = [d for d in fit.needs_approval if not self._approved(d, printed)]
         if not fit.refused and not unapproved:
@@ -749,11 +755,11 @@ class _Recovery:
             resumed,
             self.profile.resume,
             relaunched=nodes,
-            trust=Trust.of(self.profile),
+            trust=self.trust,
         )
         incident.mark("validated")
         incident.validation = result.line()
-        account(incident, self.failed_steps, checkpoint_dir, Trust.of(self.profile))
+        account(incident, self.failed_steps, checkpoint_dir, self.trust)
         if result.ok:
             self._stop(
                 f"resumed from {incident.checkpoint} as {new}; {result.line()}", IncidentOutcome.COMPLETED
