@@ -126,6 +126,8 @@ def test_one_connection_per_node_and_parameters_never_reach_a_shell(cluster, tmp
         cluster,
         tmp_path,
         nodes=[HEALTHY[1]],
+        # Room for a loaded machine: a diag that timed out would be retried, a ninth command.
+        diag_timeout_seconds={1: 10},
         nccl={
             "command": [
                 "all_reduce_perf",

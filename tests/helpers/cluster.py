@@ -212,7 +212,7 @@ def profile_yaml(cluster: FakeCluster, nodes: list[str], known_hosts: Path, raw_
         "level": 1,
         "concurrency": 16,
         "command_timeout_seconds": 10,
-        "diag_timeout_seconds": {1: 8, 3: 10},
+        "diag_timeout_seconds": {1: 3, 3: 10},
         "raw_dir": str(raw_dir),
         "nccl": {"pass_gbps": 431, "warn_gbps": 410, "timeout_seconds": 10},
         # 8 x 400G InfiniBand: the recorded 2-node runs are judged by this gate (several nodes).
