@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import gc
 import io
 import logging
 import os
 import pickle
 import re
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -67,12 +69,25 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
 
 
+@contextmanager
+def _collector_off():
+    """The garbage collector paused: unpickling a million records makes millions of objects, none
+    of them garbage, and the collections they trigger took two thirds of the time (issue 37)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def load_dcp_metadata(path: Path) -> Metadata:
     """Unpickle a DCP ``.metadata`` file through the allowlist."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb") as f, _collector_off():
             metadata = _MetadataUnpickler(f).load()
     except FileNotFoundError:
         raise CheckFailed(VerifyCheck.DCP_METADATA, path.name, "missing") from None
