@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import pickletools
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -61,9 +61,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@lru_cache(maxsize=4096)
 def tensor_dtype(pickled: bytes) -> torch.dtype | None:
     """The storage dtype of a pickled tensor (a ``torch.save`` of one tensor), or None when the
-    pickle is not a bare tensor or cannot be walked."""
+    pickle is not a bare tensor or cannot be walked. Remembered by the pickle's bytes: the chunks
+    of one layer's tensors, and the layers of one model, pickle alike (a walk is ~30 us)."""
     names: list[str] = []
     strings: list[str] = []
     try:
