@@ -130,11 +130,15 @@ def _tiles_exactly(size: tuple[int, ...], chunks) -> str | None:
             return f"chunk at {list(offsets)} of size {list(sizes)} lies outside the shape {list(size)}"
         boxes.append((offsets, sizes))
     covered = sum(math.prod(s) for _, s in boxes)
-    # Sweep along the first dimension: only chunks whose first-dimension spans meet can overlap.
-    boxes.sort()
+    # Sweep along the dimension the chunks split most: only chunks whose spans meet along it can
+    # overlap. Chunks that split one dimension (tensor-parallel shards, experts, flattened
+    # optimizer pieces) each meet only their neighbour: n log n; an a x b grid, a x b x min(a, b).
+    axis = max(range(len(size)), key=lambda d: len({o[d] for o, _ in boxes}), default=0)
+    boxes.sort(key=lambda box: box[0][axis] if size else 0)
     for i, (oa, sa) in enumerate(boxes):
-        for ob, sb in boxes[i + 1 :]:
-            if size and ob[0] >= oa[0] + sa[0]:
+        for j in range(i + 1, len(boxes)):
+            ob, sb = boxes[j]
+            if size and ob[axis] >= oa[axis] + sa[axis]:
                 break
             if all(b < a + la and a < b + lb for a, la, b, lb in zip(oa, sa, ob, sb)):
                 return f"chunks at {list(oa)} and {list(ob)} overlap"
