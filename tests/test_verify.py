@@ -272,10 +272,12 @@ def test_flip_outside_crc_coverage_found_by_manifest(save_dir, options):
 def test_file_changing_during_read_is_in_progress(save_dir, options):
     directory = iter_dir(save_dir, 8)
     touched = []
+    # The verifier reads the largest file first: a writer appends to it after its first buffer.
+    first = max(directory.glob("*.distcp"), key=lambda p: p.stat().st_size)
 
     def writer_still_at_work(nbytes):
         if not touched:
-            with open(directory / "__1_0.distcp", "ab") as f:
+            with open(first, "ab") as f:
                 f.write(b"\0")
             touched.append(True)
 
