@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from tests.conftest import ROOT, iter_dir
@@ -93,6 +94,17 @@ def test_promote_then_status(save_dir):
     assert all(r["size_bytes"] > 1_000_000 and r["verified_at"] for r in rows)
     table = ckptops("status", save_dir)
     assert table.returncode == 0 and "24" in table.stdout and "valid" in table.stdout
+    # Promoting a verified save again and listing read no tensor: neither imports torch (~3 s).
+    for command in ("promote", "status"):
+        code = (
+            f"import sys; from tasks.cli import main; sys.argv = ['ckptops', '{command}', '{save_dir}']\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules), file=sys.stderr)"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
+        assert done.stderr.strip().splitlines()[-1] == "[]", (command, done.stderr)
 
 
 def test_retain_and_pins_from_the_command_line(save_dir):
