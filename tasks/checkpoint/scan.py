@@ -244,27 +244,26 @@ def plan_crc_ranges(fd: int, record: Record) -> list[CrcRange]:
     return ranges
 
 
-def _fast(view: memoryview, record: Record, scan: FileScan) -> bool:
+def _fast(reader: torchsave.Reader, view: memoryview, record: Record, scan: FileScan) -> bool:
     """Check a small record whose bytes are in ``view`` at once: its layout (``torchsave``), its
     entries' CRCs and its elements' statistics. False when the layout is not exactly
     torch.save's: the record is then planned the careful way."""
-    layout = torchsave.entries(view)
+    layout = reader.entries(view)
     if layout is None:
         return False
     dtype = tensor_dtype(layout.pickled) if layout.pickled is not None and len(layout.elements) == 1 else None
     for entry in layout.entries:
-        r = CrcRange(
-            record.offset + entry.start,
-            record.offset + entry.end,
-            entry.crc,
-            f"record '{record.key}' entry {entry.name}",
-        )
         piece = view[entry.start : entry.end]
-        r.crc = isal_zlib.crc32(piece)
+        crc = isal_zlib.crc32(piece)
         if dtype is not None and entry is layout.elements[0]:
-            r.values = ValueScan(dtype, record.offset, entry.end - entry.start)
-            r.values.feed(piece)
-        _finish(scan, r)
+            values = ValueScan(dtype, record.offset, entry.end - entry.start)
+            values.feed(piece)
+            scan.values.append(values.finish(crc))
+        if crc != entry.crc:
+            scan.failures.append(
+                f"record '{record.key}' entry {entry.name} at offset {record.offset + entry.start}: "
+                f"CRC {crc:08x}, expected {entry.crc:08x}"
+            )
     return True
 
 
@@ -284,22 +283,25 @@ def _groups(records: list[Record]):
         yield run
 
 
-def _plan_file(fd: int, records: list[Record], scan: FileScan) -> list[CrcRange]:
+def _read_run(fd: int, start: int, end: int) -> memoryview:
+    """``[start, end)`` of the file, or as much of it as there is, in writable memory (torch
+    widens bfloat16 elements from it, and warns about read-only buffers)."""
+    buffer = bytearray(end - start)
+    return memoryview(buffer)[: os.preadv(fd, [buffer], start)]
+
+
+def _plan_file(fd: int, records: list[Record], scan: FileScan, reader: torchsave.Reader) -> list[CrcRange]:
     """Small records are read a run at a time and checked whole from memory; what is left (large
     records, and any whose layout is not exactly torch.save's) is planned for the file's read."""
     ranges = []
     for run in _groups(sorted(records, key=lambda r: r.offset)):
         first = run[0]
-        data = (
-            memoryview(os.pread(fd, run[-1].end - first.offset, first.offset))
-            if first.length <= SMALL_RECORD
-            else None
-        )
+        data = _read_run(fd, first.offset, run[-1].end) if first.length <= SMALL_RECORD else None
         for record in run:
             view = (
                 data[record.offset - first.offset : record.end - first.offset] if data is not None else None
             )
-            if view is not None and len(view) == record.length and _fast(view, record, scan):
+            if view is not None and len(view) == record.length and _fast(reader, view, record, scan):
                 continue
             try:
                 ranges.extend(plan_crc_ranges(fd, record))
@@ -387,6 +389,7 @@ def scan_file(
     hashing: Hashing = WHOLE_FILES,
     span: tuple[int, int] | None = None,
     uncached: bool = False,
+    reader: torchsave.Reader | None = None,
 ) -> FileScan:
     """Hash ``path`` and check the CRCs of ``records`` in it, reading each byte once.
 
@@ -395,6 +398,7 @@ def scan_file(
     spans'; the CRCs of ``records`` (those the span owns) are checked whole, reading past ``end``
     where a record runs on. The file must still have the size the spans were planned for.
     ``uncached`` drops this host's cached pages of the span first, so the bytes come from storage.
+    ``reader``, shared by the files of one verification, remembers the shapes of record seen.
     """
     scan = FileScan(path.name, records=len(records))
     if span is not None:
@@ -417,7 +421,7 @@ def scan_file(
         if uncached:
             os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
         os.posix_fadvise(fd, start, 0, os.POSIX_FADV_SEQUENTIAL)
-        ranges = _plan_file(fd, records, scan)
+        ranges = _plan_file(fd, records, scan, reader or torchsave.Reader())
         hasher = FileHash(hashing, start)
         sha = hashlib.sha256() if want_sha256 else None
         buffer = bytearray(WINDOW + _ALIGN)
@@ -475,6 +479,7 @@ def scan_files(
     is hashing and CRCs, which release it."""
     threads = threads or os.cpu_count() or 1
     lock = threading.Lock()
+    reader = torchsave.Reader()
 
     def locked_progress(n):
         with lock:
@@ -488,7 +493,12 @@ def scan_files(
 
     def one(name):
         return scan_file(
-            directory / name, files[name], name in sha256_for, locked_progress if progress else None, hashing
+            directory / name,
+            files[name],
+            name in sha256_for,
+            locked_progress if progress else None,
+            hashing,
+            reader=reader,
         )
 
     sizes = {name: size_of(name) for name in files}
