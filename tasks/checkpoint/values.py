@@ -146,6 +146,8 @@ class ValueScan:
                 wide = wide.astype(np.float32)
             elif not wide.flags.aligned:
                 wide = wide.copy()
+        elif self.dtype is self.torch.bfloat16:  # the upper half of a float32: widened exactly
+            wide = (np.frombuffer(data, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
         else:
             wide = self.torch.frombuffer(data, dtype=self.dtype).float().numpy()
         with np.errstate(over="ignore", invalid="ignore"):  # a NaN or a huge element: counted below
