@@ -101,10 +101,17 @@ def test_a_file_scans_the_same_record_by_record_and_in_runs(records, tmp_path, m
 
     def scanned():
         result = scan_file(path, index.files[name])
-        values = sorted((v.offset, v.crc, v.nan, v.min, v.max, v.sumsq) for v in result.values)
-        return result.hash, sorted(result.failures), values
+        values = sorted(
+            (v.offset, v.crc, v.nan, v.inf, v.numel, v.dtype, v.min, v.max) for v in result.values
+        )
+        # Sums of squares: accumulated in float64 over a run's records, in float32 by BLAS record
+        # by record: equal to float32's precision.
+        sumsq = {v.offset: v.sumsq for v in result.values}
+        return result.hash, sorted(result.failures), values, sumsq
 
-    fast = scanned()
+    *fast, fast_sumsq = scanned()
     monkeypatch.setattr(scan, "SMALL_RECORD", 0)
-    assert fast == scanned()
+    *careful, careful_sumsq = scanned()
+    assert fast == careful and fast[2]
+    assert fast_sumsq == pytest.approx(careful_sumsq, rel=1e-5)
     assert fast[1]  # the flips were found

@@ -39,6 +39,7 @@ from isal import isal_zlib
 
 from tasks.checkpoint import torchsave
 from tasks.checkpoint.values import RecordValues, ValueScan, tensor_dtype
+from tasks.checkpoint.values import batch as values_batch
 from tasks.storage.digest import FileHash, Hashing, combine
 
 WHOLE_FILES = Hashing(segment_bytes=None)  # XXH3-128 of each file as one segment, unless told
@@ -244,10 +245,11 @@ def plan_crc_ranges(fd: int, record: Record) -> list[CrcRange]:
     return ranges
 
 
-def _fast(reader: torchsave.Reader, view: memoryview, record: Record, scan: FileScan) -> bool:
-    """Check a small record whose bytes are in ``view`` at once: its layout (``torchsave``), its
-    entries' CRCs and its elements' statistics. False when the layout is not exactly
-    torch.save's: the record is then planned the careful way."""
+def _fast(reader: torchsave.Reader, view: memoryview, record: Record, scan: FileScan, pending: list) -> bool:
+    """Check a small record whose bytes are in ``view`` at once: its layout (``torchsave``) and
+    its entries' CRCs; a tensor's elements go to ``pending``, whose statistics are taken together
+    (``values.batch``). False when the layout is not exactly torch.save's: the record is then
+    planned the careful way."""
     layout = reader.entries(view)
     if layout is None:
         return False
@@ -256,9 +258,7 @@ def _fast(reader: torchsave.Reader, view: memoryview, record: Record, scan: File
         piece = view[entry.start : entry.end]
         crc = isal_zlib.crc32(piece)
         if dtype is not None and entry is layout.elements[0]:
-            values = ValueScan(dtype, record.offset, entry.end - entry.start)
-            values.feed(piece)
-            scan.values.append(values.finish(crc))
+            pending.append((dtype, piece, record.offset, crc))
         if crc != entry.crc:
             scan.failures.append(
                 f"record '{record.key}' entry {entry.name} at offset {record.offset + entry.start}: "
@@ -293,7 +293,7 @@ def _read_run(fd: int, start: int, end: int) -> memoryview:
 def _plan_file(fd: int, records: list[Record], scan: FileScan, reader: torchsave.Reader) -> list[CrcRange]:
     """Small records are read a run at a time and checked whole from memory; what is left (large
     records, and any whose layout is not exactly torch.save's) is planned for the file's read."""
-    ranges = []
+    ranges, pending = [], []
     for run in _groups(sorted(records, key=lambda r: r.offset)):
         first = run[0]
         data = _read_run(fd, first.offset, run[-1].end) if first.length <= SMALL_RECORD else None
@@ -301,7 +301,7 @@ def _plan_file(fd: int, records: list[Record], scan: FileScan, reader: torchsave
             view = (
                 data[record.offset - first.offset : record.end - first.offset] if data is not None else None
             )
-            if view is not None and len(view) == record.length and _fast(reader, view, record, scan):
+            if view is not None and len(view) == record.length and _fast(reader, view, record, scan, pending):
                 continue
             try:
                 ranges.extend(plan_crc_ranges(fd, record))
@@ -312,6 +312,8 @@ def _plan_file(fd: int, records: list[Record], scan: FileScan, reader: torchsave
                     f"record '{record.key}' at offset {record.offset} is not a readable torch.save "
                     f"archive ({type(e).__name__}: {e})"
                 )
+        scan.values.extend(values_batch(pending))  # a run's worth at a time: at most WINDOW bytes
+        pending.clear()
     ranges.sort(key=lambda r: r.start)
     return ranges
 
@@ -397,9 +399,8 @@ def scan_file(
     last span) only those bytes are hashed, into segment digests the caller combines with the other
     spans'; the CRCs of ``records`` (those the span owns) are checked whole, reading past ``end``
     where a record runs on. The file must still have the size the spans were planned for.
-    ``uncached`` drops this host's cached pages of the span first, so the bytes come from storage.
-    ``reader``, shared by the files of one verification, remembers the shapes of record seen.
-    """
+    ``uncached`` drops this host's cached pages of the span first, so the bytes come from storage;
+    ``reader``, shared by the files of one verification, remembers the shapes of record seen."""
     scan = FileScan(path.name, records=len(records))
     if span is not None:
         scan.start, scan.end = span  # what was asked for, even when the file is not there to read
