@@ -32,6 +32,7 @@ from tasks.checkpoint.dcp import (
     CheckFailed,
     DcpIndex,
     build_index,
+    collector_off,
     load_common_state,
     load_dcp_metadata,
     load_object,
@@ -707,6 +708,13 @@ def verify_checkpoint(
     """
     import torch  # noqa: F401  (the readers import it on first use: here, before the clock starts)
 
+    # A million records' index is a million live objects, and every collection walked them all
+    # again (a listing of 5,120 files took 0.9 s instead of 30 ms): none is garbage (dcp).
+    with collector_off():
+        return _verify(directory, options, progress, reference, watch, prescan)
+
+
+def _verify(directory, options, progress, reference, watch, prescan) -> Verification:
     directory = checkpoint_path(directory)
     iteration = layout.parse_iter_dir(directory.name)
     started = time.monotonic()
