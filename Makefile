@@ -90,6 +90,7 @@ b3sum:
 
 bench: venv sshd slurm b3sum
 	$(BIN)/python -m tests.bench.bench_verify
+	$(BIN)/python -m tests.bench.bench_scale
 	SLURM_CONF=$(CURDIR)/data/slurm/slurm.conf $(BIN)/python -m tests.bench.bench_verify_slurm
 	$(BIN)/python -m tests.bench.bench_drill
 	$(BIN)/python -m tests.bench.bench_health
