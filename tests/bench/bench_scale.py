@@ -25,7 +25,7 @@ from tests.bench.seed_scale import make
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "data" / "bench"
 CASES = (("seed-100k", 100_000), ("seed-1m", 1_000_000))
-console = Console(highlight=False)
+console = Console(highlight=False, width=160)
 
 _VERIFY = """
 import json, resource, sys, time
