@@ -36,6 +36,7 @@ _VERSIONS = (1, 10)  # the archive format versions torch's reader supports
 # Entries whose bytes are the same in every record one torch writes: a skeleton keeps them.
 _CONSTANT = frozenset({b".format_version", b".storage_alignment", b"byteorder", b"version", b".data/version"})
 _SKELETONS_PER_LENGTH = 8
+_SKELETONS = 4096  # in all: each keeps its header bytes' positions (a few KB), so at most some tens of MB
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,7 @@ class Reader:
 
     def __init__(self):
         self.skeletons: dict[int, list[_Skeleton]] = {}
+        self.count = 0
 
     def entries(self, data: memoryview) -> Layout | None:
         known = self.skeletons.get(len(data), [])
@@ -215,10 +217,11 @@ class Reader:
                     if layout is not None:
                         return layout
         layout = entries(data)
-        if layout is not None and len(known) < _SKELETONS_PER_LENGTH:
+        if layout is not None and len(known) < _SKELETONS_PER_LENGTH and self.count < _SKELETONS:
             skeleton = _skeleton(data, layout)
             if skeleton is not None:
                 self.skeletons.setdefault(len(data), []).append(skeleton)
+                self.count += 1
         return layout
 
 
