@@ -259,11 +259,9 @@ def _fast(reader: torchsave.Reader, view: memoryview, record: Record, scan: File
         crc = isal_zlib.crc32(piece)
         if dtype is not None and entry is layout.elements[0]:
             pending.append((dtype, piece, record.offset, crc))
-        if crc != entry.crc:
-            scan.failures.append(
-                f"record '{record.key}' entry {entry.name} at offset {record.offset + entry.start}: "
-                f"CRC {crc:08x}, expected {entry.crc:08x}"
-            )
+        if crc != entry.crc:  # the label built only here: most records have nothing to report
+            label = f"record '{record.key}' entry {entry.name}"
+            scan.failures.append(_crc_mismatch(label, record.offset + entry.start, crc, entry.crc))
     return True
 
 
@@ -322,7 +320,11 @@ def _finish(scan: FileScan, r: CrcRange) -> None:
     if r.values is not None:
         scan.values.append(r.values.finish(r.crc))
     if r.crc != r.expected:
-        scan.failures.append(f"{r.label} at offset {r.start}: CRC {r.crc:08x}, expected {r.expected:08x}")
+        scan.failures.append(_crc_mismatch(r.label, r.start, r.crc, r.expected))
+
+
+def _crc_mismatch(label: str, start: int, crc: int, expected: int) -> str:
+    return f"{label} at offset {start}: CRC {crc:08x}, expected {expected:08x}"
 
 
 class _CrcCursor:

@@ -179,8 +179,8 @@ def _skeleton(data: memoryview, layout: Layout) -> _Skeleton | None:
     cd_at = _end_records(data)[2]
     crcs, at, pickle_entry = [], cd_at, None
     for i, entry in enumerate(layout.entries):
-        flags = _CENTRAL.unpack_from(data, at)[5]
-        name_length = _CENTRAL.unpack_from(data, at)[12]
+        fields = _CENTRAL.unpack_from(data, at)
+        flags, name_length = fields[5], fields[12]
         inner = bytes(data[at + _CENTRAL.size : at + _CENTRAL.size + name_length]).split(b"/", 1)[-1]
         if not flags & 0x08:
             return None  # the local header's own CRC would vary too: no skeleton, parse each

@@ -146,8 +146,8 @@ class ValueScan:
                 wide = wide.astype(np.float32)
             elif not wide.flags.aligned:
                 wide = wide.copy()
-        elif self.dtype is self.torch.bfloat16:  # the upper half of a float32: widened exactly
-            wide = (np.frombuffer(data, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+        elif self.dtype is self.torch.bfloat16:
+            wide = _widened_bfloat16(np.frombuffer(data, dtype=np.uint16))
         else:
             wide = self.torch.frombuffer(data, dtype=self.dtype).float().numpy()
         with np.errstate(over="ignore", invalid="ignore"):  # a NaN or a huge element: counted below
@@ -171,6 +171,11 @@ class ValueScan:
         return self.values
 
 
+def _widened_bfloat16(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 elements (as uint16) as float32, exactly: a bfloat16 is a float32's upper half."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
 def batch(items: list[tuple[torch.dtype, memoryview, int, int]]) -> list[RecordValues]:
     """The values of many small records at once: ``items`` are (dtype, element bytes, record
     offset, CRC). A record's own numpy calls cost some 20 us, more than its elements at the seed's
@@ -188,7 +193,7 @@ def batch(items: list[tuple[torch.dtype, memoryview, int, int]]) -> list[RecordV
         else:
             groups.setdefault(dtype, []).append((piece, offset, crc))
     for dtype, members in groups.items():
-        done.extend(_joined(dtype, members, numpy_types))
+        done.extend(_joined(dtype, members, numpy_types, torch))
     return done
 
 
@@ -198,13 +203,12 @@ def _alone(dtype, piece, offset: int, crc: int) -> RecordValues:
     return scan.finish(crc)
 
 
-def _joined(dtype, members: list, numpy_types: dict) -> list[RecordValues]:
-    torch = _torch()[0]
+def _joined(dtype, members: list, numpy_types: dict, torch) -> list[RecordValues]:
     raw = np.uint16 if dtype is torch.bfloat16 else numpy_types[dtype]
     arrays = [np.frombuffer(piece, dtype=raw) for piece, _, _ in members]
     flat = np.concatenate(arrays)
-    if dtype is torch.bfloat16:  # the upper half of a float32: widened exactly
-        flat = (flat.astype(np.uint32) << 16).view(np.float32)
+    if dtype is torch.bfloat16:
+        flat = _widened_bfloat16(flat)
     starts = np.cumsum([0] + [len(a) for a in arrays[:-1]])
     with np.errstate(over="ignore", invalid="ignore"):
         wide = flat.astype(np.float64)
