@@ -136,22 +136,33 @@ def pytest_configure(config) -> None:
     config.add_cleanup(stop)
 
 
-def once(tmp_path_factory, key: str, build) -> Path:
+def once(tmp_path_factory, key: str, build, wait: bool = True) -> Path | None:
     """A folder that ``build(folder)`` fills once for the whole test run: the first xdist worker
     (or the only process) to ask builds it, under a lock the others wait on; they all get it
-    built. A build that raised is tried again by the next to ask."""
+    built. A build that raised is tried again by the next to ask. With ``wait=False``, None
+    while another process is building it."""
     base = tmp_path_factory.getbasetemp()
     shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "built-once"
     shared.mkdir(exist_ok=True)
     folder = shared / key
     with open(shared / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return None
         if not (shared / f"{key}.built").exists():
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
             build(folder)
             (shared / f"{key}.built").touch()
     return folder
+
+
+def all_once(tmp_path_factory, builds: dict[str, object]) -> dict[str, Path]:
+    """``once`` for many keys, shared out: a worker builds the keys no other worker is building
+    and only then waits for the others', so workers that ask together build side by side."""
+    done = {key: once(tmp_path_factory, key, build, wait=False) for key, build in builds.items()}
+    return {key: folder or once(tmp_path_factory, key, builds[key]) for key, folder in done.items()}
 
 
 def trained_once(tmp_path_factory, *, timeout_seconds: float = 600, **job) -> Path:
@@ -581,9 +592,10 @@ def _train_variant(variant: Variant, root: Path) -> None:
 @pytest.fixture(scope="session")
 def variety(tmp_path_factory) -> dict[str, Path]:
     """Save directories of the variants, one checkpoint each (iteration 4), trained once."""
+    builds = {f"variant-{name}": partial(_train_variant, variant) for name, variant in VARIANTS.items()}
     return {
-        name: once(tmp_path_factory, f"variant-{name}", partial(_train_variant, variant)) / name
-        for name, variant in VARIANTS.items()
+        key.removeprefix("variant-"): folder / key.removeprefix("variant-")
+        for key, folder in all_once(tmp_path_factory, builds).items()
     }
 
 
