@@ -248,6 +248,20 @@ def test_pointer_leaves_a_checkpoint_found_invalid_on_reverification(save_dir, o
     assert report.current == 20 and "iter_0000024" in report.message and "invalid" in report.message
 
 
+def test_a_manifest_read_again_is_its_own_copy_and_new_bytes_are_parsed_anew(save_dir, options):
+    """Promotion reads a manifest more than once and parses it once (by its bytes' digest): each
+    reader gets its own copy, and a manifest rewritten since is never answered from the old one."""
+    directory = iter_dir(save_dir, 24)
+    assert verify_and_record_here(directory, options).state is State.VALID
+    first, second = read_manifest(directory), read_manifest(directory)
+    assert first == second and first is not second
+    first.certification = {"ok": True}
+    assert second.certification is None and read_manifest(directory).certification is None
+    flip_byte(directory / "__1_0.distcp", tensor_data_offset(directory, "__1_0.distcp"))
+    assert verify_and_record_here(directory, options).state is State.INVALID
+    assert read_manifest(directory).status is State.INVALID
+
+
 def test_explicit_iteration_must_be_valid(save_dir, options):
     report = promote(save_dir, options, 10, requested=8)
     assert report.current == 8 and read_pointer(save_dir) == 8

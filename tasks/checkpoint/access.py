@@ -90,18 +90,22 @@ def writable_by_others(path: Path, trusted: set[int], allow_group_write: bool = 
         return None
     except OSError as e:
         raise unreadable(path, e) from None
+    why = _why(st, trusted, allow_group_write)
+    return None if why is None else f"{path}: {why}: {describe_mode(st)}"
+
+
+def _why(st: os.stat_result, trusted: set[int], allow_group_write: bool) -> str | None:
+    """What lets somebody not trusted write the entry ``st`` describes (its ``lstat``), or None."""
     mode = stat.S_IMODE(st.st_mode)
     if stat.S_ISLNK(st.st_mode):
-        why = "a symlink (anybody who can write its target, or the target's directory, controls it)"
-    elif mode & stat.S_IWOTH:
-        why = "world-writable"
-    elif mode & stat.S_IWGRP and not allow_group_write:
-        why = "group-writable (the profile's verify.allow_group_write is off)"
-    elif st.st_uid not in trusted:
-        why = "owned by another user than the job's"
-    else:
-        return None
-    return f"{path}: {why}: {describe_mode(st)}"
+        return "a symlink (anybody who can write its target, or the target's directory, controls it)"
+    if mode & stat.S_IWOTH:
+        return "world-writable"
+    if mode & stat.S_IWGRP and not allow_group_write:
+        return "group-writable (the profile's verify.allow_group_write is off)"
+    if st.st_uid not in trusted:
+        return "owned by another user than the job's"
+    return None
 
 
 def resume_reads(name: str) -> bool:
@@ -111,22 +115,36 @@ def resume_reads(name: str) -> bool:
     return layout.is_checkpoint_content(name) or name == COMMON_PT
 
 
-def _data_files(directory: Path) -> list[Path]:
+def _data_files(directory: Path) -> dict[str, os.stat_result]:
+    """The names of the files a resume reads in ``directory``, each with its own ``lstat`` (one
+    listing)."""
+    found = {}
     try:
         with os.scandir(directory) as entries:
-            return sorted(directory / e.name for e in entries if resume_reads(e.name))
+            for entry in entries:
+                if resume_reads(entry.name):
+                    try:
+                        found[entry.name] = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # removed since the listing: nothing left to trust
     except (FileNotFoundError, NotADirectoryError):
-        return []  # no checkpoint there: what names it (the pointer) is what is checked
+        return {}  # no checkpoint there: what names it (the pointer) is what is checked
     except OSError as e:
         raise unreadable(directory, e) from None
+    return found
 
 
 def unsafe_for_promotion(
-    save_dir: Path, iteration: int | None, job_user: str | None = None, allow_group_write: bool = False
+    save_dir: Path,
+    iteration: int | None,
+    job_user: str | None = None,
+    allow_group_write: bool = False,
+    entries: dict[str, os.stat_result] | None = None,
 ) -> list[str]:
     """What others could write among the paths promoting ``iteration`` would trust (the save
     directory, the pointer, the verdict log and Megatron's tracker; with an iteration, its
-    directory, manifest and every data file a resume reads), one line each; empty if none."""
+    directory, manifest and every data file a resume reads), one line each; empty if none.
+    ``entries``: the iteration directory's ``list_entries`` when the caller has just taken it."""
     save_dir = Path(save_dir).resolve()  # a save directory reached through a symlink is fine
     trusted = {job_uid(save_dir, job_user), 0, os.geteuid()}
     paths = [
@@ -135,10 +153,28 @@ def unsafe_for_promotion(
         save_dir / layout.MEGATRON_TRACKER,
         save_dir / layout.HISTORY / VERDICTS,
     ]
+    data: dict[str, os.stat_result] = {}
     if iteration is not None:
         directory = save_dir / layout.iter_dir_name(iteration)
-        paths += [directory, directory / layout.MANIFEST, *_data_files(directory)]
-    found = (writable_by_others(p, trusted, allow_group_write) for p in paths)
+        paths += [directory, directory / layout.MANIFEST]
+        data = (
+            _data_files(directory)
+            if entries is None
+            else {name: st for name, st in entries.items() if resume_reads(name)}
+        )
+    found = [writable_by_others(p, trusted, allow_group_write) for p in paths]
+    # Most of a checkpoint's thousands of files are the job's and private: only those the mode
+    # or the owner puts in doubt are described.
+    writable = stat.S_IWOTH | (0 if allow_group_write else stat.S_IWGRP)
+    doubtful = [
+        n
+        for n, st in data.items()
+        if st.st_mode & writable or st.st_uid not in trusted or stat.S_ISLNK(st.st_mode)
+    ]
+    for name in sorted(doubtful):
+        why = _why(data[name], trusted, allow_group_write)
+        if why is not None:
+            found.append(f"{directory / name}: {why}: {describe_mode(data[name])}")
     return [line for line in found if line is not None]
 
 

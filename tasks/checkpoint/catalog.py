@@ -5,6 +5,7 @@ completeness check (stat only); "promoted" from the pointer; pins from the pin f
 it each time means it can never disagree with the files it describes.
 """
 
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.state import State, VerifyOptions, completeness
 from tasks.errors import UsageError, unreadable
 from tasks.outcome import Outcome
-from tasks.storage.local import list_files
+from tasks.storage.local import list_entries, list_files
 
 _FROM_DISK = object()
 
@@ -49,10 +50,14 @@ class CheckpointInfo:
         return asdict(self)
 
 
-def describe(directory: Path, options: VerifyOptions) -> CheckpointInfo:
+def describe(
+    directory: Path, options: VerifyOptions, entries: dict[str, os.stat_result] | None = None
+) -> CheckpointInfo:
+    """The checkpoint's state from its files (``entries``: its ``list_entries``, when the caller
+    has just taken them: one listing per checkpoint) and its manifest."""
     iteration = layout.parse_iter_dir(directory.name)
     try:
-        files = list_files(directory)
+        files = list_files(directory, entries)
     except OSError as e:
         raise unreadable(directory, e) from None
     info = CheckpointInfo(
@@ -62,7 +67,7 @@ def describe(directory: Path, options: VerifyOptions) -> CheckpointInfo:
         "complete, not verified yet",
         sum(st.st_size for st in files.values()),
     )
-    progress = completeness(directory, options)
+    progress = completeness(directory, options, files)
     if progress.state is State.IN_PROGRESS:
         info.state, info.reason = progress.state, progress.reason
         return info
@@ -95,10 +100,16 @@ def describe(directory: Path, options: VerifyOptions) -> CheckpointInfo:
     return info
 
 
-def catalog(save_dir: Path, options: VerifyOptions, pointer=_FROM_DISK) -> list[CheckpointInfo]:
+def catalog(
+    save_dir: Path,
+    options: VerifyOptions,
+    pointer=_FROM_DISK,
+    listings: dict[int, dict[str, os.stat_result]] | None = None,
+) -> list[CheckpointInfo]:
     """Every checkpoint in ``save_dir``, oldest first. ``pointer``: the promoted iteration when
     the caller has read it already (``status`` lists the checkpoints even when the pointer file
-    is garbled); by default it is read here, and a garbled one is an error."""
+    is garbled); by default it is read here, and a garbled one is an error. ``listings``, if
+    given, receives each checkpoint directory's ``list_entries``, for the caller's own checks."""
     save_dir = Path(save_dir)
     if not save_dir.is_dir():
         raise UsageError(f"{save_dir}: no such save directory")
@@ -114,10 +125,16 @@ def catalog(save_dir: Path, options: VerifyOptions, pointer=_FROM_DISK) -> list[
         expired.setdefault(lease.iteration, []).append(f"{lease.holder} ({why})")
     infos = []
     for iteration in iterations:
+        directory = save_dir / layout.iter_dir_name(iteration)
         try:
-            info = describe(save_dir / layout.iter_dir_name(iteration), options)
+            entries = list_entries(directory)
+            info = describe(directory, options, entries)
         except FileNotFoundError:
             continue  # deleted by retention while we listed
+        except OSError as e:
+            raise unreadable(directory, e) from None
+        if listings is not None:
+            listings[iteration] = entries
         info.promoted = iteration == pointer
         info.pins = sorted(pinned.get(iteration, []))
         info.expired_pins = expired.get(iteration, [])

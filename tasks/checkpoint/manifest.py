@@ -11,15 +11,19 @@ Each manifest written is numbered and recorded in the save directory's verdict l
 back after re-verification found the checkpoint invalid, signed or not) is never trusted.
 """
 
+import copy
+import hashlib
 import json
 import os
 import socket
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pydantic
+import pydantic_core
 
 from tasks import __version__
 from tasks.checkpoint import layout, signing, verdicts
@@ -29,7 +33,7 @@ from tasks.checkpoint.state import State
 from tasks.errors import CkptopsError, Malformed, unreadable
 from tasks.outcome import Check
 from tasks.storage.digest import XXH3, Hashing
-from tasks.storage.local import atomic_write_together, list_files, read_state
+from tasks.storage.local import atomic_write_together, read_state, stat_files
 
 # 2: checks carry an outcome word (pass, fail) instead of ok: true/false. Version 1 still reads.
 # 3: per-tensor statistics (tensors), object families (objects) and the optimizer's step.
@@ -173,14 +177,31 @@ def save_identity(files: dict[str, os.stat_result]) -> dict:
     return {name: [files[name].st_size, files[name].st_mtime_ns] for name in CORE_FILES if name in files}
 
 
+# Manifests parsed in this process, by the BLAKE2 digest of their bytes: at 5,120 files a
+# manifest is about 1 MB and takes 15 ms to parse and check, and one promotion reads each kept
+# checkpoint's manifest more than once (the catalog, the pointer's last check). A function of
+# the bytes alone, so it can never answer for other bytes; callers get their own copy.
+_PARSED: "OrderedDict[bytes, Manifest]" = OrderedDict()
+_PARSED_KEPT = 16
+
+
 def parse_manifest(raw: bytes, where: str) -> Manifest:
     """A manifest from its bytes, wherever they were kept (the shared store, the archive):
     ``CorruptManifest`` naming ``where`` if they are not one."""
-    try:
-        data = json.loads(raw)
-    except ValueError as e:
-        raise CorruptManifest(f"{where}: the manifest does not parse ({e})") from None
-    return Manifest.from_dict(data, where)
+    digest = hashlib.blake2b(raw, digest_size=32).digest()
+    parsed = _PARSED.get(digest)
+    if parsed is None:
+        try:
+            data = pydantic_core.from_json(raw)  # json.loads' result, a third faster at 1 MB
+        except ValueError as e:
+            raise CorruptManifest(f"{where}: the manifest does not parse ({e})") from None
+        parsed = Manifest.from_dict(data, where)
+        _PARSED[digest] = parsed
+        if len(_PARSED) > _PARSED_KEPT:
+            _PARSED.popitem(last=False)
+    else:
+        _PARSED.move_to_end(digest)
+    return copy.copy(parsed)
 
 
 def check_trusted(
@@ -258,7 +279,7 @@ def valid_for_this_save(directory: Path, iteration: int, trust: Trust = UNCHECKE
         or not manifest.valid
         or manifest.iteration != iteration
         or directory.is_symlink()
-        or not manifest.same_save(list_files(directory))
+        or not manifest.same_save(stat_files(directory, CORE_FILES))
     ):
         return None
     return manifest

@@ -254,11 +254,12 @@ def _verified_since(info: CheckpointInfo, hold: Hold) -> bool:
 
 
 def choose_target(
-    save_dir: Path, options: VerifyOptions, requested: int | None = None
+    save_dir: Path, options: VerifyOptions, requested: int | None = None, listings: dict | None = None
 ) -> tuple[int | None, str]:
-    """The iteration the pointer should name (None: no valid checkpoint left), and why."""
+    """The iteration the pointer should name (None: no valid checkpoint left), and why
+    (``listings``: as ``catalog`` fills it)."""
     pointer = read_pointer(save_dir)
-    infos = {i.iteration: i for i in catalog(save_dir, options)}
+    infos = {i.iteration: i for i in catalog(save_dir, options, listings=listings)}
     valid = {info.iteration: info for info in resumable(list(infos.values()))}
     if requested is not None:
         info = infos.get(requested)
@@ -313,8 +314,11 @@ def apply_promotion(save_dir: Path, options: VerifyOptions, requested: int | Non
     trust, nothing is changed, not even the log, and the report lists each such path."""
     save_dir = Path(save_dir)
     previous = read_pointer(save_dir)
-    target, why = choose_target(save_dir, options, requested)
-    refused = unsafe_for_promotion(save_dir, target, options.job_user, options.allow_group_write)
+    listings: dict = {}
+    target, why = choose_target(save_dir, options, requested, listings)
+    refused = unsafe_for_promotion(
+        save_dir, target, options.job_user, options.allow_group_write, listings.get(target)
+    )
     if refused:
         what = "nothing promoted" if target is None else f"{layout.iter_dir_name(target)} not promoted"
         return PromotionReport(

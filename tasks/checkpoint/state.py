@@ -5,6 +5,7 @@ retention, promotion decisions) stays cheap and does not import torch.
 """
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -107,11 +108,14 @@ def _parses(path: Path) -> bool:
         return False
 
 
-def completeness(directory: Path, options: VerifyOptions) -> Completeness:
-    """Cheap (stat, and a parse of two tiny JSON files): in progress, abandoned, or finished."""
+def completeness(
+    directory: Path, options: VerifyOptions, files: dict[str, os.stat_result] | None = None
+) -> Completeness:
+    """Cheap (stat, and a parse of two tiny JSON files): in progress, abandoned, or finished.
+    ``files``: the directory's listing (``list_files``) when the caller has just taken it."""
     directory = Path(directory)
     try:
-        files = list_files(directory)
+        files = list_files(directory) if files is None else files
         idle = time.time() - max((st.st_mtime for st in files.values()), default=directory.stat().st_mtime)
         if layout.METADATA_JSON not in files:
             if _newer_checkpoint_complete(directory):

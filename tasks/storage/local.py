@@ -347,20 +347,40 @@ def remove_stale_temps(path: Path) -> None:
         candidate.unlink(missing_ok=True)
 
 
-def list_files(directory: Path) -> dict[str, os.stat_result]:
-    """The regular files directly in ``directory`` with their stats (symlinks are not followed).
-
-    A file that disappears between the listing and its stat (a writer renaming its temp file,
-    as DCP does with ``.metadata.tmp``) is simply not listed.
-    """
+def list_entries(directory: Path) -> dict[str, os.stat_result]:
+    """Every entry directly in ``directory`` with its own ``lstat`` (symlinks not followed): one
+    listing, one stat per entry. An entry that disappears between the listing and its stat (a
+    writer renaming its temp file, as DCP does with ``.metadata.tmp``) is simply not listed."""
     found = {}
     with os.scandir(directory) as entries:
         for entry in entries:
             try:
-                if entry.is_file(follow_symlinks=False):
-                    found[entry.name] = entry.stat(follow_symlinks=False)
+                found[entry.name] = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
+    return found
+
+
+def list_files(
+    directory: Path, entries: dict[str, os.stat_result] | None = None
+) -> dict[str, os.stat_result]:
+    """The regular files directly in ``directory`` with their stats (symlinks are not followed),
+    from ``entries`` (its ``list_entries``) when the caller has just taken them."""
+    entries = list_entries(directory) if entries is None else entries
+    return {name: st for name, st in entries.items() if stat.S_ISREG(st.st_mode)}
+
+
+def stat_files(directory: Path, names) -> dict[str, os.stat_result]:
+    """``list_files`` for these names only: the regular files among them (symlinks not followed)
+    with their stats, one ``lstat`` each instead of a listing of the whole directory."""
+    found = {}
+    for name in names:
+        try:
+            st = os.lstat(Path(directory) / name)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            found[name] = st
     return found
 
 
