@@ -79,6 +79,24 @@ def is_model(fqn: str) -> bool:
     return not fqn.startswith(("optimizer.", "rng_state", "common_state", "rerun_state_machine"))
 
 
+def _misfit(content: Content, fqn: str, chunk, record, values, dtype: str, needed: int) -> None:
+    """A chunk whose record holds no tensor, or not the dtype or size ``.metadata`` says."""
+    where = f"tensor '{fqn}' chunk {list(chunk.offsets)}"
+    if values is None:
+        content.fail(VerifyCheck.VALUES, record.file, f"{where}: its record holds no tensor")
+    elif values.dtype != dtype:
+        content.fail(
+            VerifyCheck.VALUES, record.file, f"{where}: stored as {values.dtype}, .metadata says {dtype}"
+        )
+    else:
+        content.fail(
+            VerifyCheck.VALUES,
+            record.file,
+            f"{where}: {values.bytes} bytes of elements, .metadata's {list(chunk.sizes)} of {dtype} "
+            f"needs {needed}",
+        )
+
+
 def tensor_stats(
     index: DcpIndex, found: dict[tuple[str, int], RecordValues], read: set[str], content: Content
 ) -> dict:
@@ -89,6 +107,7 @@ def tensor_stats(
     stats = {}
     for fqn, item in sorted(index.tensors.items()):
         dtype = dtype_name(item.properties.dtype)
+        itemsize = item.properties.dtype.itemsize
         parts, digest = [], hashlib.blake2b(digest_size=8)
         for chunk in sorted(item.chunks, key=lambda c: tuple(c.offsets)):
             record = index.records.get((fqn, tuple(chunk.offsets)))
@@ -96,26 +115,12 @@ def tensor_stats(
                 continue  # the records, files or crc check says so
             values = found.get((record.file, record.offset))
             numel = math.prod(chunk.sizes)
-            where = f"tensor '{fqn}' chunk {list(chunk.offsets)}"
-            if values is None:
-                content.fail(VerifyCheck.VALUES, record.file, f"{where}: its record holds no tensor")
-            elif values.dtype != dtype:
-                content.fail(
-                    VerifyCheck.VALUES,
-                    record.file,
-                    f"{where}: stored as {values.dtype}, .metadata says {dtype}",
-                )
-            elif values.bytes != numel * item.properties.dtype.itemsize:
-                content.fail(
-                    VerifyCheck.VALUES,
-                    record.file,
-                    f"{where}: {values.bytes} bytes of elements, .metadata's {list(chunk.sizes)} of {dtype} "
-                    f"needs {numel * item.properties.dtype.itemsize}",
-                )
-            else:
-                if not _padding(fqn, chunk):
-                    parts.append((chunk, record, values))
-                digest.update(f"{list(chunk.offsets)}:{values.bytes}:{values.crc};".encode())
+            if values is None or values.dtype != dtype or values.bytes != numel * itemsize:
+                _misfit(content, fqn, chunk, record, values, dtype, numel * itemsize)
+                continue
+            if not _padding(fqn, chunk):
+                parts.append((chunk, record, values))
+            digest.update(f"{list(chunk.offsets)}:{values.bytes}:{values.crc};".encode())
         if not parts:
             continue
         joined = TensorStats(dtype, list(item.size), sum(v.numel for _, _, v in parts), digest.hexdigest())
@@ -126,6 +131,7 @@ def tensor_stats(
             lows = [v.min for _, _, v in parts if v.min is not None]
             highs = [v.max for _, _, v in parts if v.max is not None]
             joined.min, joined.max = (min(lows), max(highs)) if lows else (None, None)
+            second_moment = _SQ.search(fqn) is not None
             for chunk, record, v in parts:
                 if v.nan or v.inf:
                     content.fail(
@@ -134,7 +140,7 @@ def tensor_stats(
                         f"tensor '{fqn}' chunk {list(chunk.offsets)}: {v.nan} NaN and {v.inf} Inf "
                         f"of {v.numel} elements",
                     )
-                if _SQ.search(fqn) and v.min is not None and v.min < 0:
+                if second_moment and v.min is not None and v.min < 0:
                     content.fail(
                         VerifyCheck.OPTIMIZER,
                         record.file,
