@@ -6,6 +6,7 @@ uid) and check that those are refused, not that a write is denied."""
 
 import json
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -268,3 +269,19 @@ def test_the_flow_fails_naming_the_path_and_deletes_nothing(prefect_api, save_di
     assert read_pointer(save_dir) == 24 and len(list(save_dir.glob("iter_*"))) == 6
     summary = Artifact.get("verify-summary-flow-exposed").data
     assert f"- **not promoted**: `{save_dir.resolve()}: world-writable" in summary
+
+
+def test_a_shard_swapped_for_a_symlink_after_verification_is_not_promoted(save_dir, options, tmp_path):
+    """Promotion reads the shards' modes from the listing it shares with the catalog: a shard
+    replaced by a link to an identical copy elsewhere (same bytes, so the manifest still fits)
+    is named as a symlink, and nothing moves."""
+    promote(save_dir, options, 10, requested=8)
+    verify_and_record_here(iter_dir(save_dir, 24), options)
+    shard = iter_dir(save_dir, 24) / "__1_0.distcp"
+    elsewhere = shutil.copy2(shard, tmp_path / "elsewhere.distcp")
+    shard.unlink()
+    shard.symlink_to(elsewhere)
+    report = promote(save_dir, options, 10)
+    assert read_pointer(save_dir) == 8 and not report.ok
+    [line] = report.refused
+    assert line.startswith(f"{save_dir.resolve() / shard.parent.name / shard.name}: a symlink"), line
