@@ -32,6 +32,7 @@ from pathlib import Path
 from tasks.checkpoint import layout
 from tasks.checkpoint.verdicts import VERDICTS
 from tasks.errors import CkptopsError, UsageError, unreadable
+from tasks.storage.local import list_entries
 
 COMMON_PT = "common.pt"  # the common state of a checkpoint of core 0.18 or older
 
@@ -115,23 +116,14 @@ def resume_reads(name: str) -> bool:
     return layout.is_checkpoint_content(name) or name == COMMON_PT
 
 
-def _data_files(directory: Path) -> dict[str, os.stat_result]:
-    """The names of the files a resume reads in ``directory``, each with its own ``lstat`` (one
-    listing)."""
-    found = {}
+def _entries(directory: Path) -> dict[str, os.stat_result]:
+    """``list_entries`` of the checkpoint's directory; none when there is no checkpoint there."""
     try:
-        with os.scandir(directory) as entries:
-            for entry in entries:
-                if resume_reads(entry.name):
-                    try:
-                        found[entry.name] = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue  # removed since the listing: nothing left to trust
+        return list_entries(directory)
     except (FileNotFoundError, NotADirectoryError):
         return {}  # no checkpoint there: what names it (the pointer) is what is checked
     except OSError as e:
         raise unreadable(directory, e) from None
-    return found
 
 
 def unsafe_for_promotion(
@@ -153,28 +145,16 @@ def unsafe_for_promotion(
         save_dir / layout.MEGATRON_TRACKER,
         save_dir / layout.HISTORY / VERDICTS,
     ]
-    data: dict[str, os.stat_result] = {}
+    listed: dict[str, os.stat_result] = {}
     if iteration is not None:
         directory = save_dir / layout.iter_dir_name(iteration)
         paths += [directory, directory / layout.MANIFEST]
-        data = (
-            _data_files(directory)
-            if entries is None
-            else {name: st for name, st in entries.items() if resume_reads(name)}
-        )
+        listed = _entries(directory) if entries is None else entries
     found = [writable_by_others(p, trusted, allow_group_write) for p in paths]
-    # Most of a checkpoint's thousands of files are the job's and private: only those the mode
-    # or the owner puts in doubt are described.
-    writable = stat.S_IWOTH | (0 if allow_group_write else stat.S_IWGRP)
-    doubtful = [
-        n
-        for n, st in data.items()
-        if st.st_mode & writable or st.st_uid not in trusted or stat.S_ISLNK(st.st_mode)
-    ]
-    for name in sorted(doubtful):
-        why = _why(data[name], trusted, allow_group_write)
+    for name in sorted(n for n in listed if resume_reads(n)):
+        why = _why(listed[name], trusted, allow_group_write)
         if why is not None:
-            found.append(f"{directory / name}: {why}: {describe_mode(data[name])}")
+            found.append(f"{directory / name}: {why}: {describe_mode(listed[name])}")
     return [line for line in found if line is not None]
 
 
