@@ -97,3 +97,22 @@ def test_signals_reach_the_warm_process_and_killing_its_stand_in_ends_it(probe, 
     run.kill()
     run.wait(timeout=60)
     until(lambda: not psutil.pid_exists(worker), 30, "the warm process to end with its stand-in")
+
+
+def test_a_warm_process_has_the_prefect_settings_of_its_own_environment(tmp_path):
+    """The ckptops flavor imported Prefect before it forked, with the server's environment:
+    a forked process (a flow run, the CLI, a Prefect server) must read its own, as a cold one does."""
+    script = tmp_path / "ckptops"  # an entry the ckptops flavor takes by its name
+    script.write_text(
+        "import json, os, sys\n"
+        "from prefect.settings import get_current_settings\n"
+        "settings = get_current_settings()\n"
+        'print(json.dumps({"pid": os.getpid(), "warm": "prefect" in sys.modules and "torch" in sys.modules,\n'
+        '                  "api": settings.api.url, "home": str(settings.home)}))\n'
+    )
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api", "PREFECT_HOME": str(tmp_path / "home")}
+    run = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    out, _ = run.communicate(timeout=120)
+    seen = json.loads(out)
+    assert run.returncode == 0 and seen["warm"] and seen["pid"] != run.pid
+    assert seen["api"] == "http://127.0.0.1:9/api" and seen["home"] == str(tmp_path / "home")

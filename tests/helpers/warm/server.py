@@ -47,8 +47,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 # environment it imports under. Megatron's processes: exactly what their entries import, under
 # the environment every launcher of ours gives them (launch.job_env and loader_env, job.sh.in),
 # which torch and OpenMP read while they are imported. ckptops' own processes (the CLI, a flow
-# run, a shard task): the libraries they spend their start on, Prefect excepted (it reads its
-# settings from the environment when it is imported).
+# run, a shard task) and Prefect's (its server, worker and CLI): the libraries they spend their
+# start on. Prefect reads its settings from the environment when it is imported, into one global
+# context, which each forked process builds again from its own environment (``_run``).
 FLAVORS = {
     "training": ("infra.local_job.pretrain",),
     "core": ("tasks.restore.loader", "tests.helpers.core_loop", "torch.distributed.run"),
@@ -69,6 +70,7 @@ FLAVORS = {
         "typer",
         "rich",
         "fsspec",
+        "prefect",
     ),
 }
 MEGATRON = ("training", "core")
@@ -169,6 +171,8 @@ def _run(request: dict, fds: list[int], defaults: Defaults) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        if "prefect.context" in sys.modules:
+            sys.modules["prefect.context"].refresh_global_settings_context()
         kind, target, argv, unbuffered, warn_options = parse_command(request["argv"])
         unbuffered = unbuffered or bool(os.environ.get("PYTHONUNBUFFERED"))
         _streams(unbuffered)

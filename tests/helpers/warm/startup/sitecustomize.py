@@ -2,9 +2,9 @@
 
 On the test session's PYTHONPATH, Python imports this at every start. In a process that is one
 of the entries below (Megatron's: the local job, the other test loop, the drill's loader,
-torchrun; ckptops': the CLI, a shard task, a flow run a worker starts), started by this venv's
-Python in the servers' mount namespace while they run, it asks the flavor's
-server for a forked, already-imported process to run the same command line with its
+torchrun; ckptops': the CLI, a shard task, a flow run a worker starts, Prefect's server and
+CLI), started by this venv's Python in the servers' mount namespace while they run, it asks the
+flavor's server for a forked, already-imported process to run the same command line with its
 environment, working directory and standard streams, stands for it until it ends (signals
 passed on) and exits as it exited. Everywhere else, and whenever no server answers, it does
 nothing and the process starts as usual.
@@ -27,7 +27,12 @@ ENTRIES = {
     ("module", "tasks.checkpoint.shard_worker"): "ckptops",
     ("module", "prefect.runner._workspace_supervisor"): "ckptops",
     ("module", "prefect.engine"): "ckptops",
+    ("module", "prefect"): "ckptops",  # its server and CLI; not its worker (COLD)
 }
+# Started cold though their entry is warm: a Prefect worker (``-m prefect worker``). Whoever kills
+# a worker with everything it started walks its children (a host that goes away, test_watchdog);
+# a warm worker's flow runs would be children of its forked process, not of what stands for it.
+COLD = (("prefect", "worker"),)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -36,7 +41,9 @@ def _flavor(argv: list[str]) -> str | None:
     while i < len(argv):
         arg = argv[i]
         if arg == "-m":
-            return ENTRIES.get(("module", argv[i + 1])) if i + 1 < len(argv) else None
+            if i + 1 >= len(argv) or tuple(argv[i + 1 : i + 3]) in COLD:
+                return None
+            return ENTRIES.get(("module", argv[i + 1]))
         if arg == "-c":
             return None
         if arg.startswith("-"):
