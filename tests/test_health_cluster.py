@@ -15,6 +15,7 @@ from tasks.outcome import Verdict
 from tasks.profile import load_profile
 from tests.conftest import ROOT, free_port
 from tests.helpers.cluster import FakeCluster, profile_yaml, r3_pass_document
+from tests.helpers.poll import until
 
 HEALTHY = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 FAILING_GPU, HANGS, KEY_CHANGED, KEY_UNKNOWN = "127.0.0.5", "127.0.0.6", "127.0.0.7", "127.0.0.8"
@@ -315,3 +316,29 @@ def test_each_node_is_connected_once_and_a_failed_retry_stays_that_nodes(tmp_pat
     verdicts = {r.node: r.verdict for r in run.reports}
     assert verdicts == {"a": Verdict.PASS, "refusing": Verdict.SUSPECT, "b": Verdict.PASS}
     assert sorted(opened) == ["a", "b", "refusing", "refusing"]
+
+
+def test_a_cluster_that_stops_ends_its_own_hanging_stand_ins_not_another_clusters(tmp_path):
+    """Each xdist worker has its fake cluster, and their stand-ins run one script: stopping one
+    cluster must leave a check in flight on another alone (it was killed, and its node answered
+    with a signal instead of its recording)."""
+    import sys
+
+    from tests.helpers.cluster import STANDIN
+
+    def hanging(cluster: FakeCluster) -> subprocess.Popen:
+        cluster.record("default", "diag", "done\n", sleep=60)
+        env = {"STANDIN_ROOT": str(cluster.root), "PATH": os.environ["PATH"]}
+        return subprocess.Popen([sys.executable, "-I", "-S", str(STANDIN), "dcgmi", "diag"], env=env)
+
+    mine, theirs = FakeCluster(tmp_path / "mine", [], 0), FakeCluster(tmp_path / "theirs", [], 0)
+    in_flight, other = hanging(mine), hanging(theirs)
+    try:
+        until(lambda: (tmp_path / "theirs" / "calls.log").exists(), 30, "the other stand-in started")
+        until(lambda: (tmp_path / "mine" / "calls.log").exists(), 30, "this stand-in started")
+        mine.stop()
+        assert in_flight.wait(timeout=30) < 0  # ended by a signal
+        assert other.poll() is None, "stopping one cluster killed another cluster's check in flight"
+    finally:
+        other.kill()
+        other.wait()

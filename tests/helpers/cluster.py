@@ -1,6 +1,7 @@
 """A fake GPU cluster for tests and the bench: real OpenSSH servers listening on 127.0.0.x
 addresses (one node each), with GPU-tool stand-ins that replay recorded outputs."""
 
+import contextlib
 import os
 import shutil
 import signal
@@ -9,6 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "health"
 STANDIN = Path(__file__).resolve().parent / "standin.py"
@@ -158,8 +161,16 @@ LogLevel VERBOSE
                 process.wait(timeout=10)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 os.killpg(process.pid, signal.SIGKILL)
-        # Sessions (a stand-in still "hanging") live in their own groups: end them too.
-        subprocess.run(["pkill", "-f", str(STANDIN)], timeout=10)
+        # Sessions (a stand-in still "hanging") live in their own groups: end them too, this
+        # cluster's only. Every cluster's stand-ins run the same script: matched by it alone, a
+        # cluster stopping on one xdist worker killed a check in flight on another (whose node
+        # then answered with a signal instead of its recorded output).
+        for stand_in in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                if str(STANDIN) in (stand_in.info["cmdline"] or []) and (
+                    stand_in.environ().get("STANDIN_ROOT") == str(self.root)
+                ):
+                    stand_in.kill()
         shutil.rmtree(self.root / "scenarios", ignore_errors=True)
 
 
