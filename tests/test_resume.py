@@ -425,8 +425,11 @@ def per_iteration_run(tmp_path_factory):
 
 def test_a_scheduler_stepped_per_iteration_is_replayed_in_iterations(per_iteration_run):
     root, save = per_iteration_run
+    # Not a throughput test: the two runs trained minutes apart on two shared cores (the resumed
+    # one was once 3.6 times slower), so the throughput band is opened; the rest is as configured.
+    settings = SETTINGS.model_copy(update={"throughput_drop": 0.99})
     result = validate_resume(
-        save / "iter_0000012", load_steps(root / "before.jsonl"), load_steps(root / "after.jsonl"), SETTINGS
+        save / "iter_0000012", load_steps(root / "before.jsonl"), load_steps(root / "after.jsonl"), settings
     )
     assert result.ok, result.line()
     check = next(c for c in result.checks if c.name == "learning rate")
