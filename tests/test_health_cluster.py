@@ -4,6 +4,7 @@ stand-ins replaying recorded outputs (tests/helpers/cluster.py)."""
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from tasks.health.run import resolve_nodes, run_health
 from tasks.outcome import Verdict
 from tasks.profile import load_profile
 from tests.conftest import ROOT, free_port
-from tests.helpers.cluster import FakeCluster, profile_yaml, r3_pass_document
+from tests.helpers.cluster import STANDIN, FakeCluster, profile_yaml, r3_pass_document
 from tests.helpers.poll import until
 
 HEALTHY = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
@@ -322,9 +323,6 @@ def test_a_cluster_that_stops_ends_its_own_hanging_stand_ins_not_another_cluster
     """Each xdist worker has its fake cluster, and their stand-ins run one script: stopping one
     cluster must leave a check in flight on another alone (it was killed, and its node answered
     with a signal instead of its recording)."""
-    import sys
-
-    from tests.helpers.cluster import STANDIN
 
     def hanging(cluster: FakeCluster) -> subprocess.Popen:
         cluster.record("default", "diag", "done\n", sleep=60)

@@ -47,9 +47,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 # environment it imports under. Megatron's processes: exactly what their entries import, under
 # the environment every launcher of ours gives them (launch.job_env and loader_env, job.sh.in),
 # which torch and OpenMP read while they are imported. ckptops' own processes (the CLI, a flow
-# run, a shard task) and Prefect's (its server, worker and CLI): the libraries they spend their
-# start on. Prefect reads its settings from the environment when it is imported, into one global
-# context, which each forked process builds again from its own environment (``_run``).
+# run, a shard task) and Prefect's (its server and CLI; its worker starts cold, see
+# startup/sitecustomize.py): the libraries they spend their start on. Prefect reads its settings
+# from the environment when it is imported, into one global context, which each forked process
+# builds again from its own environment (``_run``).
 FLAVORS = {
     "training": ("infra.local_job.pretrain",),
     "core": ("tasks.restore.loader", "tests.helpers.core_loop", "torch.distributed.run"),
