@@ -174,6 +174,18 @@ def test_the_jobs_user_root_and_a_symlink(tmp_path):
     (save / MEGATRON_TRACKER).symlink_to(save / POINTER)
     [line] = unsafe_for_promotion(save, 8)
     assert line.startswith(f"{save / MEGATRON_TRACKER}: a symlink")
+    # Inside the checkpoint: a shard that is a symlink is named; a file no resume reads is not.
+    shard = save / "iter_0000008" / DATA_FILES[0]
+    shard.unlink()
+    shard.symlink_to(save / POINTER)
+    stray = save / "iter_0000008" / "notes.txt"
+    stray.write_text("x")
+    os.chmod(stray, 0o666)
+    symlink = "a symlink (anybody who can write its target, or the target's directory, controls it)"
+    assert [line.split(": ")[:2] for line in unsafe_for_promotion(save, 8)] == [
+        [str(save / MEGATRON_TRACKER), symlink],
+        [str(shard), symlink],
+    ]
 
 
 def test_the_profile_names_the_jobs_user_and_the_trusted_group(tmp_path):

@@ -18,7 +18,7 @@ from tasks.health.history import HISTORY as NODE_HISTORY
 from tasks.health.history import read_history, record_suspect
 from tasks.recovery.ledger import Incident, read_ledger, record
 from tasks.restore.history import append_drill, drilled_layouts, read_drills
-from tasks.storage.local import append_jsonl, read_jsonl
+from tasks.storage.local import TAIL_BYTES, append_jsonl, last_jsonl, read_jsonl
 from tests.conftest import iter_dir
 from tests.test_cli import ckptops
 
@@ -59,6 +59,32 @@ def test_read_jsonl_skips_what_it_cannot_use_with_one_warning_naming_the_file_an
     os.mkfifo(tmp_path / "fifo.jsonl")  # never blocks the reader
     with pytest.raises(Unreadable, match="fifo.jsonl: a FIFO, not a regular file"):
         read_jsonl(tmp_path / "fifo.jsonl")
+
+
+def test_last_jsonl_reads_the_end_and_falls_back_to_the_whole_log_on_what_it_cannot_use(tmp_path, caplog):
+    """The newest entry (what a promotion asks of its log) from the file's end: what read_jsonl's
+    last would be, with its warning where the end holds a line ckptops did not write."""
+    log = tmp_path / "log.jsonl"
+    assert last_jsonl(log) is None
+    _spoil(log, TORN)  # early garbage, then more than the tail of good lines
+    for n in range(3 * TAIL_BYTES // 40):
+        append_jsonl(log, {"n": n, "pad": "x" * 20})
+    last = {"n": 3 * TAIL_BYTES // 40 - 1, "pad": "x" * 20}
+    with caplog.at_level(logging.WARNING):
+        assert last_jsonl(log) == last
+        assert caplog.records == []  # the torn first line was never read
+        _spoil(log, b'{"n": -1, "torn": tr')  # a crash mid-append
+        assert last_jsonl(log) == last
+    assert [r.getMessage() for r in caplog.records] == [warned(log, f"lines 1, {last['n'] + 3}")]
+    long = tmp_path / "long.jsonl"
+    append_jsonl(long, {"n": 1})
+    append_jsonl(long, {"n": "not this log's"})
+    assert last_jsonl(long, lambda e: isinstance(e["n"], int)) == {"n": 1}
+    append_jsonl(long, {"n": 2, "pad": "y" * 2 * TAIL_BYTES})  # one line longer than the tail
+    assert last_jsonl(long) == {"n": 2, "pad": "y" * 2 * TAIL_BYTES}
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    with pytest.raises(Unreadable, match="fifo.jsonl: a FIFO, not a regular file"):
+        last_jsonl(tmp_path / "fifo.jsonl")
 
 
 def test_a_torn_byte_in_the_promotion_log_does_not_stop_promote(save_dir):

@@ -24,6 +24,7 @@ from tasks.errors import CkptopsError, Malformed
 from tasks.storage.local import (
     append_jsonl,
     atomic_write,
+    last_jsonl,
     own_folder,
     read_json_state,
     read_jsonl,
@@ -129,8 +130,8 @@ def _changes(save_dir: Path) -> list[_Change]:
 
 def last_logged(save_dir: Path) -> tuple[bool, int | None]:
     """(any entry, the pointer value the log ends with)."""
-    changes = _changes(save_dir)
-    return (True, changes[-1].iteration) if changes else (False, None)
+    entry = last_jsonl(Path(save_dir) / HISTORY / PROMOTIONS, _is_change)
+    return (True, entry["iteration"]) if entry is not None else (False, None)
 
 
 def history_begins(save_dir: Path) -> float | None:

@@ -129,7 +129,7 @@ def completeness(
             return Completeness(State.IN_PROGRESS, layout.METADATA_JSON, "not written yet")
         finished = files[layout.METADATA_JSON].st_mtime_ns + CLOCK_SKEW_NS
         newer = sorted(
-            n for n, st in files.items() if n.endswith(layout.DATA_SUFFIX) and st.st_mtime_ns > finished
+            n for n, st in files.items() if st.st_mtime_ns > finished and n.endswith(layout.DATA_SUFFIX)
         )
         # Megatron re-saving into an existing directory leaves the old metadata.json visible
         # while new shards are written. Only while they keep changing: shards modified after the

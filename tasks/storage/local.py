@@ -319,6 +319,41 @@ def read_jsonl(path: Path, fits: Callable[[dict], bool] | None = None) -> list[d
     return entries
 
 
+TAIL_BYTES = 64 * 1024
+
+
+def last_jsonl(path: Path, fits: Callable[[dict], bool] | None = None) -> dict | None:
+    """The newest entry of a JSON-lines log (``read_jsonl``'s last), read from the file's end: a
+    log that grows by one line a promotion costs the same to ask at its first line as at its
+    thousandth. Where the end holds a line that is not an entry (a torn append, bytes ckptops did
+    not write), the whole file is read as ``read_jsonl`` reads it, with its warning."""
+    path = Path(path)
+    try:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            start = max(0, size - TAIL_BYTES)
+            f.seek(start)
+            lines = f.read().split(b"\n")
+    except (UsageError, Unreadable):
+        entries = read_jsonl(path, fits)  # the same refusal, or no log at all
+        return entries[-1] if entries else None
+    for line in reversed(lines[1:] if start else lines):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line.decode())
+        except ValueError:
+            break
+        if isinstance(entry, dict) and (fits is None or fits(entry)):
+            return entry
+        break
+    else:
+        if not start:
+            return None
+    entries = read_jsonl(path, fits)
+    return entries[-1] if entries else None
+
+
 def make_durable(files: list[Path], root: Path) -> None:
     """fsync the files and every directory from theirs up to ``root`` (new entries in each)."""
     root, directories = Path(root), set()
