@@ -1430,8 +1430,17 @@ def test_to_dict(tmp_path):
         "megatron",
         "iteration",
         "anomaly_iteration",
+        "suspect_ranks",
+        "stuck_collective",
+        "flight_recorder",
     ]
     assert as_dict["class"] == "software"
+    # Flight Recorder's keys are empty where no dumps were read (tests/test_flight_recorder.py).
+    assert (as_dict["suspect_ranks"], as_dict["stuck_collective"], as_dict["flight_recorder"]) == (
+        [],
+        None,
+        None,
+    )
     assert as_dict["suspect_nodes"] == ["n2"]
     assert as_dict["first_error"] == {
         "file": str(tmp_path / "x.log"),

@@ -37,14 +37,31 @@ def triage(
         int | None,
         typer.Option("--exit-code", help="the job's exit code (Megatron: 16 rerun elsewhere, 17 stop)"),
     ] = None,
+    flight_recorder: Annotated[
+        Path | None,
+        typer.Option(
+            "--flight-recorder",
+            help="the ranks' PyTorch Flight Recorder dumps (PREFIX<rank>): for a hang, the ranks that "
+            "never entered the collective the others wait in",
+        ),
+    ] = None,
+    world_size: Annotated[
+        int | None,
+        typer.Option("--world-size", min=1, help="the job's ranks, for the dumps it should have left"),
+    ] = None,
     as_json: JsonOpt = False,
 ):
     """Find the first error of a failed run and its class: the class word first, then the suspect
     nodes and the first error. Exit 0 when a class was found, 1 when unknown, 2 unreadable."""
     with expected_errors():
+        from tasks.recovery.triage import attribute_hang
         from tasks.recovery.triage import triage as run_triage
 
         found = run_triage(files, exit_code=exit_code)
+        if flight_recorder is not None:
+            found = attribute_hang(found, flight_recorder, world_size=world_size)
+            for problem in found.flight_recorder.get("problems", []):
+                warn(problem)
     if as_json:
         out.print_json(json.dumps(found.to_dict()))
     else:

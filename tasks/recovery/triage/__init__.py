@@ -45,11 +45,12 @@ from pathlib import Path
 
 from tasks.errors import UsageError, unreadable
 from tasks.health.xids import CRITICAL_XIDS
+from tasks.recovery.triage import flight_recorder
 from tasks.recovery.triage.model import LINE_BYTES, FailureClass, Line, Triage
 from tasks.recovery.triage.scan import Scan
 from tasks.storage.local import read_lines
 
-__all__ = ["CRITICAL_XIDS", "FailureClass", "Line", "Triage", "triage"]
+__all__ = ["CRITICAL_XIDS", "FailureClass", "Line", "Triage", "attribute_hang", "triage"]
 
 
 def triage(
@@ -73,3 +74,35 @@ def triage(
         except OSError as e:
             raise unreadable(path, e) from e
     return scan.result(exit_code)
+
+
+def attribute_hang(
+    found: Triage,
+    dumps: Path,
+    layout: dict[int, str] | None = None,
+    world_size: int | None = None,
+    required: bool = True,
+) -> Triage:
+    """For a hang, read the ranks' Flight Recorder dumps in ``dumps`` and name the ranks that never
+    entered the collective the others wait in (and, through ``layout``, their nodes) as suspects
+    beside the logs' own. Any other class is left as it is. No dumps there: UsageError, or with
+    ``required`` false (a recovery, where the job may not have dumped) a note in the reason."""
+    if found.cls != FailureClass.HANG:
+        return found
+    try:
+        seen = flight_recorder.flight_recorder(dumps, world_size or (len(layout) if layout else None))
+    except UsageError as e:
+        if required:
+            raise
+        found.flight_recorder = {"error": str(e), "reason": str(e)}
+        found.reason += f"; Flight Recorder: {e}"
+        return found
+    found.flight_recorder = seen.to_dict()
+    found.suspect_ranks = list(seen.suspect_ranks)
+    found.stuck_collective = seen.stuck
+    for rank in seen.suspect_ranks:
+        node = (layout or {}).get(rank)
+        if node is not None and node not in found.suspect_nodes:
+            found.suspect_nodes.append(node)
+    found.reason += f"; Flight Recorder: {seen.reason}"
+    return found

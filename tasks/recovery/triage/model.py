@@ -1,7 +1,7 @@
 """What triage finds: classified lines and the answer, and the limits on what is kept."""
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 
@@ -54,6 +54,11 @@ class Triage:
     megatron: str | None = None
     iteration: int | None = None
     anomaly_iteration: int | None = None
+    # From the ranks' Flight Recorder dumps, for a hang: the ranks that never entered the
+    # collective the others wait in, that collective, and what was read (flight_recorder.Attribution).
+    suspect_ranks: list[int] = field(default_factory=list)
+    stuck_collective: dict | None = None
+    flight_recorder: dict | None = None
 
     def to_dict(self) -> dict:
         first = self.first_error
@@ -74,6 +79,9 @@ class Triage:
             "megatron": self.megatron,
             "iteration": self.iteration,
             "anomaly_iteration": self.anomaly_iteration,
+            "suspect_ranks": list(self.suspect_ranks),
+            "stuck_collective": self.stuck_collective,
+            "flight_recorder": self.flight_recorder,
         }
 
     def line(self) -> str:
@@ -89,6 +97,8 @@ class Triage:
             parts.append(f"megatron: {self.megatron} (exit {self.exit_code})")
         if self.iteration is not None:
             parts.append(f"iteration {self.iteration}")
+        if self.flight_recorder is not None:
+            parts.append(f"flight recorder: {self.flight_recorder['reason']}")
         return "  ".join(parts)
 
 
