@@ -37,7 +37,7 @@ from megatron.training.argument_utils import (  # noqa: E402
 )
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 
-from infra.local_job import dataset, faults, records  # noqa: E402
+from infra.local_job import dataset, faults, flight_recorder, records  # noqa: E402
 from tasks.restore.build import gpt_provider, ranks_from_slurm  # noqa: E402
 
 
@@ -172,13 +172,18 @@ def main() -> None:
     filesystem_async.get_write_results_queue(mp_mode="fork")
     records.start(args)
     faults.start(args)
-    pretrain(
-        pretrain_cfg_container_from_args(args),
-        datasets_provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-        model_provider=model_provider,
-    )
+    flight_recorder.start()
+    try:
+        pretrain(
+            pretrain_cfg_container_from_args(args),
+            datasets_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+            model_provider=model_provider,
+        )
+    except BaseException:
+        flight_recorder.dump()
+        raise
     records.finish()
 
 
