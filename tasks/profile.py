@@ -616,6 +616,12 @@ class Recovery(_Section):
     log_dir: ProfilePath | None = Field(
         default=None, description="where relaunched jobs write their output (default: <save_dir>/../logs)"
     )
+    flight_recorder_dir: ProfilePath | None = Field(
+        default=None,
+        description="where the job's ranks dump PyTorch's Flight Recorder (the folder of its "
+        "TORCH_FR_DUMP_TEMP_FILE prefix): read for a hang, to name the ranks that never entered the "
+        "collective the others wait in",
+    )
     max_per_hour: Annotated[int, Field(ge=1)] = 3
     fallback_within_iterations: Annotated[int, Field(ge=1)] = Field(
         default=50,

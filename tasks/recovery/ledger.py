@@ -120,6 +120,9 @@ class Incident:
     excluded: list[str] = field(default_factory=list)
     admitted: list[str] = field(default_factory=list)
     health: str | None = None  # the suspects' health verdicts
+    # For a hang, what the ranks' Flight Recorder dumps showed: the collective the others wait in
+    # and the ranks that never entered it (or why no dump could be read).
+    hang: str | None = None
     promoted_at_failure: int | None = None  # the pointer when the failure was triaged
     checkpoint: int | None = None  # the iteration relaunched from
     # A numerical failure soon after the last relaunch loaded its checkpoint: this recovery fell

@@ -73,7 +73,7 @@ from tasks.recovery.phases import (
     unusable,
 )
 from tasks.recovery.rules import Failure, Rule, fired, soon_after_resume, stop_rules
-from tasks.recovery.triage import Triage, triage
+from tasks.recovery.triage import Triage, attribute_hang, triage
 from tasks.recovery.triage.model import FailureClass
 from tasks.relaunch.fit import Compatibility, Difference
 from tasks.relaunch.printed import PrintedArgs, fit_printed
@@ -353,6 +353,11 @@ class _Recovery:
             self.detected.exit_code,
             self.profile.health.critical_xids if self.profile.health else None,
         )
+        dumps = self.profile.recovery.flight_recorder_dir
+        if dumps is not None and tri.cls == FailureClass.HANG:
+            ranks = self.detected.layout or None
+            self._do("flight-recorder", attribute_hang, tri, dumps, ranks, required=False)
+            incident.hang = tri.flight_recorder["reason"]
         incident.mark("triaged")
         incident.cls, incident.exit_code = tri.cls, tri.exit_code
         incident.first_error = tri.to_dict()["first_error"]
