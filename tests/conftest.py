@@ -44,7 +44,15 @@ HEAVY_FIXTURES = frozenset(
 # Modules whose tests train or start servers themselves (each fault's job, each resumed run, the
 # packaging install, the demo, PostgreSQL).
 HEAVY_MODULES = frozenset(
-    {"test_faults", "test_resume", "test_packaging", "test_demo", "test_production", "test_warm"}
+    {
+        "test_faults",
+        "test_resume",
+        "test_packaging",
+        "test_demo",
+        "test_production",
+        "test_warm",
+        "test_flight_recorder",
+    }
 )
 
 

@@ -10,7 +10,7 @@ import pytest
 from infra.local_job.launch import run_local_job
 from tasks.cluster.process import Failed
 from tasks.job.step_records import load_steps
-from tasks.recovery.triage import triage
+from tasks.recovery.triage import attribute_hang, triage
 
 # kind -> (class, text of the first error)
 EXPECTED = {
@@ -25,8 +25,12 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("kind", list(EXPECTED))
-def test_each_fault_fails_the_job_and_triage_names_it(kind, tmp_path):
+def test_each_fault_fails_the_job_and_triage_names_it(kind, tmp_path, monkeypatch):
     extra = ["--fail-at", f"1:3:{kind}", "--distributed-timeout-seconds", "15"]
+    # Flight Recorder on, as a team turns it on: each rank dumps where the prefix says.
+    (tmp_path / "fr").mkdir()
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "fr" / "fr_trace_rank_"))
     with pytest.raises(Failed) as failed:
         run_local_job(tmp_path / "ckpt", train_iters=6, save_interval=100, timeout_seconds=300, extra=extra)
     found = triage([Path(failed.value.log)])
@@ -40,6 +44,18 @@ def test_each_fault_fails_the_job_and_triage_names_it(kind, tmp_path):
     if kind == "kill":
         assert "(SIGKILL)" in found.first_error.text
         assert found.suspect_nodes == [found.first_error.text.split(" on ", 1)[1].split(",")[0].split(".")[0]]
+    if kind == "hang":
+        # The logs name nobody; the ranks' dumps name the one that never entered the gradients'
+        # all-reduce, in Megatron's own data-parallel group.
+        assert found.suspect_nodes == []
+        found = attribute_hang(found, tmp_path / "fr", {0: "node-a", 1: "node-b"})
+        assert found.suspect_ranks == [1] and found.suspect_nodes == ["node-b"]
+        stuck = found.stuck_collective
+        assert stuck["missing"] == [1] and stuck["present"] == [0] and "DATA_PARALLEL" in stuck["desc"]
+    if kind == "kill":
+        # Killed outright, rank 1 left no dump; rank 0's shows no collective it is behind in.
+        found = attribute_hang(found, tmp_path / "fr", world_size=2)
+        assert found.flight_recorder["no_dump"] == [1] and found.suspect_ranks == [1]
 
 
 def test_the_rerun_state_machines_exit_16_is_read_from_torchruns_summary(tmp_path):
