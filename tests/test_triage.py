@@ -1537,3 +1537,18 @@ def test_torchruns_summary_behind_srun_labels_cut_short_or_with_exit_16_alone(tm
     alone = write(tmp_path, "alone.out", *summary("16 (pid: 4242)", "To enable traceback see: x"))
     result = triage([alone])
     assert (result.exit_code, result.megatron, result.suspect_nodes) == (16, "exclude-node-and-rerun", [])
+
+
+def test_flight_recorder_names_the_ranks_a_16_gpu_job_waited_on_in_dumps_others_recorded(capsys):
+    """NVRx's dumps of a 16-rank Megatron MoE job on GPUs with a fault injected into two ranks
+    (tests/data/flight_recorder/SOURCES.md): the suspects are exactly the missing ranks of NVRx's
+    own analyser, every one an injected rank, from dumps that hold only in-flight entries (the
+    faulty ranks' dumps hold none at all in the LOCK_GIL cases)."""
+    from tests.triage_accuracy import hang_report, measure_hangs
+
+    hangs = measure_hangs()
+    assert len(hangs) == 4
+    for hang in hangs:
+        assert hang.got == hang.missing and set(hang.got) <= set(hang.injected), hang
+    with capsys.disabled():
+        print(f"\n{hang_report(hangs)}")

@@ -1,15 +1,22 @@
 """Triage measured on the labelled corpus (tests/data/triage, labels in tests/test_triage.py's
 FIXTURES and in SOURCES.md): the share of cases whose class is right, and of the cases labelled
-with a suspect node, the share whose suspects are exactly right.
+with a suspect node, the share whose suspects are exactly right. Hang localisation on the Flight
+Recorder dumps others recorded (tests/data/flight_recorder, labels beside each case): the cases
+whose suspect ranks are exactly the reference's missing ranks, and the injected ranks named.
 
     python -m tests.triage_accuracy
 
 Known misses (KNOWN_MISSES, each with its reason in SOURCES.md) are counted as wrong."""
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from tasks.recovery.triage import triage
+from tasks.recovery.triage.flight_recorder import flight_recorder
 from tests.test_triage import FIXTURES, paths_of
+
+DUMPS = Path(__file__).parent / "data" / "flight_recorder"
 
 
 @dataclass(frozen=True)
@@ -80,5 +87,48 @@ def measure() -> Accuracy:
     return Accuracy(tuple(outcomes))
 
 
+@dataclass(frozen=True)
+class Hang:
+    case: str
+    missing: tuple[int, ...]  # the reference analyser's missing ranks
+    injected: tuple[int, ...]  # the ranks the fault was injected into
+    got: tuple[int, ...]
+
+
+def hang_cases() -> list[tuple[Path, tuple[int, ...], tuple[int, ...]]]:
+    """Each recorded case: its folder, the reference's missing ranks (the last column of each row
+    of reference.txt) and the injected ranks (fault_injection.log's "Fault ranks: [..]")."""
+    cases = []
+    for folder in sorted(p.parent for p in DUMPS.glob("*/*/reference.txt")):
+        rows = (folder / "reference.txt").read_text().splitlines()[1:]
+        missing = sorted({int(r) for row in rows if row.strip() for r in row.rsplit("|", 1)[1].split(",")})
+        injected = re.search(r"Fault ranks: \[([\d, ]+)\]", (folder / "fault_injection.log").read_text())
+        cases.append((folder, tuple(missing), tuple(int(r) for r in injected[1].split(","))))
+    return cases
+
+
+def measure_hangs() -> list[Hang]:
+    return [
+        Hang(f"{f.parent.name}/{f.name}", missing, injected, tuple(flight_recorder(f).suspect_ranks))
+        for f, missing, injected in hang_cases()
+    ]
+
+
+def hang_report(hangs: list[Hang]) -> str:
+    exact = sum(h.got == h.missing for h in hangs)
+    injected = sum(len(h.injected) for h in hangs)
+    named = sum(len(set(h.injected) & set(h.got)) for h in hangs)
+    wrong = sum(len(set(h.got) - set(h.injected)) for h in hangs)
+    lines = [
+        f"hang localisation (Flight Recorder): {exact}/{len(hangs)} cases name exactly the reference's "
+        f"missing ranks; {named} of {injected} injected ranks named, {wrong} ranks named that were not"
+    ]
+    lines += [
+        f"  miss: {h.case}: {list(h.got)} (reference {list(h.missing)})" for h in hangs if h.got != h.missing
+    ]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     print(measure().report())
+    print(hang_report(measure_hangs()))
