@@ -58,14 +58,24 @@ def test_each_fault_fails_the_job_and_triage_names_it(kind, tmp_path, monkeypatc
         assert found.flight_recorder["no_dump"] == [1] and found.suspect_ranks == [1]
 
 
-def test_the_rerun_state_machines_exit_16_is_read_from_torchruns_summary(tmp_path):
-    """With --rerun-mode validate_results a NaN that reproduces on rerun makes every rank exit 16
-    (rerun on another GPU). torchrun itself exits 1: the 16 is only in its summary."""
+@pytest.mark.parametrize(
+    "kind, verdict",
+    [("nan", ("numerics", 16, "exclude-node-and-rerun")), ("nan-once", ("hardware", 17, "stop"))],
+)
+def test_the_rerun_state_machines_verdict_is_read_from_its_log_and_tracker(kind, verdict, tmp_path):
+    """With --rerun-mode validate_results Megatron reruns the iteration whose gradients were NaN on
+    the same GPU. Reproduced (NaN weights): every rank exits 16, rerun on another GPU. Not
+    reproduced (one NaN output, a clean rerun): a transient fault of that GPU, exit 17; triage
+    calls it hardware on that node, from the log or the result-rejected tracker file alike.
+    torchrun itself exits 1: the 16 or 17 is only in its summary."""
+    tracker = tmp_path / "rejected.txt"
     extra = [
         "--fail-at",
-        "1:3:nan",
+        f"1:3:{kind}",
         "--rerun-mode",
         "validate_results",
+        "--result-rejected-tracker-filename",
+        str(tracker),
         "--distributed-timeout-seconds",
         "15",
     ]
@@ -73,9 +83,13 @@ def test_the_rerun_state_machines_exit_16_is_read_from_torchruns_summary(tmp_pat
         run_local_job(tmp_path / "ckpt", train_iters=6, save_interval=100, timeout_seconds=300, extra=extra)
     assert failed.value.code == 1
     found = triage([Path(failed.value.log)])
-    assert (found.cls, found.exit_code, found.megatron) == ("numerics", 16, "exclude-node-and-rerun")
+    assert (found.cls, found.exit_code, found.megatron) == verdict
     # The node is the one Megatron names for the rank that saw the NaN (its hostname).
     assert found.suspect_nodes == [socket.gethostname()]
+    status = "FIRST_RERUN_REPRODUCIBLE" if kind == "nan" else "FIRST_RERUN_NOT_REPRODUCIBLE"
+    assert f"status=RerunValidationStatus.{status}" in tracker.read_text()
+    from_tracker = triage([tracker])
+    assert from_tracker.cls == verdict[0] and from_tracker.suspect_nodes == [socket.gethostname()]
 
 
 def test_megatron_lms_exit_interval_saves_and_exits_0(tmp_path):

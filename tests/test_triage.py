@@ -168,6 +168,13 @@ FIXTURES = [
         ["dcfai-xe9680-01"],
     ),
     (
+        # Reproducible on the same GPU: Megatron wants the iteration rerun on another one.
+        "numerics/numerics_rerun_first_reproducible_megatron_issue5026.log",
+        "numerics",
+        "ERROR:megatron.core.rerun_state_machine:Unexpected result nan on rank 3 at iteration #3",
+        ["core-ci-test-1779833921-task-1-0"],
+    ),
+    (
         "numerics/numerics_rerun_nan_local_grad_norm_nemo_issue15108.log",
         "numerics",
         "RuntimeError: Rank 0, node f0f511ad6b95, device 0, iteration -1: Unexpected result nan",
@@ -1552,3 +1559,71 @@ def test_flight_recorder_names_the_ranks_a_16_gpu_job_waited_on_in_dumps_others_
         assert hang.got == hang.missing and set(hang.got) <= set(hang.injected), hang
     with capsys.disabled():
         print(f"\n{hang_report(hangs)}")
+
+
+# Megatron-Core's rerun state machine's second verdicts, in its own words (rerun_state_machine.py's
+# log_failure: "Rank R, node N, device D, iteration #I: MESSAGE!") and its tracker file's lines: no
+# public log of a real run holds them (searched; only the first rerun's, Megatron-LM #5026, and
+# the local job's own transient case, tests/test_faults.py).
+SM = "ERROR:megatron.core.rerun_state_machine:"
+TRACKED = (
+    "ts=2026-12-06 10:00:0{} node={} device={} jobID=4242 rank=1 iteration=9 status=RerunValidationStatus.{}"
+)
+
+
+def test_a_result_reproduced_on_another_gpu_is_the_data_and_names_no_node(tmp_path):
+    log = write(
+        tmp_path,
+        "resumed.log",
+        " [2026-12-06 10:01:00] iteration        8/     100 | lm loss: 2.1E+00 |",
+        f"{SM}Unexpected result nan on rank 1 at iteration #9 invocation #1 (message='found NaN')",
+        "WARNING:megatron.core.rerun_state_machine:Second rerun: unexpected result is reproducible on a "
+        "different GPU, therefore it was likely correct (nan = nan)",
+        f"{SM}Rank 1, node gpu-b07, device 3, iteration #9: Correct result (but possible Application error) "
+        "(found NaN)!",
+    )
+    found = triage([log], exit_code=17)
+    assert found.cls == "data" and found.suspect_nodes == []
+    assert found.anomaly_iteration == 9 and "the data at that position" in found.reason
+    assert found.first_error.text.startswith("WARNING:megatron.core.rerun_state_machine:Second rerun")
+
+
+def test_a_result_another_gpu_could_not_reproduce_convicts_the_first_gpu_from_the_tracker(tmp_path):
+    log = write(
+        tmp_path,
+        "resumed.log",
+        "WARNING:megatron.core.rerun_state_machine:Second rerun: unexpected result is not reproducible on a "
+        "different GPU, therefore was likely incorrect (2.03 != nan)",
+        f"{SM}Rank 1, node gpu-b07, device 3, iteration #9: Possible persistent error!!",
+    )
+    found = triage([log], exit_code=17)
+    assert found.cls == "hardware" and "on another GPU" in found.reason
+    assert found.suspect_nodes == []  # gpu-b07 reran it and got it right: not the suspect
+    tracker = write(
+        tmp_path,
+        "tracker.txt",
+        TRACKED.format(1, "gpu-a03", 5, "INITIAL_RUN result=nan message='found NaN'"),
+        TRACKED.format(2, "gpu-a03", 5, "FIRST_RERUN_REPRODUCIBLE result=nan message='found NaN'"),
+        TRACKED.format(3, "gpu-b07", 3, "SECOND_RERUN_NOT_REPRODUCIBLE result=2.03 message='found NaN'"),
+    )
+    found = triage([log, tracker], exit_code=17)
+    assert found.cls == "hardware" and found.suspect_nodes == ["gpu-a03"]
+
+
+def test_the_tracker_alone_tells_a_transient_fault_and_the_data_apart(tmp_path):
+    transient = write(
+        tmp_path,
+        "a.txt",
+        TRACKED.format(1, "gpu-a03", 5, "INITIAL_RUN result=nan message='found NaN'"),
+        TRACKED.format(2, "gpu-a03", 5, "FIRST_RERUN_NOT_REPRODUCIBLE result=2.03 message='found NaN'"),
+    )
+    found = triage([transient])
+    assert (found.cls, found.suspect_nodes) == ("hardware", ["gpu-a03"])
+    data = write(
+        tmp_path,
+        "b.txt",
+        TRACKED.format(1, "gpu-a03", 5, "FIRST_RERUN_REPRODUCIBLE result=nan message='found NaN'"),
+        TRACKED.format(2, "gpu-b07", 3, "SECOND_RERUN_REPRODUCIBLE result=nan message='found NaN'"),
+    )
+    found = triage([data])
+    assert (found.cls, found.suspect_nodes) == ("data", [])

@@ -17,6 +17,7 @@ FAULTS = {
     "ecc": "CUDA's uncorrectable ECC error (a GPU memory fault)",
     "oom": "torch's CUDA out-of-memory error",
     "nan": "NaN weights: Megatron's NaN check ends the job on the NaN gradient",
+    "nan-once": "one NaN loss, once: a rerun of the iteration is clean (a transient GPU fault)",
     "hang": "the rank stops answering: the other ranks' collective times out",
 }
 # Faults in what one save writes (the running job keeps its healthy state): each was reported
@@ -43,6 +44,7 @@ _settings = argparse.Namespace(fail_at=None, slow_step_ms=0.0, ballast_mb=0)
 _done: list[str] = []  # faults that act once and have acted (never written into args: they are saved)
 _ballast: list[torch.Tensor] = []
 _started: dict[str, int] = {}  # the iterations done when this run first trained
+_spoil: list[bool] = []  # the next forward's output is made NaN (nan-once)
 
 
 def parse_fault(text: str) -> tuple[int, int, str, bool]:
@@ -127,6 +129,14 @@ def before_forward(model) -> None:
         fail(kind, model)
 
 
+def after_forward(output: torch.Tensor) -> torch.Tensor:
+    """The forward's output, NaN once where a nan-once fault asked: the weights stay whole."""
+    if _spoil:
+        _spoil.clear()
+        return output * float("nan")
+    return output
+
+
 def fail(kind: str, model) -> None:
     """Fail this rank the way ``kind`` says (see FAULTS)."""
     if kind == "kill":
@@ -141,6 +151,10 @@ def fail(kind: str, model) -> None:
             "78.08 GiB memory in use. Of the allocated memory 75.12 GiB is allocated by PyTorch, and "
             "1.43 GiB is reserved by PyTorch but unallocated."
         )
+    if kind == "nan-once":
+        _done.append(kind)  # after_forward spoils this forward's output; the rerun's is clean
+        _spoil.append(True)
+        return
     if kind == "nan":
         with torch.no_grad():
             for parameter in model.parameters():

@@ -77,7 +77,7 @@ def forward_step(data_iterator, model: GPTModel):
     records.saw_batch(batch["tokens"])
     faults.before_forward(model)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+    return faults.after_forward(output), partial(loss_func, batch["loss_mask"])
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):

@@ -38,6 +38,8 @@ class Decide:
         suspects: list[str] = []
         if "hardware" in by_class:
             cls, first = FailureClass.HARDWARE, by_class[FailureClass.HARDWARE][0]
+        elif FailureClass.DATA in by_class:
+            cls, first = FailureClass.DATA, by_class[FailureClass.DATA][0]
         elif exit_code == 17:
             cls = FailureClass.NUMERICS
             first = (
@@ -65,12 +67,12 @@ class Decide:
                 suspects.append(exited.nodes[0])
         else:
             cls, first = FailureClass.UNKNOWN, None
-        if cls not in (FailureClass.HANG, FailureClass.UNKNOWN):
-            for h in by_class.get(cls, []):
+        if cls not in (FailureClass.HANG, FailureClass.UNKNOWN, FailureClass.DATA):
+            for h in self._suspect_lines(cls, by_class):
                 for node in h.nodes:
                     if node not in suspects:
                         suspects.append(node)
-        if cls != FailureClass.PREEMPTED:
+        if cls not in (FailureClass.PREEMPTED, FailureClass.DATA):
             for h in exits:
                 for node in h.nodes:
                     if node not in suspects:
@@ -81,10 +83,8 @@ class Decide:
             chosen[:EVIDENCE_CAP] + others[: max(0, EVIDENCE_CAP - len(chosen))], key=lambda h: h.order
         )
         anomaly = None
-        if cls == FailureClass.NUMERICS:
-            anomaly = next(
-                (h.anomaly for h in by_class.get(FailureClass.NUMERICS, []) if h.anomaly is not None), None
-            )
+        if cls in (FailureClass.NUMERICS, FailureClass.DATA):
+            anomaly = next((h.anomaly for h in by_class.get(cls, []) if h.anomaly is not None), None)
         iterations = [f.iteration for f in self.files if f.iteration is not None]
         return Triage(
             cls=cls,
@@ -98,12 +98,34 @@ class Decide:
             anomaly_iteration=anomaly,
         )
 
+    @staticmethod
+    def _suspect_lines(cls: str, by_class: dict[str, list[Hit]]) -> list[Hit]:
+        """The lines whose nodes are the suspects. A rerun on another GPU that did not reproduce
+        the result convicts the first GPU, not the one that reran it: its node is the one the
+        tracker file recorded when the first rerun reproduced the result there."""
+        lines = by_class.get(cls, [])
+        if cls == FailureClass.HARDWARE and lines and all("elsewhere" in h.tags for h in lines):
+            return [h for h in by_class.get(FailureClass.NUMERICS, []) if "suspicious" in h.tags]
+        return [h for h in lines if "elsewhere" not in h.tags]
+
     def _reason(self, cls, first, by_class, cascades, exit_code) -> str:
         where = f" (first at {first.file}:{first.line})" if first is not None else ""
         count = len(by_class.get(cls, [])) if cls != FailureClass.HANG else len(cascades)
         lines = sum(f.lines for f in self.files)
         if cls == FailureClass.UNKNOWN:
             return f"nothing recognised as a failure in {lines} lines of {len(self.files)} file(s)"
+        if cls == FailureClass.HARDWARE and first is not None and "rerun" in first.tags:
+            where_ = "another GPU" if "elsewhere" in first.tags else "the same GPU"
+            return (
+                f"Megatron's rerun state machine could not reproduce a rejected result on {where_}{where}: "
+                "a fault of the GPU that computed it, not the data"
+            )
+        if cls == FailureClass.DATA:
+            return (
+                f"Megatron's rerun state machine reproduced a rejected result on another GPU{where}: "
+                "the data at that position (or the code), not a GPU; relaunching elsewhere fails again "
+                "at the same place"
+            )
         if cls == FailureClass.HARDWARE:
             return (
                 f"GPU hardware evidence (critical XID, uncorrectable ECC, GPU off the bus){where}; "

@@ -11,6 +11,7 @@ class FailureClass(StrEnum):
     HARDWARE = "hardware"
     NETWORK = "network"
     NUMERICS = "numerics"
+    DATA = "data"  # a rejected result Megatron's rerun state machine reproduced on another GPU
     OOM = "oom"
     SOFTWARE = "software"
     HANG = "hang"

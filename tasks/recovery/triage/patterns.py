@@ -72,6 +72,25 @@ _NUMERICS = re.compile(
     r"|\b(?:nan|inf) (?:loss|gradients?) detected",
     re.I,
 )
+# Megatron-Core's rerun state machine (--rerun-mode validate_results) reruns an iteration whose
+# result it rejects, and says what it was, in its log and in its result-rejected tracker file
+# (``status=RerunValidationStatus.X``): not reproducible on the same GPU, a transient fault of that
+# GPU; not reproducible on another GPU, the first GPU was wrong (so this line's node is the good
+# one); reproducible on another GPU too, the result was right for its input: the data (or the code).
+_RERUN_TRANSIENT = re.compile(
+    r"First rerun: unexpected result is not reproducible|Possible transient error"
+    r"|FIRST_RERUN_NOT_REPRODUCIBLE"
+)
+_RERUN_PERSISTENT = re.compile(
+    r"Second rerun: unexpected result is not reproducible|Possible persistent error"
+    r"|SECOND_RERUN_NOT_REPRODUCIBLE"
+)
+_RERUN_DATA = re.compile(
+    r"Second rerun: unexpected result is reproducible|Correct result \(but possible Application error\)"
+    r"|SECOND_RERUN_REPRODUCIBLE"
+)
+# Reproducible on the same GPU: undecided until another GPU reruns it; the GPU to avoid.
+_RERUN_SUSPICIOUS = re.compile(r"status=\S*FIRST_RERUN_REPRODUCIBLE\b")
 CANCELLED = re.compile(
     r"\*\*\* (?:JOB|STEP) \S+ ON (?P<host>\S+) CANCELLED AT \S+(?: DUE TO (?P<why>[A-Z][A-Z ]*?))? \*\*\*"
 )
@@ -130,7 +149,7 @@ TORCHRUN_LABEL = re.compile(r"^(?:\d+: |\[rank\d+\]: ?)")  # srun --label's, tor
 TORCHRUN_FIELD = re.compile(r"^\s*(time|host|rank|local_rank|exitcode|error_file|traceback)\s*:\s*(.*?)\s*$")
 
 # Where a line names its node or rank.
-_MEGATRON_NODE = re.compile(r"\bRank -?\d+, node ([^\s,]+), device\b")
+_MEGATRON_NODE = re.compile(r"\bRank -?\d+, node ([^\s,]+), device\b|\bnode=(\S+) device=\S+ jobID=")
 # NCCL's `host:pid:tid [local rank]`, also behind Open MPI's --tag-output `[1,0]<stdout>:`.
 NCCL_HOST = re.compile(r"(?:^|(?<=[\s\]>])|(?<=>:))([A-Za-z0-9][\w.-]*):\d+:\d+ \[\d+\]")
 _KERNEL_HOST = re.compile(
@@ -150,7 +169,10 @@ MEGATRON_NANS = re.compile(r"number of nan iterations:\s*(\d+)")
 LOCAL_ITER = re.compile(r"\biteration (\d+) consumed \d+ lr \S+ loss (\S+) grad_norm (\S+)")
 NANOGPT_ITER = re.compile(r"\biter (\d+): loss ([-+\w.]+)")
 EXPLICIT_ITER = re.compile(r"\biteration (-?\d+): Unexpected result")
-RERUN_ITER = re.compile(r"Unexpected result \S+ on rank \d+ at iteration #\d+")
+RERUN_ITER = re.compile(
+    r"Unexpected result \S+ on rank \d+ at iteration #\d+|(?:First|Second) rerun: unexpected result"
+    r"|iteration #\d+: (?:Correct result|Possible (?:transient|persistent) error)"
+)
 # DeepSpeed's `OVERFLOW! ... Skipping step. Attempted loss scale: A, reducing to R`, fairseq's
 # `overflow detected, setting loss scale to: R`.
 OVERFLOW = re.compile(
@@ -279,6 +301,14 @@ def root_of(text: str, critical: frozenset) -> tuple[str, str, frozenset] | None
         return None if _IB_BENIGN.search(event[1]) else ("root", FailureClass.NETWORK, frozenset())
     if _NETWORK.search(text) or (_NCCL_SYSTEM.search(text) and "NET/" in text):
         return "root", FailureClass.NETWORK, frozenset()
+    if _RERUN_TRANSIENT.search(text):
+        return "root", FailureClass.HARDWARE, frozenset({"rerun"})
+    if _RERUN_PERSISTENT.search(text):
+        return "root", FailureClass.HARDWARE, frozenset({"rerun", "elsewhere"})
+    if _RERUN_DATA.search(text):
+        return "root", FailureClass.DATA, frozenset({"rerun"})
+    if _RERUN_SUSPICIOUS.search(text):
+        return "root", FailureClass.NUMERICS, frozenset({"rerun", "suspicious"})
     if _NUMERICS.search(text):
         return "root", FailureClass.NUMERICS, frozenset()
     cancelled = CANCELLED.search(text)

@@ -170,7 +170,7 @@ class Scan(Decide):
             hit = Hit(f.index, f.name, number, text, kind, cls, f.last_ts, tags=tags)
             if kind == "root":
                 hit.nodes = self._root_nodes(text, cls, tags)
-                if cls == FailureClass.NUMERICS:
+                if cls in (FailureClass.NUMERICS, FailureClass.DATA):
                     hit.anomaly = self._anomaly(f, text, progress)
                 self._add_root(f, hit)
             else:
