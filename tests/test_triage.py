@@ -1610,20 +1610,26 @@ def test_a_result_another_gpu_could_not_reproduce_convicts_the_first_gpu_from_th
     assert found.cls == "hardware" and found.suspect_nodes == ["gpu-a03"]
 
 
-def test_the_tracker_alone_tells_a_transient_fault_and_the_data_apart(tmp_path):
-    transient = write(
-        tmp_path,
-        "a.txt",
-        TRACKED.format(1, "gpu-a03", 5, "INITIAL_RUN result=nan message='found NaN'"),
-        TRACKED.format(2, "gpu-a03", 5, "FIRST_RERUN_NOT_REPRODUCIBLE result=2.03 message='found NaN'"),
-    )
-    found = triage([transient])
-    assert (found.cls, found.suspect_nodes) == ("hardware", ["gpu-a03"])
-    data = write(
-        tmp_path,
-        "b.txt",
-        TRACKED.format(1, "gpu-a03", 5, "FIRST_RERUN_REPRODUCIBLE result=nan message='found NaN'"),
-        TRACKED.format(2, "gpu-b07", 3, "SECOND_RERUN_REPRODUCIBLE result=nan message='found NaN'"),
-    )
-    found = triage([data])
-    assert (found.cls, found.suspect_nodes) == ("data", [])
+@pytest.mark.parametrize(
+    "first, second, verdict",
+    [
+        (
+            ("gpu-a03", 5, "INITIAL_RUN result=nan"),
+            ("gpu-a03", 5, "FIRST_RERUN_NOT_REPRODUCIBLE result=2.03"),
+            ("hardware", ["gpu-a03"]),
+        ),
+        (
+            ("gpu-a03", 5, "FIRST_RERUN_REPRODUCIBLE result=nan"),
+            ("gpu-b07", 3, "SECOND_RERUN_REPRODUCIBLE result=nan"),
+            ("data", []),
+        ),
+    ],
+    ids=["transient", "data"],
+)
+def test_the_tracker_alone_tells_a_transient_fault_and_the_data_apart(first, second, verdict, tmp_path):
+    lines = [
+        TRACKED.format(n, node, device, f"{status} message='found NaN'")
+        for n, (node, device, status) in enumerate((first, second), 1)
+    ]
+    found = triage([write(tmp_path, "tracker.txt", *lines)])
+    assert (found.cls, found.suspect_nodes) == verdict
