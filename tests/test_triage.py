@@ -1633,3 +1633,22 @@ def test_the_tracker_alone_tells_a_transient_fault_and_the_data_apart(first, sec
     ]
     found = triage([write(tmp_path, "tracker.txt", *lines)])
     assert (found.cls, found.suspect_nodes) == verdict
+
+
+def test_flight_recorder_reads_json_dumps_as_it_reads_pickled_ones(tmp_path):
+    """NCCL's JSON dumps (``_dump_nccl_trace_json``, torchcomms) hold the same fields: the same
+    dumps written as JSON give the same suspects."""
+    import pickle
+
+    from tasks.recovery.triage.flight_recorder import flight_recorder
+    from tests.triage_accuracy import hang_cases
+
+    folder, missing, _ = hang_cases()[1]
+    for dump in folder.glob("_dump_*"):
+        data = pickle.loads(dump.read_bytes())  # the project's own test data, not a dump it triages
+        (tmp_path / dump.name).write_text(json.dumps(data))
+    assert (
+        tuple(flight_recorder(tmp_path).suspect_ranks)
+        == missing
+        == tuple(flight_recorder(folder).suspect_ranks)
+    )
