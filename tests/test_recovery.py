@@ -94,6 +94,22 @@ def test_more_than_max_per_hour_stops_whatever_was_promoted():
     assert names(stop_rules(Failure("network", 500, 1, 400, NOW), old, 3)) == []
 
 
+def test_a_failure_the_infrastructure_caused_counts_against_no_budget():
+    """Preemptions relaunched in the last hour leave the hourly cap and the recurrence rules to the
+    job's own failures, and a preemption itself fires none of them."""
+    preempted = [past("preempted", 120, 100, ago=600 * (n + 1), n=n) for n in range(3)]
+    for incident in preempted:
+        incident.infrastructure = "*** JOB 1 ON n1 CANCELLED AT 2026-12-06T10:00:00 DUE TO PREEMPTION ***"
+    assert names(stop_rules(Failure("hardware", 120, 1, 100, NOW), preempted, 3)) == []
+    counted = [past("preempted", 120, 100, ago=600 * (n + 1), n=n) for n in range(3)]
+    assert "too-many-per-hour" in names(stop_rules(Failure("hardware", 120, 1, 100, NOW), counted, 3))
+    real = [past("hardware", 120, 100, ago=600 * (n + 1), n=n) for n in range(3)]
+    taken = Failure("preempted", 120, 1, 100, NOW, infrastructure="DUE TO PREEMPTION")
+    rules = stop_rules(taken, real, 3)
+    assert names(rules) == [] and len(rules) == 6
+    assert rules[2].detail == "the infrastructure took the nodes away (DUE TO PREEMPTION): not counted"
+
+
 def test_numerics_after_a_resume_oom_and_exit_17_stop():
     assert names(stop_rules(Failure("numerics", 300, 1, 100, NOW), [past("numerics", 250, 100)], 9)) == [
         "numerics-reproduced"

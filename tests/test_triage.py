@@ -1440,6 +1440,7 @@ def test_to_dict(tmp_path):
         "suspect_ranks",
         "stuck_collective",
         "flight_recorder",
+        "infrastructure",
     ]
     assert as_dict["class"] == "software"
     # Flight Recorder's keys are empty where no dumps were read (tests/test_flight_recorder.py).
@@ -1652,3 +1653,23 @@ def test_flight_recorder_reads_json_dumps_as_it_reads_pickled_ones(tmp_path):
         == missing
         == tuple(flight_recorder(folder).suspect_ranks)
     )
+
+
+CANCELLED_AT = "slurmstepd: error: *** JOB 4242 ON gpu-a03 CANCELLED AT 2026-12-06T10:00:00"
+
+
+@pytest.mark.parametrize(
+    "line, taken",
+    [
+        (f"{CANCELLED_AT} DUE TO PREEMPTION ***", True),
+        ("Spot instance interruption notice: termination is imminent", True),
+        (f"{CANCELLED_AT} DUE TO TIME LIMIT ***", False),
+        (f"{CANCELLED_AT} DUE TO NODE FAILURE ***", False),
+        (f"{CANCELLED_AT} ***", False),
+    ],
+    ids=["preemption", "spot", "time-limit", "node-failure", "cancelled"],
+)
+def test_a_preemption_is_the_infrastructures_and_a_time_limit_or_a_lost_node_is_not(line, taken, tmp_path):
+    found = triage([write(tmp_path, "slurm.out", line)])
+    assert found.cls == "preempted"
+    assert found.infrastructure == (line[:240] if taken else None)

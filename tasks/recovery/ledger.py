@@ -123,6 +123,8 @@ class Incident:
     # For a hang, what the ranks' Flight Recorder dumps showed: the collective the others wait in
     # and the ranks that never entered it (or why no dump could be read).
     hang: str | None = None
+    # The scheduler or the cloud took the nodes away (triage's line): counted against no budget.
+    infrastructure: str | None = None
     promoted_at_failure: int | None = None  # the pointer when the failure was triaged
     checkpoint: int | None = None  # the iteration relaunched from
     # A numerical failure soon after the last relaunch loaded its checkpoint: this recovery fell

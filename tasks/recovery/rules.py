@@ -45,6 +45,7 @@ class Failure:
     promoted: int | None  # the promoted iteration now
     at: float
     key: str | None = None  # the failure's key (tasks.recovery.run.failure_key)
+    infrastructure: str | None = None  # the nodes were taken away (a preemption): triage's line
 
 
 def _relaunched(incident: Incident) -> bool:
@@ -73,7 +74,13 @@ def _loaded(incident: Incident) -> int:
 
 
 def _attempts(failure: Failure, history: list[Incident]) -> list[Incident]:
-    return [i for i in history if _relaunched(i) and (failure.key is None or i.failure_key != failure.key)]
+    """The earlier relaunches that count: not retries of this very failure, and not recoveries of
+    a failure the infrastructure caused (a preemption is no fault of the job's)."""
+    return [
+        i
+        for i in history
+        if _relaunched(i) and not i.infrastructure and (failure.key is None or i.failure_key != failure.key)
+    ]
 
 
 def soon_after_resume(failure: Failure, history: list[Incident], within: int | None) -> Incident | None:
@@ -98,7 +105,10 @@ def stop_rules(
     failure: Failure, history: list[Incident], max_per_hour: int, fallback_within: int | None = None
 ) -> list[Rule]:
     """Every rule's verdict for ``failure``, given the job's earlier incidents (oldest first).
-    ``fallback_within``: recovery.fallback_within_iterations (``soon_after_resume``)."""
+    ``fallback_within``: recovery.fallback_within_iterations (``soon_after_resume``). A failure
+    the infrastructure caused fires none of the budgets (recurrence, progress, the hourly cap)."""
+    if failure.infrastructure:
+        return _infrastructure_rules(failure)
     attempts = _attempts(failure, history)
     recent = _since_progress(attempts, failure.promoted)
     same = [
@@ -164,6 +174,15 @@ def stop_rules(
             if failure.exit_code == 17
             else f"exit code {failure.exit_code} is not Megatron's 17",
         ),
+    ]
+
+
+def _infrastructure_rules(failure: Failure) -> list[Rule]:
+    why = f"the infrastructure took the nodes away ({failure.infrastructure}): not counted"
+    budgets = ("same-failure-again", "no-checkpoint-progress", "too-many-per-hour")
+    others = ("numerics-reproduced", "out-of-memory", "result-validation-failed")
+    return [Rule(name, False, why) for name in budgets] + [
+        Rule(name, False, f"{failure.cls}, not this rule's failure") for name in others
     ]
 
 

@@ -360,6 +360,7 @@ class _Recovery:
             incident.hang = tri.flight_recorder["reason"]
         incident.mark("triaged")
         incident.cls, incident.exit_code = tri.cls, tri.exit_code
+        incident.infrastructure = tri.infrastructure
         incident.first_error = tri.to_dict()["first_error"]
         incident.suspect_nodes = list(tri.suspect_nodes)
         if tri.first_error is not None and tri.first_error.at is not None:
@@ -411,6 +412,7 @@ class _Recovery:
             incident.promoted_at_failure,
             time.time(),
             incident.failure_key,
+            incident.infrastructure,
         )
         # Running incidents count too: the ledger has every incident from its start.
         history = [

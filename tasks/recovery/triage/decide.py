@@ -86,6 +86,9 @@ class Decide:
         if cls in (FailureClass.NUMERICS, FailureClass.DATA):
             anomaly = next((h.anomaly for h in by_class.get(cls, []) if h.anomaly is not None), None)
         iterations = [f.iteration for f in self.files if f.iteration is not None]
+        taken = next(
+            (h for h in by_class.get(FailureClass.PREEMPTED, []) if "infrastructure" in h.tags), None
+        )
         return Triage(
             cls=cls,
             suspect_nodes=suspects,
@@ -96,6 +99,7 @@ class Decide:
             megatron=megatron,
             iteration=max(iterations) if iterations else None,
             anomaly_iteration=anomaly,
+            infrastructure=taken.text[:240] if cls == FailureClass.PREEMPTED and taken else None,
         )
 
     @staticmethod

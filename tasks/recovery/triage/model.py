@@ -60,6 +60,9 @@ class Triage:
     suspect_ranks: list[int] = field(default_factory=list)
     stuck_collective: dict | None = None
     flight_recorder: dict | None = None
+    # The scheduler or the cloud took the nodes away (a preemption): the line that says so. Such
+    # a failure counts against none of the job's recovery budgets (tasks.recovery.rules).
+    infrastructure: str | None = None
 
     def to_dict(self) -> dict:
         first = self.first_error
@@ -83,6 +86,7 @@ class Triage:
             "suspect_ranks": list(self.suspect_ranks),
             "stuck_collective": self.stuck_collective,
             "flight_recorder": self.flight_recorder,
+            "infrastructure": self.infrastructure,
         }
 
     def line(self) -> str:

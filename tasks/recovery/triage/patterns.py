@@ -95,6 +95,12 @@ CANCELLED = re.compile(
     r"\*\*\* (?:JOB|STEP) \S+ ON (?P<host>\S+) CANCELLED AT \S+(?: DUE TO (?P<why>[A-Z][A-Z ]*?))? \*\*\*"
 )
 NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
+# The scheduler or the cloud took the nodes away (a preemption, a spot reclaim): no fault of the
+# job's, so no count against its recovery budgets (tags "infrastructure").
+_TAKEN_AWAY = re.compile(
+    r"this job is preempted|\b(?:was|is|been|got) preempted\b|preemption notice|termination is imminent"
+    r"|spot (?:instance )?(?:interruption|termination)"
+)
 _PREEMPTED = re.compile(
     r"this job is preempted|\b(?:was|is|been|got) preempted\b|preemption notice|termination is imminent"
     r"|spot (?:instance )?(?:interruption|termination)|[Rr]eque(?:u?e|ued|u?ing) (?:SLURM |the )?job"
@@ -317,9 +323,12 @@ def root_of(text: str, critical: frozenset) -> tuple[str, str, frozenset] | None
         tags = {"reasoned"} if why else set()
         if why == "NODE FAILURE":
             tags.add("node-failure")
+        if why == "PREEMPTION":
+            tags.add("infrastructure")
         return "root", FailureClass.PREEMPTED, frozenset(tags)
     if NODE_FAILURE.search(text):
         return "root", FailureClass.PREEMPTED, frozenset({"reasoned", "node-failure"})
     if _PREEMPTED.search(text):
-        return "root", FailureClass.PREEMPTED, frozenset()
+        tags = {"infrastructure"} if _TAKEN_AWAY.search(text) else set()
+        return "root", FailureClass.PREEMPTED, frozenset(tags)
     return None
