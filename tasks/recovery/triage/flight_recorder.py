@@ -193,7 +193,11 @@ def read_dumps(directory: Path) -> tuple[list[Dump], list[str], set[int]]:
     if not directory.is_dir():
         raise UsageError(f"{directory}: no such directory of Flight Recorder dumps")
     by_prefix: dict[str, list[tuple[int, Path]]] = {}
-    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except OSError as e:
+        raise unreadable(directory, e) from None
+    for entry in entries:
         match = DUMP_NAME.match(entry.name)
         if match and not entry.name.startswith("."):
             by_prefix.setdefault(match["prefix"], []).append((int(match["rank"]), Path(entry.path)))
