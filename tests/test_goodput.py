@@ -213,6 +213,32 @@ def test_productive_time_counts_the_surviving_lineage_and_losses_come_from_the_l
     assert ledger.ettr == pytest.approx(7 / 93) and ledger.mtbf.seconds == 93
 
 
+def test_a_preemptions_downtime_is_reported_apart_and_out_of_the_mtbf():
+    """A recovery from a failure the infrastructure caused (the incident's infrastructure line):
+    its downtime is its own line, none of the job's own causes, and the MTBF counts only the job's
+    own failures."""
+    found = steps(
+        [1, 2, 3, 4, 5, 6, 5, 6, 7], [10, 11, 12, 13, 18, 19, 100, 101, 102], [1] * 9, ["a"] * 6 + ["b"] * 3
+    )
+    times = {"first_error": 20, "detected": 50, "approved": 60, "job_running": 80, "first_resumed_step": 99}
+    own = Incident("i1", "job", "event", times=dict(times), outcome="completed")
+    taken = Incident(
+        "i2",
+        "job",
+        "event",
+        times={k: v + 1 for k, v in times.items()},
+        outcome="completed",
+        infrastructure="*** JOB 7 ON n1 CANCELLED AT 2026-12-06T10:00:00 DUE TO PREEMPTION ***",
+    )
+    ledger = measure("job", found, [own, taken], ([], "no saves"))
+    assert ledger.lost["infrastructure"].seconds == 79  # first error to first resumed step
+    assert ledger.lost["detection"].seconds == 30 and ledger.lost["load"].seconds == 19  # i1's alone
+    assert ledger.mtbf.seconds == 93 and "1 the infrastructure's apart" in ledger.mtbf.source
+    assert ledger.incidents == 2
+    (day,) = ledger.per_day
+    assert day["infrastructure"] == pytest.approx(79 / 3600) and day["detection"] == pytest.approx(30 / 3600)
+
+
 def test_missing_sources_are_not_measured_never_zero():
     ledger = measure("job", None, [], ([], "no save timer, step records or checkpoint files"))
     assert ledger.wall.seconds is None and ledger.productive.seconds is None and ledger.ettr is None

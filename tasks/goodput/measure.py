@@ -36,6 +36,9 @@ CAUSES = (
     "load",
     "recomputation",
     "validation failures",
+    # A recovery from a failure the infrastructure caused (a preemption): its downtime, first
+    # error to first resumed step, apart from the job's own failures and its MTBF.
+    "infrastructure",
 )
 
 
@@ -126,6 +129,10 @@ def incident_losses(incident: Incident, step_seconds: float | None) -> dict[str,
         if incident.recomputed_iterations is not None and step_seconds is not None
         else None
     )
+    if incident.infrastructure:
+        lost: dict[str, float | None] = dict.fromkeys(CAUSES[1:], 0.0)
+        lost["infrastructure"] = _span(incident, onset, "first_resumed_step")
+        return lost
     failed_validation = incident.validation is not None and incident.outcome != IncidentOutcome.COMPLETED
     return {
         "detection": _span(incident, onset, "detected"),
@@ -136,6 +143,7 @@ def incident_losses(incident: Incident, step_seconds: float | None) -> dict[str,
         "validation failures": _span(incident, "first_resumed_step", "validated")
         if failed_validation
         else 0.0,
+        "infrastructure": 0.0,
     }
 
 
@@ -190,9 +198,11 @@ def measure(
         if productive.measured and wall.measured and wall.seconds > 0
         else None
     )
+    own = [i for i in incidents if not i.infrastructure]
+    apart = f" ({len(incidents) - len(own)} the infrastructure's apart)" if len(own) < len(incidents) else ""
     mtbf = (
-        Figure(wall.seconds / len(incidents), f"wall time / {len(incidents)} incidents")
-        if wall.measured and incidents
+        Figure(wall.seconds / len(own), f"wall time / {len(own)} incidents{apart}")
+        if wall.measured and own
         else Figure(None, "not measured: no incidents" if wall.measured else "not measured: no wall time")
     )
     downtimes = [
