@@ -306,17 +306,26 @@ def read_jsonl(path: Path, fits: Callable[[dict], bool] | None = None) -> list[d
     for number, line in enumerate(data.split(b"\n"), 1):
         if not line.strip():
             continue
-        try:
-            entry = json.loads(line.decode())
-            if not isinstance(entry, dict) or (fits is not None and not fits(entry)):
-                raise ValueError("not an entry")
-        except (ValueError, KeyError, TypeError, AttributeError):  # UnicodeDecodeError among them
+        entry = _entry(line, fits)
+        if entry is None:
             skipped.append(number)
-            continue
-        entries.append(entry)
+        else:
+            entries.append(entry)
     if skipped:
         _warn_skipped(path, skipped)
     return entries
+
+
+def _entry(line: bytes, fits: Callable[[dict], bool] | None) -> dict | None:
+    """One line of a JSON-lines log as an entry, or None where it is not one: not UTF-8, not
+    JSON, not an object, or one ``fits`` (the caller's shape of an entry) rejects."""
+    try:
+        entry = json.loads(line.decode())
+        if isinstance(entry, dict) and (fits is None or fits(entry)):
+            return entry
+    except (ValueError, KeyError, TypeError, AttributeError):  # UnicodeDecodeError among them
+        pass
+    return None
 
 
 TAIL_BYTES = 64 * 1024
@@ -337,19 +346,13 @@ def last_jsonl(path: Path, fits: Callable[[dict], bool] | None = None) -> dict |
     except (UsageError, Unreadable):
         entries = read_jsonl(path, fits)  # the same refusal, or no log at all
         return entries[-1] if entries else None
-    for line in reversed(lines[1:] if start else lines):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line.decode())
-        except ValueError:
-            break
-        if isinstance(entry, dict) and (fits is None or fits(entry)):
-            return entry
-        break
-    else:
-        if not start:
-            return None
+    # The first line of a tail that starts mid-file may be cut: never judged.
+    filled = [line for line in (lines[1:] if start else lines) if line.strip()]
+    if not filled and not start:
+        return None  # an empty log
+    entry = _entry(filled[-1], fits) if filled else None
+    if entry is not None:
+        return entry
     entries = read_jsonl(path, fits)
     return entries[-1] if entries else None
 
