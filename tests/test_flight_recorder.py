@@ -17,6 +17,7 @@ import pytest
 
 from tasks.recovery.triage import attribute_hang, triage
 from tasks.recovery.triage.flight_recorder import _pending, flight_recorder, read_dumps
+from tasks.storage.local import TEMP_MARK
 from tests.conftest import ROOT
 from tests.test_cli import ckptops_here
 
@@ -97,6 +98,9 @@ def test_bad_dumps_are_one_line_each_and_the_rest_is_still_read(hang, tmp_path):
     data = pickle.loads((bad / f"{PREFIX}0").read_bytes())
     (bad / f"{PREFIX}0").write_bytes(pickle.dumps({**data, "version": "9.1"}))
     shutil.copy(dumps / f"{PREFIX}3", bad / "other_job_trace_3")
+    # A dump still being written (atomic_write's temporary, whose random tail may end in a digit)
+    # is no dump yet, nor another job's.
+    (bad / f"{PREFIX}1{TEMP_MARK}4242-x7").write_bytes(b"\x80")
     seen = flight_recorder(bad, world_size=4)
     assert not marker.exists()  # the pickle's payload never ran
     assert sorted(seen.problems) == sorted(

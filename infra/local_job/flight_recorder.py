@@ -7,8 +7,11 @@ rank that is still hanging). Nothing happens on a GPU or without those variables
 
 import os
 import signal
+from pathlib import Path
 
 import torch
+
+from tasks.storage.local import atomic_write
 
 PREFIX, BUFFER = "TORCH_FR_DUMP_TEMP_FILE", "TORCH_FR_BUFFER_SIZE"
 
@@ -18,15 +21,12 @@ def _on() -> bool:
 
 
 def dump() -> None:
-    """Write this rank's trace (a temporary file renamed into place: a reader never sees half)."""
+    """Write this rank's trace (an exclusive temporary file renamed into place: a reader never sees
+    half, and a link planted at the name is replaced, never followed)."""
     if not _on() or not torch.distributed.is_initialized():
         return
-    path = f"{os.environ[PREFIX]}{torch.distributed.get_rank()}"
-    data = torch._C._distributed_c10d._dump_fr_trace()
-    tmp = f"{path}.{os.getpid()}.part"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    path = Path(f"{os.environ[PREFIX]}{torch.distributed.get_rank()}")
+    atomic_write(path, torch._C._distributed_c10d._dump_fr_trace())
 
 
 def _on_sigterm(signum, frame) -> None:

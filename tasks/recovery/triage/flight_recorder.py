@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.errors import UsageError, unreadable
-from tasks.storage.local import open_regular
+from tasks.storage.local import TEMP_MARK, open_regular
 
 # torch's naming: a prefix, then the rank (``nccl_trace_rank_12``, ``fr_trace_rank_0``).
 DUMP_NAME = re.compile(r"^(?P<prefix>.*?)(?P<rank>\d+)$")
@@ -57,14 +57,12 @@ class Collective:
     desc: str
     sequence: int
     op: str
-    state: str
 
 
 @dataclass
 class Dump:
     rank: int
     path: str
-    version: str
     world: list[int] | None  # the default group's ranks, where the dump says
     members: dict[str, list[int]]  # process group -> its ranks, where the dump says
     newest: dict[str, Collective]  # process group -> this rank's newest collective in it
@@ -127,12 +125,11 @@ def _ranks(text) -> list[int] | None:
     return None
 
 
-def _version(data: dict) -> str:
+def _check_version(data: dict) -> None:
     version = data.get("version")
     major = str(version).split(".", 1)[0]
     if not isinstance(version, str) or not major.isdigit() or int(major) != KNOWN_MAJOR:
         raise ValueError(f"Flight Recorder dump version {version!r}, not one this reader knows (2.x)")
-    return version
 
 
 def _newest(entries) -> tuple[dict[str, Collective], int | None]:
@@ -152,7 +149,7 @@ def _newest(entries) -> tuple[dict[str, Collective], int | None]:
         name, desc = str(group[0]), str(group[1])
         if name not in newest or seq >= newest[name].sequence:
             op = str(entry.get("profiling_name", "?"))
-            newest[name] = Collective(name, desc, seq, op, str(entry.get("state", "")))
+            newest[name] = Collective(name, desc, seq, op)
     return newest, latest
 
 
@@ -170,7 +167,7 @@ def read_dump(path: Path, rank: int) -> Dump:
     data = _parse(raw)
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise ValueError("not a Flight Recorder dump (no entries)")
-    version = _version(data)
+    _check_version(data)
     config = data.get("pg_config") if isinstance(data.get("pg_config"), dict) else {}
     members = {}
     world = None
@@ -182,7 +179,7 @@ def read_dump(path: Path, rank: int) -> Dump:
             if group.get("desc") == "default_pg":
                 world = ranks
     newest, latest = _newest(data["entries"])
-    return Dump(rank, str(path), version, world, members, newest, latest)
+    return Dump(rank, str(path), world, members, newest, latest)
 
 
 def read_dumps(directory: Path) -> tuple[list[Dump], list[str], set[int]]:
@@ -199,7 +196,8 @@ def read_dumps(directory: Path) -> tuple[list[Dump], list[str], set[int]]:
         raise unreadable(directory, e) from None
     for entry in entries:
         match = DUMP_NAME.match(entry.name)
-        if match and not entry.name.startswith("."):
+        # A dump being written (atomic_write's temporary, as the local job writes them) is not one yet.
+        if match and not entry.name.startswith(".") and TEMP_MARK not in entry.name:
             by_prefix.setdefault(match["prefix"], []).append((int(match["rank"]), Path(entry.path)))
     if not by_prefix:
         raise UsageError(f"{directory}: no Flight Recorder dumps (files named PREFIX<rank>)")
