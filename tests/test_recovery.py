@@ -108,6 +108,11 @@ def test_a_failure_the_infrastructure_caused_counts_against_no_budget():
     rules = stop_rules(taken, real, 3)
     assert names(rules) == [] and len(rules) == 6
     assert rules[2].detail == "the infrastructure took the nodes away (DUE TO PREEMPTION): not counted"
+    # A NaN three iterations after the checkpoint a preemption's relaunch loaded: that load is
+    # still the one suspected, though the preemption counts against no budget.
+    loaded = past("preempted", 120, 100, ago=600, n=9)
+    loaded.infrastructure, loaded.checkpoint = "DUE TO PREEMPTION", 100
+    assert soon_after_resume(Failure("numerics", 103, 1, 100, NOW), real[:1] + [loaded], 50) is loaded
 
 
 def test_numerics_after_a_resume_oom_and_exit_17_stop():

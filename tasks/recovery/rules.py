@@ -74,13 +74,7 @@ def _loaded(incident: Incident) -> int:
 
 
 def _attempts(failure: Failure, history: list[Incident]) -> list[Incident]:
-    """The earlier relaunches that count: not retries of this very failure, and not recoveries of
-    a failure the infrastructure caused (a preemption is no fault of the job's)."""
-    return [
-        i
-        for i in history
-        if _relaunched(i) and not i.infrastructure and (failure.key is None or i.failure_key != failure.key)
-    ]
+    return [i for i in history if _relaunched(i) and (failure.key is None or i.failure_key != failure.key)]
 
 
 def soon_after_resume(failure: Failure, history: list[Incident], within: int | None) -> Incident | None:
@@ -109,7 +103,9 @@ def stop_rules(
     the infrastructure caused fires none of the budgets (recurrence, progress, the hourly cap)."""
     if failure.infrastructure:
         return _infrastructure_rules(failure)
-    attempts = _attempts(failure, history)
+    # The budgets count the job's own failures: a preemption's relaunch is no fault of the job's
+    # (it still is the last relaunch soon_after_resume looks at: its load may be the suspect one).
+    attempts = [i for i in _attempts(failure, history) if not i.infrastructure]
     recent = _since_progress(attempts, failure.promoted)
     same = [
         i
