@@ -44,6 +44,38 @@ def install() -> None:
 
     initialize.initialize_megatron = training.initialize_megatron = initialize_megatron
     initialize._compile_dependencies = _helpers_prebuilt
+    _rerun_sees_devices()
+
+
+# The GPU a rank runs on, as Megatron's rerun state machine records it (a rerun on another GPU
+# is one on another node or device): on CPU every rank's device is 0, so a relaunch could never
+# land elsewhere. The stand-in: the rank's local rank, offset by this variable, which a test sets
+# for a relaunch that a cluster would place on other GPUs (recovery's --exclude of the node).
+DEVICE_BASE_ENV = "CKPTOPS_CPU_DEVICE_BASE"
+
+
+class _Devices:
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> int:
+        return int(os.environ.get("LOCAL_RANK", "0")) + int(os.environ.get(DEVICE_BASE_ENV, "0"))
+
+
+class _TorchForRerun:
+    """torch, but for the device index the rerun state machine asks for (only it sees this)."""
+
+    cuda = _Devices()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _rerun_sees_devices() -> None:
+    from megatron.core import rerun_state_machine
+
+    rerun_state_machine.torch = _TorchForRerun()
 
 
 def _helpers_prebuilt() -> None:

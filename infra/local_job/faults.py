@@ -18,6 +18,8 @@ FAULTS = {
     "oom": "torch's CUDA out-of-memory error",
     "nan": "NaN weights: Megatron's NaN check ends the job on the NaN gradient",
     "nan-once": "one NaN loss, once: a rerun of the iteration is clean (a transient GPU fault)",
+    "nan-data": "a NaN loss at that iteration on every attempt, on any GPU, as a bad sample gives: "
+    "the rerun reproduces it, and only skipping the iteration gets past it",
     "hang": "the rank stops answering: the other ranks' collective times out",
 }
 # Faults in what one save writes (the running job keeps its healthy state): each was reported
@@ -44,7 +46,7 @@ _settings = argparse.Namespace(fail_at=None, slow_step_ms=0.0, ballast_mb=0)
 _done: list[str] = []  # faults that act once and have acted (never written into args: they are saved)
 _ballast: list[torch.Tensor] = []
 _started: dict[str, int] = {}  # the iterations done when this run first trained
-_spoil: list[bool] = []  # the next forward's output is made NaN (nan-once)
+_spoil: list[bool] = []  # the next forward's output is made NaN (nan-once, nan-data)
 
 
 def parse_fault(text: str) -> tuple[int, int, str, bool]:
@@ -154,6 +156,9 @@ def fail(kind: str, model) -> None:
     if kind == "nan-once":
         _done.append(kind)  # after_forward spoils this forward's output; the rerun's is clean
         _spoil.append(True)
+        return
+    if kind == "nan-data":
+        _spoil.append(True)  # this forward and every rerun of it, in this run and any relaunch
         return
     if kind == "nan":
         with torch.no_grad():
