@@ -711,6 +711,19 @@ def test_accuracy_on_the_labelled_corpus(capsys):
         print(f"\ntriage accuracy on {accuracy.cases} labelled cases\n{accuracy.report()}")
 
 
+def test_nan_attribution_names_the_gpu_or_the_data_and_the_iteration(capsys):
+    """Every rerun state machine's verdict (the public first reruns, and the transient, the
+    reproduced-on-the-same-GPU and the data verdicts made by Megatron-LM's own loop here, log and
+    tracker file alike) gets its class, the GPU's node and the iteration right."""
+    from tests.triage_accuracy import measure_nans, nan_report
+
+    verdicts = measure_nans()
+    assert {v.label[0] for v in verdicts} == {"numerics", "hardware", "data"}
+    assert [v.case for v in verdicts if not v.right] == []
+    with capsys.disabled():
+        print("\n" + nan_report(verdicts))
+
+
 def test_real_numerics_fixtures_name_the_iteration_of_the_anomaly():
     found = {
         name: triage([DATA / "numerics" / name])

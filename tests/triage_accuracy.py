@@ -2,7 +2,10 @@
 FIXTURES and in SOURCES.md): the share of cases whose class is right, and of the cases labelled
 with a suspect node, the share whose suspects are exactly right. Hang localisation on the Flight
 Recorder dumps others recorded (tests/data/flight_recorder, labels beside each case): the cases
-whose suspect ranks are exactly the reference's missing ranks, and the injected ranks named.
+whose suspect ranks are exactly the reference's missing ranks, and the injected ranks named. NaN
+attribution on the rerun state machine's verdicts (the corpus's public first reruns and the runs in
+tests/data/megatron/rerun, labels there): the class (the GPU, the data, undecided), the GPU's node,
+and the iteration where labelled.
 
     python -m tests.triage_accuracy
 
@@ -17,6 +20,16 @@ from tasks.recovery.triage.flight_recorder import flight_recorder
 from tests.test_triage import FIXTURES, paths_of
 
 DUMPS = Path(__file__).parent / "data" / "flight_recorder"
+RERUNS = Path(__file__).parent / "data" / "megatron" / "rerun"
+# The rerun state machine's verdicts made here (tests/data/megatron/rerun/SOURCES.md): class,
+# suspects, iteration.
+RERUN_LABELS = {
+    "first_rerun_reproducible.log": ("numerics", ("vm",), 6),
+    "second_rerun_reproducible.log": ("data", (), 6),
+    "second_rerun_reproducible_tracker.txt": ("data", (), 6),
+    "first_rerun_not_reproducible.log": ("hardware", ("vm",), None),
+    "first_rerun_not_reproducible_tracker.txt": ("hardware", ("vm",), None),
+}
 
 
 @dataclass(frozen=True)
@@ -129,6 +142,51 @@ def hang_report(hangs: list[Hang]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class NanVerdict:
+    case: str
+    label: tuple[str, tuple[str, ...], int | None]  # class, suspects, iteration (None: unlabelled)
+    got: tuple[str, tuple[str, ...], int | None]
+
+    @property
+    def right(self) -> bool:
+        cls, suspects, iteration = self.label
+        return self.got[:2] == (cls, suspects) and (iteration is None or self.got[2] == iteration)
+
+
+def _rerun_line(text: str) -> bool:
+    return "rerun_state_machine" in text or "Unexpected result" in text
+
+
+def measure_nans() -> list[NanVerdict]:
+    """The corpus's cases with a rerun state machine's line, and the runs made here."""
+    cases = [
+        (relative, (cls, tuple(suspects), None), paths_of(relative))
+        for relative, cls, _first, suspects, *_ in FIXTURES
+        if any(_rerun_line(p.read_text(errors="replace")) for p in paths_of(relative))
+    ]
+    cases += [(f"rerun/{name}", label, [RERUNS / name]) for name, label in RERUN_LABELS.items()]
+    found = []
+    for case, label, paths in cases:
+        result = triage(paths)
+        found.append(
+            NanVerdict(case, label, (result.cls, tuple(result.suspect_nodes), result.anomaly_iteration))
+        )
+    return found
+
+
+def nan_report(verdicts: list[NanVerdict]) -> str:
+    right = sum(v.right for v in verdicts)
+    labelled = [v for v in verdicts if v.label[2] is not None]
+    lines = [
+        f"NaN attribution (rerun state machine): {right}/{len(verdicts)} verdicts right (class and GPU "
+        f"node; the iteration too in the {len(labelled)} labelled with one)"
+    ]
+    lines += [f"  miss: {v.case}: {v.got} (label {v.label})" for v in verdicts if not v.right]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     print(measure().report())
     print(hang_report(measure_hangs()))
+    print(nan_report(measure_nans()))

@@ -175,6 +175,9 @@ MEGATRON_NANS = re.compile(r"number of nan iterations:\s*(\d+)")
 LOCAL_ITER = re.compile(r"\biteration (\d+) consumed \d+ lr \S+ loss (\S+) grad_norm (\S+)")
 NANOGPT_ITER = re.compile(r"\biter (\d+): loss ([-+\w.]+)")
 EXPLICIT_ITER = re.compile(r"\biteration (-?\d+): Unexpected result")
+# The tracker's line of a rerun from a checkpoint: there its iteration is the one the log prints.
+TRACKER_SECOND_RERUN = re.compile(r"\biteration=(\d+) status=\S*SECOND_RERUN_")
+LOADED_ITER = re.compile(r"successfully loaded checkpoint from .* at iteration (\d+)")
 RERUN_ITER = re.compile(
     r"Unexpected result \S+ on rank \d+ at iteration #\d+|(?:First|Second) rerun: unexpected result"
     r"|iteration #\d+: (?:Correct result|Possible (?:transient|persistent) error)"

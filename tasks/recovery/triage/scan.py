@@ -22,6 +22,7 @@ from tasks.recovery.triage.patterns import (
     CANCELLED,
     EXPLICIT_ITER,
     FRAME,
+    LOADED_ITER,
     LOCAL_ITER,
     MEGATRON_GRAD,
     MEGATRON_ITER,
@@ -39,6 +40,7 @@ from tasks.recovery.triage.patterns import (
     TORCHRUN_FIELD,
     TORCHRUN_LABEL,
     TORCHRUN_ROOT,
+    TRACKER_SECOND_RERUN,
     as_number,
     classify_line,
     epoch_of,
@@ -137,6 +139,10 @@ class Scan(Decide):
             return
         if f.summaries or TORCHRUN_ROOT in text:
             self._torchrun_summary(f, number, text)
+        if "successfully loaded checkpoint" in text and f.iteration is None:
+            loaded = LOADED_ITER.search(text)
+            if loaded:  # a relaunch that failed before it logged an iteration stands at its checkpoint
+                f.iteration = int(loaded[1])
         # A traceback echoes the source of each frame (`raise RuntimeError("CUDA error: ...")`):
         # code, not an error that happened; the exception line at the end is the evidence.
         # Source lines are indented two columns past their frame's `File`.
@@ -316,7 +322,7 @@ class Scan(Decide):
         prints -1)."""
         if progress is not None and progress[0] in ("nan", "spike"):
             return progress[1]
-        m = EXPLICIT_ITER.search(text)
+        m = EXPLICIT_ITER.search(text) or TRACKER_SECOND_RERUN.search(text)
         if m and int(m[1]) >= 0:
             return int(m[1])
         if RERUN_ITER.search(text) and f.iteration is not None:
