@@ -43,10 +43,21 @@ class CheckpointFacts:
     save_interval: int | None = None  # the job's --save-interval
     layout: dict = field(default_factory=dict)  # tensor, pipeline, data parallel sizes
     data_version: dict | None = None  # what its manifest recorded of the data (batches.data_version)
+    # Megatron's rerun state machine's state when it saved, where not idle: a checkpoint it took
+    # to rerun an iteration elsewhere (WILL_RERUN_FROM_CHECKPOINT), which reruns on every load
+    rerun_state: str | None = None
+    rampup: bool = False  # the global batch size ramps up (--rampup-batch-size)
+    skipped_samples: int = 0  # samples passed untrained by --iterations-to-skip, up to this save
 
     @property
     def scheduler_unit(self) -> str | None:
-        return scheduler_unit(self.scheduler.get("num_steps"), self.consumed, self.iteration)
+        # The scheduler does not step for an iteration --iterations-to-skip passed.
+        skipped = self.skipped_samples
+        return scheduler_unit(
+            self.scheduler.get("num_steps"),
+            self.consumed - skipped,
+            self.iteration - skipped // max(1, self.global_batch_size),
+        )
 
 
 def wsd_decay_steps(args) -> int | None:
@@ -120,4 +131,13 @@ def _facts(directory: Path, manifest, common: dict) -> CheckpointFacts:
             "data_parallel": getattr(args, "data_parallel_size", None),
         },
         data_version=manifest.data_version if manifest is not None else None,
+        rerun_state=_rerun_state(common.get("rerun_state_machine")),
+        rampup=bool(getattr(args, "rampup_batch_size", None)),
+        skipped_samples=int(getattr(args, "skipped_train_samples", 0) or 0),
     )
+
+
+def _rerun_state(saved) -> str | None:
+    state = saved.get("state") if isinstance(saved, dict) else None
+    name = getattr(state, "name", None) or (str(state) if state is not None else None)
+    return None if name in (None, "NOT_RUNNING_YET", "0") else name

@@ -42,6 +42,9 @@ _COLUMNS = (
     # 1.410: 1e-3); 0 for step records, which hold the values in full.
     "loss_printed_unit",
     "grad_norm_printed_unit",
+    # Megatron-LM's "skipped samples" (--iterations-to-skip: samples passed without training),
+    # printed only once above 0: 0 where a log line lacks it, NaN for step records.
+    "skipped_samples",
 )
 _PRINTED = re.compile(r"[-+]?\d*\.?(\d*)(?:[eE]([-+]?\d+))?")
 
@@ -133,7 +136,7 @@ def _table_to_steps(path: Path, table) -> Steps:
 
     columns = {}
     for name in _COLUMNS:
-        if name in ("nonfinite", "loss_from", "loaded") or name.endswith("_printed_unit"):
+        if name in ("nonfinite", "loss_from", "loaded", "skipped_samples") or name.endswith("_printed_unit"):
             continue
         if name.startswith("batch_"):
             values = column("batch").field(name.removeprefix("batch_")) if table.num_rows else column("x")
@@ -146,6 +149,7 @@ def _table_to_steps(path: Path, table) -> Steps:
     columns["iteration"] = columns["iteration"].astype(np.int64)
     columns["loss_from"] = (columns["iteration"] - 1).astype(np.float64)
     columns["loaded"] = np.full(columns["iteration"].size, np.nan)
+    columns["skipped_samples"] = np.full(columns["iteration"].size, np.nan)
     columns["loss_printed_unit"] = columns["grad_norm_printed_unit"] = np.zeros(columns["iteration"].size)
     for name in ("skipped", "nan"):
         columns[name] = np.nan_to_num(columns[name])
@@ -302,6 +306,7 @@ def parse_megatron_log(path: Path, lines) -> Steps:
         values["grad_norm_printed_unit"].append(_printed_unit(printed.get("grad norm")))
         values["skipped"].append(fields.get("number of skipped iterations", 0))
         values["nan"].append(fields.get("number of nan iterations", 0))
+        values["skipped_samples"].append(fields.get("skipped samples", 0))
         values["step_seconds"].append(elapsed / 1000 if elapsed is not None else None)
         values["throughput"].append(batch / (elapsed / 1000) if batch and elapsed else None)
         values["peak_memory"].append(None)
