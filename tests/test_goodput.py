@@ -13,6 +13,7 @@ import yaml
 from tasks.errors import UsageError
 from tasks.goodput.advice import advise, daly, ettr, ettr_exact, young
 from tasks.goodput.measure import measure, save_times_from_log, save_times_from_records
+from tasks.goodput.report import ledger_lines
 from tasks.goodput.simulate import restart_for, save_cost_for, simulate
 from tasks.job.step_records import Steps
 from tasks.recovery.ledger import Incident, record
@@ -202,15 +203,37 @@ def test_productive_time_counts_the_surviving_lineage_and_losses_come_from_the_l
     assert ledger.productive.seconds == 7 and ledger.wall.seconds == 102 - 9
     assert ledger.lost["saves"].seconds == 4  # after iteration 4 the loop was held 18 - 13 - 1 s
     assert [
-        ledger.lost[c].seconds for c in ("detection", "triage and approval", "queue and relaunch", "load")
+        ledger.lost[c].seconds for c in ("detection", "triage and approval", "queue and relaunch", "start-up")
     ] == [
         30,
         10,
         20,
-        19,
+        18,  # running at 80, first step done at 99, less the mean step of 1 s
     ]
     assert ledger.lost["recomputation"].seconds == 2 and ledger.restart_seconds.seconds == 79
     assert ledger.ettr == pytest.approx(7 / 93) and ledger.mtbf.seconds == 93
+
+
+def test_the_data_a_relaunch_skipped_is_reported_as_not_trained_apart_from_time():
+    """Two relaunches past data failures (one before a batch-size ramp-up made its tokens
+    unknown) and one that a person refused: the ledger names the iterations relaunches skipped,
+    and their tokens only where every one is known."""
+    found = steps([1, 2, 3], [10, 11, 12], [1] * 3, ["a"] * 3)
+    skipped = Incident("i1", "job", "event", relaunched_job="local:1", outcome="completed")
+    skipped.skipped = {"iterations": [6], "samples": [40, 48], "tokens": 256}
+    refused = Incident("i2", "job", "event", outcome="aborted")
+    refused.skipped = {"iterations": [9], "samples": [64, 72], "tokens": 256}
+    ledger = measure("job", found, [skipped, refused], ([], "no saves"))
+    assert (ledger.untrained.iterations, ledger.untrained.tokens) == ([6], 256)
+    assert "  not trained (data skipped): iterations 6, 256 tokens (incident ledger (1 relaunches" in (
+        "\n".join(ledger_lines(ledger))
+    )
+    ramped = Incident("i3", "job", "event", relaunched_job="local:2", outcome="completed")
+    ramped.skipped = {"iterations": [12, 13], "samples": None, "tokens": None}
+    ledger = measure("job", found, [skipped, ramped], ([], "no saves"))
+    assert ledger.untrained.iterations == [6, 12, 13] and ledger.untrained.tokens is None
+    assert "1 without a token count" in ledger.untrained.source
+    assert measure("job", found, [], ([], "no saves")).untrained.iterations == []
 
 
 def test_a_preemptions_downtime_is_reported_apart_and_out_of_the_mtbf():
@@ -232,7 +255,7 @@ def test_a_preemptions_downtime_is_reported_apart_and_out_of_the_mtbf():
     )
     ledger = measure("job", found, [own, taken], ([], "no saves"))
     assert ledger.lost["infrastructure"].seconds == 79  # first error to first resumed step
-    assert ledger.lost["detection"].seconds == 30 and ledger.lost["load"].seconds == 19  # i1's alone
+    assert ledger.lost["detection"].seconds == 30 and ledger.lost["start-up"].seconds == 18  # i1's alone
     assert ledger.mtbf.seconds == 93 and "1 the infrastructure's apart" in ledger.mtbf.source
     assert ledger.incidents == 2
     (day,) = ledger.per_day

@@ -33,7 +33,10 @@ CAUSES = (
     "detection",
     "triage and approval",
     "queue and relaunch",
-    "load",
+    # The relaunch's start: from running to its first step done, less one mean step (what the
+    # step itself took is productive): the load, the set-up, the data loaders (Google's
+    # goodput library's start-up badput).
+    "start-up",
     "recomputation",
     "validation failures",
     # A recovery from a failure the infrastructure caused (a preemption): its downtime, first
@@ -53,6 +56,16 @@ class Figure:
 
 
 @dataclass
+class Untrained:
+    """What relaunches past data failures (--iterations-to-skip) left untrained: not time lost,
+    but data the run will not have seen."""
+
+    iterations: list[int] = field(default_factory=list)
+    tokens: int | None = None  # None where a skip's token count is not known (a batch ramp-up)
+    source: str = "no data skipped"
+
+
+@dataclass
 class GoodputLedger:
     """What the job's time went to (not the recovery's incident ledger, tasks.recovery.ledger)."""
 
@@ -69,6 +82,7 @@ class GoodputLedger:
     saves: list[float] = field(default_factory=list)
     per_day: list[dict] = field(default_factory=list)
     interval: Figure = field(default_factory=lambda: Figure(None, "not measured"))  # the job's own
+    untrained: Untrained = field(default_factory=Untrained)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -121,6 +135,11 @@ def _span(incident: Incident, start: str, end: str) -> float | None:
     return b - a if a is not None and b is not None and b >= a else None
 
 
+def _start_up(incident: Incident, step_seconds: float | None) -> float | None:
+    span = _span(incident, "job_running", "first_resumed_step")
+    return None if span is None else max(0.0, span - (step_seconds or 0.0))
+
+
 def incident_losses(incident: Incident, step_seconds: float | None) -> dict[str, float | None]:
     """Seconds lost to each cause in one incident (None where the ledger does not say)."""
     onset = "first_error" if "first_error" in incident.times else "last_progress"
@@ -138,7 +157,7 @@ def incident_losses(incident: Incident, step_seconds: float | None) -> dict[str,
         "detection": _span(incident, onset, "detected"),
         "triage and approval": _span(incident, "detected", "approved"),
         "queue and relaunch": _span(incident, "approved", "job_running"),
-        "load": _span(incident, "job_running", "first_resumed_step"),
+        "start-up": _start_up(incident, step_seconds),
         "recomputation": recomputed,
         "validation failures": _span(incident, "first_resumed_step", "validated")
         if failed_validation
@@ -182,9 +201,8 @@ def measure(
             else:
                 wall = Figure(None, "not measured: the log's iteration lines carry no times")
     saves, save_source = save_times
-    lost = {
-        "saves": Figure(sum(saves), save_source) if saves else Figure(None, f"not measured: {save_source}")
-    }
+    unmeasured = Figure(None, f"not measured: {save_source}")
+    lost = {"saves": Figure(sum(saves), save_source) if saves else unmeasured}
     spans = [incident_losses(i, step_seconds) for i in incidents]
     for cause in CAUSES[1:]:
         values = [s[cause] for s in spans if s[cause] is not None]
@@ -219,13 +237,29 @@ def measure(
         ettr,
         len(incidents),
         mtbf,
-        Figure(_median(saves), save_source) if saves else Figure(None, f"not measured: {save_source}"),
+        Figure(_median(saves), save_source) if saves else unmeasured,
         Figure(restart, "median first error to first resumed step, incident ledger")
         if restart is not None
         else Figure(None, "not measured: no recovered incident"),
         saves,
         per_day,
         interval or Figure(None, "not measured"),
+        _untrained(incidents),
+    )
+
+
+def _untrained(incidents: list[Incident]) -> Untrained:
+    """What the job's relaunches skipped, from the incidents that relaunched past a window."""
+    skips = [i.skipped for i in incidents if i.skipped and i.relaunched_job]
+    if not skips:
+        return Untrained()
+    known = [s["tokens"] for s in skips if s["tokens"] is not None]
+    return Untrained(
+        sorted({it for s in skips for it in s["iterations"]}),
+        sum(known) if len(known) == len(skips) else None,
+        f"incident ledger ({len(skips)} relaunches past a data failure"
+        + (f", {len(skips) - len(known)} without a token count" if len(known) < len(skips) else "")
+        + ")",
     )
 
 

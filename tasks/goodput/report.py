@@ -225,6 +225,13 @@ def ledger_lines(found: GoodputLedger) -> list[str]:
     lines.append(f"  productive: {value(found.productive)}")
     for cause in CAUSES:
         lines.append(f"  lost to {cause}: {value(found.lost[cause])}")
+    skipped = found.untrained
+    if skipped.iterations:
+        tokens = f"{skipped.tokens:,} tokens" if skipped.tokens is not None else "tokens not known"
+        lines.append(
+            f"  not trained (data skipped): iterations {', '.join(map(str, skipped.iterations))}, "
+            f"{tokens} ({skipped.source})"
+        )
     lines.append(f"  ETTR: {found.ettr:.2%}" if found.ettr is not None else "  ETTR: not measured")
     lines.append(f"  incidents: {found.incidents}; MTBF: {value(found.mtbf)}")
     return lines
