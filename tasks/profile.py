@@ -622,6 +622,12 @@ class Recovery(_Section):
         "TORCH_FR_DUMP_TEMP_FILE prefix): read for a hang, to name the ranks that never entered the "
         "collective the others wait in",
     )
+    skip_bad_data: Literal["ask", "auto", "never"] = Field(
+        default="ask",
+        description="a data failure (Megatron's rerun state machine reproduced a rejected result on "
+        "another GPU): relaunch past that iteration with --iterations-to-skip when a person approves "
+        "(ask), without asking (auto), or not at all (never: the recovery stops for a person)",
+    )
     max_per_hour: Annotated[int, Field(ge=1)] = 3
     fallback_within_iterations: Annotated[int, Field(ge=1)] = Field(
         default=50,

@@ -44,6 +44,7 @@ def test_a_first_failure_fires_no_rule_and_every_rule_is_named():
         "too-many-per-hour",
         "numerics-reproduced",
         "out-of-memory",
+        "data-after-skip",
         "result-validation-failed",
     ]
 
@@ -106,7 +107,7 @@ def test_a_failure_the_infrastructure_caused_counts_against_no_budget():
     real = [past("hardware", 120, 100, ago=600 * (n + 1), n=n) for n in range(3)]
     taken = Failure("preempted", 120, 1, 100, NOW, infrastructure="DUE TO PREEMPTION")
     rules = stop_rules(taken, real, 3)
-    assert names(rules) == [] and len(rules) == 6
+    assert names(rules) == [] and len(rules) == 7
     assert rules[2].detail == "the infrastructure took the nodes away (DUE TO PREEMPTION): not counted"
     # A NaN three iterations after the checkpoint a preemption's relaunch loaded: that load is
     # still the one suspected, though the preemption counts against no budget.
@@ -122,6 +123,29 @@ def test_numerics_after_a_resume_oom_and_exit_17_stop():
     assert names(stop_rules(Failure("numerics", 300, 1, 100, NOW), [], 9)) == []
     assert names(stop_rules(Failure("oom", 300, 1, 100, NOW), [], 9)) == ["out-of-memory"]
     assert names(stop_rules(Failure("numerics", 300, 17, 100, NOW), [], 9)) == ["result-validation-failed"]
+    # Exit 17 with the rerun state machine's verdict (the data, or that GPU): a cause, not a stop.
+    assert names(stop_rules(Failure("data", 300, 17, 100, NOW, position=301), [], 9)) == []
+    assert names(stop_rules(Failure("hardware", 300, 17, 100, NOW), [], 9)) == []
+
+
+def test_a_data_failure_is_relaunched_past_its_window_once_and_a_second_one_there_stops():
+    """Megatron's rerun state machine reproduced a NaN at iteration 6 on another GPU (data);
+    the relaunch from 4 skipped iteration 6. The same position failing again, as data or as a
+    NaN, stops; a data failure elsewhere is relaunched past too, and the same cause at the same
+    position is tried at most twice."""
+    skipped = past("data", 5, 5, n=1)
+    skipped.skipped = {"iterations": [6], "samples": [40, 48], "tokens": 256}
+    for cls in ("data", "numerics"):
+        again = stop_rules(Failure(cls, 5, 17, 5, NOW, position=6), [skipped], 9)
+        assert "data-after-skip" in names(again)
+        rule = next(r for r in again if r.name == "data-after-skip")
+        assert "again after i1 relaunched past iterations [6]" in rule.detail
+    assert names(stop_rules(Failure("data", 11, 17, 5, NOW, position=12), [skipped], 9)) == []
+    # Not relaunched (a person said no): it skipped nothing.
+    skipped.relaunched_job = None
+    assert names(stop_rules(Failure("data", 5, 17, 5, NOW, position=6), [skipped], 9)) == []
+    tried = [past("data", 12, 5, n=2)]
+    assert names(stop_rules(Failure("data", 12, 17, 5, NOW, position=13), tried, 9)) == ["same-failure-again"]
 
 
 def test_numerics_soon_after_a_resume_falls_back_once_before_it_stops():

@@ -450,7 +450,7 @@ def test_a_minimal_profile_drives_every_phase_of_a_recovery_and_a_rejection_stop
             "validated",
         ]
         assert [p for p in phases if p not in incident["times"]] == []
-        assert len(incident["rules"]) == 6 and incident["stop_rule"] is None
+        assert len(incident["rules"]) == 7 and incident["stop_rule"] is None
         assert incident["health"] == "no health checks (no health section)"
         assert any("--seed is 999" in line for line in incident["relaunch_args"]), incident["relaunch_args"]
         # Megatron-LM printed the seed the approver approved: the relaunch went on.

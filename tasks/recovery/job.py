@@ -94,7 +94,13 @@ COMMENT_PREFIX = "ckptops:"
 
 
 def sbatch_command(
-    settings, job_name: str, step: int, exclude: list[str], log_dir: Path, token: str | None = None
+    settings,
+    job_name: str,
+    step: int,
+    exclude: list[str],
+    log_dir: Path,
+    token: str | None = None,
+    skip: tuple[int, ...] = (),
 ) -> list[str]:
     options = [
         f"--job-name={job_name}",
@@ -107,24 +113,33 @@ def sbatch_command(
         options.append(f"--exclude={','.join(sorted(exclude))}")
     if settings.nodes:
         options.append(f"--nodes={settings.nodes}")
-    launch = Launch(settings.script, step, settings.pass_step)
+    launch = Launch(settings.script, step, settings.pass_step, skip=skip)
     return ["sbatch", "--parsable", *launch.sbatch_arguments(options, log_dir / "%x-%j.out")]
 
 
 def submit(
-    settings, job_name: str, step: int, exclude: list[str], log_dir: Path, token: str | None = None
+    settings,
+    job_name: str,
+    step: int,
+    exclude: list[str],
+    log_dir: Path,
+    token: str | None = None,
+    skip: tuple[int, ...] = (),
 ) -> str:
-    """sbatch the job's own script from ``step``; the new job id. ``token`` goes in its comment."""
+    """sbatch the job's own script from ``step`` (past iterations ``skip``); the new job id.
+    ``token`` goes in its comment."""
     check_script(settings.script)
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        out = slurm.run(sbatch_command(settings, job_name, step, exclude, log_dir, token))
+        out = slurm.run(sbatch_command(settings, job_name, step, exclude, log_dir, token, skip))
     except CkptopsError as e:
         raise RelaunchRefused(f"sbatch {settings.script}: {e}") from None
     return out.strip().split(";")[0]
 
 
-def start_local(settings, job: str, step: int, log_dir: Path, token: str) -> tuple[str, dict, Path]:
+def start_local(
+    settings, job: str, step: int, log_dir: Path, token: str, skip: tuple[int, ...] = ()
+) -> tuple[str, dict, Path]:
     """Run the job's own script with bash, detached (it outlives the recovery run): its id
     (``local:PID``), its process's identity (so a later recovery never takes another process
     that got the pid for it) and its output file (its own: named by ``token``, the incident).
@@ -132,7 +147,8 @@ def start_local(settings, job: str, step: int, log_dir: Path, token: str) -> tup
     check_script(settings.script)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"relaunch-{time.strftime('%Y%m%d-%H%M%S')}-{token}.out"
-    child = Launch(settings.script, step, settings.pass_step, {TOKEN_ENV: token, JOB_ENV: job}).start(log)
+    env = {TOKEN_ENV: token, JOB_ENV: job}
+    child = Launch(settings.script, step, settings.pass_step, env, skip).start(log)
     return f"local:{child.pid}", process.identity(child.pid), log
 
 

@@ -102,6 +102,14 @@ class Reverified(TypedDict):
     pointer: int | None
 
 
+class Skipped(TypedDict):
+    """The training data a relaunch was told to pass (a ``data`` failure's window): never trained."""
+
+    iterations: list[int]
+    samples: list[int] | None  # [first, end) in the data order; None where the batch size ramps up
+    tokens: int | None
+
+
 @dataclass
 class Incident:
     # Ledger lines are read strictly: a "7" is not an exit code, true is not a GPU count.
@@ -132,6 +140,8 @@ class Incident:
     fallback_from: int | None = None
     fallback: str | None = None
     failure_iteration: int | None = None
+    # A data failure's window, relaunched past with --iterations-to-skip (what was not trained).
+    skipped: Skipped | None = None
     recomputed_iterations: int | None = None
     recomputed_tokens: int | None = None
     lost_gpu_hours: float | None = None

@@ -10,6 +10,11 @@ progress since; the recurrence rules then count only failures from that checkpoi
 rolled back (a fall back, an approver's older pick) is not progress. The hourly cap is
 a rate limit and counts every relaunch.
 
+A data failure (Megatron's rerun state machine reproduced a rejected result on another GPU) is
+relaunched past its window once: a numerical or data failure again at a position a relaunch
+skipped stops (``data-after-skip``); each cause at each position is tried at most twice
+(``same-failure-again``).
+
 Only recoveries that relaunched the job count (a running one that has relaunched too): one that
 stopped, was aborted or was interrupted before relaunching cost nothing and proved nothing. And
 an incident of this very failure (its key) is a retry of it, never a recurrence.
@@ -46,6 +51,7 @@ class Failure:
     at: float
     key: str | None = None  # the failure's key (tasks.recovery.run.failure_key)
     infrastructure: str | None = None  # the nodes were taken away (a preemption): triage's line
+    position: int | None = None  # a numerical or data failure's iteration: where in the data
 
 
 def _relaunched(incident: Incident) -> bool:
@@ -163,20 +169,54 @@ def stop_rules(
             if failure.cls == FailureClass.OOM
             else "not an out-of-memory failure",
         ),
+        *_verdict_rules(failure, history),
+    ]
+
+
+# Classes the rerun state machine's exit 17 comes with when it told the data from the GPU.
+_RERUN_VERDICTS = (FailureClass.DATA, FailureClass.HARDWARE)
+
+
+def _verdict_rules(failure: Failure, history: list[Incident]) -> list[Rule]:
+    """The rules on what Megatron said: a data position skipped before, an exit 17 without a
+    rerun verdict."""
+    skipped = _skipped_before(failure, history)
+    return [
+        Rule(
+            "data-after-skip",
+            skipped is not None,
+            f"{failure.cls} at iteration {failure.position} again after {skipped.id} relaunched past "
+            f"iterations {skipped.skipped['iterations']}: skipping did not get past it"
+            if skipped is not None
+            else "no failure at a data position an earlier relaunch skipped",
+        ),
         Rule(
             "result-validation-failed",
-            failure.exit_code == 17,
+            failure.exit_code == 17 and failure.cls not in _RERUN_VERDICTS,
             "Megatron exited 17: its result validation failed (a rerun gave a different result)"
-            if failure.exit_code == 17
-            else f"exit code {failure.exit_code} is not Megatron's 17",
+            if failure.exit_code == 17 and failure.cls not in _RERUN_VERDICTS
+            else f"exit code {failure.exit_code}, {failure.cls}: "
+            + ("the rerun state machine named the cause" if failure.exit_code == 17 else "not Megatron's 17"),
         ),
     ]
+
+
+def _skipped_before(failure: Failure, history: list[Incident]) -> Incident | None:
+    """The earlier incident whose relaunch skipped the data position this numerical or data
+    failure is at."""
+    position = failure.position
+    if failure.cls not in (FailureClass.DATA, FailureClass.NUMERICS) or position is None:
+        return None
+    for incident in reversed(history):
+        if incident.skipped and _relaunched(incident) and position in incident.skipped["iterations"]:
+            return incident
+    return None
 
 
 def _infrastructure_rules(failure: Failure) -> list[Rule]:
     why = f"the infrastructure took the nodes away ({failure.infrastructure}): not counted"
     budgets = ("same-failure-again", "no-checkpoint-progress", "too-many-per-hour")
-    others = ("numerics-reproduced", "out-of-memory", "result-validation-failed")
+    others = ("numerics-reproduced", "out-of-memory", "data-after-skip", "result-validation-failed")
     return [Rule(name, False, why) for name in budgets] + [
         Rule(name, False, f"{failure.cls}, not this rule's failure") for name in others
     ]

@@ -44,6 +44,7 @@ from tasks.errors import CkptopsError, LockTimeout, UsageError
 from tasks.job import step_records
 from tasks.job.step_records import Steps
 from tasks.recovery import job as jobs
+from tasks.recovery.data import rerun_checkpoints, skip_not_printed, skip_plan
 from tasks.recovery.guard import signal_name, signals_held, sigterm_ends_the_run, who
 from tasks.recovery.ledger import (
     Incident,
@@ -76,6 +77,7 @@ from tasks.recovery.rules import Failure, Rule, fired, soon_after_resume, stop_r
 from tasks.recovery.triage import Triage, attribute_hang, triage
 from tasks.recovery.triage.model import FailureClass
 from tasks.relaunch.fit import Compatibility, Difference
+from tasks.relaunch.launch import Launch
 from tasks.relaunch.printed import PrintedArgs, fit_printed
 from tasks.restore.history import drilled_layouts
 from tasks.resume.validate import validate_resume
@@ -128,6 +130,7 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+_NUMERICAL = (FailureClass.NUMERICS, FailureClass.DATA)
 _ADOPTABLE = ("RUNNING", "PENDING", "CONFIGURING", "REQUEUED", "SUSPENDED")
 _LOCK_POLL_SECONDS = 0.5
 
@@ -148,6 +151,7 @@ class _Recovery:
         self.tri: Triage | None = None
         self.rules: list[Rule] = []
         self.resumed: Incident | None = None  # the last relaunch, if it turned numerically bad soon
+        self.window: list[int] = []  # a data failure's iterations, to relaunch past
 
     @cached_property
     def trust(self) -> Trust:
@@ -378,7 +382,7 @@ class _Recovery:
         incident.promoted_at_failure, promotion = self._do("promote-pending", promote_pending, self.profile)
         incident.gpus = settings.gpus or self.profile.job.layout.world_size
         self._save()
-        if self._rules_stop():
+        if self._rules_stop() or not self._data_window():
             return
         chosen, choices = self._choose()
         # Before any node is drained: a relaunch its own script would refuse is not prepared for.
@@ -413,6 +417,7 @@ class _Recovery:
             time.time(),
             incident.failure_key,
             incident.infrastructure,
+            anomaly(self.tri, self.steps) if self.tri.cls in _NUMERICAL else None,
         )
         # Running incidents count too: the ledger has every incident from its start.
         history = [
@@ -430,10 +435,33 @@ class _Recovery:
             return True
         return False
 
+    def _data_window(self) -> bool:
+        """A data failure: the iteration to relaunch past, where the profile lets a relaunch skip
+        it (``recovery.skip_bad_data``); False, with the incident stopped, where it does not."""
+        if self.tri.cls != FailureClass.DATA:
+            return True
+        at = anomaly(self.tri, self.steps)
+        if at is None:
+            self._stop("a data failure at an iteration no line names: a person decides what to skip")
+            return False
+        if self.settings.skip_bad_data == "never":
+            self._stop(
+                f"a data failure at iteration {at} (recovery.skip_bad_data: never): a person decides; "
+                f"Megatron-LM's --iterations-to-skip {at} relaunches past it"
+            )
+            return False
+        self.window = [at]
+        return True
+
     def _choose(self) -> tuple[int | None, list[int]]:
         """The checkpoint to resume from, verified again: one that no longer verifies is marked
-        invalid (the pointer moves off it) and the next is chosen."""
-        before = anomaly(self.tri, self.steps) if self.tri.cls == FailureClass.NUMERICS else None
+        invalid (the pointer moves off it) and the next is chosen. Past a data failure, not one
+        the rerun state machine saved to rerun the bad iteration."""
+        before = anomaly(self.tri, self.steps) if self.tri.cls in _NUMERICAL else None
+        passed: tuple[int, ...] = ()
+        if self.window:
+            _, candidates = choose_checkpoint(self.profile, self.incident.failure_iteration, before)
+            passed = self._do("rerun-checkpoints", rerun_checkpoints, self.save_dir, candidates, self.trust)
         if self.resumed is not None:  # the checkpoint the last relaunch loaded is suspect
             before, incident = self.resumed.checkpoint, self.incident
             incident.fallback_from = before
@@ -446,6 +474,7 @@ class _Recovery:
             )
         while True:
             failed = tuple(r["iteration"] for r in self.incident.reverified if r["outcome"] != "pass")
+            failed += passed
             chosen, choices = self._do(
                 "choose-checkpoint",
                 choose_checkpoint,
@@ -496,10 +525,17 @@ class _Recovery:
     def _approval(self, chosen, choices, drained, exclude, admitted, fits) -> int | None:
         """The approver's decision; the checkpoint to relaunch from, or None (stopped)."""
         incident, settings = self.incident, self.settings
+        skip = tuple(self.window)
+        if skip:
+            incident.skipped = self._do(
+                "skip-plan", skip_plan, self.save_dir, chosen, self.window, self.trust
+            )
         relaunch = (
-            " ".join(jobs.sbatch_command(settings, self._job_name(), chosen, exclude, self._log_dir()))
+            " ".join(
+                jobs.sbatch_command(settings, self._job_name(), chosen, exclude, self._log_dir(), skip=skip)
+            )
             if settings.launcher == "slurm"
-            else f"bash {settings.script}"
+            else " ".join(["bash", *Launch(settings.script, chosen, settings.pass_step, skip=skip).argv()])
         )
         certified = certifications(self.profile, choices)
         plan = RecoveryPlan(
@@ -518,7 +554,9 @@ class _Recovery:
         incident.mark("approval_requested")
         self._save()
         self.phase = "approval"
-        if self.tri.cls in settings.auto_approve and not fits.needs_approval:
+        if self.window and settings.skip_bad_data == "auto" and not fits.needs_approval:
+            decision = Decision(True, "auto: recovery.skip_bad_data is auto")
+        elif not self.window and self.tri.cls in settings.auto_approve and not fits.needs_approval:
             decision = Decision(True, f"auto: {self.tri.cls} is in recovery.auto_approve")
         else:
             decision = self.approve(plan)
@@ -549,6 +587,8 @@ class _Recovery:
                 )
                 return None
             incident.approved_args = [d.name for d in other.needs_approval]
+            if self.window:
+                incident.skipped = skip_plan(self.save_dir, chosen, self.window, self.trust)
         return chosen
 
     def _fits(self, chosen: int, versions: dict | None = None) -> Compatibility | None:
@@ -596,6 +636,7 @@ class _Recovery:
                     exclude,
                     self._log_dir(),
                     incident.relaunch_token,
+                    tuple(self.window),
                 )
             else:
                 new, incident.relaunch_process, log = self._do(
@@ -606,6 +647,7 @@ class _Recovery:
                     chosen,
                     self._log_dir(),
                     incident.relaunch_token,
+                    tuple(self.window),
                 )
                 incident.relaunch_log = str(log)
             incident.relaunched_job = new
@@ -688,10 +730,12 @@ class _Recovery:
         fit = fit_printed(printed, checkpoint, drilled_layouts(self.save_dir), cwd, self.trust)
         incident.printed_args = [fit.summary(), *fit.lines()]
         unapproved = [d for d in fit.needs_approval if not self._approved(d, printed)]
-        if not fit.refused and not unapproved:
+        unskipped = skip_not_printed(printed, incident.skipped) if incident.skipped else None
+        if not fit.refused and not unapproved and not unskipped:
             self._save()
             return True
         why = [d.words for d in fit.refused] + [f"{d.words} (no person approved this)" for d in unapproved]
+        why += [unskipped] if unskipped else []
         stopped = jobs.cancel(new, holder, hard=True)  # no save on its way out
         trained = jobs.logged_iterations(log, incident.relaunch_log_offset)
         self._stop(
@@ -763,6 +807,7 @@ class _Recovery:
             self.profile.resume,
             relaunched=nodes,
             trust=self.trust,
+            skip=incident.skipped["iterations"] if incident.skipped else (),
         )
         incident.mark("validated")
         incident.validation = result.line()

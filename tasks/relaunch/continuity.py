@@ -10,6 +10,7 @@ indices its manifest recorded, and skip no step and count no NaN the run before 
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -38,6 +39,7 @@ class ResumeCheck(StrEnum):
     PEAK_MEMORY = "peak memory"
     THROUGHPUT = "throughput"
     SKIPPED = "skipped and NaN iterations"
+    SKIP_WINDOW = "skipped data"  # a relaunch past a data failure: exactly that window passed
 
 
 _PROVENANCE = (ResumeCheck.PROMOTED, ResumeCheck.BASELINE)
@@ -167,8 +169,12 @@ class Continuity:
     before it (``before``), with the profile's ``resume`` settings: each check adds its outcome
     to ``result``."""
 
-    def __init__(self, facts: CheckpointFacts, before: Steps | None, after: Steps, settings):
+    def __init__(
+        self, facts: CheckpointFacts, before: Steps | None, after: Steps, settings, skip: Sequence[int] = ()
+    ):
         self.facts, self.before, self.after, self.settings = facts, before, after, settings
+        # Iterations the run was told to pass untrained (--iterations-to-skip), after the checkpoint.
+        self.skip = np.array(sorted(i for i in set(skip) if i > facts.iteration), dtype=np.int64)
         self.result = Validation(str(facts.directory), facts.iteration)
         # Rows of the resumed run (its last attempt), in order, from after the checkpoint on.
         self.start = last_attempt(after) if len(after) else 0
@@ -191,6 +197,18 @@ class Continuity:
                 str(observed),
             )
         )
+
+    def _skipped_by(self, iterations: np.ndarray) -> np.ndarray:
+        """How many of the skipped iterations come at or before each of ``iterations``."""
+        return np.searchsorted(self.skip, iterations, side="right")
+
+    def _skipped_samples(self) -> np.ndarray:
+        """Per row, the samples passed untrained so far, as the log printed them (Megatron-LM's
+        ``skipped samples``), else as the checkpoint and the window say."""
+        a, f = self.after, self.facts
+        known = f.skipped_samples + self._skipped_by(a.iteration) * f.global_batch_size
+        printed = a.skipped_samples if "skipped_samples" in a.columns else np.full(len(a), np.nan)
+        return np.where(np.isfinite(printed), printed, known)
 
     def continuation(self) -> Validation:
         """The checks that hold for a run continued elsewhere from a copy of the checkpoint (a
@@ -238,16 +256,20 @@ class Continuity:
                 "the log does not show this checkpoint loaded",
             )
             return
-        if first != f.iteration + 1:
+        expected = f.iteration + 1
+        while expected in self.skip:  # a skipped iteration logs no line
+            expected += 1
+        if first != expected:
             self.add(
                 ResumeCheck.RESUME_POINT,
                 False,
-                f"first iteration {f.iteration + 1}",
+                f"first iteration {expected}",
                 f"first iteration {first}",
                 "resumed from another checkpoint than this one",
             )
             return
         size = a.batch_count[self.start] if not np.isnan(a.batch_count[self.start]) else f.global_batch_size
+        size += (expected - f.iteration - 1) * f.global_batch_size  # the skipped batches before it
         resumed_at = None if np.isnan(a.consumed[self.start]) else int(a.consumed[self.start] - size)
         fits = resumed_at == f.consumed
         # The first line of a run that started at the checkpoint averages its first iteration only.
@@ -291,7 +313,13 @@ class Continuity:
         lr_at = schedule(self.facts) if self.beyond.size else None
         # Beyond the recomputed steps, the learning rate after each iteration is the schedule's
         # at the count of its unit: samples consumed, or iterations done.
-        counts = a.consumed if unit == "samples" else a.iteration.astype(np.float64)
+        # Megatron-LM's scheduler does not step for a skipped iteration.
+        skipped = self._skipped_samples()
+        counts = (
+            a.consumed - skipped
+            if unit == "samples"
+            else a.iteration - skipped / self.facts.global_batch_size
+        )
         for i in self.beyond:
             if np.isnan(counts[i]):
                 continue
@@ -420,6 +448,53 @@ class Continuity:
                 f"{self.recomputed.size} recomputed iterations {exact}",
                 f"as expected ({compared} losses and {self.recomputed.size} grad norms compared{note})",
             )
+
+    def _skip_window(self) -> None:
+        """A relaunch past a data failure: no skipped iteration trained, and the samples passed
+        untrained moved by exactly the window (Megatron-LM's ``skipped samples`` where the log
+        prints it), while consumed samples count every iteration as before."""
+        a, f = self.after, self.facts
+        window = ", ".join(map(str, self.skip))
+        trained = np.intersect1d(a.iteration[self.rows], self.skip)
+        if trained.size:
+            self.add(
+                ResumeCheck.SKIP_WINDOW,
+                False,
+                f"iterations {window} not trained",
+                f"iteration {int(trained[0])} trained",
+                "the relaunch did not pass the window it was told to skip",
+            )
+            return
+        rows = self.rows
+        if not rows.size or a.iteration[rows[-1]] < self.skip[-1]:
+            self.add(ResumeCheck.SKIP_WINDOW, None, "", "", f"the run has not passed iterations {window} yet")
+            return
+        gbs = f.global_batch_size
+        expected_skipped = f.skipped_samples + self._skipped_by(a.iteration[rows]) * gbs
+        expected_consumed = f.consumed + (a.iteration[rows] - f.iteration) * gbs
+        printed = a.skipped_samples[rows] if "skipped_samples" in a.columns else np.full(rows.size, np.nan)
+        wrong = np.nonzero(
+            (np.isfinite(printed) & (printed != expected_skipped))
+            | (np.isfinite(a.consumed[rows]) & (a.consumed[rows] != expected_consumed) & ~f.rampup)
+        )[0]
+        if wrong.size:
+            k = wrong[0]
+            self.add(
+                ResumeCheck.SKIP_WINDOW,
+                False,
+                f"{int(expected_skipped[k])} samples skipped, {int(expected_consumed[k])} consumed at "
+                f"iteration {int(a.iteration[rows[k]])}",
+                f"{printed[k]:.0f} skipped, {a.consumed[rows[k]]:.0f} consumed",
+                f"iterations {window} were to pass {self.skip.size * gbs} samples untrained, nothing else",
+            )
+            return
+        said = "as Megatron-LM printed" if np.isfinite(printed).any() else "by consumed samples"
+        self.add(
+            ResumeCheck.SKIP_WINDOW,
+            True,
+            f"iterations {window} passed untrained ({self.skip.size * gbs} samples)",
+            f"as expected ({said})",
+        )
 
     def _skipped(self) -> None:
         a, b = self.after, self.before

@@ -10,6 +10,9 @@ and a continuation drill's run.
   whole (``--export=ALL``, the step named there too).
 - The step: ``CKPT_STEP=N`` in the environment, ``--ckpt-step N`` after the script, or both
   (``step_passing``: ``recovery.pass_step``; a continuation passes it both ways).
+- Iterations to skip (a relaunch past a data failure's window): ``CKPT_ITERATIONS_TO_SKIP="N M"``
+  in the environment and ``--iterations-to-skip N M`` after the script, passed the same ways as
+  the step; the script hands them to Megatron-LM's ``--iterations-to-skip``.
 - Output: one file of the run's own, bash's stdout and stderr, or ``sbatch --output``.
 - The printed-arguments watch: Megatron-LM's arguments block read from the run's output as soon
   as it is complete, while the run is still starting (``watch_printed``); the caller judges it
@@ -32,11 +35,21 @@ from tasks.relaunch.printed import PrintedArgs, read_printed_args
 _POLL_SECONDS = 0.2
 
 
-def step_passing(pass_step: Collection[str], step: int) -> tuple[dict[str, str], list[str]]:
-    """The step as the script receives it: ``CKPT_STEP`` in its environment (``env``), and
-    ``--ckpt-step N`` after it (``arg``)."""
+SKIP_ENV = "CKPT_ITERATIONS_TO_SKIP"
+
+
+def step_passing(
+    pass_step: Collection[str], step: int, skip: Sequence[int] = ()
+) -> tuple[dict[str, str], list[str]]:
+    """The step (and the iterations to skip, if any) as the script receives them: ``CKPT_STEP``
+    and ``CKPT_ITERATIONS_TO_SKIP`` in its environment (``env``), and ``--ckpt-step N`` and
+    ``--iterations-to-skip N ...`` after it (``arg``)."""
     env = {"CKPT_STEP": str(step)} if "env" in pass_step else {}
     args = ["--ckpt-step", str(step)] if "arg" in pass_step else []
+    if skip and "env" in pass_step:
+        env[SKIP_ENV] = " ".join(map(str, skip))
+    if skip and "arg" in pass_step:
+        args += ["--iterations-to-skip", *map(str, skip)]
     return env, args
 
 
@@ -49,15 +62,16 @@ class Launch:
     step: int
     pass_step: Collection[str]
     env: Mapping[str, str] = field(default_factory=dict)
+    skip: tuple[int, ...] = ()  # iterations Megatron-LM is to pass without training them
 
     def environ(self) -> dict[str, str]:
         """The environment the script runs in (and the one its flags are read in beforehand)."""
-        step_env, _ = step_passing(self.pass_step, self.step)
+        step_env, _ = step_passing(self.pass_step, self.step, self.skip)
         return {**os.environ, **step_env, **self.env}
 
     def argv(self) -> list[str]:
-        """The script and the step after it, where it is passed there."""
-        _, args = step_passing(self.pass_step, self.step)
+        """The script and the step (and iterations to skip) after it, where passed there."""
+        _, args = step_passing(self.pass_step, self.step, self.skip)
         return [str(self.script), *args]
 
     def start(self, output: Path) -> subprocess.Popen:
@@ -69,7 +83,7 @@ class Launch:
         """What follows ``sbatch --parsable`` (run in ``environ()``): ``options``, the job's
         output file (sbatch expands ``%x`` and ``%j``), its environment exported whole with the
         step where it is passed there, the script and the step after it."""
-        step_env, _ = step_passing(self.pass_step, self.step)
+        step_env, _ = step_passing(self.pass_step, self.step, self.skip)
         export = ",".join(["ALL", *(f"{k}={v}" for k, v in step_env.items())])
         return [*options, f"--output={output}", f"--export={export}", *self.argv()]
 

@@ -6,6 +6,7 @@ against the baseline (``tasks.resume.baseline``).
 """
 
 import math
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import numpy as np
@@ -33,8 +34,9 @@ class Validator(Continuity):
         baseline: dict | None,
         verified_now: bool = False,
         relaunched: dict[str, dict | None] | None = None,
+        skip: Sequence[int] = (),
     ):
-        super().__init__(facts, before, after, settings)
+        super().__init__(facts, before, after, settings, skip)
         self.baseline = self.result.baseline = baseline
         # It had no manifest when the run resumed: verified by this validation.
         self.verified_now = verified_now
@@ -51,6 +53,8 @@ class Validator(Continuity):
         self._memory()
         self._throughput()
         self._skipped()
+        if self.skip.size:
+            self._skip_window()
         return self.result
 
     def _promoted(self) -> None:
@@ -171,6 +175,7 @@ class Validator(Continuity):
             return
         counts = np.where(np.isnan(a.batch_count[self.rows]), f.global_batch_size, a.batch_count[self.rows])
         expected = f.consumed + np.concatenate(([0.0], np.cumsum(counts)[:-1]))
+        expected += self._skipped_by(a.iteration[self.rows]) * f.global_batch_size  # passed untrained
         bad = []
         wrong_position = np.nonzero(positions != expected)[0]
         if wrong_position.size:

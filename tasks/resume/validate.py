@@ -5,6 +5,7 @@ tasks.resume.checks' (the job's own resume), the steady state before the failure
 tasks.resume.baseline; this is their composition for the CLI, the flow and the recovery run.
 """
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from tasks.checkpoint import layout
@@ -29,12 +30,14 @@ def validate_resume(
     verified_now: bool = False,
     relaunched: dict[str, dict | None] | None = None,
     trust: Trust = UNCHECKED,
+    skip: Sequence[int] = (),
 ) -> Validation:
     """Validate ``after`` (the resumed run) against ``before`` (the run before the failure).
     ``verified_now``: the checkpoint was verified by this validation, not before the resume.
     ``relaunched``: the resumed job's nodes and their recorded conformance facts (None for a
     node never read), which a throughput drop is explained with. ``trust``: the job's signing
-    policy, its checkpoint's manifest read under it before anything of it is loaded."""
+    policy, its checkpoint's manifest read under it before anything of it is loaded. ``skip``:
+    iterations the run was told to pass untrained (a relaunch past a data failure)."""
     facts = checkpoint_facts(checkpoint, trust)
     note = None
     if before is not None:
@@ -44,7 +47,7 @@ def validate_resume(
             baseline = stored_baseline(facts)
     else:
         baseline = stored_baseline(facts)
-    result = Validator(facts, before, after, settings, baseline, verified_now, relaunched).run()
+    result = Validator(facts, before, after, settings, baseline, verified_now, relaunched, skip).run()
     if note:
         result.checks.append(Check(ResumeCheck.BASELINE, Outcome.UNCHECKED, note))
     return result
