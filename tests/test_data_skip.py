@@ -19,9 +19,15 @@ from pathlib import Path
 import pytest
 
 from infra.local_job.cpu_loop import DEVICE_BASE_ENV
+from tasks.checkpoint.signing import Trust
 from tasks.cluster import process
+from tasks.job.step_records import load_steps
+from tasks.profile import load_profile
+from tasks.recovery.data import skip_not_printed
 from tasks.recovery.ledger import incidents
 from tasks.recovery.triage import triage
+from tasks.relaunch.printed import PrintedArgs
+from tasks.resume.validate import validate_resume
 from tests.test_recovery_safety import Job, _script, job_copy, recover, stop_job
 
 FAULT = "1:6:nan-data"
@@ -56,6 +62,13 @@ def test_a_reproducible_nan_is_the_data_and_is_relaunched_past_its_iteration_onc
     second = triage([relaunch_log])
     assert (second.cls, second.exit_code, second.anomaly_iteration) == ("data", 17, 6), second.line()
 
+    # recovery.skip_bad_data: never: a person decides, nothing is relaunched.
+    never = job_copy(nan_data, tmp_path / "never", extra=RERUN, skip_bad_data="never")
+    out, _ = recover(never, log=relaunch_log).communicate(timeout=600)
+    stopped = json.loads(out)
+    assert stopped["outcome"] == "stopped" and stopped["relaunched_job"] is None
+    assert stopped["reason"].startswith("a data failure at iteration 6 (recovery.skip_bad_data: never)")
+
     run = recover(job, env=elsewhere, log=relaunch_log)
     out, err = run.communicate(timeout=600)
     skip = json.loads(out)
@@ -70,9 +83,44 @@ def test_a_reproducible_nan_is_the_data_and_is_relaunched_past_its_iteration_onc
         # Every check passed, the skipped data's among them (an unchecked one would be named).
         assert skip["validation"].startswith("VALIDATED resume from iteration 4"), skip["validation"]
         assert "skipped data" not in skip["validation"] and skip["recomputed_iterations"] == 1
+        # The relaunch's own log against other windows: none (it passed data nobody asked it
+        # to) and the wrong one (iteration 7 was trained) are rejected.
+        outcomes = _checks(job, Path(skip["relaunch_log"]))
+        assert outcomes([6])["skipped data"] == outcomes([6])["learning rate"] == "pass"
+        assert outcomes(())["skipped data"] == "fail"
+        assert outcomes([7])["skipped data"] == "fail"
         assert [(i.cls, i.outcome) for i in incidents(job.save)] == [
             ("numerics", "stopped"),
             ("data", "completed"),
         ]
     finally:
         stop_job(skip["relaunched_job"])
+
+
+def _checks(job: Job, log: Path):
+    """Each check's outcome when the relaunch's log is validated with ``window`` skipped."""
+    profile = load_profile(job.profile)
+    after, checkpoint, trust = load_steps(log), job.save / "iter_0000004", Trust.of(profile)
+
+    def outcomes(window) -> dict[str, str]:
+        result = validate_resume(checkpoint, None, after, profile.resume, trust=trust, skip=window)
+        return {c.name: str(c.outcome) for c in result.checks}
+
+    return outcomes
+
+
+def test_a_relaunch_megatron_lm_was_not_told_to_skip_is_named_before_it_trains(tmp_path):
+    """What Megatron-LM printed decides whether the relaunch skips the window: an empty list (the
+    script dropped CKPT_ITERATIONS_TO_SKIP), another iteration, or a version without the flag."""
+    window = {"iterations": [6], "samples": [40, 48], "tokens": 256}
+
+    def printed(value: str | None) -> PrintedArgs:
+        return PrintedArgs({} if value is None else {"iterations_to_skip": value}, tmp_path / "out", 12)
+
+    assert skip_not_printed(printed("[6]"), window) is None
+    assert skip_not_printed(printed("[5, 6]"), window) is None
+    assert skip_not_printed(printed("[]"), window).startswith(
+        f"Megatron-LM was not told to skip iterations [6] (iterations_to_skip [] at {tmp_path}/out:12)"
+    )
+    assert "not told to skip iterations [6]" in skip_not_printed(printed("[7]"), window)
+    assert "printed no iterations_to_skip" in skip_not_printed(printed(None), window)

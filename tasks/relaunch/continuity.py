@@ -454,6 +454,9 @@ class Continuity:
         untrained moved by exactly the window (Megatron-LM's ``skipped samples`` where the log
         prints it), while consumed samples count every iteration as before."""
         a, f = self.after, self.facts
+        if not self.skip.size:
+            self._nothing_skipped()
+            return
         window = ", ".join(map(str, self.skip))
         trained = np.intersect1d(a.iteration[self.rows], self.skip)
         if trained.size:
@@ -495,6 +498,23 @@ class Continuity:
             f"iterations {window} passed untrained ({self.skip.size * gbs} samples)",
             f"as expected ({said})",
         )
+
+    def _nothing_skipped(self) -> None:
+        """No window was asked for: a log whose skipped samples moved past the checkpoint's
+        passed data nobody decided to skip (a script's own --iterations-to-skip, a stale
+        tracker file). Said only when it happened."""
+        a, f = self.after, self.facts
+        printed = a.skipped_samples[self.rows] if "skipped_samples" in a.columns else np.array([])
+        moved = np.nonzero(np.isfinite(printed) & (printed != f.skipped_samples))[0]
+        if moved.size:
+            k = moved[0]
+            self.add(
+                ResumeCheck.SKIP_WINDOW,
+                False,
+                f"{f.skipped_samples} samples skipped (the checkpoint's), none asked for",
+                f"{printed[k]:.0f} at iteration {int(a.iteration[self.rows[k]])}",
+                "the run passed data untrained that no recovery decided to skip",
+            )
 
     def _skipped(self) -> None:
         a, b = self.after, self.before

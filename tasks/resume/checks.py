@@ -53,8 +53,7 @@ class Validator(Continuity):
         self._memory()
         self._throughput()
         self._skipped()
-        if self.skip.size:
-            self._skip_window()
+        self._skip_window()
         return self.result
 
     def _promoted(self) -> None:
