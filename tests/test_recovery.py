@@ -547,3 +547,14 @@ def test_a_stop_for_no_usable_checkpoint_lists_each_checkpoint_and_its_failure(s
     parts = reason.split(": ", 1)[1].split("; ")
     assert [p.split()[0] for p in parts] == [f"iter_{i:07d}" for i in reversed(ITERATIONS)]
     assert all(" invalid: " in p and "__0_0.distcp" in p for p in parts), reason
+
+
+def test_a_job_slurm_preempted_was_taken_by_the_infrastructure_before_anything_else_is_asked(tmp_path):
+    """JobState=PREEMPTED says it alone: no reservation or drain log is read."""
+    from tasks.recovery.infrastructure import taken_away
+    from tasks.recovery.job import SlurmJob
+
+    job = SlurmJob(
+        "7", "train", "PREEMPTED", ["n1"], 8, None, None, 0, "None", end_time="2026-12-06T10:00:00"
+    )
+    assert taken_away(job, tmp_path / "absent.jsonl") == "Slurm job 7: JobState=PREEMPTED (Reason=None)"

@@ -8,11 +8,13 @@ from pathlib import Path
 
 from tasks.checkpoint.promote import promote
 from tasks.cluster import slurm
-from tasks.health.actions import apply_drains, plan_drains
+from tasks.health.actions import DRAIN_LOG, apply_drains, plan_drains
 from tasks.health.run import NodeReport
 from tasks.health.verdict import Evidence, result
 from tasks.outcome import Verdict
 from tasks.profile import load_profile
+from tasks.recovery.infrastructure import taken_away
+from tasks.recovery.job import SlurmJob, slurm_job
 from tasks.restore.drill import run_drill
 from tests.conftest import variant_profile
 from tests.helpers.poll import until
@@ -96,3 +98,71 @@ def _health_profile(tmp_path: Path) -> Path:
         "drain: {enabled: true}}\n"
     )
     return path
+
+
+def _running(script: Path, node: str, tmp_path: Path) -> str:
+    """A job on ``node`` that sleeps until cancelled, once slurmctld says it runs."""
+    job = slurm.run(["sbatch", "--parsable", "-w", node, "-o", str(tmp_path / "%j.out"), str(script)])
+    job = job.strip().split(";")[0]
+    until(lambda: slurm.run(["squeue", "-h", "-j", job, "-o", "%T"]).strip() == "RUNNING", 60, "job running")
+    return job
+
+
+def _ended(job: str) -> SlurmJob:
+    return slurm_job(job.split(";")[0])  # taken_away waits for its end
+
+
+def test_slurm_says_when_the_infrastructure_not_the_job_ended_it(slurm_conf, tmp_path):
+    """A job cancelled while a maintenance reservation holds its node, and one cancelled after
+    ckptops drained its node during its run (a planned spare swap), were ended by the
+    infrastructure; a job that failed on its own, and one cancelled with neither, were not."""
+    sleeper = tmp_path / "sleep.sh"
+    sleeper.write_text("#!/bin/bash\nsleep 600\n")
+    failing = tmp_path / "fail.sh"
+    failing.write_text("#!/bin/bash\nexit 3\n")
+    settings = load_profile(_health_profile(tmp_path)).health
+    drains = Path(settings.raw_dir) / DRAIN_LOG
+    try:
+        job = _running(sleeper, "n2", tmp_path)
+        slurm.run(
+            [
+                "scontrol",
+                "create",
+                "reservation",
+                "ReservationName=ckptops-maint",
+                "Nodes=n2",
+                "StartTime=now",
+                "Duration=10",
+                "Flags=MAINT,IGNORE_JOBS",
+                "Users=root",
+            ]
+        )
+        slurm.run(["scancel", job])
+        assert taken_away(_ended(job), drains) == (
+            f"Slurm job {job} CANCELLED while maintenance reservation ckptops-maint held n2"
+        )
+        job = _running(sleeper, "n3", tmp_path)
+        swap = NodeReport(
+            "n3", Verdict.FAIL_HARDWARE, [result("xid", Verdict.FAIL_HARDWARE, Evidence("XID 79"))]
+        )
+        apply_drains(plan_drains([swap], settings), settings)
+        slurm.run(["scancel", job])
+        assert taken_away(_ended(job), drains).startswith(
+            f"Slurm job {job} cancelled after ckptops drained n3 during its run (ckptops FAIL_HARDWARE xid"
+        )
+        job = _running(sleeper, "n1", tmp_path)
+        slurm.run(["scancel", job])
+        assert taken_away(_ended(job), drains) is None
+        done = subprocess.run(
+            ["sbatch", "--parsable", "--wait", "-w", "n1", "-o", str(tmp_path / "%j.out"), str(failing)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        failed = _ended(done.stdout.strip())
+        assert failed.state == "FAILED" and taken_away(failed, drains) is None  # the job's own
+    finally:
+        subprocess.run(
+            ["scontrol", "delete", "ReservationName=ckptops-maint"], capture_output=True, timeout=30
+        )
+        subprocess.run(["scontrol", "update", "NodeName=n3", "State=RESUME"], capture_output=True, timeout=30)

@@ -4,6 +4,10 @@ Every call is an argv list with a timeout (never a shell string): a node name or
 only ever be one argument.
 """
 
+import re
+from dataclasses import dataclass
+from datetime import datetime
+
 from tasks.cluster.process import capture
 from tasks.cluster.transport import check_node_name
 from tasks.errors import CkptopsError, UsageError
@@ -61,3 +65,41 @@ def resume(node: str) -> None:
 
 def drain(node: str, reason: str) -> None:
     run(["scontrol", "update", f"NodeName={check_node_name(node)}", "State=DRAIN", f"Reason={reason}"])
+
+
+@dataclass(frozen=True)
+class Reservation:
+    name: str
+    nodes: tuple[str, ...]
+    start: float  # epoch seconds (slurmctld prints its local time; read as this host's)
+    end: float
+    flags: frozenset[str]
+
+
+def slurm_time(text: str | None) -> float | None:
+    """``2026-12-06T23:03:16`` (Slurm's local time) as epoch seconds; None for Unknown, None."""
+    try:
+        return datetime.fromisoformat(text).timestamp() if text else None
+    except ValueError:
+        return None
+
+
+def reservations() -> list[Reservation]:
+    """Every reservation slurmctld has, with its nodes expanded."""
+    found = []
+    for line in run(["scontrol", "show", "reservation", "-o"]).splitlines():
+        fields = dict(re.findall(r"(\w+)=(\S*)", line))
+        start, end = slurm_time(fields.get("StartTime")), slurm_time(fields.get("EndTime"))
+        if "ReservationName" not in fields or start is None or end is None:
+            continue  # "No reservations in the system"
+        nodes = fields.get("Nodes", "")
+        found.append(
+            Reservation(
+                fields["ReservationName"],
+                tuple(expand_nodelist(nodes)) if nodes and nodes != "(null)" else (),
+                start,
+                end,
+                frozenset(fields.get("Flags", "").split(",")),
+            )
+        )
+    return found

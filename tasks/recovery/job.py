@@ -38,6 +38,7 @@ class SlurmJob:
     reason: str
     partition: str | None = None
     start_time: str | None = None
+    end_time: str | None = None
     restarts: int = 0  # Slurm requeued it this often: each start is another attempt, another failure
     work_dir: Path | None = None  # where the batch script starts (relative paths in its arguments)
 
@@ -82,6 +83,7 @@ def slurm_job(job_id: str) -> SlurmJob:
         reason=f.get("Reason", ""),
         partition=f.get("Partition") or None,
         start_time=f.get("StartTime") or None,
+        end_time=f.get("EndTime") or None,
         restarts=int(f.get("Restarts", "0") or 0) if f.get("Restarts", "0").isdigit() else 0,
         work_dir=path("WorkDir"),
     )

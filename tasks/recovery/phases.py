@@ -22,13 +22,14 @@ from tasks.checkpoint.state import VerifyOptions
 from tasks.cluster import slurm
 from tasks.errors import CkptopsError, Unreadable, UsageError
 from tasks.health import fleet
-from tasks.health.actions import Readiness
+from tasks.health.actions import DRAIN_LOG, Readiness
 from tasks.health.run import run_health
 from tasks.health.sweep import HELD_STATES, sweep
 from tasks.health.verdict import CheckName
 from tasks.job.step_records import Steps, load_steps, read_configured
 from tasks.outcome import Verdict
 from tasks.recovery import job as jobs
+from tasks.recovery.infrastructure import taken_away
 from tasks.recovery.ledger import Incident, lost_gpu_hours
 from tasks.recovery.triage import Triage
 from tasks.relaunch.fit import Compatibility, checkpoint_fit
@@ -56,6 +57,7 @@ class Detected:
     nodes: list[str]
     partition: str | None
     attempt: str | None = None  # the Slurm job's start: its requeues and start time
+    infrastructure: str | None = None  # Slurm says the infrastructure ended it (infrastructure.py)
 
 
 def detect(profile, source: Source) -> Detected:
@@ -65,6 +67,8 @@ def detect(profile, source: Source) -> Detected:
         job = jobs.slurm_job(source.slurm_job)
         found.layout, found.nodes, found.partition = job.layout(), job.nodes, job.partition
         found.attempt = f"{job.restarts}:{job.start_time}"
+        drains = Path(profile.health.raw_dir) / DRAIN_LOG if profile.health is not None else None
+        found.infrastructure = taken_away(job, drains)
         if found.exit_code is None:
             found.exit_code = job.exit_code
         for path in (job.stdout, job.stderr):

@@ -364,6 +364,7 @@ class _Recovery:
             incident.hang = tri.flight_recorder["reason"]
         incident.mark("triaged")
         incident.cls, incident.exit_code = tri.cls, tri.exit_code
+        tri.infrastructure = tri.infrastructure or self.detected.infrastructure
         incident.infrastructure = tri.infrastructure
         incident.first_error = tri.to_dict()["first_error"]
         incident.suspect_nodes = list(tri.suspect_nodes)
