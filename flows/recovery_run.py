@@ -46,7 +46,7 @@ def recovery_run(
             ask_in_ui(timeout),
             step=flow_step,
             flow_run=str(flow_run.id),
-            started=lambda i: announce(prof.job.name, i.id, {"slurm_job": slurm_job, "logs": logs or []}),
+            started=lambda i: announce(prof.job.name, i, {"slurm_job": slurm_job, "logs": logs or []}),
             warn=print,
             retry=retry,
         )

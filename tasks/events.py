@@ -17,6 +17,10 @@ JOB_FAILED = "training.job.failed"
 CHECKPOINT_PROMOTED = "ckptops.checkpoint.promoted"
 
 RECOVERY_STARTED = "training.recovery.started"
+# RECOVERY_STARTED's resource label: whose failure the recovery is about, "job" or
+# "infrastructure" (a preemption, a maintenance, a planned swap): the failure-storm guard counts
+# the job's own only.
+CAUSE_LABEL = "ckptops.cause"
 RECOVERY_STOPPED = "training.recovery.stopped"
 RECOVERY_COMPLETED = "training.recovery.completed"
 

@@ -1,6 +1,8 @@
-"""The failure-storm guard on a real Prefect server: more than recovery.max_per_hour
-``training.job.failed`` events, posted over plain HTTP as a job's epilog posts them, pause the
-job's recovery deployment; another job's failures do not."""
+"""The failure-storm guard on a real Prefect server: more than recovery.max_per_hour recoveries
+of the job's own failures (``training.recovery.started`` labelled ``ckptops.cause: job``, as the
+recovery run announces itself once triaged; posted here over plain HTTP) pause the job's
+recovery deployment; another job's recoveries, and recoveries of failures the infrastructure
+caused (a preemption), do not."""
 
 import json
 import urllib.request
@@ -11,20 +13,21 @@ import pytest
 import yaml
 
 from tasks.errors import UsageError
-from tasks.events import JOB_FAILED, job_resource
+from tasks.events import CAUSE_LABEL, JOB_FAILED, RECOVERY_STARTED, job_resource
 from tasks.profile import load_profile
 from tasks.recovery.automation import automation_name, install
 from tests.helpers.poll import within
 
 
-def post_failed(api: str, job: str, slurm_job: str) -> None:
+def post_failed(api: str, job: str, slurm_job: str, cause: str = "job") -> None:
+    """What a recovery run of that Slurm job's failure announces once it has triaged it."""
     event = [
         {
             "id": str(uuid.uuid4()),
             "occurred": datetime.now(UTC).isoformat(),
-            "event": JOB_FAILED,
-            "resource": {"prefect.resource.id": job_resource(job)},
-            "payload": {"slurm_job": slurm_job, "exit_code": 1},
+            "event": RECOVERY_STARTED,
+            "resource": {"prefect.resource.id": job_resource(job), CAUSE_LABEL: cause},
+            "payload": {"incident": f"i{slurm_job}", "slurm_job": slurm_job, "logs": []},
         }
     ]
     request = urllib.request.Request(
@@ -65,6 +68,18 @@ def test_more_failures_than_the_hourly_budget_pause_automatic_recovery(prefect_a
             post_failed(prefect_api, "storm", str(100 + n))
         for n in range(5):
             post_failed(prefect_api, "another-job", str(200 + n))
+            post_failed(prefect_api, "storm", str(300 + n), cause="infrastructure")
         assert not paused(client, deployment, timeout=5), "paused within the budget"
         post_failed(prefect_api, "storm", "102")
         assert paused(client, deployment)
+
+
+def test_the_recovery_deployment_is_started_by_the_jobs_failure_event():
+    """Each failure the job's epilog posts starts one recovery run, which announces itself: so the
+    guard sees one announcement per failure it has to count."""
+    from tests.conftest import ROOT
+
+    deployments = yaml.safe_load((ROOT / "infra" / "prefect.yaml").read_text())["deployments"]
+    recovery = [d for d in deployments if d["entrypoint"].startswith("flows/recovery_run.py")]
+    triggered = [d for d in recovery if d.get("triggers")]
+    assert triggered and all([t["expect"] for t in d["triggers"]] == [[JOB_FAILED]] for d in triggered)

@@ -1,11 +1,13 @@
 """The job's recovery automations on the Prefect server, installed once per job
 (``ckptops automations --deployment recovery-run/<job>-recovery``):
 
-- the failure-storm guard pauses the automatic recovery deployment when the job fails more than
-  ``recovery.max_per_hour`` times within an hour. The stop rules already refuse a relaunch past
-  that rate, but each refused run still triages and pages; when a job crashes in a loop the
-  automation stops the runs themselves until a human resumes the deployment. With
-  ``notify.block`` it also tells a person;
+- the failure-storm guard pauses the automatic recovery deployment when more than
+  ``recovery.max_per_hour`` recoveries of the job's own failures start within an hour (each
+  recovery's ``training.recovery.started``, labelled with the failure's cause once triaged: a
+  preemption, a maintenance or a planned swap is the infrastructure's and not counted, as in the
+  stop rules). The stop rules already refuse a relaunch past that rate, but each refused run
+  still triages and pages; when a job crashes in a loop the automation stops the runs
+  themselves until a human resumes the deployment. With ``notify.block`` it also tells a person;
 - with ``notify.block``, the approval notice tells the approver when a run of that deployment
   pauses for approval, with the run's UI link. It lives on the server, so it fires even when
   the paused run's own process is gone.
@@ -19,7 +21,7 @@ from prefect.events.schemas.automations import EventTrigger, Posture
 from prefect.exceptions import ObjectNotFound
 
 from tasks.errors import UsageError
-from tasks.events import JOB_FAILED, flow_run_event, job_resource
+from tasks.events import CAUSE_LABEL, RECOVERY_STARTED, flow_run_event, job_resource
 from tasks.notify import block_id
 
 
@@ -68,10 +70,11 @@ def _storm_guard(profile, deployment: str, deployment_id, block) -> Automation:
         )
     return Automation(
         name=automation_name(job),
-        description=f"pause {deployment} after more than {limit} failures of {job} within an hour",
+        description=f"pause {deployment} after more than {limit} recoveries of {job}'s own failures "
+        "within an hour",
         trigger=EventTrigger(
-            match={"prefect.resource.id": job_resource(job)},
-            expect={JOB_FAILED},
+            match={"prefect.resource.id": job_resource(job), CAUSE_LABEL: "job"},
+            expect={RECOVERY_STARTED},
             posture=Posture.Reactive,
             # More than max_per_hour failures: the one past the budget trips it.
             threshold=limit + 1,

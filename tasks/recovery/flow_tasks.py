@@ -11,7 +11,7 @@ from prefect.exceptions import FlowPauseTimeout
 from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
 
-from tasks.events import RECOVERY_COMPLETED, RECOVERY_STARTED, RECOVERY_STOPPED, job_resource
+from tasks.events import CAUSE_LABEL, RECOVERY_COMPLETED, RECOVERY_STARTED, RECOVERY_STOPPED, job_resource
 from tasks.recovery.ledger import Incident, IncidentOutcome, incidents
 from tasks.recovery.report import incident_rows, incidents_markdown, plan_markdown
 from tasks.recovery.run import Decision, RecoveryPlan
@@ -48,11 +48,13 @@ def ask_in_ui(timeout_seconds: float):
     return approve
 
 
-def announce(job: str, incident_id: str, source: dict) -> None:
+def announce(job: str, incident: Incident, source: dict) -> None:
+    """The recovery holds the job (triaged): whose failure it is, on the event's resource."""
+    cause = "infrastructure" if incident.infrastructure else "job"
     emit_event(
         event=RECOVERY_STARTED,
-        resource={"prefect.resource.id": job_resource(job)},
-        payload={"incident": incident_id, **source},
+        resource={"prefect.resource.id": job_resource(job), CAUSE_LABEL: cause},
+        payload={"incident": incident.id, **source},
     )
 
 
