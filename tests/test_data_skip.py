@@ -25,6 +25,9 @@ from tasks.job.step_records import load_steps
 from tasks.profile import load_profile
 from tasks.recovery.data import skip_not_printed
 from tasks.recovery.ledger import incidents
+from tasks.recovery.report import plan_markdown
+from tasks.recovery.run import Decision, Source
+from tasks.recovery.run import recover as run_recovery
 from tasks.recovery.triage import triage
 from tasks.relaunch.printed import PrintedArgs
 from tasks.resume.validate import validate_resume
@@ -47,7 +50,9 @@ def nan_data(tmp_path_factory) -> Job:
     return Job(root, save, records, script, log, Path())
 
 
-def test_a_reproducible_nan_is_the_data_and_is_relaunched_past_its_iteration_once(nan_data, tmp_path):
+def test_a_reproducible_nan_is_the_data_and_is_relaunched_past_its_iteration_once(
+    nan_data, tmp_path, monkeypatch
+):
     first = triage([nan_data.log])
     assert (first.cls, first.exit_code, first.anomaly_iteration) == ("numerics", 16, 6), first.line()
     job = job_copy(nan_data, tmp_path, extra=RERUN, progress_steps=4)
@@ -69,23 +74,33 @@ def test_a_reproducible_nan_is_the_data_and_is_relaunched_past_its_iteration_onc
     assert stopped["outcome"] == "stopped" and stopped["relaunched_job"] is None
     assert stopped["reason"].startswith("a data failure at iteration 6 (recovery.skip_bad_data: never)")
 
-    run = recover(job, env=elsewhere, log=relaunch_log)
-    out, err = run.communicate(timeout=600)
-    skip = json.loads(out)
+    # The person reads the skip on the form and approves; the relaunch inherits the environment.
+    for name, value in elsewhere.items():
+        monkeypatch.setenv(name, value)
+    forms = []
+
+    def approve(plan) -> Decision:
+        forms.append(plan_markdown(plan))
+        return Decision(True, "a person who read the skip")
+
+    skip = run_recovery(load_profile(job.profile), Source(logs=[relaunch_log]), "test", approve)
     try:
-        assert run.returncode == 0 and skip["outcome"] == "completed", (skip["reason"], err[-3000:])
-        assert skip["class"] == "data" and skip["checkpoint"] == 4
-        assert skip["skipped"] == {"iterations": [6], "samples": [40, 48], "tokens": 8 * 32}
-        assert any(r["name"] == "data-after-skip" and not r["fired"] for r in skip["rules"])
-        log = Path(skip["relaunch_log"]).read_text()
+        assert skip.outcome == "completed", skip.reason
+        assert skip.cls == "data" and skip.checkpoint == 4
+        assert skip.skipped == {"iterations": [6], "samples": [40, 48], "tokens": 8 * 32}
+        (form,) = forms
+        assert "- **skip**: iterations 6 (samples 40-47, 256 tokens) are passed untrained" in form
+        assert "--ckpt-step 4 --iterations-to-skip 6" in form
+        assert any(r["name"] == "data-after-skip" and not r["fired"] for r in skip.rules)
+        log = Path(skip.relaunch_log).read_text()
         assert "iterations_to_skip .............................. [6]" in log
         assert "iteration        6/" not in log and "skipped samples:            8 |" in log
         # Every check passed, the skipped data's among them (an unchecked one would be named).
-        assert skip["validation"].startswith("VALIDATED resume from iteration 4"), skip["validation"]
-        assert "skipped data" not in skip["validation"] and skip["recomputed_iterations"] == 1
+        assert skip.validation.startswith("VALIDATED resume from iteration 4"), skip.validation
+        assert "skipped data" not in skip.validation and skip.recomputed_iterations == 1
         # The relaunch's own log against other windows: none (it passed data nobody asked it
         # to) and the wrong one (iteration 7 was trained) are rejected.
-        outcomes = _checks(job, Path(skip["relaunch_log"]))
+        outcomes = _checks(job, Path(skip.relaunch_log))
         assert outcomes([6])["skipped data"] == outcomes([6])["learning rate"] == "pass"
         assert outcomes(())["skipped data"] == "fail"
         assert outcomes([7])["skipped data"] == "fail"
@@ -94,7 +109,7 @@ def test_a_reproducible_nan_is_the_data_and_is_relaunched_past_its_iteration_onc
             ("data", "completed"),
         ]
     finally:
-        stop_job(skip["relaunched_job"])
+        stop_job(skip.relaunched_job)
 
 
 def _checks(job: Job, log: Path):

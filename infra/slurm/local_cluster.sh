@@ -29,8 +29,10 @@ start_munge() {
     [ -f /etc/munge/munge.key ] || mungekey --create
     chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
     mkdir -p /run/munge && chown munge:munge /run/munge
-    # Started here, it is ours to stop with the cluster; one already running is left alone.
-    pgrep -x munged >/dev/null || { su -s /bin/sh munge -c /usr/sbin/munged && touch "$dir/munged.ours"; }
+    # Started here, it is ours to stop with the cluster; one already answering is left alone (a
+    # munged process alone is not enough: a killed one left as a zombie still matches pgrep).
+    munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1 \
+        || { su -s /bin/sh munge -c /usr/sbin/munged && touch "$dir/munged.ours"; }
 }
 
 write_conf() {
@@ -99,6 +101,8 @@ down() {
     done
     if [ -f "$dir/munged.ours" ]; then
         pkill -x munged || true
+        # Gone before this returns: an `up` right after must not find a munged still exiting.
+        for _ in $(seq 40); do pgrep -x munged >/dev/null || break; sleep 0.25; done
         rm -f "$dir/munged.ours"
     fi
 }

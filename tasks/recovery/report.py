@@ -76,6 +76,16 @@ def incidents_markdown(job: str, found: list[Incident]) -> str:
     return f"# incidents: {job}\n\n**{last.id}: {last.cls} -> {last.outcome}**: {last.reason}\n\n{image}\n"
 
 
+def _skip_line(skipped: dict) -> str:
+    samples = skipped["samples"]
+    where = f"samples {samples[0]}-{samples[1] - 1}" if samples else "samples not known (a batch ramp-up)"
+    tokens = f", {skipped['tokens']:,} tokens" if skipped["tokens"] is not None else ""
+    return (
+        f"- **skip**: iterations {', '.join(map(str, skipped['iterations']))} ({where}{tokens}) are "
+        "passed untrained (--iterations-to-skip): the data there reproduced its failure on another GPU"
+    )
+
+
 def plan_markdown(plan) -> str:
     """What the approver reads before deciding."""
     tri, incident = plan.triage, plan.incident
@@ -91,6 +101,7 @@ def plan_markdown(plan) -> str:
         f"- suspect nodes: {', '.join(tri.suspect_nodes) or 'none'}",
         f"- checkpoint: **{plan.checkpoint}** (verified candidates: {', '.join(map(str, plan.choices))})",
         *([f"- **fall back**: {incident.fallback}"] if incident.fallback else []),
+        *([_skip_line(incident.skipped)] if incident.skipped else []),
         *_certification_lines(plan),
         *(_reverified_line(r) for r in incident.reverified),
         f"- node health: {incident.health}",
