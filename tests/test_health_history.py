@@ -97,7 +97,7 @@ def test_a_repeat_suspect_is_drained_within_the_caps_and_the_approval_form_shows
         SimpleNamespace(
             triage=SimpleNamespace(cls="hang", reason="no progress", first_error=None, suspect_nodes=[A, B]),
             incident=SimpleNamespace(
-                id="inc-2", job="j", failed_job="7", reverified=[], health=note, fallback=None
+                id="inc-2", job="j", failed_job="7", reverified=[], health=note, fallback=None, skipped=None
             ),
             checkpoint=20,
             choices=[20],
