@@ -75,19 +75,22 @@ def test_a_repeat_suspect_is_drained_within_the_caps_and_the_approval_form_shows
 ):
     path, profile = make_profile(cluster, tmp_path, drain={"max_per_run": 1})
     health = profile.health
-    first = SimpleNamespace(id="inc-1", cls="hang")
+    first = SimpleNamespace(id="inc-1", cls="hang", suspect_gpus=[])
     drained, excluded, _, note = nodes_phase(profile, first, [A, B], NODES)
     assert drained == [] and excluded == [A, B]  # one incident: excluded, not drained
     assert note == f"{A} PASS: all checks passed; {B} PASS: all checks passed"
 
-    second = SimpleNamespace(id="inc-2", cls="hang")
+    # Megatron's rerun state machine convicted a GPU of A: the drain and the history name it.
+    second = SimpleNamespace(id="inc-2", cls="hardware", suspect_gpus=[f"{A}:3"])
     drained, excluded, _, note = nodes_phase(profile, second, [A, B], NODES)
     assert drained == [A] and excluded == [A, B]  # both repeat suspects; the cap drains one
     assert (
         f"{A} FAIL_HARDWARE: suspect-history: named as suspect in 2 incidents within 14 days: inc-1 (" in note
     )
     drains = scontrol.read_text().splitlines()
-    assert drains == [f"update NodeName={A} State=DRAIN Reason=ckptops inc-2 hang"]
+    assert drains == [f"update NodeName={A} State=DRAIN Reason=ckptops inc-2 hardware GPU {A}:3"]
+    suspicions = [e for e in read_history(health.raw_dir, A) if e["kind"] == "suspect"]
+    assert suspicions[-1]["detail"] == f"ckptops inc-2 hardware GPU {A}:3"
     # Its own checks passed, and the history says so beside the suspicions.
     verdicts = [e for e in read_history(health.raw_dir, A) if e["kind"] == "verdict"]
     assert [v["verdict"] for v in verdicts] == ["PASS", "FAIL_HARDWARE"]
@@ -95,7 +98,7 @@ def test_a_repeat_suspect_is_drained_within_the_caps_and_the_approval_form_shows
 
     form = plan_markdown(
         SimpleNamespace(
-            triage=SimpleNamespace(cls="hang", reason="no progress", first_error=None, suspect_nodes=[A, B]),
+            triage=SimpleNamespace(cls="hardware", reason="rerun", first_error=None, suspect_nodes=[A, B]),
             incident=SimpleNamespace(
                 id="inc-2", job="j", failed_job="7", reverified=[], health=note, fallback=None, skipped=None
             ),
@@ -150,9 +153,9 @@ def test_a_job_node_whose_gpus_a_dead_process_holds_is_left_out_of_the_relaunch(
     cluster.record_sample(C, "compute-apps", "nvidia_smi_compute_apps_8xH200_before.csv")
     cluster.record_sample(C, "listpids", "synthetic_scontrol_listpids_h200_job.txt")
     try:
-        incident = SimpleNamespace(id="inc-9", cls="hardware")
+        incident = SimpleNamespace(id="inc-9", cls="hardware", suspect_gpus=[])
         drained, excluded, _, note = nodes_phase(profile, incident, [A], NODES)
-        numerics = SimpleNamespace(id="inc-10", cls="numerics")
+        numerics = SimpleNamespace(id="inc-10", cls="numerics", suspect_gpus=[])
         _, no_suspects, _, numerics_note = nodes_phase(profile, numerics, [], NODES)
     finally:
         cluster.record_sample(C, "compute-apps", "nvidia_smi_compute_apps_header_only.csv")

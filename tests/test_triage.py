@@ -1622,6 +1622,16 @@ def test_a_result_another_gpu_could_not_reproduce_convicts_the_first_gpu_from_th
     )
     found = triage([log, tracker], exit_code=17)
     assert found.cls == "hardware" and found.suspect_nodes == ["gpu-a03"]
+    assert found.suspect_gpus == ["gpu-a03:5"]  # the GPU the first rerun reproduced it on
+
+
+def test_a_transient_fault_names_the_gpu_megatron_reran_it_on(tmp_path):
+    """From Megatron-LM's own loop here: the log's line and the tracker file name rank 1's GPU."""
+    for name in ("first_rerun_not_reproducible.log", "first_rerun_not_reproducible_tracker.txt"):
+        found = triage([DATA.parent / "megatron" / "rerun" / name])
+        assert (found.cls, found.suspect_nodes, found.suspect_gpus) == ("hardware", ["vm"], ["vm:1"])
+        assert found.to_dict()["suspect_gpus"] == ["vm:1"]
+    assert triage([DATA.parent / "megatron" / "rerun" / "second_rerun_reproducible.log"]).suspect_gpus == []
 
 
 @pytest.mark.parametrize(

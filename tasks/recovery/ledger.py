@@ -124,6 +124,7 @@ class Incident:
     exit_code: int | None = None
     first_error: FirstError | None = None
     suspect_nodes: list[str] = field(default_factory=list)
+    suspect_gpus: list[str] = field(default_factory=list)  # node:device, where the rerun machine says
     drained: list[str] = field(default_factory=list)
     excluded: list[str] = field(default_factory=list)
     admitted: list[str] = field(default_factory=list)

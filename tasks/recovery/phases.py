@@ -192,7 +192,9 @@ def nodes_phase(profile, incident: Incident, suspects: list[str], job_nodes: lis
         return [], list(suspects), [], "no health checks (no health section)"
     notes, drained = [], []
     if suspects:
-        reason = f"ckptops {incident.id} {incident.cls}"
+        reason = f"ckptops {incident.id} {incident.cls}" + (
+            f" GPU {', '.join(incident.suspect_gpus)}" if incident.suspect_gpus else ""
+        )
         checked = sweep(health, suspects, reason=reason, incident=incident.id)
         drained = list(checked.plan.drained)
         notes += [f"{r.node} {r.verdict.value}: {r.summary}" for r in checked.run.reports]

@@ -368,6 +368,7 @@ class _Recovery:
         incident.infrastructure = tri.infrastructure
         incident.first_error = tri.to_dict()["first_error"]
         incident.suspect_nodes = list(tri.suspect_nodes)
+        incident.suspect_gpus = list(tri.suspect_gpus)
         if tri.first_error is not None and tri.first_error.at is not None:
             incident.mark("first_error", tri.first_error.at)
 

@@ -2,6 +2,7 @@
 that wins, its suspects, first error and reason (the rules in the package's docstring)."""
 
 from tasks.recovery.triage.model import EVIDENCE_CAP, MEGATRON, FailureClass, Hit, Triage
+from tasks.recovery.triage.patterns import gpus_of
 
 
 class Decide:
@@ -67,11 +68,14 @@ class Decide:
                 suspects.append(exited.nodes[0])
         else:
             cls, first = FailureClass.UNKNOWN, None
+        gpus: list[str] = []
         if cls not in (FailureClass.HANG, FailureClass.UNKNOWN, FailureClass.DATA):
             for h in self._suspect_lines(cls, by_class):
                 for node in h.nodes:
                     if node not in suspects:
                         suspects.append(node)
+                if cls == FailureClass.HARDWARE and "rerun" in h.tags:
+                    gpus += [g for g in gpus_of(h.text) if g not in gpus]
         if cls not in (FailureClass.PREEMPTED, FailureClass.DATA):
             for h in exits:
                 for node in h.nodes:
@@ -100,6 +104,7 @@ class Decide:
             iteration=max(iterations) if iterations else None,
             anomaly_iteration=anomaly,
             infrastructure=taken.text[:240] if cls == FailureClass.PREEMPTED and taken else None,
+            suspect_gpus=gpus,
         )
 
     @staticmethod

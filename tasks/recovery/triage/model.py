@@ -63,6 +63,9 @@ class Triage:
     # The scheduler or the cloud took the nodes away (a preemption): the line that says so. Such
     # a failure counts against none of the job's recovery budgets (tasks.recovery.rules).
     infrastructure: str | None = None
+    # The GPUs (``node:device``) Megatron's rerun state machine convicted of a transient or
+    # persistent fault: what the suspect history records beside the node.
+    suspect_gpus: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         first = self.first_error
@@ -87,6 +90,7 @@ class Triage:
             "stuck_collective": self.stuck_collective,
             "flight_recorder": self.flight_recorder,
             "infrastructure": self.infrastructure,
+            "suspect_gpus": list(self.suspect_gpus),
         }
 
     def line(self) -> str:

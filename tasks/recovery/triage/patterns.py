@@ -156,6 +156,15 @@ TORCHRUN_FIELD = re.compile(r"^\s*(time|host|rank|local_rank|exitcode|error_file
 
 # Where a line names its node or rank.
 _MEGATRON_NODE = re.compile(r"\bRank -?\d+, node ([^\s,]+), device\b|\bnode=(\S+) device=\S+ jobID=")
+# The GPU the rerun state machine names (its log line, its tracker file): node and device.
+MEGATRON_GPU = re.compile(r"\bRank -?\d+, node ([^\s,]+), device (\d+)|\bnode=(\S+) device=(\d+) jobID=")
+
+
+def gpus_of(text: str) -> list[str]:
+    """``node:device`` for each GPU a rerun state machine's line names."""
+    return [f"{m[1] or m[3]}:{m[2] or m[4]}" for m in MEGATRON_GPU.finditer(text)]
+
+
 # NCCL's `host:pid:tid [local rank]`, also behind Open MPI's --tag-output `[1,0]<stdout>:`.
 NCCL_HOST = re.compile(r"(?:^|(?<=[\s\]>])|(?<=>:))([A-Za-z0-9][\w.-]*):\d+:\d+ \[\d+\]")
 _KERNEL_HOST = re.compile(
