@@ -74,6 +74,11 @@ def _stub_triton_paged_stash():
         sys.modules[name] = types.ModuleType(name)
 
 
+def _eager(model=None, **options):
+    """``torch.compile`` that compiles nothing: as a decorator, with or without options."""
+    return model if model is not None else (lambda function: function)
+
+
 def install():
     """Apply the CPU patches once per process, whichever copy of this module asks (a module run
     afresh in a forked interpreter must not stack a second device mode); nothing where CUDA is
@@ -81,6 +86,10 @@ def install():
     if not ACTIVE or getattr(torch.cuda, "ckptops_cpu_patches", False):
         return
     torch.cuda.ckptops_cpu_patches = True
+    # Megatron-Core's jit_fuser is torch.compile, which every CPU rank here runs eagerly (its
+    # fused functions are tiny; inductor would compile C++ for each): the function itself does
+    # that without importing dynamo and inductor, about 2.7 s of each process's start.
+    torch.compile = _eager
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: 0
     torch.cuda.empty_cache = lambda: None
