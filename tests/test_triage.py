@@ -1454,6 +1454,7 @@ def test_to_dict(tmp_path):
         "stuck_collective",
         "flight_recorder",
         "infrastructure",
+        "suspect_gpus",
     ]
     assert as_dict["class"] == "software"
     # Flight Recorder's keys are empty where no dumps were read (tests/test_flight_recorder.py).
