@@ -71,12 +71,16 @@ def _save_dir(profile) -> list[Check]:
     return found
 
 
-def _script(name: str, script: Path, needs: tuple[str, ...]) -> Check:
+def _read(script: Path) -> str:
     from tasks.storage.local import open_regular
 
+    with open_regular(script) as f:
+        return f.read().decode(errors="replace")
+
+
+def _script(name: str, script: Path, needs: tuple[str, ...]) -> Check:
     try:
-        with open_regular(script) as f:
-            text = f.read().decode(errors="replace")
+        text = _read(script)
     except (OSError, CkptopsError) as e:
         return _check(name, False, f"{script}: {e}", script)
     missing = [n for n in needs if n not in text]
@@ -85,11 +89,36 @@ def _script(name: str, script: Path, needs: tuple[str, ...]) -> Check:
     return _check(name, True, f"{script}: uses {', '.join(needs)}")
 
 
+def _skips(script: Path, pass_step) -> Check:
+    """Whether a relaunch past a data failure can reach Megatron-LM's --iterations-to-skip: the
+    script reads CKPT_ITERATIONS_TO_SKIP, or hands its own arguments on ("$@") where they are
+    passed. Said, not failed: the relaunch's printed arguments are the authority."""
+    from tasks.relaunch.launch import SKIP_ENV
+
+    try:
+        text = _read(script)
+    except (OSError, CkptopsError) as e:
+        return _check("recovery.skip_bad_data", False, f"{script}: {e}", script)
+    if SKIP_ENV in text or ("arg" in pass_step and '"$@"' in text):
+        return _check("recovery.skip_bad_data", True, f"{script}: a data failure's skip reaches it")
+    return Check(
+        "recovery.skip_bad_data",
+        Outcome.WARN,
+        f"{script}: reads no {SKIP_ENV}"
+        + (' and hands on no "$@"' if "arg" in pass_step else "")
+        + ": a relaunch past a data failure would be stopped before it trains (or set "
+        "recovery.skip_bad_data: never)",
+        file=str(script),
+    )
+
+
 def _recovery(profile) -> list[Check]:
     from tasks.relaunch.precheck import REQUIRED_FLAG
 
     settings = profile.recovery
     found = [_script("recovery.script", settings.script, (REQUIRED_FLAG,))]
+    if settings.skip_bad_data != "never":
+        found.append(_skips(settings.script, settings.pass_step))
     tools = _SLURM_TOOLS if settings.launcher == "slurm" else ("bash",)
     absent = [t for t in tools if shutil.which(t) is None]
     found.append(

@@ -30,6 +30,8 @@ def test_init_writes_a_profile_that_check_passes_and_check_names_what_is_wrong(v
     outcomes = {c["name"]: c["outcome"] for c in found["checks"]}
     assert outcomes["job.layout"] == "pass" and outcomes["recovery.script"] == "pass"
     assert outcomes["drill"] == "unchecked" and outcomes["recovery.step_records"] == "pass"
+    # Its script hands neither CKPT_ITERATIONS_TO_SKIP nor "$@" to Megatron-LM: said, not failed.
+    assert outcomes["recovery.skip_bad_data"] == "warn"
 
     # A wrong layout, a script that would relaunch from random weights, a scratch dir that
     # cannot be made: each a failing line naming the key; the exit says so.
@@ -47,3 +49,6 @@ def test_init_writes_a_profile_that_check_passes_and_check_names_what_is_wrong(v
     assert f"fail      recovery.script: {script}: does not use --exit-on-missing-checkpoint" in text.stdout
     assert "fail      drill.scratch_dir: " in text.stdout
     assert "unchecked health: not set: it would enable ckptops health run" in text.stdout
+    script.write_text('#!/bin/bash\nsrun python pretrain_gpt.py --exit-on-missing-checkpoint "$@"\n')
+    found = json.loads(ckptops_here("profile", "check", "-p", written, "--json").stdout)
+    assert {c["name"]: c["outcome"] for c in found["checks"]}["recovery.skip_bad_data"] == "pass"

@@ -15,6 +15,7 @@ from tasks.outcome import Verdict
 from tasks.profile import load_profile
 from tasks.recovery.infrastructure import taken_away
 from tasks.recovery.job import SlurmJob, slurm_job
+from tasks.recovery.phases import Source, detect
 from tasks.restore.drill import run_drill
 from tests.conftest import variant_profile
 from tests.helpers.poll import until
@@ -150,6 +151,9 @@ def test_slurm_says_when_the_infrastructure_not_the_job_ended_it(slurm_conf, tmp
         assert taken_away(_ended(job), drains).startswith(
             f"Slurm job {job} cancelled after ckptops drained n3 during its run (ckptops FAIL_HARDWARE xid"
         )
+        # What a recovery of that job detects, before it reads a line of the job's output.
+        found = detect(load_profile(_health_profile(tmp_path)), Source(slurm_job=job))
+        assert found.infrastructure == taken_away(_ended(job), drains)
         job = _running(sleeper, "n1", tmp_path)
         slurm.run(["scancel", job])
         assert taken_away(_ended(job), drains) is None
