@@ -119,21 +119,13 @@ def sbatch_command(
     return ["sbatch", "--parsable", *launch.sbatch_arguments(options, log_dir / "%x-%j.out")]
 
 
-def submit(
-    settings,
-    job_name: str,
-    step: int,
-    exclude: list[str],
-    log_dir: Path,
-    token: str | None = None,
-    skip: tuple[int, ...] = (),
-) -> str:
-    """sbatch the job's own script from ``step`` (past iterations ``skip``); the new job id.
-    ``token`` goes in its comment."""
+def submit(settings, command: list[str], log_dir: Path) -> str:
+    """Run ``command`` (``sbatch_command``'s, whose output goes to ``log_dir``) after checking
+    the job's own script again; the new job id."""
     check_script(settings.script)
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        out = slurm.run(sbatch_command(settings, job_name, step, exclude, log_dir, token, skip))
+        out = slurm.run(command)
     except CkptopsError as e:
         raise RelaunchRefused(f"sbatch {settings.script}: {e}") from None
     return out.strip().split(";")[0]

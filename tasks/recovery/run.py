@@ -629,9 +629,7 @@ class _Recovery:
         self._save()
         with signals_held():
             if settings.launcher == "slurm":
-                new = self._do(
-                    "relaunch",
-                    jobs.submit,
+                command = jobs.sbatch_command(
                     settings,
                     self._job_name(),
                     chosen,
@@ -640,6 +638,7 @@ class _Recovery:
                     incident.relaunch_token,
                     tuple(self.window),
                 )
+                new = self._do("relaunch", jobs.submit, settings, command, self._log_dir())
             else:
                 new, incident.relaunch_process, log = self._do(
                     "relaunch",
