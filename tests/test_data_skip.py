@@ -87,7 +87,7 @@ def test_a_reproducible_nan_is_the_data_and_is_relaunched_past_its_iteration_onc
     try:
         assert skip.outcome == "completed", skip.reason
         assert skip.cls == "data" and skip.checkpoint == 4
-        assert skip.skipped == {"iterations": [6], "samples": [40, 48], "tokens": 8 * 32}
+        assert skip.skipped == {"iterations": [6], "samples": [40, 48], "tokens": 8 * 32, "confirmed": True}
         (form,) = forms
         assert "- **skip**: iterations 6 (samples 40-47, 256 tokens) are passed untrained" in form
         assert "--ckpt-step 4 --iterations-to-skip 6" in form
@@ -98,11 +98,11 @@ def test_a_reproducible_nan_is_the_data_and_is_relaunched_past_its_iteration_onc
         # Every check passed, the skipped data's among them (an unchecked one would be named).
         assert skip.validation.startswith("VALIDATED resume from iteration 4"), skip.validation
         assert "skipped data" not in skip.validation and skip.recomputed_iterations == 1
-        # The relaunch's own log against other windows: none (it passed data nobody asked it
-        # to) and the wrong one (iteration 7 was trained) are rejected.
+        # The relaunch's own log against other windows: none (it passed data no recovery asked
+        # it to: said) and the wrong one (iteration 7 was trained: rejected).
         outcomes = _checks(job, Path(skip.relaunch_log))
         assert outcomes([6])["skipped data"] == outcomes([6])["learning rate"] == "pass"
-        assert outcomes(())["skipped data"] == "fail"
+        assert outcomes(())["skipped data"] == "warn"
         assert outcomes([7])["skipped data"] == "fail"
         assert [(i.cls, i.outcome) for i in incidents(job.save)] == [
             ("numerics", "stopped"),
@@ -127,7 +127,7 @@ def _checks(job: Job, log: Path):
 def test_a_relaunch_megatron_lm_was_not_told_to_skip_is_named_before_it_trains(tmp_path):
     """What Megatron-LM printed decides whether the relaunch skips the window: an empty list (the
     script dropped CKPT_ITERATIONS_TO_SKIP), another iteration, or a version without the flag."""
-    window = {"iterations": [6], "samples": [40, 48], "tokens": 256}
+    window = {"iterations": [6], "samples": [40, 48], "tokens": 256, "confirmed": False}
 
     def printed(value: str | None) -> PrintedArgs:
         return PrintedArgs({} if value is None else {"iterations_to_skip": value}, tmp_path / "out", 12)
@@ -139,3 +139,33 @@ def test_a_relaunch_megatron_lm_was_not_told_to_skip_is_named_before_it_trains(t
     )
     assert "not told to skip iterations [6]" in skip_not_printed(printed("[7]"), window)
     assert "printed no iterations_to_skip" in skip_not_printed(printed(None), window)
+
+
+def test_a_relaunch_from_before_an_earlier_skip_passes_it_again(tmp_path):
+    """Skipped at 6 (confirmed) and at 14 (planned, never told to Megatron-LM): a relaunch from 4,
+    whatever failed, must pass 6 again; one from 8 need not; 14 was never skipped."""
+    from tasks.recovery.data import carried_skips
+    from tasks.recovery.ledger import Incident
+
+    six = Incident("a", "job", "event", relaunched_job="local:1")
+    six.skipped = {"iterations": [6], "samples": [40, 48], "tokens": 256, "confirmed": True}
+    fourteen = Incident("b", "job", "event", relaunched_job="local:2")
+    fourteen.skipped = {"iterations": [14], "samples": [104, 112], "tokens": 256, "confirmed": False}
+    assert carried_skips([six, fourteen], 4) == [6]
+    assert carried_skips([six, fourteen], 8) == []
+
+
+def test_a_checkpoint_saved_after_a_skip_still_tells_what_its_scheduler_counts():
+    """Megatron-LM's scheduler does not step for a skipped iteration: at iteration 12 after one
+    skipped batch of 8, it has counted 88 samples of the 96 consumed."""
+    from tasks.checkpoint.facts import CheckpointFacts
+
+    facts = CheckpointFacts(Path("iter_0000012"), 12, 96, 8, {"num_steps": 88}, 0.0, True, skipped_samples=8)
+    assert facts.scheduler_unit == "samples"
+    by_iteration = CheckpointFacts(
+        Path("iter_0000012"), 12, 96, 8, {"num_steps": 11}, 0.0, True, skipped_samples=8
+    )
+    assert by_iteration.scheduler_unit == "iterations"
+    assert (
+        CheckpointFacts(Path("iter_0000012"), 12, 96, 8, {"num_steps": 88}, 0.0, True).scheduler_unit is None
+    )

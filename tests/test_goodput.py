@@ -220,19 +220,25 @@ def test_the_data_a_relaunch_skipped_is_reported_as_not_trained_apart_from_time(
     and their tokens only where every one is known."""
     found = steps([1, 2, 3], [10, 11, 12], [1] * 3, ["a"] * 3)
     skipped = Incident("i1", "job", "event", relaunched_job="local:1", outcome="completed")
-    skipped.skipped = {"iterations": [6], "samples": [40, 48], "tokens": 256}
+    skipped.skipped = {"iterations": [6], "samples": [40, 48], "tokens": 256, "confirmed": True}
     refused = Incident("i2", "job", "event", outcome="aborted")
-    refused.skipped = {"iterations": [9], "samples": [64, 72], "tokens": 256}
-    ledger = measure("job", found, [skipped, refused], ([], "no saves"))
+    refused.skipped = {"iterations": [9], "samples": [64, 72], "tokens": 256, "confirmed": False}
+    stopped = Incident("i4", "job", "event", relaunched_job="local:3", outcome="stopped")
+    stopped.skipped = {"iterations": [9], "samples": [64, 72], "tokens": 256, "confirmed": False}
+    ledger = measure("job", found, [skipped, refused, stopped], ([], "no saves"))
     assert (ledger.untrained.iterations, ledger.untrained.tokens) == ([6], 256)
     assert "  not trained (data skipped): iterations 6, 256 tokens (incident ledger (1 relaunches" in (
         "\n".join(ledger_lines(ledger))
     )
     ramped = Incident("i3", "job", "event", relaunched_job="local:2", outcome="completed")
-    ramped.skipped = {"iterations": [12, 13], "samples": None, "tokens": None}
+    ramped.skipped = {"iterations": [12, 13], "samples": None, "tokens": None, "confirmed": True}
     ledger = measure("job", found, [skipped, ramped], ([], "no saves"))
     assert ledger.untrained.iterations == [6, 12, 13] and ledger.untrained.tokens is None
-    assert "1 without a token count" in ledger.untrained.source
+    assert "iterations 12, 13 without a token count" in ledger.untrained.source
+    # A later relaunch from an older checkpoint skips 6 again: it is not trained once, not twice.
+    again = Incident("i5", "job", "event", relaunched_job="local:4", outcome="completed")
+    again.skipped = {"iterations": [6, 9], "samples": None, "tokens": 512, "confirmed": True}
+    assert measure("job", found, [skipped, again], ([], "no saves")).untrained.tokens == 512
     assert measure("job", found, [], ([], "no saves")).untrained.iterations == []
 
 

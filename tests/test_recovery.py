@@ -134,15 +134,18 @@ def test_a_data_failure_is_relaunched_past_its_window_once_and_a_second_one_ther
     NaN, stops; a data failure elsewhere is relaunched past too, and the same cause at the same
     position is tried at most twice."""
     skipped = past("data", 5, 5, n=1)
-    skipped.skipped = {"iterations": [6], "samples": [40, 48], "tokens": 256}
+    skipped.skipped = {"iterations": [6], "samples": [40, 48], "tokens": 256, "confirmed": True}
     for cls in ("data", "numerics"):
         again = stop_rules(Failure(cls, 5, 17, 5, NOW, position=6), [skipped], 9)
         assert "data-after-skip" in names(again)
         rule = next(r for r in again if r.name == "data-after-skip")
         assert "again after i1 relaunched past iterations [6]" in rule.detail
     assert names(stop_rules(Failure("data", 11, 17, 5, NOW, position=12), [skipped], 9)) == []
+    # Relaunched but stopped before Megatron-LM was told to skip: it skipped nothing.
+    skipped.skipped["confirmed"] = False
+    assert names(stop_rules(Failure("numerics", 5, 16, 5, NOW, position=6), [skipped], 9)) == []
     # Not relaunched (a person said no): it skipped nothing.
-    skipped.relaunched_job = None
+    skipped.skipped["confirmed"], skipped.relaunched_job = True, None
     assert names(stop_rules(Failure("data", 5, 17, 5, NOW, position=6), [skipped], 9)) == []
     tried = [past("data", 12, 5, n=2)]
     assert names(stop_rules(Failure("data", 12, 17, 5, NOW, position=13), tried, 9)) == ["same-failure-again"]

@@ -250,15 +250,21 @@ def measure(
 
 def _untrained(incidents: list[Incident]) -> Untrained:
     """What the job's relaunches skipped, from the incidents that relaunched past a window."""
-    skips = [i.skipped for i in incidents if i.skipped and i.relaunched_job]
+    skips = [i.skipped for i in incidents if i.skipped and i.skipped["confirmed"] and i.relaunched_job]
     if not skips:
         return Untrained()
-    known = [s["tokens"] for s in skips if s["tokens"] is not None]
+    # An iteration skipped again by a later relaunch (from an older checkpoint) counts once.
+    per_iteration: dict[int, float | None] = {}
+    for s in skips:
+        for it in s["iterations"]:
+            share = None if s["tokens"] is None else s["tokens"] / len(s["iterations"])
+            per_iteration[it] = share if it not in per_iteration else per_iteration[it] or share
+    unknown = [it for it, tokens in per_iteration.items() if tokens is None]
     return Untrained(
-        sorted({it for s in skips for it in s["iterations"]}),
-        sum(known) if len(known) == len(skips) else None,
+        sorted(per_iteration),
+        None if unknown else int(sum(per_iteration.values())),
         f"incident ledger ({len(skips)} relaunches past a data failure"
-        + (f", {len(skips) - len(known)} without a token count" if len(known) < len(skips) else "")
+        + (f"; iterations {', '.join(map(str, sorted(unknown)))} without a token count" if unknown else "")
         + ")",
     )
 

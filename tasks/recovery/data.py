@@ -11,30 +11,55 @@ from pathlib import Path
 from tasks.checkpoint import layout
 from tasks.checkpoint.facts import checkpoint_facts
 from tasks.checkpoint.signing import Trust
-from tasks.recovery.ledger import Skipped
+from tasks.errors import CkptopsError
+from tasks.recovery.ledger import Incident, Skipped
 from tasks.relaunch.printed import PrintedArgs
 
 
 def rerun_checkpoints(save_dir: Path, iterations: list[int], trust: Trust) -> tuple[int, ...]:
-    """Those of ``iterations`` whose checkpoint Megatron's rerun state machine saved with a rerun
-    pending (its state is not idle): a load reruns the iteration after it, on its own terms."""
-    return tuple(
-        i for i in iterations if checkpoint_facts(save_dir / layout.iter_dir_name(i), trust).rerun_state
+    """Those of ``iterations`` (newest first) passed over: up to the first one saved idle, each
+    that Megatron's rerun state machine saved with a rerun pending (a load reruns the iteration
+    after it, on its own terms) or whose state cannot be read (chosen from is never guessed)."""
+    passed = []
+    for i in iterations:
+        try:
+            pending = checkpoint_facts(save_dir / layout.iter_dir_name(i), trust).rerun_state
+        except CkptopsError:
+            pending = "unreadable"
+        if not pending:
+            break
+        passed.append(i)
+    return tuple(passed)
+
+
+def carried_skips(earlier: list[Incident], checkpoint: int) -> list[int]:
+    """The iterations earlier relaunches skipped (confirmed in Megatron-LM's printed arguments)
+    that come after ``checkpoint``: a relaunch from it must pass them again, whatever its own
+    failure (the bad data is still there)."""
+    return sorted(
+        {
+            i
+            for incident in earlier
+            if incident.skipped and incident.skipped["confirmed"]
+            for i in incident.skipped["iterations"]
+            if i > checkpoint
+        }
     )
 
 
 def skip_plan(save_dir: Path, checkpoint: int, window: list[int], trust: Trust) -> Skipped:
     """What a relaunch from ``checkpoint`` past ``window`` leaves untrained: the iterations, the
-    samples in the data order (none where the batch size ramps up: not known from the
-    checkpoint alone), the tokens."""
+    samples in the data order (where they are one range and the batch size does not ramp up:
+    not known from the checkpoint alone), the tokens."""
     facts = checkpoint_facts(save_dir / layout.iter_dir_name(checkpoint), trust)
-    gbs, first = facts.global_batch_size, min(window)
+    window = sorted(set(window))
+    gbs, first = facts.global_batch_size, window[0]
     samples = None
-    if not facts.rampup:
+    if not facts.rampup and window == list(range(first, first + len(window))):
         start = facts.consumed + (first - checkpoint - 1) * gbs
         samples = [start, start + len(window) * gbs]
     tokens = len(window) * gbs * facts.seq_length if facts.seq_length and not facts.rampup else None
-    return Skipped(iterations=sorted(window), samples=samples, tokens=tokens)
+    return Skipped(iterations=window, samples=samples, tokens=tokens, confirmed=False)
 
 
 def skip_not_printed(printed: PrintedArgs, skipped: Skipped) -> str | None:

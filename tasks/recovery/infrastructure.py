@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from tasks.cluster import slurm
+from tasks.errors import CkptopsError
 from tasks.recovery.job import SlurmJob, slurm_job
 from tasks.storage.local import read_jsonl
 
@@ -39,8 +40,15 @@ def _final(job: SlurmJob, wait_seconds: float) -> SlurmJob:
 
 def taken_away(job: SlurmJob, drain_log: Path | None, wait_seconds: float = 30.0) -> str | None:
     """Why the infrastructure ended ``job`` (one line), or None when it did not say so (or the job
-    has not ended within ``wait_seconds``)."""
-    job = _final(job, wait_seconds)
+    has not ended within ``wait_seconds``, or Slurm or the drain log could not be read: the
+    failure then counts as the job's own, as before this was asked)."""
+    try:
+        return _taken_away(_final(job, wait_seconds), drain_log)
+    except CkptopsError:  # UsageError and Unreadable among them
+        return None
+
+
+def _taken_away(job: SlurmJob, drain_log: Path | None) -> str | None:
     if job.state == "PREEMPTED":
         return f"Slurm job {job.id}: JobState=PREEMPTED (Reason={job.reason or 'None'})"
     if job.state not in ("CANCELLED", "NODE_FAIL"):

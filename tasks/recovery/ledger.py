@@ -106,8 +106,11 @@ class Skipped(TypedDict):
     """The training data a relaunch was told to pass (a ``data`` failure's window): never trained."""
 
     iterations: list[int]
-    samples: list[int] | None  # [first, end) in the data order; None where the batch size ramps up
+    samples: list[int] | None  # [first, end) in the data order; None where not one range, or ramped
     tokens: int | None
+    # Megatron-LM printed these iterations in its iterations_to_skip: the skip took effect (False:
+    # planned, or the relaunch was stopped before it trained)
+    confirmed: bool
 
 
 @dataclass

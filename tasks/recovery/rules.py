@@ -208,7 +208,8 @@ def _skipped_before(failure: Failure, history: list[Incident]) -> Incident | Non
     if failure.cls not in (FailureClass.DATA, FailureClass.NUMERICS) or position is None:
         return None
     for incident in reversed(history):
-        if incident.skipped and _relaunched(incident) and position in incident.skipped["iterations"]:
+        skipped = incident.skipped
+        if skipped and skipped["confirmed"] and _relaunched(incident) and position in skipped["iterations"]:
             return incident
     return None
 

@@ -44,7 +44,7 @@ from tasks.errors import CkptopsError, LockTimeout, UsageError
 from tasks.job import step_records
 from tasks.job.step_records import Steps
 from tasks.recovery import job as jobs
-from tasks.recovery.data import rerun_checkpoints, skip_not_printed, skip_plan
+from tasks.recovery.data import carried_skips, rerun_checkpoints, skip_not_printed, skip_plan
 from tasks.recovery.guard import signal_name, signals_held, sigterm_ends_the_run, who
 from tasks.recovery.ledger import (
     Incident,
@@ -442,7 +442,7 @@ class _Recovery:
         it (``recovery.skip_bad_data``); False, with the incident stopped, where it does not."""
         if self.tri.cls != FailureClass.DATA:
             return True
-        at = anomaly(self.tri, self.steps)
+        at = self.tri.anomaly_iteration  # the verdict's own: never a guess from the steps
         if at is None:
             self._stop("a data failure at an iteration no line names: a person decides what to skip")
             return False
@@ -527,11 +527,7 @@ class _Recovery:
     def _approval(self, chosen, choices, drained, exclude, admitted, fits) -> int | None:
         """The approver's decision; the checkpoint to relaunch from, or None (stopped)."""
         incident, settings = self.incident, self.settings
-        skip = tuple(self.window)
-        if skip:
-            incident.skipped = self._do(
-                "skip-plan", skip_plan, self.save_dir, chosen, self.window, self.trust
-            )
+        skip = self._skip(chosen)
         relaunch = (
             " ".join(
                 jobs.sbatch_command(settings, self._job_name(), chosen, exclude, self._log_dir(), skip=skip)
@@ -589,9 +585,19 @@ class _Recovery:
                 )
                 return None
             incident.approved_args = [d.name for d in other.needs_approval]
-            if self.window:
-                incident.skipped = skip_plan(self.save_dir, chosen, self.window, self.trust)
+            self._skip(chosen)
         return chosen
+
+    def _skip(self, chosen: int) -> tuple[int, ...]:
+        """The iterations a relaunch from ``chosen`` passes untrained: this data failure's, and
+        those earlier relaunches skipped after ``chosen`` (the data there is still bad); the plan
+        is kept in the incident."""
+        earlier = [i for i in read_ledger(self.save_dir).incidents if i.job == self.incident.job]
+        skip = sorted({*self.window, *carried_skips(earlier, chosen)})
+        self.incident.skipped = (
+            self._do("skip-plan", skip_plan, self.save_dir, chosen, skip, self.trust) if skip else None
+        )
+        return tuple(skip)
 
     def _fits(self, chosen: int, versions: dict | None = None) -> Compatibility | None:
         """The relaunch script against checkpoint ``chosen`` (kept in the incident); None, with
@@ -636,7 +642,7 @@ class _Recovery:
                     exclude,
                     self._log_dir(),
                     incident.relaunch_token,
-                    tuple(self.window),
+                    tuple(incident.skipped["iterations"]) if incident.skipped else (),
                 )
                 new = self._do("relaunch", jobs.submit, settings, command, self._log_dir())
             else:
@@ -648,7 +654,7 @@ class _Recovery:
                     chosen,
                     self._log_dir(),
                     incident.relaunch_token,
-                    tuple(self.window),
+                    tuple(incident.skipped["iterations"]) if incident.skipped else (),
                 )
                 incident.relaunch_log = str(log)
             incident.relaunched_job = new
@@ -732,6 +738,8 @@ class _Recovery:
         incident.printed_args = [fit.summary(), *fit.lines()]
         unapproved = [d for d in fit.needs_approval if not self._approved(d, printed)]
         unskipped = skip_not_printed(printed, incident.skipped) if incident.skipped else None
+        if incident.skipped and not unskipped:
+            incident.skipped["confirmed"] = True  # Megatron-LM was told: the skip takes effect
         if not fit.refused and not unapproved and not unskipped:
             self._save()
             return True
@@ -812,6 +820,8 @@ class _Recovery:
         )
         incident.mark("validated")
         incident.validation = result.line()
+        if incident.skipped and result.ok:
+            incident.skipped["confirmed"] = True  # the log shows the window passed untrained
         account(incident, self.failed_steps, checkpoint_dir, self.trust)
         if result.ok:
             self._stop(

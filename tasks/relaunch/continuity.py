@@ -478,7 +478,7 @@ class Continuity:
         printed = a.skipped_samples[rows] if "skipped_samples" in a.columns else np.full(rows.size, np.nan)
         wrong = np.nonzero(
             (np.isfinite(printed) & (printed != expected_skipped))
-            | (np.isfinite(a.consumed[rows]) & (a.consumed[rows] != expected_consumed) & ~f.rampup)
+            | (np.isfinite(a.consumed[rows]) & (a.consumed[rows] != expected_consumed) & (not f.rampup))
         )[0]
         if wrong.size:
             k = wrong[0]
@@ -501,19 +501,22 @@ class Continuity:
 
     def _nothing_skipped(self) -> None:
         """No window was asked for: a log whose skipped samples moved past the checkpoint's
-        passed data nobody decided to skip (a script's own --iterations-to-skip, a stale
-        tracker file). Said only when it happened."""
+        passed data no recovery decided to skip (a script's own --iterations-to-skip, Megatron's
+        own skip from its rejected-result tracker file). A warning a person should read, not a
+        rejection: Megatron may have skipped on its own evidence. Said only when it happened."""
         a, f = self.after, self.facts
         printed = a.skipped_samples[self.rows] if "skipped_samples" in a.columns else np.array([])
         moved = np.nonzero(np.isfinite(printed) & (printed != f.skipped_samples))[0]
         if moved.size:
             k = moved[0]
-            self.add(
-                ResumeCheck.SKIP_WINDOW,
-                False,
-                f"{f.skipped_samples} samples skipped (the checkpoint's), none asked for",
-                f"{printed[k]:.0f} at iteration {int(a.iteration[self.rows[k]])}",
-                "the run passed data untrained that no recovery decided to skip",
+            self.result.checks.append(
+                Check(
+                    ResumeCheck.SKIP_WINDOW,
+                    Outcome.WARN,
+                    "the run passed data untrained that no recovery decided to skip",
+                    f"{f.skipped_samples} samples skipped (the checkpoint's), none asked for",
+                    f"{printed[k]:.0f} at iteration {int(a.iteration[self.rows[k]])}",
+                )
             )
 
     def _skipped(self) -> None:

@@ -373,8 +373,15 @@ class _Drill:
 
         consumed = manifest.consumed_train_samples
         steps = (loaded.scheduler or {}).get("num_steps")
-        # Either count the scheduler may keep must match the checkpoint's progress exactly.
-        unit = scheduler_unit(steps, consumed, manifest.iteration)
+        # Either count the scheduler may keep must match the checkpoint's progress exactly (net
+        # of the samples --iterations-to-skip passed, for which it does not step).
+        skipped = loaded.skipped_train_samples
+        batch = max(1, (consumed or 0) // max(1, manifest.iteration)) if skipped else 1
+        unit = scheduler_unit(
+            steps,
+            None if consumed is None else consumed - skipped,
+            manifest.iteration - skipped // batch,
+        )
         inferred = (
             f"; inferred from the tensor shapes: {'; '.join(loaded.inferred)}" if loaded.inferred else ""
         )

@@ -139,6 +139,7 @@ class Loaded:
     num_floating_point_operations_so_far: float
     scheduler_state: dict | None
     notes: list[str]  # the saved param-group values the args did not imply
+    skipped_train_samples: int = 0  # passed untrained by --iterations-to-skip
 
 
 def load_state(
@@ -193,6 +194,7 @@ def load_state(
         float(state.get("num_floating_point_operations_so_far", 0.0)),
         state.get("opt_param_scheduler"),
         notes,
+        int(getattr(state["args"], "skipped_train_samples", 0) or 0),
     )
 
 
@@ -410,6 +412,7 @@ class _Load:
             loaded.iteration,
             loaded.consumed_train_samples,
         )
+        self.report.skipped_train_samples = loaded.skipped_train_samples
         self.report.optimizer_loaded, self.report.rng_loaded = load_optim, load_rng
         self.report.notes.extend(loaded.notes)
         return loaded

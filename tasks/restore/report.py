@@ -27,6 +27,7 @@ class RankCheck:
 class LoadReport:
     iteration: int | None = None
     consumed_train_samples: int | None = None
+    skipped_train_samples: int = 0  # the scheduler does not step for these (--iterations-to-skip)
     scheduler: dict | None = None
     lr: float | None = None
     load_seconds: float = 0.0

@@ -139,9 +139,9 @@ class Scan(Decide):
             return
         if f.summaries or TORCHRUN_ROOT in text:
             self._torchrun_summary(f, number, text)
-        if "successfully loaded checkpoint" in text and f.iteration is None:
+        if "successfully loaded checkpoint" in text:
             loaded = LOADED_ITER.search(text)
-            if loaded:  # a relaunch that failed before it logged an iteration stands at its checkpoint
+            if loaded:  # a run stands at the checkpoint it loaded until it logs an iteration
                 f.iteration = int(loaded[1])
         # A traceback echoes the source of each frame (`raise RuntimeError("CUDA error: ...")`):
         # code, not an error that happened; the exception line at the end is the evidence.
