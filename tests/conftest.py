@@ -39,7 +39,7 @@ HEAVY_FIXTURES = frozenset(
     {"trained", "medium_trained", "variety", "prefect_api", "cluster", "slurm_conf", "postgres"}
     | {"s3_endpoint", "failed", "ecc_run", "nan_run", "per_iteration_run", "saving"}
     | {"corrupted", "corrupted_distopt", "corrupted_fully_reshardable", "fp16_skipping", "on_indexed_data"}
-    | {"on_blended_data"}
+    | {"on_blended_data", "nan_data"}
 )
 # Modules whose tests train or start servers themselves (each fault's job, each resumed run, the
 # packaging install, the demo, PostgreSQL).
