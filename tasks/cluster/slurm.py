@@ -76,6 +76,12 @@ class Reservation:
     flags: frozenset[str]
 
 
+def fields(text: str) -> dict[str, str]:
+    """``scontrol show ... -o``'s one line of Key=Value pairs (values may hold spaces only in
+    the trailing Command/WorkDir-like keys, which we do not rely on)."""
+    return dict(re.findall(r"(\w+)=(\S*)", text))
+
+
 def slurm_time(text: str | None) -> float | None:
     """``2026-12-06T23:03:16`` (Slurm's local time) as epoch seconds; None for Unknown, None."""
     try:
@@ -88,18 +94,18 @@ def reservations() -> list[Reservation]:
     """Every reservation slurmctld has, with its nodes expanded."""
     found = []
     for line in run(["scontrol", "show", "reservation", "-o"]).splitlines():
-        fields = dict(re.findall(r"(\w+)=(\S*)", line))
-        start, end = slurm_time(fields.get("StartTime")), slurm_time(fields.get("EndTime"))
-        if "ReservationName" not in fields or start is None or end is None:
+        f = fields(line)
+        start, end = slurm_time(f.get("StartTime")), slurm_time(f.get("EndTime"))
+        if "ReservationName" not in f or start is None or end is None:
             continue  # "No reservations in the system"
-        nodes = fields.get("Nodes", "")
+        nodes = f.get("Nodes", "")
         found.append(
             Reservation(
-                fields["ReservationName"],
+                f["ReservationName"],
                 tuple(expand_nodelist(nodes)) if nodes and nodes != "(null)" else (),
                 start,
                 end,
-                frozenset(fields.get("Flags", "").split(",")),
+                frozenset(f.get("Flags", "").split(",")),
             )
         )
     return found

@@ -50,12 +50,6 @@ class SlurmJob:
         return {rank: self.nodes[min(rank // per_node, len(self.nodes) - 1)] for rank in range(self.tasks)}
 
 
-def _fields(text: str) -> dict[str, str]:
-    """``scontrol show job -o``'s one line of Key=Value pairs (values may hold spaces only in
-    the trailing Command/WorkDir-like keys, which we do not rely on)."""
-    return dict(re.findall(r"(\w+)=(\S*)", text))
-
-
 def slurm_job(job_id: str) -> SlurmJob:
     """What slurmctld remembers of ``job_id`` (it forgets finished jobs after MinJobAge)."""
     if not re.fullmatch(r"\d+(_\d+)?", str(job_id)):
@@ -66,7 +60,7 @@ def slurm_job(job_id: str) -> SlurmJob:
         if "Invalid job id" in str(e):
             raise UsageError(f"Slurm job {job_id}: no such job (or slurmctld has forgotten it)") from None
         raise
-    f = _fields(text)
+    f = slurm.fields(text)
     nodelist = f.get("NodeList", "")
     nodes = slurm.expand_nodelist(nodelist) if nodelist and nodelist != "(null)" else []
     code = f.get("ExitCode", "")
