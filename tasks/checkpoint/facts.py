@@ -16,14 +16,17 @@ from tasks.checkpoint.signing import Trust
 from tasks.errors import Malformed, UsageError
 
 
-def scheduler_unit(num_steps, consumed: int | None, iteration: int | None) -> str | None:
+def scheduler_unit(
+    num_steps, consumed: int | None, iteration: int | None, skipped: int = 0, batch: int = 1
+) -> str | None:
     """What a scheduler counts, told by its step count at a checkpoint: Megatron-LM steps it by
-    each batch's samples, some loops once per iteration; None if it is neither."""
+    each batch's samples, some loops once per iteration; None if it is neither. Neither steps it
+    for the ``skipped`` samples (batches of ``batch``) that --iterations-to-skip passed."""
     if num_steps is None:
         return None
-    if num_steps == consumed:
+    if consumed is not None and num_steps == consumed - skipped:
         return "samples"
-    return "iterations" if num_steps == iteration else None
+    return "iterations" if iteration is not None and num_steps == iteration - skipped // batch else None
 
 
 @dataclass
@@ -51,12 +54,12 @@ class CheckpointFacts:
 
     @property
     def scheduler_unit(self) -> str | None:
-        # The scheduler does not step for an iteration --iterations-to-skip passed.
-        skipped = self.skipped_samples
         return scheduler_unit(
             self.scheduler.get("num_steps"),
-            self.consumed - skipped,
-            self.iteration - skipped // max(1, self.global_batch_size),
+            self.consumed,
+            self.iteration,
+            self.skipped_samples,
+            max(1, self.global_batch_size),
         )
 
 

@@ -377,11 +377,7 @@ class _Drill:
         # of the samples --iterations-to-skip passed, for which it does not step).
         skipped = loaded.skipped_train_samples
         batch = max(1, (consumed or 0) // max(1, manifest.iteration)) if skipped else 1
-        unit = scheduler_unit(
-            steps,
-            None if consumed is None else consumed - skipped,
-            manifest.iteration - skipped // batch,
-        )
+        unit = scheduler_unit(steps, consumed, manifest.iteration, skipped, batch)
         inferred = (
             f"; inferred from the tensor shapes: {'; '.join(loaded.inferred)}" if loaded.inferred else ""
         )
