@@ -256,9 +256,10 @@ def _untrained(incidents: list[Incident]) -> Untrained:
     # An iteration skipped again by a later relaunch (from an older checkpoint) counts once.
     per_iteration: dict[int, float | None] = {}
     for s in skips:
+        share = None if s["tokens"] is None else s["tokens"] / len(s["iterations"])
         for it in s["iterations"]:
-            share = None if s["tokens"] is None else s["tokens"] / len(s["iterations"])
-            per_iteration[it] = share if it not in per_iteration else per_iteration[it] or share
+            if per_iteration.get(it) is None:  # the first count known for it
+                per_iteration[it] = share
     unknown = [it for it, tokens in per_iteration.items() if tokens is None]
     return Untrained(
         sorted(per_iteration),

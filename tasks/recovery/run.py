@@ -152,6 +152,7 @@ class _Recovery:
         self.rules: list[Rule] = []
         self.resumed: Incident | None = None  # the last relaunch, if it turned numerically bad soon
         self.window: list[int] = []  # a data failure's iterations, to relaunch past
+        self.history: list[Incident] = []  # the job's other incidents, as the stop rules read them
 
     @cached_property
     def trust(self) -> Trust:
@@ -422,7 +423,7 @@ class _Recovery:
             anomaly(self.tri, self.steps) if self.tri.cls in _NUMERICAL else None,
         )
         # Running incidents count too: the ledger has every incident from its start.
-        history = [
+        self.history = history = [
             i for i in read_ledger(self.save_dir).incidents if i.job == incident.job and i.id != incident.id
         ]
         within = self.settings.fallback_within_iterations
@@ -592,8 +593,7 @@ class _Recovery:
         """The iterations a relaunch from ``chosen`` passes untrained: this data failure's, and
         those earlier relaunches skipped after ``chosen`` (the data there is still bad); the plan
         is kept in the incident."""
-        earlier = [i for i in read_ledger(self.save_dir).incidents if i.job == self.incident.job]
-        skip = sorted({*self.window, *carried_skips(earlier, chosen)})
+        skip = sorted({*self.window, *carried_skips(self.history, chosen)})
         self.incident.skipped = (
             self._do("skip-plan", skip_plan, self.save_dir, chosen, skip, self.trust) if skip else None
         )

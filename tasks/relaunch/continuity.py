@@ -202,11 +202,16 @@ class Continuity:
         """How many of the skipped iterations come at or before each of ``iterations``."""
         return np.searchsorted(self.skip, iterations, side="right")
 
+    def _expected_skipped(self, iterations: np.ndarray) -> np.ndarray:
+        """The samples passed untrained by each of ``iterations``, as the checkpoint and the
+        window say."""
+        return self.facts.skipped_samples + self._skipped_by(iterations) * self.facts.global_batch_size
+
     def _skipped_samples(self) -> np.ndarray:
         """Per row, the samples passed untrained so far, as the log printed them (Megatron-LM's
         ``skipped samples``), else as the checkpoint and the window say."""
-        a, f = self.after, self.facts
-        known = f.skipped_samples + self._skipped_by(a.iteration) * f.global_batch_size
+        a = self.after
+        known = self._expected_skipped(a.iteration)
         printed = a.skipped_samples if "skipped_samples" in a.columns else np.full(len(a), np.nan)
         return np.where(np.isfinite(printed), printed, known)
 
@@ -473,7 +478,7 @@ class Continuity:
             self.add(ResumeCheck.SKIP_WINDOW, None, "", "", f"the run has not passed iterations {window} yet")
             return
         gbs = f.global_batch_size
-        expected_skipped = f.skipped_samples + self._skipped_by(a.iteration[rows]) * gbs
+        expected_skipped = self._expected_skipped(a.iteration[rows])
         expected_consumed = f.consumed + (a.iteration[rows] - f.iteration) * gbs
         printed = a.skipped_samples[rows] if "skipped_samples" in a.columns else np.full(rows.size, np.nan)
         wrong = np.nonzero(
