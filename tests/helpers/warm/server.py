@@ -20,6 +20,7 @@ signal handlers and warning filters, the repository's own modules not yet import
 of it (its own children) is killed when it ends, and when its stand-in is killed, so is it.
 """
 
+import argparse
 import atexit
 import contextlib
 import ctypes
@@ -51,6 +52,28 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 # startup/sitecustomize.py): the libraries they spend their start on. Prefect reads its settings
 # from the environment when it is imported, into one global context, which each forked process
 # builds again from its own environment (``_run``).
+# Then what the entries import while they run, measured (``sys.modules`` before and after a run of
+# the local job, a drill's load, Prefect's server start): imported here, a fork does not pay it
+# again. A training rank paid about 1.1 CPU-s for them (TorchDynamo and Inductor, which
+# megatron-core reaches for at its first step, the dataset builder, the tokenizers, boto3 for
+# object-store datasets), a drill's load as much, a Prefect server 2.7 s.
+RUNTIME = {
+    "training": (
+        "torch._dynamo",
+        "torch._inductor",
+        "megatron.core.datasets.blended_megatron_dataset_builder",
+        "megatron.core.datasets.gpt_dataset",
+        "megatron.core.datasets.helpers",
+        "megatron.core.tokenizers.text.text_tokenizer",
+        "megatron.core.tokenizers.text.models.gpt_tokenizer",
+        "megatron.core.tokenizers.text.libraries.null_tokenizer",
+        "megatron.core.models.mimo",
+        "megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader",
+        "boto3",
+    ),
+    "core": ("torch._dynamo", "torch._inductor", "megatron.core.models.mimo"),
+    "ckptops": ("prefect.server.api.server", "prefect.cli", "prefect.cli.server", "uvicorn", "alembic"),
+}
 FLAVORS = {
     "training": ("infra.local_job.pretrain",),
     "core": ("tasks.restore.loader", "tests.helpers.core_loop", "torch.distributed.run"),
@@ -275,14 +298,38 @@ def _supervise(connection: socket.socket, defaults: Defaults, megatron: bool) ->
                 os.kill(pid, sig)
 
 
+def _remember_field_docstrings() -> None:
+    """Megatron-LM builds its argument parser twice per rank (fault tolerance's setup, then
+    ``parse_args``), each time reading the source of its config dataclasses for their field
+    docstrings (``inspect.getsource`` and ``ast.parse``: about 0.3 CPU-s a rank). The result
+    depends only on those classes' source, so it is computed here once per class and each fork
+    gets it: the parser a rank builds is the same."""
+    import functools
+
+    from megatron.training import argument_utils
+    from megatron.training.arguments import add_megatron_arguments
+
+    factory = argument_utils.ArgumentGroupFactory
+    compute = factory._get_field_docstrings
+
+    @functools.cache
+    def by_class(source_class: type) -> dict[str, str]:
+        return compute(factory.__new__(factory), source_class)
+
+    factory._get_field_docstrings = lambda self, source_class: dict(by_class(source_class))
+    add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+
+
 def serve(flavor: str, path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     listener.listen(128)
     os.rename(path + ".tmp", path)  # requests queue from here on, while the imports run
     warning_filters = list(warnings.filters)
-    for name in FLAVORS[flavor]:
+    for name in FLAVORS[flavor] + RUNTIME[flavor]:
         importlib.import_module(name)
+    if flavor == "training":
+        _remember_field_docstrings()
     defaults = Defaults(warning_filters, sys.modules["torch"].get_num_threads())
     if threading.active_count() != 1:
         raise SystemExit(f"warm {flavor}: threads left by the imports: {threading.enumerate()}")
