@@ -6,7 +6,7 @@
     promote_child.py fail SAVE_DIR ITERATION STEP            raise inside STEP
     promote_child.py torn SAVE_DIR ITERATION                 kill -9 itself halfway through the write
     promote_child.py hold SAVE_DIR NAME LOCK_TIMEOUT LOG
-        promote(); pause under the lock until stdin says go
+        promote(); under the lock, print "inside PID" and pause until stdin says go
 
 It runs the real code; only the named step is wrapped.
 """
@@ -94,7 +94,7 @@ def main(argv):
 
         def entered(*args, **kwargs):  # the first step under the lock
             note("enter")
-            print("inside", flush=True)
+            print("inside", os.getpid(), flush=True)  # the holder the lock names
             sys.stdin.readline()
             return first_step(*args, **kwargs)
 
