@@ -3,11 +3,12 @@
 On the test session's PYTHONPATH, Python imports this at every start. In a process that is one
 of the entries below (Megatron's: the local job, the other test loop, the drill's loader,
 torchrun, the Flight Recorder's hang job; ckptops': the CLI, a shard task, a flow run a worker
-starts, Prefect's server and CLI, the promotion tests' child), started by this venv's Python in the servers' mount namespace while they run, it asks the
-flavor's server for a forked, already-imported process to run the same command line with its
-environment, working directory and standard streams, stands for it until it ends (signals
-passed on) and exits as it exited. Everywhere else, and whenever no server answers, it does
-nothing and the process starts as usual.
+starts, Prefect's server and CLI, the promotion tests' child), started by this venv's Python in
+the servers' mount namespace while they run, it asks the flavor's server for a forked,
+already-imported process to run the same command line with its environment, working directory
+and standard streams, stands for it until it ends (signals passed on) and exits as it exited.
+Everywhere else, and whenever no server answers, it does nothing and the process starts as
+usual.
 """
 
 import contextlib
