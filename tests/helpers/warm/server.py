@@ -56,7 +56,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 # the local job, a drill's load, Prefect's server start): imported here, a fork does not pay it
 # again. A training rank paid about 1.1 CPU-s for them (TorchDynamo and Inductor, which
 # megatron-core reaches for at its first step, the dataset builder, the tokenizers, boto3 for
-# object-store datasets), a drill's load as much, a Prefect server 2.7 s, a recovery about 1 s.
+# object-store datasets), a drill's load as much, a Prefect server 2.7 s.
 RUNTIME = {
     "training": (
         "torch._dynamo",
@@ -72,15 +72,7 @@ RUNTIME = {
         "boto3",
     ),
     "core": ("torch._dynamo", "torch._inductor", "megatron.core.models.mimo"),
-    # A recovery reads the job's script with Megatron-LM's own argument parser.
-    "ckptops": (
-        "prefect.server.api.server",
-        "prefect.cli",
-        "prefect.cli.server",
-        "uvicorn",
-        "alembic",
-        "megatron.training.arguments",
-    ),
+    "ckptops": ("prefect.server.api.server", "prefect.cli", "prefect.cli.server", "uvicorn", "alembic"),
 }
 FLAVORS = {
     "training": ("infra.local_job.pretrain",),
@@ -336,7 +328,7 @@ def serve(flavor: str, path: str) -> None:
     warning_filters = list(warnings.filters)
     for name in FLAVORS[flavor] + RUNTIME[flavor]:
         importlib.import_module(name)
-    if "megatron.training.arguments" in sys.modules:
+    if flavor == "training":
         _remember_field_docstrings()
     defaults = Defaults(warning_filters, sys.modules["torch"].get_num_threads())
     if threading.active_count() != 1:
