@@ -39,11 +39,13 @@ def installed(tmp_path_factory) -> Path:
     )
     assert built.returncode == 0, built.stderr
     wheel = next((root / "dist").glob("ckptops-*.whl"))
+    # Without a pip of its own (ensurepip costs 4 CPU-s): this venv's pip installs into it.
     venv = root / "venv"
-    assert run([sys.executable, "-m", "venv", venv]).returncode == 0
+    assert run([sys.executable, "-m", "venv", "--without-pip", venv]).returncode == 0
     site = next((venv / "lib").glob("python3.*/site-packages"))
     (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    done = run([venv / "bin" / "python", "-m", "pip", "install", "--no-deps", "--quiet", wheel])
+    python = ["--python", venv / "bin" / "python"]
+    done = run([sys.executable, "-m", "pip", *python, "install", "--no-deps", "--quiet", wheel])
     assert done.returncode == 0, done.stderr
     return venv
 
