@@ -48,7 +48,8 @@ def build(prefix: Path, documents: int = 2000, vocab_size: int = 128, seed: int 
 
 def datasets(args, tokenizer, train_val_test_num_samples):
     """Megatron-LM's train, valid and test datasets for ``args`` (a job's, or a checkpoint's
-    saved ones): GPTDataset over the job's data, or MockGPTDataset, as the local job builds them."""
+    saved ones): GPTDataset over the job's data, or MockGPTDataset over fewer mock documents, as
+    the local job builds them."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     from megatron.training.utils.common_utils import get_blend_and_blend_per_split
@@ -67,8 +68,33 @@ def datasets(args, tokenizer, train_val_test_num_samples):
         eod_mask_loss=False,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
     )
-    kind = MockGPTDataset if args.mock_data else GPTDataset
+    kind = _small_mock(MockGPTDataset) if args.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(kind, train_val_test_num_samples, lambda: True, config).build()
+
+
+# Megatron's mock documents, fewer and shorter: its own 100,000 documents of up to 4,096 tokens are
+# 6.4 million samples of the tiny job's 32 tokens, which every rank shuffles at start-up (about
+# 0.5 CPU-s of a rank's 2); 4,000 of up to 512 tokens are about 32,000 samples, a hundred times
+# what the longest local run reads.
+MOCK_DOCUMENTS = 4000
+MOCK_MAX_LENGTH = 512
+
+
+def _small_mock(mock_dataset: type) -> type:
+    """``MockGPTDataset`` over ``MOCK_DOCUMENTS`` of Megatron's mock documents (its own low-level
+    mock dataset, with its seed and token pattern)."""
+    from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
+    class Documents(MockGPTLowLevelDataset):
+        size = MOCK_DOCUMENTS
+        max_sequence_length = MOCK_MAX_LENGTH
+
+    class SmallMockGPTDataset(mock_dataset):
+        @staticmethod
+        def build_low_level_dataset(dataset_path, config):
+            return Documents(config.tokenizer)
+
+    return SmallMockGPTDataset
 
 
 def main(argv=None) -> int:

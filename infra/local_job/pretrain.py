@@ -6,11 +6,11 @@ Run it with torchrun and Megatron-LM's own arguments (gloo on CPU, nccl where CU
 
 This file is the entry Megatron-LM's repository scripts (pretrain_gpt.py) are for a user's job:
 a GPT model provider (Megatron-Core ``GPTModel``, local layer spec), a ``forward_step`` and a
-datasets provider (``MockGPTDataset`` with ``--mock-data``, the real ``GPTDataset`` with
-``--data-path``). Everything else (arguments, checkpointing, logging, timers, signals, exit codes)
-is Megatron-LM's. ckptops' own switches (step records, faults, the saved-checkpoint event) are
-parsed as extra arguments and act inside ``forward_step`` or around the loop, so a failure comes
-out of the real loop and torchrun as it would on a cluster.
+datasets provider (``MockGPTDataset`` over 4,000 mock documents with ``--mock-data``, the real
+``GPTDataset`` with ``--data-path``). Everything else (arguments, checkpointing, logging, timers,
+signals, exit codes) is Megatron-LM's. ckptops' own switches (step records, faults, the
+saved-checkpoint event) are parsed as extra arguments and act inside ``forward_step`` or around
+the loop, so a failure comes out of the real loop and torchrun as it would on a cluster.
 """
 
 import os
