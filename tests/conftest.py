@@ -240,7 +240,8 @@ def corrupted_fully_reshardable(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def fp16_skipping(tmp_path_factory) -> Path:
     """Saves 4, 8 and 12 of an fp16 job whose loss scale starts high enough (2^23) that the
-    grad scaler skips iterations 1-5, 7 and 9: no optimizer step before the save at 4, then 2 and 5."""
+    grad scaler skips its first iterations (1-6 on the local job's mock data): no optimizer step
+    before the save at 4, then fewer steps than iterations."""
     extra = ["--fp16", "--initial-loss-scale", str(2**23)]
     return trained_once(tmp_path_factory, train_iters=12, save_interval=4, extra=extra)
 
