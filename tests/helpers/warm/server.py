@@ -52,28 +52,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 # startup/sitecustomize.py): the libraries they spend their start on. Prefect reads its settings
 # from the environment when it is imported, into one global context, which each forked process
 # builds again from its own environment (``_run``).
-# Then what the entries import while they run, measured (``sys.modules`` before and after a run of
-# the local job, a drill's load, Prefect's server start): imported here, a fork does not pay it
-# again. A training rank paid about 1.1 CPU-s for them (TorchDynamo and Inductor, which
-# megatron-core reaches for at its first step, the dataset builder, the tokenizers, boto3 for
-# object-store datasets), a drill's load as much, a Prefect server 2.7 s.
-RUNTIME = {
-    "training": (
-        "torch._dynamo",
-        "torch._inductor",
-        "megatron.core.datasets.blended_megatron_dataset_builder",
-        "megatron.core.datasets.gpt_dataset",
-        "megatron.core.datasets.helpers",
-        "megatron.core.tokenizers.text.text_tokenizer",
-        "megatron.core.tokenizers.text.models.gpt_tokenizer",
-        "megatron.core.tokenizers.text.libraries.null_tokenizer",
-        "megatron.core.models.mimo",
-        "megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader",
-        "boto3",
-    ),
-    "core": ("torch._dynamo", "torch._inductor", "megatron.core.models.mimo"),
-    "ckptops": ("prefect.server.api.server", "prefect.cli", "prefect.cli.server", "uvicorn", "alembic"),
-}
 FLAVORS = {
     "training": ("infra.local_job.pretrain",),
     "core": ("tasks.restore.loader", "tests.helpers.core_loop", "torch.distributed.run"),
@@ -96,6 +74,30 @@ FLAVORS = {
         "fsspec",
         "prefect",
     ),
+}
+# And what the entries import while they run, measured (``sys.modules`` before and after a run of
+# the local job, a drill's load, Prefect's server start): imported here, a fork does not pay it
+# again. A training rank paid about 1.1 CPU-s for them (TorchDynamo and Inductor, which
+# megatron-core reaches for at its first step, the dataset builder, the tokenizers, boto3 for
+# object-store datasets), a drill's load as much, a Prefect server 2.7 s. Nothing whose import
+# configures logging: Megatron-LM's argument parser sets INFO, and a warm CLI then printed
+# Megatron's INFO lines into its JSON (a cold one imports it after its own logging is set).
+RUNTIME = {
+    "training": (
+        "torch._dynamo",
+        "torch._inductor",
+        "megatron.core.datasets.blended_megatron_dataset_builder",
+        "megatron.core.datasets.gpt_dataset",
+        "megatron.core.datasets.helpers",
+        "megatron.core.tokenizers.text.text_tokenizer",
+        "megatron.core.tokenizers.text.models.gpt_tokenizer",
+        "megatron.core.tokenizers.text.libraries.null_tokenizer",
+        "megatron.core.models.mimo",
+        "megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader",
+        "boto3",
+    ),
+    "core": ("torch._dynamo", "torch._inductor", "megatron.core.models.mimo"),
+    "ckptops": ("prefect.server.api.server", "prefect.cli", "prefect.cli.server", "uvicorn", "alembic"),
 }
 MEGATRON = ("training", "core")
 MEGATRON_ENV = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR", "THP_MEM_ALLOC_ENABLE": "1"}
