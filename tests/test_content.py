@@ -19,6 +19,7 @@ from tasks.checkpoint.promote import promote
 from tasks.checkpoint.state import State
 from tasks.checkpoint.values import ValueScan, tensor_dtype
 from tasks.errors import CkptopsError
+from tasks.job.step_records import parse_megatron_log
 from tests.conftest import iter_dir, verify_and_record_here
 
 
@@ -213,17 +214,16 @@ def test_an_fp16_job_that_skipped_iterations_stays_valid(fp16_skipping, tmp_path
     )
     # The steps the job took by each save, from its own log: the iterations whose line counts no
     # skipped iteration (one line per iteration).
-    log = (fp16_skipping.parent / f"{fp16_skipping.name}-train.log").read_text()
-    stepped = [int(i) for i, n in SKIPPED_LINE.findall(log) if n == "0"]
+    log = fp16_skipping.parent / f"{fp16_skipping.name}-train.log"
+    with log.open() as lines:
+        steps = parse_megatron_log(log, lines)
+    stepped = [int(i) for i, n in zip(steps.iteration, steps.skipped) if n == 0]
     assert stepped and min(stepped) > 4, "the loss scale no longer skips the first iterations"
     for iteration in (8, 12):
         steps = sum(i <= iteration for i in stepped)
         detail = f"1 step counters agree at {steps}, iteration {iteration}"
         assert check(results[iteration], "optimizer").detail == detail
     assert check(results[12], "lineage").outcome.value == "pass"
-
-
-SKIPPED_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*number of skipped iterations:\s+(\d+)")
 
 
 def test_a_stale_resave_verified_before_its_predecessor_is_judged_again_and_never_promoted(
