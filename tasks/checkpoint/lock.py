@@ -69,8 +69,11 @@ def job_lock(save_dir: Path, timeout_seconds: float, name: str = LOCK):
             "host": socket.gethostname(),
             "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(stamp).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(stamp).encode(), 0)
+        except OSError as e:  # a full store: name the file
+            raise OSError(e.errno, e.strerror, str(path)) from None
         yield Held(Path(save_dir), name)
     finally:
         os.close(fd)  # closing the descriptor releases the flock

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-from tasks.errors import CkptopsError, UsageError, unreadable
+from tasks.errors import CkptopsError, Unreadable, UsageError, unreadable
 from tasks.profile import Profile, load_profile
 
 out = Console(highlight=False, soft_wrap=True)
@@ -61,7 +61,7 @@ def expected_errors():
     except OSError as e:
         # Whatever the environment refused (a read-only directory, a full disk, EIO) is not a
         # verdict on a checkpoint: name the path and exit 2, like any unreadable input.
-        fail(unreadable(e.filename or "ckptops", e))
+        fail(unreadable(e.filename, e) if e.filename else Unreadable(e.strerror or str(e)))
 
 
 @contextmanager

@@ -214,7 +214,7 @@ def _append(log: Path, output: Path) -> None:
         return
     fd = open_for_writing(log, append=True)
     try:
-        write_all(fd, f"\n# the Slurm job's output\n{text}".encode())
+        write_all(fd, f"\n# the Slurm job's output\n{text}".encode(), log)
     finally:
         os.close(fd)
     output.unlink()

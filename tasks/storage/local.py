@@ -71,7 +71,7 @@ def _write_temp(path: Path, data: bytes, mode: int = PUBLIC_MODE) -> Path:
     tmp = Path(name)
     try:
         _set_access(fd, path.parent, mode)
-        write_all(fd, data)
+        write_all(fd, data, path)
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)  # a full disk must not leave half a file behind
@@ -80,11 +80,18 @@ def _write_temp(path: Path, data: bytes, mode: int = PUBLIC_MODE) -> Path:
     return tmp
 
 
-def write_all(fd: int, data: bytes) -> None:
-    """Every byte of ``data`` to ``fd`` (one ``os.write`` may take only part of it)."""
+def write_all(fd: int, data: bytes, path: Path | str | None = None) -> None:
+    """Every byte of ``data`` to ``fd`` (one ``os.write`` may take only part of it). A failed
+    write (a full disk, a quota) names ``path``, the file it is for: an error on a descriptor
+    carries no file name of its own."""
     view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError as e:
+        if path is None or e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 def _fsync_file(path: Path) -> None:
@@ -237,7 +244,7 @@ def write_output(path: Path, data: bytes) -> None:
     there is refused in one line, never followed and never replaced (``/dev/stdout`` is one)."""
     fd = open_for_writing(path, truncate=True)
     try:
-        write_all(fd, data)
+        write_all(fd, data, path)
     finally:
         os.close(fd)
 
@@ -255,9 +262,13 @@ def append_jsonl(path: Path, entry: dict) -> None:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             data = b"\n" + data
-        if os.write(fd, data) != len(data):
-            raise OSError(f"short write to {path}")
-        os.fsync(fd)
+        try:
+            written = os.write(fd, data)
+            os.fsync(fd)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        if written != len(data):
+            raise OSError(errno.EIO, f"short write ({written} of {len(data)} bytes)", str(path))
     finally:
         os.close(fd)
 
