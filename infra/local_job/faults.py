@@ -36,6 +36,17 @@ SAVE_FAULTS = {
     "a job that loads the scheduler's own values (--use-checkpoint-opt_param-scheduler) resumes "
     "on another learning rate",
 }
+# Faults in the save itself, on the store: what a save that stalls or fails half-way leaves
+# behind. KIND at ITERATION acts on that iteration's save only (the store full is no fault of
+# ours: the tests save into a size-limited tmpfs, and ENOSPC is the kernel's).
+BROKEN_SAVES = {
+    "kill-writer": "with --async-save, rank 1's async checkpoint worker is SIGKILLed as the save is "
+    "handed to it: its peers wait in finalization (Megatron-LM #6970)",
+    "kill-before-tracker": "rank 0 is SIGKILLed once every shard and the metadata are written, before "
+    "it writes the tracker (a synchronous save)",
+    "tracker-first": "rank 0 writes the tracker naming the save before its data (Megatron-Bridge "
+    "PR #5746), and rank 1 dies before writing its shard",
+}
 CUDA_ERROR_TAIL = (
     "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace "
     "below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
@@ -62,13 +73,19 @@ def parse_fault(text: str) -> tuple[int, int, str, bool]:
     return int(rank), int(iteration.removeprefix("+")), kind, relative
 
 
-def parse_save_fault(text: str) -> tuple[int, str]:
+def _iteration_and_kind(text: str, kinds: dict[str, str]) -> tuple[int, str]:
     iteration, _, kind = text.partition(":")
-    if not (iteration.isdigit() and kind in SAVE_FAULTS):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected ITERATION:KIND, KIND one of {', '.join(SAVE_FAULTS)}"
-        )
+    if not (iteration.isdigit() and kind in kinds):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ITERATION:KIND, KIND one of {', '.join(kinds)}")
     return int(iteration), kind
+
+
+def parse_save_fault(text: str) -> tuple[int, str]:
+    return _iteration_and_kind(text, SAVE_FAULTS)
+
+
+def parse_broken_save(text: str) -> tuple[int, str]:
+    return _iteration_and_kind(text, BROKEN_SAVES)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -88,6 +105,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=[],
         metavar="ITERATION:KIND",
         help="the save of that iteration writes a wrong state; KIND is one of " + ", ".join(SAVE_FAULTS),
+    )
+    group.add_argument(
+        "--break-save",
+        type=parse_broken_save,
+        action="append",
+        default=[],
+        metavar="ITERATION:KIND",
+        help="the save of that iteration breaks on the store; KIND is one of " + ", ".join(BROKEN_SAVES),
     )
     group.add_argument("--slow-step-ms", type=float, default=0.0, help="every step takes this much longer")
     group.add_argument("--ballast-mb", type=int, default=0, help="hold this much more memory")
@@ -110,6 +135,8 @@ def start(args) -> None:
         _drop_saved_args(args.drop_saved_arg)
     if args.corrupt_save:
         _change_saved_state(_SaveCorrupter(dict(args.corrupt_save)))
+    if args.break_save:
+        _break_saves(dict(args.break_save), args.save)
 
 
 def before_forward(model) -> None:
@@ -183,6 +210,48 @@ def _change_saved_state(change) -> None:
         return state
 
     checkpointing.generate_state_dict = generate_state_dict
+
+
+def _break_saves(faults: dict[int, str], save_dir: str) -> None:
+    """Break the saves of ``faults``' iterations as BROKEN_SAVES says, around Megatron-LM's own
+    save: its ``save_checkpoint``, the tracker's file name (asked for once the data of a
+    synchronous save are written) and the hand-over of an async save to its worker."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+    from megatron.training import checkpointing, training
+
+    original_save = training.save_checkpoint
+    original_tracker = checkpointing.get_checkpoint_tracker_filename
+    original_schedule = checkpointing.schedule_async_save
+    saving: list[str] = []  # the kind of the save under way
+
+    def save_checkpoint(iteration, *rest, **kwargs):
+        kind, rank = faults.get(iteration), torch.distributed.get_rank()
+        if kind == "tracker-first" and rank == 0:
+            with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as tracker:
+                tracker.write(str(iteration))
+        if kind == "tracker-first" and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        saving[:] = [kind]
+        try:
+            return original_save(iteration, *rest, **kwargs)
+        finally:
+            saving.clear()
+
+    def tracker_filename(path):
+        if saving == ["kill-before-tracker"] and torch.distributed.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_tracker(path)
+
+    def schedule(request):
+        done = original_schedule(request)
+        worker = PersistentAsyncCaller._persistent_process
+        if saving == ["kill-writer"] and torch.distributed.get_rank() == 1 and worker is not None:
+            os.kill(worker.pid, signal.SIGKILL)
+        return done
+
+    training.save_checkpoint = save_checkpoint
+    checkpointing.get_checkpoint_tracker_filename = tracker_filename
+    checkpointing.schedule_async_save = schedule
 
 
 def _drop_saved_args(names: list[str]) -> None:

@@ -78,7 +78,7 @@ def _notify_after_saves(args) -> None:
     (the save only scheduled the write)."""
     from megatron.training import checkpointing, training
 
-    original_save, original_schedule = training.save_checkpoint, checkpointing.schedule_async_save
+    original_save = training.save_checkpoint
 
     def save_checkpoint(iteration, *rest, **kwargs):
         if not args.async_save:
@@ -86,6 +86,7 @@ def _notify_after_saves(args) -> None:
             if torch.distributed.get_rank() == 0:
                 notify_saved(args, iteration)
             return done
+        original_schedule = checkpointing.schedule_async_save  # as it is now (faults wrap it too)
 
         def schedule(request):
             # The request that carries Megatron-LM's finalize steps (a distillation logits saver
