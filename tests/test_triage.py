@@ -370,7 +370,57 @@ FIXTURES = [
         "*** JOB 494583 ON ... CANCELLED AT 2024-04-20T09:09:37 DUE TO TIME LIMIT ***",
         [],
     ),
+    # save-failed: a checkpoint write that failed (tests/data/triage/SOURCES-saves.md); a full disk
+    # often shows only as torch's zip writer failing, without the errno
+    ("save-failed/nospace_dolly_139.log", "save-failed", "OSError: [Errno 28] No space left on device", []),
+    (
+        "save-failed/writeerror_h2o-llmstudio_214.log",
+        "save-failed",
+        "PytorchStreamWriter failed writing file data/228: file write failed",
+        [],
+    ),
+    (
+        "save-failed/writeerror_moss_270.log",
+        "save-failed",
+        "PytorchStreamWriter failed writing file data/5: file write failed",
+        [],
+    ),
+    (
+        "save-failed/writeerror_simplerl-reason_19.log",
+        "save-failed",
+        "PytorchStreamWriter failed writing file data/0: file write failed",
+        [],
+    ),
+    # Megatron-Core's async writer process died: its frames (async_loop) under a CUDA error
+    ("save-failed/asyncworker_megatron-lm_1707.log", "save-failed", "TORCH_USE_CUDA_DSA", []),
+    # save-stalled: the job hung inside a save (its words, or a stack caught inside one)
+    (
+        "save-stalled/stalled_ace_851.log",
+        "save-stalled",
+        "Saving latest checkpoint model trained for 3 complete epochs",
+        [],
+    ),
+    (
+        "save-stalled/stalled_megatron-lm_2422.log",
+        "save-stalled",
+        "is_current_async_call_done (core/dist_checkpointing/strategies/async_utils.py:236)",
+        [],
+    ),
+    (
+        "save-stalled/stalled_torchtitan_3065.log",
+        "save-stalled",
+        "Saving the checkpoint (or staging if async is enabled).",
+        [],
+    ),
+    (
+        "save-stalled/stalled_lightning_19045.log",
+        "save-stalled",
+        'trainer.py", line 1384, in save_checkpoint',
+        [],
+    ),
     # unknown: nothing to recognise, nothing guessed
+    # (an async save's process starting its traceback, cut off before any error: nothing to name)
+    ("unknown/unknown_asyncworker_skyrl_pr1960.log", "unknown", None, []),
     ("unknown/unknown_deepspeed_initial_loss_scale_search_deepspeed_issue386.log", "unknown", None, []),
     ("unknown/unknown_filesystem_quota_df_marbits_issue141.log", "unknown", None, []),
     ("unknown/unknown_megatron_iterations_no_error_megatron_llm_issue11.log", "unknown", None, []),
@@ -1458,6 +1508,7 @@ def test_to_dict(tmp_path):
         "flight_recorder",
         "infrastructure",
         "suspect_gpus",
+        "save_iteration",
     ]
     assert as_dict["class"] == "software"
     # Flight Recorder's keys are empty where no dumps were read (tests/test_flight_recorder.py).

@@ -18,8 +18,14 @@ nothing. The decision:
    file with no timestamp at all cannot be placed in time: its lines come first, in the order the
    files were given (a rank that died with a bare Python traceback is usually the one that failed).
    dmesg's ``[ 219.470994]`` is uptime, not wall time, and is not a timestamp here.
-4. Only cascades: ``hang``.
+4. Only cascades: ``hang``; but ``save-stalled`` when the job's log shows a checkpoint save
+   that began and never finished (a hang in a save's write or finalization: a dead async writer
+   strands its peers, Megatron-LM #6970).
 5. Nothing recognised: ``unknown``. No guessing.
+
+A failed checkpoint write (no space, over quota, an I/O error, Megatron-Core's async writer's or
+torch DCP's failure) is a root line of class ``save-failed``; the save it was writing, by the
+log, is ``save_iteration`` for both save classes.
 
 Within a class, the first error of a preempted job is the scheduler's line that states why (``DUE
 TO TIME LIMIT``), if there is one. A step cancelled without a reason after an srun task failed is
@@ -41,10 +47,12 @@ current year (the previous one for a date later than today).
 """
 
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 from tasks.errors import UsageError, unreadable
 from tasks.health.xids import CRITICAL_XIDS
+from tasks.job.save_log import merged, read_save_log, stalled_in
 from tasks.recovery.triage import flight_recorder
 from tasks.recovery.triage.model import LINE_BYTES, FailureClass, Line, Triage
 from tasks.recovery.triage.scan import Scan
@@ -73,7 +81,73 @@ def triage(
             scan.read(index, str(path), read_lines(path, LINE_BYTES))
         except OSError as e:
             raise unreadable(path, e) from e
-    return scan.result(exit_code)
+    return _saving(scan.result(exit_code), paths)
+
+
+def _saving(found: Triage, paths: list[Path]) -> Triage:
+    """A hang (or a log with nothing else recognised) while a save was being written is
+    ``save-stalled``, its first error the line where the save began; an exception through the
+    async checkpoint writer's own frames is ``save-failed``; a save failure names its save."""
+    if found.cls not in _SAVE_RELATED:
+        return found
+    try:
+        logs = [read_save_log(read_lines(Path(p), LINE_BYTES), str(p)) for p in paths]
+    except OSError as e:
+        raise unreadable(Path(paths[0]), e) from e
+    saves = merged(logs)
+    if found.cls == FailureClass.SOFTWARE and saves.writer_died is not None:
+        number, text = saves.writer_died
+        _reclass(found, FailureClass.SAVE_FAILED, None)
+        found.reason = f"the async checkpoint writer died (line {number}: {text[:120]}); {found.reason}"
+    if found.cls == FailureClass.SAVE_FAILED:
+        failed = next((s for s in saves.saves.values() if s.error is not None), None)
+        if failed is not None:
+            found.save_iteration = failed.iteration
+            found.reason += f"; the save of iteration {failed.iteration} failed"
+        return found
+    if found.cls == FailureClass.SOFTWARE:
+        return found
+    stuck = stalled_in(saves)
+    if stuck is not None:
+        where = next((str(p) for p, log in zip(paths, logs) if stuck.iteration in log.saves), str(paths[0]))
+        began = Line(
+            where, stuck.began_line, stuck.began_text, "root", FailureClass.SAVE_STALLED, stuck.began
+        )
+        _reclass(found, FailureClass.SAVE_STALLED, began)
+        found.save_iteration = stuck.iteration
+        how = "was handed to its async writer" if stuck.asynchronous else "began"
+        found.reason = (
+            f"the job hung while saving iteration {stuck.iteration}: the save {how} and never finished "
+            f"(no 'successfully saved' line, no error); {found.reason}"
+        )
+        return found
+    where = next(
+        ((str(p), log.saving_elsewhere) for p, log in zip(paths, logs) if log.saving_elsewhere), None
+    )
+    if where is not None:
+        path, (number, text) = where
+        _reclass(
+            found,
+            FailureClass.SAVE_STALLED,
+            Line(path, number, text, "root", FailureClass.SAVE_STALLED, None),
+        )
+        found.reason = (
+            f"the log's last sign of life is a checkpoint save ({path}:{number}: its words, or a process's "
+            f"frames inside one), with no training step after it; {found.reason}"
+        )
+    return found
+
+
+_SAVE_RELATED = (FailureClass.HANG, FailureClass.UNKNOWN, FailureClass.SAVE_FAILED, FailureClass.SOFTWARE)
+
+
+def _reclass(found: Triage, cls: str, first: Line | None) -> None:
+    """Make ``found`` of class ``cls``: its first error ``first`` (or its own, now of ``cls``), at
+    the head of the evidence."""
+    old = found.first_error
+    first = first or (None if old is None else replace(old, cls=cls))
+    found.cls, found.first_error = cls, first
+    found.evidence = [first] * (first is not None) + [e for e in found.evidence if e != old and e != first]
 
 
 def attribute_hang(

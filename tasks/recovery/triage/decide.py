@@ -146,6 +146,8 @@ class Decide:
             "network": "an InfiniBand/NCCL network failure",
             "numerics": "a numerical failure (NaN/Inf, loss-scale collapse or a loss spike)",
             "oom": "out of memory",
+            "save-failed": "a checkpoint write that failed (no space, over quota, an I/O error or a "
+            "dead writer)",
             "software": "an exception or CUDA error with no hardware evidence anywhere",
             "preempted": "the scheduler or the cloud ended the job "
             "(time limit, preemption, cancellation, requeue)",

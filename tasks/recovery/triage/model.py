@@ -15,6 +15,10 @@ class FailureClass(StrEnum):
     OOM = "oom"
     SOFTWARE = "software"
     HANG = "hang"
+    SAVE_FAILED = (
+        "save-failed"  # a checkpoint write failed: no space, over quota, an I/O error, a dead writer
+    )
+    SAVE_STALLED = "save-stalled"  # the job hung while a save was being written or finalized
     PREEMPTED = "preempted"
     UNKNOWN = "unknown"
 
@@ -66,6 +70,8 @@ class Triage:
     # The GPUs (``node:device``) Megatron's rerun state machine convicted of a transient or
     # persistent fault: what the suspect history records beside the node.
     suspect_gpus: list[str] = field(default_factory=list)
+    # The save a save-failed or save-stalled failure was writing, by the job's log.
+    save_iteration: int | None = None
 
     def to_dict(self) -> dict:
         first = self.first_error
@@ -91,6 +97,7 @@ class Triage:
             "flight_recorder": self.flight_recorder,
             "infrastructure": self.infrastructure,
             "suspect_gpus": list(self.suspect_gpus),
+            "save_iteration": self.save_iteration,
         }
 
     def line(self) -> str:

@@ -4,6 +4,7 @@ evidence for (root) or a consequence of (cascade)."""
 import calendar
 import re
 
+from tasks.job.save_log import SAVE_ERROR, SPACE
 from tasks.recovery.triage.model import APPLICATION_XIDS, FailureClass
 
 FRAME = re.compile(r'\bFile "[^"]+", line \d+')
@@ -31,6 +32,7 @@ _SCREEN = (
     "assert", "abort", "signal", "exited", "stuck", "lost", "dbe", "segmentation", "sigsegv", "killed",
     "oom", "remote", "completion", "async", "exhausted", "reset by", "uncorrectable", "exceeded",
     "interruption", "status_", "what()", "watchdog", "process down", "unexpected", "sigusr", "requeing",
+    "space left", "quota", "read-only",
 )  # fmt: skip
 
 
@@ -312,6 +314,8 @@ def root_of(text: str, critical: frozenset) -> tuple[str, str, frozenset] | None
         return None
     if _HARDWARE.search(text):
         return "root", FailureClass.HARDWARE, frozenset()
+    if SAVE_ERROR.search(text):
+        return "root", FailureClass.SAVE_FAILED, frozenset({"space"} if SPACE.search(text) else ())
     if _OOM.search(text):
         return "root", FailureClass.OOM, frozenset()
     event = _IB_ASYNC.search(text)
