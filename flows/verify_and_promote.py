@@ -3,13 +3,16 @@
 Runs on a polling schedule and on ``training.checkpoint.saved`` events (infra/prefect.yaml). Each
 run holds the job's concurrency slot and runs the promotion cycle (tasks.checkpoint.promote.promote,
 the CLI's) with Prefect tasks for its steps and the profile's wait for a save still being written;
-then it publishes the checks and a summary as artifacts and tells the promotion alarm.
+then it publishes the checks and a summary as artifacts and tells the promotion alarm. Last, the
+saves' health (tasks.checkpoint.saves): a stalled or failed save, Megatron-LM's tracker ahead of
+the data, or a store that cannot hold the next save fails the run with the alarm's line, and is
+notified once through ``notify.block``.
 """
 
 from prefect import flow
 from prefect.states import Completed, Failed
 
-from tasks.checkpoint.flow_tasks import PrefectSteps, job_slot, publish
+from tasks.checkpoint.flow_tasks import PrefectSteps, job_slot, publish, save_health
 from tasks.checkpoint.promote import Waiting, promote
 from tasks.checkpoint.state import VerifyOptions
 from tasks.profile import load_profile
@@ -37,6 +40,8 @@ def verify_and_promote(
         )
     publish(prof.job.name, prof.job.save_dir, report)
     announce_if_caught_up(prof, options)
-    if not report.ok:
-        return Failed(message="; ".join(report.problems()))
+    saves = save_health(prof, options)
+    problems = report.problems() + saves.alarms()
+    if problems:
+        return Failed(message="; ".join(problems))
     return Completed(message=report.summary())

@@ -183,6 +183,22 @@ class Verify(_Section):
         "at least 300 s",
     )
 
+    save_stall_seconds: Positive | None = Field(
+        default=None,
+        description="a save that writes no byte (or, by the job's log, runs) this long is stalled: "
+        "the alarm names it; default: save_stall_factor times the p99 of the job's own measured "
+        "saves (at least 60 s), 1800 s until three saves are measured",
+    )
+    save_stall_factor: Annotated[float, Field(gt=1)] = Field(
+        default=5, description="the p99 save time a save may take this many times over before it is stalled"
+    )
+    space_margin_gb: Annotated[float, Field(ge=0)] = Field(
+        default=0,
+        description="after each promotion the store must hold the next save (the newest checkpoint's "
+        "size), the archive's copy where it is written to the same file system, and this much more; "
+        "less raises the alarm before the next save fails",
+    )
+
     @model_validator(mode="after")
     def _overlap_reads_here(self):
         if self.overlap_save and self.engine == "slurm":

@@ -9,6 +9,7 @@ from pathlib import Path
 from tasks.checkpoint.catalog import CheckpointInfo, catalog
 from tasks.checkpoint.overdue import Overdue, overdue
 from tasks.checkpoint.pointer import read_pointer
+from tasks.checkpoint.saves import SaveReport, saves_of
 from tasks.checkpoint.state import VerifyOptions
 from tasks.errors import Malformed
 
@@ -19,6 +20,7 @@ class JobStatus:
     checkpoints: list[CheckpointInfo]
     pointer_problem: str | None  # the pointer cannot be read: what is promoted is unknown
     overdue: Overdue | None  # the newest complete checkpoint waits past the alarm's threshold
+    saves: SaveReport | None = None  # each save's state, the tracker, the store's space
     archive: list[str] = field(default_factory=list)  # the archive's newest copy, one line each
     stale_scratch: list[tuple[Path, str]] = field(default_factory=list)  # a gone drill's: removable
     foreign_scratch: list[tuple[Path, str]] = field(default_factory=list)  # not provably a drill's
@@ -30,9 +32,12 @@ class JobStatus:
         return [self.pointer_problem] * bool(self.pointer_problem) + manifests
 
 
-def job_status(profile, save_dir: Path, options: VerifyOptions, details: bool = True) -> JobStatus:
+def job_status(
+    profile, save_dir: Path, options: VerifyOptions, details: bool = True, log: Path | None = None
+) -> JobStatus:
     """The status of ``save_dir`` (the profile's own or another job's: only its own has the
-    profile's alarm threshold); with ``details``, the archive's and the drill scratch's lines too."""
+    profile's alarm threshold and, without ``log``, the profile's job log); with ``details``, the
+    archive's and the drill scratch's lines too."""
     save_dir = Path(save_dir)
     # A garbled pointer must not hide the checkpoints: list them, and say what is wrong.
     try:
@@ -43,7 +48,7 @@ def job_status(profile, save_dir: Path, options: VerifyOptions, details: bool = 
     own = save_dir.resolve() == profile.job.save_dir.resolve()
     # With a garbled pointer what is promoted is unknown: that problem is reported instead.
     late = None if problem else overdue(save_dir, infos, profile.verify.alert_after_seconds if own else None)
-    found = JobStatus(save_dir, infos, problem, late)
+    found = JobStatus(save_dir, infos, problem, late, saves_of(profile, save_dir, options, log))
     if details and profile.archive:
         from tasks.archive.history import status_lines
 

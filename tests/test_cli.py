@@ -211,7 +211,9 @@ def test_status_lists_the_checkpoints_when_the_pointer_is_garbled(save_dir):
     assert result.stderr.strip().startswith(
         f"ckptops: {save_dir}/latest_verified_iteration.txt: garbled pointer"
     )
-    assert [line.split()[0] for line in result.stdout.splitlines()[2:]] == ["4", "8", "12", "16", "20", "24"]
+    *rows, space = result.stdout.splitlines()[2:]
+    assert [line.split()[0] for line in rows] == ["4", "8", "12", "16", "20", "24"]
+    assert space.startswith(f"store {save_dir}: ") and " free of " in space
 
 
 def test_promote_and_pin_of_a_missing_or_negative_iteration_are_usage_errors(save_dir):

@@ -8,6 +8,7 @@ hashing. Files are parallelised inside ``verify_checkpoint`` with threads instea
 """
 
 import contextvars
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -29,6 +30,7 @@ from tasks.checkpoint.lock import Held
 from tasks.checkpoint.manifest import RESUME_WORDS
 from tasks.checkpoint.promote import Here, PromotionReport, Waiting
 from tasks.checkpoint.retention import RetentionPlan
+from tasks.checkpoint.saves import SaveReport, SaveState, saves_of
 from tasks.checkpoint.state import Completeness, State, VerifyOptions
 from tasks.checkpoint.verify import Verification
 from tasks.storage.local import list_files
@@ -274,3 +276,45 @@ def publish_report(job: str, rows: list[dict], markdown: str, tensors: list[dict
     create_markdown_artifact(
         markdown=markdown, key=f"verify-summary-{job}", description="verify-and-promote summary"
     )
+
+
+def _variable(job: str) -> str:
+    """The Prefect Variable that remembers which save alarms were sent (lowercase, [a-z0-9_-])."""
+    return "ckptops-save-alarms-" + re.sub(r"[^a-z0-9_-]", "-", job.lower())
+
+
+@task(name="save-health")
+def save_health(profile, options: VerifyOptions) -> SaveReport:
+    """Each save's state in the profile's save directory, from the store and the job's log: a
+    table artifact of the saves not complete, a warning in the run's log for each alarm, and a
+    notification through ``notify.block`` for each alarm not notified before (what was sent is
+    kept in a Prefect Variable, so a stalled save is told once, not every run)."""
+    from prefect.variables import Variable
+
+    from tasks import notify
+
+    report = saves_of(profile, profile.job.save_dir, options)
+    rows = [
+        {"iteration": s.iteration, "state": s.state.value, "files": s.files, "reason": s.reason}
+        for s in report.saves
+        if s.state is not SaveState.COMPLETE
+    ]
+    everything = [{"iteration": "", "state": "all complete", "files": "", "reason": report.space.line()}]
+    create_table_artifact(
+        table=rows or everything,
+        key=f"saves-{re.sub(r'[^a-z0-9-]', '-', profile.job.name.lower())}",
+        description=f"saves of {profile.job.name} not complete; {report.space.line()}",
+    )
+    alarms = report.alarm_lines()
+    logger = get_run_logger()
+    for line in alarms.values():
+        logger.warning(line)
+    sent = set(Variable.get(_variable(profile.job.name), default=[]) or [])
+    new = [line for key, line in alarms.items() if key not in sent]
+    if new:
+        problem = notify.send(profile, "a checkpoint save needs a person", "\n".join(new))
+        if problem:
+            logger.warning(problem)
+    if set(alarms) != sent:
+        Variable.set(_variable(profile.job.name), sorted(alarms), overwrite=True)
+    return report

@@ -162,22 +162,35 @@ def promote(
 @commands.command()
 def status(
     save_dir: Annotated[Path | None, typer.Argument(help=ANY_SAVE_DIR)] = None,
+    log: Annotated[
+        Path | None,
+        typer.Option("--log", help="the job's Megatron-LM log [default: recovery.step_records, if a log]"),
+    ] = None,
     profile: ProfileOpt = None,
     as_json: JsonOpt = False,
 ):
-    """Every checkpoint with its state, size, verification time and promotion; and an ALERT line
-    (exit 1) when the newest complete checkpoint has waited past verify.alert_after_seconds
-    without being promoted."""
+    """Every checkpoint and its promotion, the saves not complete and the store's space; ALERT
+    (exit 1) for a save stalled or failed, the tracker ahead of the data, no room for the next
+    save, or a checkpoint waiting past verify.alert_after_seconds unpromoted."""
     with expected_errors():
         from tasks.status import job_status
 
         prof = load_profile(profile)
         directory = _save_dir(prof, save_dir)
-        found = job_status(prof, directory, _options(prof, directory), details=not as_json)
+        found = job_status(prof, directory, _options(prof, directory), details=not as_json, log=log)
+    alarms = found.saves.alarms()
     if as_json:
-        out.print_json(json.dumps([i.to_dict() for i in found.checkpoints]))
+        saves = {s.iteration: s.to_dict() for s in found.saves.saves}
+        rows = [i.to_dict() | {"save": saves.get(i.iteration)} for i in found.checkpoints]
+        out.print_json(json.dumps(rows))
     else:
         render.status(out, directory, found.checkpoints, found.pointer_problem)
+        for save in found.saves.saves:
+            if save.state != "complete" and not save.alarming:
+                out.print(save.line(), markup=False)
+        out.print(found.saves.space.line(), markup=False)
+    for line in alarms:
+        (err if as_json else out).print(line, markup=False)
     if found.overdue is not None:
         (err if as_json else out).print(found.overdue.line(), markup=False)
     for line in found.archive:
@@ -190,7 +203,7 @@ def status(
         err.print(f"ckptops: {line}", markup=False)
     if found.problems:
         raise typer.Exit(Malformed.exit_code)
-    if found.overdue is not None:
+    if found.overdue is not None or alarms:
         raise typer.Exit(1)
 
 

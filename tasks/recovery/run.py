@@ -37,8 +37,9 @@ from tasks.checkpoint import layout
 from tasks.checkpoint.lock import job_lock
 from tasks.checkpoint.pins import pin
 from tasks.checkpoint.pointer import read_pointer
+from tasks.checkpoint.saves import room_to_save
 from tasks.checkpoint.signing import Trust
-from tasks.checkpoint.state import State
+from tasks.checkpoint.state import State, VerifyOptions
 from tasks.cluster import process, slurm
 from tasks.errors import CkptopsError, LockTimeout, UsageError
 from tasks.job import step_records
@@ -385,7 +386,7 @@ class _Recovery:
         incident.promoted_at_failure, promotion = self._do("promote-pending", promote_pending, self.profile)
         incident.gpus = settings.gpus or self.profile.job.layout.world_size
         self._save()
-        if self._rules_stop() or not self._data_window():
+        if self._rules_stop() or not self._data_window() or not self._room_to_save():
             return
         chosen, choices = self._choose()
         # Before any node is drained: a relaunch its own script would refuse is not prepared for.
@@ -436,6 +437,18 @@ class _Recovery:
             self._stop("stop rule: " + "; ".join(f"{r.name}: {r.detail}" for r in fired(rules)))
             incident.stop_rule = fired(rules)[0].name
             return True
+        return False
+
+    def _room_to_save(self) -> bool:
+        """A failed save: a relaunch into a store that cannot take the next save fails again at
+        that save (or worse, half-way through it); the recovery stops with the space needed and
+        what retention could free. False, with the incident stopped, in that case."""
+        if self.tri.cls != FailureClass.SAVE_FAILED:
+            return True
+        short = self._do("store-space", room_to_save, self.profile, VerifyOptions.from_profile(self.profile))
+        if short is None:
+            return True
+        self._stop(short)
         return False
 
     def _data_window(self) -> bool:
