@@ -48,10 +48,11 @@ def _given(ctx: typer.Context, used: tuple[str, ...], **mine):
 _OPTIONS = {"profile": "--profile", "log": "--log", "since": "--since", "as_json": "--json"}
 
 
-def _emit(prof, found, lines: list[str], as_json: bool) -> None:
+def _emit(prof, found, lines: list[str], as_json: bool, more: dict | None = None) -> None:
     """Every goodput output says whose job it measured and from which profile."""
     if as_json:
-        out.print_json(json.dumps({"job": prof.job.name, "profile": str(prof.source), **found.to_dict()}))
+        whose = {"job": prof.job.name, "profile": str(prof.source)}
+        out.print_json(json.dumps(whose | found.to_dict() | (more or {})))
         return
     for line in [f"job {prof.job.name} (profile {prof.source})", *lines]:
         out.print(line, markup=False)
@@ -114,9 +115,11 @@ def goodput_advise(
     as_json: JsonOpt = False,
 ):
     """Young's and Daly's checkpoint intervals, the expected ETTR now and at the advised interval,
-    the GPU-hours a day the change would save, and the storage written a day at each interval."""
+    the GPU-hours a day the change would save, and the storage written a day at each interval;
+    the job's measured saves (blocking, an async save's background write, on the store), with a
+    warning when a background write is slower than the interval."""
     with expected_errors():
-        from tasks.goodput.report import advice, interval_note, ledger
+        from tasks.goodput.report import advice, interval_note, ledger, measured_saves
         from tasks.goodput.snapshot import read_job
 
         used = ("profile", "log", "since", "as_json")
@@ -135,8 +138,10 @@ def goodput_advise(
             gpus,
             checkpoint_tb,
         )
+        saves = measured_saves(job, found.interval_seconds)
     note = interval_note(found)
-    _emit(prof, found, [*found.lines(), *([note] if note else [])], as_json)
+    lines = [*found.lines(), *(saves.lines() if saves else []), *([note] if note else [])]
+    _emit(prof, found, lines, as_json, {"saves": saves.to_dict() if saves else None})
 
 
 @commands.command("simulate")

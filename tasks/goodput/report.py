@@ -4,8 +4,9 @@ advice from the measured C, M and R (each overridable), with the job's current i
 checkpoint's args; the per-day chart; a simulation beside the closed forms and the job's measured
 recoveries."""
 
+import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -104,6 +105,63 @@ def advice(
         },
         size.seconds,
     )
+
+
+@dataclass
+class MeasuredSaves:
+    """The job's saves as measured: the blocking part per save (Megatron-LM's timer), an async
+    save's background write (scheduled to finalized, from the log's times) and each save on the
+    store (first data file to ``.metadata``), against the job's save interval."""
+
+    source: str
+    blocking: list[float]
+    background: list[float]
+    store: list[float]
+    interval_seconds: float | None
+
+    @property
+    def queued(self) -> bool:
+        """A background write slower than the interval: the next save starts before it finished."""
+        slowest = max(self.background, default=0.0)
+        return bool(self.interval_seconds and slowest > self.interval_seconds)
+
+    def lines(self) -> list[str]:
+        def spread(values: list[float]) -> str:
+            ordered = sorted(values)
+            p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+            return f"median {statistics.median(values):.2f} s, p99 {p99:.2f} s, max {ordered[-1]:.2f} s"
+
+        out = [f"saves measured ({self.source}): {len(self.blocking)}; blocking {spread(self.blocking)}"]
+        if self.background:
+            overlap = (
+                f"; {statistics.median(self.background) / self.interval_seconds:.0%} of the "
+                f"{self.interval_seconds:.0f} s interval runs beside a write"
+                if self.interval_seconds
+                else ""
+            )
+            out.append(f"async background writes: {len(self.background)}; {spread(self.background)}{overlap}")
+        if self.store:
+            out.append(f"on the store (first data file to .metadata): {spread(self.store)}")
+        if self.queued:
+            out.append(
+                f"WARNING: a background write took {max(self.background):.1f} s, longer than the "
+                f"{self.interval_seconds:.0f} s interval: saves would queue (Megatron-LM waits for the "
+                "previous save before the next)"
+            )
+        return out
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"queued": self.queued}
+
+
+def measured_saves(job: JobSnapshot, interval_seconds: float | None) -> MeasuredSaves | None:
+    """The job's measured saves, or None without any measured blocking time."""
+    if not job.save_times:
+        return None
+    log = job.save_log
+    background = [b for s in (log.saves.values() if log else []) if (b := s.background_seconds) is not None]
+    blocking, store = list(job.save_times), list(job.store_saves)
+    return MeasuredSaves(job.save_source, blocking, background, store, interval_seconds)
 
 
 def interval_note(found: Advice) -> str | None:

@@ -10,10 +10,12 @@ from pathlib import Path
 from tasks.checkpoint import layout
 from tasks.checkpoint.manifest import read_manifest
 from tasks.checkpoint.pointer import read_pointer
+from tasks.checkpoint.saves import store_save_seconds
 from tasks.checkpoint.signing import Trust
 from tasks.errors import CkptopsError, Malformed, Unreadable, UsageError, unreadable
 from tasks.goodput.measure import Figure, save_times_from_log, save_times_from_records
 from tasks.job import step_records
+from tasks.job.save_log import SaveLog, read_save_log_file
 from tasks.job.step_records import Steps, load_steps
 from tasks.recovery.ledger import Incident, read_ledger
 from tasks.storage.local import list_files, read_lines
@@ -32,6 +34,8 @@ class JobSnapshot:
     incidents: tuple[Incident, ...]  # this job's, from the save directory's incident ledger
     save_times: tuple[float, ...]  # blocking saves, in seconds
     save_source: str
+    save_log: SaveLog | None = None  # the saves of the log the save times came from
+    store_saves: tuple[float, ...] = ()  # each complete save's first data file to its .metadata, s
 
 
 def read_job(profile, log: Path | None = None, warn=None) -> JobSnapshot:
@@ -45,7 +49,7 @@ def read_job(profile, log: Path | None = None, warn=None) -> JobSnapshot:
     read = read_ledger(save_dir)
     for problem in read.problems if warn else ():
         warn(problem)
-    saves, save_source = _save_times(steps, log, save_interval)
+    saves, save_source, save_log = _save_times(steps, log, save_interval)
     recovery_gpus = profile.recovery.gpus if profile.recovery else None
     return JobSnapshot(
         profile.job.name,
@@ -59,6 +63,8 @@ def read_job(profile, log: Path | None = None, warn=None) -> JobSnapshot:
         tuple(i for i in read.incidents if i.job == profile.job.name),
         tuple(saves),
         save_source,
+        save_log,
+        tuple(store_save_seconds(save_dir)) if save_dir.is_dir() else (),
     )
 
 
@@ -118,11 +124,14 @@ def _checkpoint_size(save_dir: Path, newest: Path | None, trust: Trust) -> Figur
     return Figure(float(total), f"files of {newest.name} on disk") if total else Figure(None, "not measured")
 
 
-def _save_times(steps: Steps | None, log: Path | None, save_interval: int | None) -> tuple[list[float], str]:
-    """Blocking save times and where they came from, the best source first: Megatron-LM's
-    ``save-checkpoint`` timers in the job's log (``log``, else the log the steps came from), then
-    the step loop held after each save in its step records. Never the checkpoints' file times:
-    they span ckptops's own writes (manifests, signatures) long after the save."""
+def _save_times(
+    steps: Steps | None, log: Path | None, save_interval: int | None
+) -> tuple[list[float], str, SaveLog | None]:
+    """Blocking save times, where they came from and that log's saves, the best source first:
+    Megatron-LM's ``save-checkpoint`` timers in the job's log (``log``, else the log the steps
+    came from), then the step loop held after each save in its step records. Never the
+    checkpoints' file times for the blocking part: they span an async save's background write
+    (and ckptops's own writes after it); ``store_saves`` reports those apart."""
     logs = [log] if log is not None else []
     if steps is not None and steps.kind == "megatron-log" and Path(steps.source) not in logs:
         logs.append(Path(steps.source))
@@ -132,9 +141,9 @@ def _save_times(steps: Steps | None, log: Path | None, save_interval: int | None
         except OSError as e:
             raise unreadable(path, e) from None
         if found:
-            return found, f"save timers in {path}"
+            return found, f"save timers in {path}", read_save_log_file(path)
     if steps is not None and steps.kind == "records":
         found = save_times_from_records(steps, save_interval)
         if found:
-            return found, f"step loop held after each save, {steps.source}"
-    return [], "not measured: no save-checkpoint timer in the job's log (--log) and no step records"
+            return found, f"step loop held after each save, {steps.source}", None
+    return [], "not measured: no save-checkpoint timer in the job's log (--log) and no step records", None
