@@ -375,3 +375,25 @@ def test_a_rank_killed_between_the_last_shard_and_the_tracker_leaves_a_complete_
     promoted = ckptops_here("promote", "--profile", profile)
     assert promoted.exit_code == 0, promoted.stdout
     assert (save / "latest_verified_iteration.txt").read_text().strip() == "4"
+
+
+def test_the_advice_measures_an_async_jobs_blocking_and_background_writes_apart(variety, tmp_path):
+    """The async-wsd variant saved 2 and 4 through Megatron-LM's persistent worker: the advice
+    keeps the timers' blocking time as C and reports each background write and its overlap."""
+    from tests.conftest import variant_profile
+
+    log = variety["async-wsd"].parent / "async-wsd-train.log"
+    profile = variant_profile(variety, "async-wsd", tmp_path)
+    given = ("--mtbf-hours", "24", "--restart-minutes", "5", "--profile", profile, "--log", log)
+    advised = ckptops_here("goodput", "advise", *given, "--json")
+    assert advised.exit_code == 0, advised.stdout
+    found = json.loads(advised.stdout)
+    saves = read_save_log(log.read_text().splitlines())
+    assert found["saves"]["blocking"] == pytest.approx([s.blocking_seconds for s in saves.saves.values()])
+    assert found["save_seconds"] == pytest.approx(
+        sorted(found["saves"]["blocking"])[0] / 2 + sorted(found["saves"]["blocking"])[1] / 2
+    )
+    assert len(found["saves"]["background"]) == 2 and all(b > 0 for b in found["saves"]["background"])
+    assert len(found["saves"]["store"]) == 2  # first data file to .metadata, for 2 and 4
+    text = ckptops_here("goodput", "advise", *given).stdout
+    assert "async background writes: 2; median " in text
