@@ -170,3 +170,41 @@ def test_a_recovery_waiting_for_approval_is_announced_by_the_servers_automation(
     assert body["subject"] == "ckptops approve-me: a recovery waits for your approval"
     assert f"/runs/flow-run/{run.id}" in body["text"] and flow_run.name in body["text"]
     assert state.is_failed() and "not approved" in state.message
+
+
+def test_a_stalled_save_fails_verify_and_promote_and_is_notified_once(receiver, save_dir, tmp_path):
+    """The newest save stopped writing half-way (no metadata, rank 1's shard missing, nothing
+    written for two minutes): verify-and-promote promotes the newest complete checkpoint, fails
+    with the alarm, and tells a person once; the next run fails again without telling again."""
+    import os
+    import re
+    import time
+
+    from flows.verify_and_promote import verify_and_promote
+
+    newest = iter_dir(save_dir, 24)
+    for name in (".metadata", "metadata.json", "integrity.json", "__1_0.distcp"):
+        (newest / name).unlink(missing_ok=True)
+    (save_dir / "latest_checkpointed_iteration.txt").write_text("20")
+    for path in newest.iterdir():
+        os.utime(path, (time.time() - 120, time.time() - 120))
+    job = {"name": "stalls", "save_dir": str(save_dir), "layout": {"data_parallel": 2}}
+    verify = {"save_stall_seconds": 60, "wait_timeout_seconds": 0, "lock_timeout_seconds": 30}
+    profile = write(
+        tmp_path, {"job": job, "verify": verify, "notify": {"block": "custom-webhook/test-pager"}}
+    )
+    before = len(receiver.bodies)
+    first = verify_and_promote(profile=profile, return_state=True)
+    assert first.is_failed()
+    idle = re.search(
+        r"ALERT save iter_0000024 stalled: no byte written for (\d+) s \(threshold 60 s\)", first.message
+    )
+    assert idle and int(idle[1]) >= 120, first.message
+    assert "no shard from rank(s) 1" in first.message
+    assert (save_dir / "latest_verified_iteration.txt").read_text().strip() == "20"
+    (body,) = receiver.wait(before + 1)[before:]
+    assert body["subject"] == "ckptops stalls: a checkpoint save needs a person"
+    assert body["text"].startswith("[stalls] ALERT save iter_0000024 stalled")
+    second = verify_and_promote(profile=profile, return_state=True)
+    assert second.is_failed() and "ALERT save iter_0000024 stalled" in second.message
+    assert len(receiver.bodies) == before + 1
