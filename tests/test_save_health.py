@@ -98,6 +98,11 @@ def test_older_megatron_lm_wording_and_a_save_overtaken_by_the_next():
         ]
     )
     assert not behind.saves[4].stuck  # a write behind logged steps is an async save at work
+    # The last rank's line of the save's own iteration may come after rank 0's "saving" line.
+    interleaved = read_save_log(
+        ["saving checkpoint at iteration 8 to /c", " iteration        8/       8 | consumed samples: 64 |"]
+    )
+    assert interleaved.saves[8].stuck
 
 
 def test_the_saves_of_per_rank_logs_are_merged():
@@ -121,6 +126,8 @@ def store(save_dir) -> Path:
     for name in (".metadata", "metadata.json", "integrity.json", "__1_0.distcp"):
         (newest / name).unlink(missing_ok=True)
     (save_dir / "latest_checkpointed_iteration.txt").write_text("20")
+    for path in newest.iterdir():  # written just now (the copy keeps the training run's times)
+        os.utime(path)
     return save_dir
 
 

@@ -243,11 +243,13 @@ def _break_saves(faults: dict[int, str], save_dir: str) -> None:
         return original_tracker(path)
 
     def schedule(request):
-        done = original_schedule(request)
+        # Killed as the save is handed over, not after: a worker that got the request first may
+        # write its shard in the moment before the kill lands, and then nothing is missing.
         worker = PersistentAsyncCaller._persistent_process
         if saving == ["kill-writer"] and torch.distributed.get_rank() == 1 and worker is not None:
             os.kill(worker.pid, signal.SIGKILL)
-        return done
+            worker.join(timeout=10)
+        return original_schedule(request)
 
     training.save_checkpoint = save_checkpoint
     checkpointing.get_checkpoint_tracker_filename = tracker_filename

@@ -50,7 +50,9 @@ SAVE_ERROR = re.compile(
     re.I,
 )
 # A training step logged (Megatron-LM's, torchtitan's, nanoGPT's): progress after a save began.
-_PROGRESS = re.compile(r"\biteration\s+\d+\s*/\s*\d+\s*\||\bstep:\s*\d+\s+loss:|\biter \d+: loss")
+# The step's number: only a later step is progress past a save (the last rank prints the
+# iteration line, rank 0 the save's, and the two interleave).
+_PROGRESS = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\||\bstep:\s*(\d+)\s+loss:|\biter (\d+): loss")
 # Other loops' words for a save under way, and the frames of a process caught inside one (a
 # traceback printed at exit, a py-spy dump): torchtitan, Lightning, Megatron-Core's async queue.
 _SAVING_ELSEWHERE = re.compile(
@@ -190,10 +192,10 @@ def read_save_log(lines: Iterable[str], source: str = "") -> SaveLog:
     timed: LoggedSave | None = None  # the last save whose timer has not been printed yet
     ended, elsewhere, writer = False, None, None
     for number, line in enumerate(lines, 1):
-        if _PROGRESS.search(line):
-            elsewhere = None
+        if m := _PROGRESS.search(line):
+            step, elsewhere = int(m[1] or m[2] or m[3]), None
             for save in unfinished:
-                save.progress_after = True
+                save.progress_after = save.progress_after or step > save.iteration
             continue
         if elsewhere is None and _SAVING_ELSEWHERE.search(line):
             elsewhere = (number, line.rstrip("\r\n")[:500])
