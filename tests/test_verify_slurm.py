@@ -199,6 +199,15 @@ def test_a_node_drained_during_the_run_is_avoided(drained_later, medium_save_dir
     assert result["state"] == "valid"
 
 
+def _pid(pidfile: Path) -> int | None:
+    """The pid slurmd wrote, or None while the file is absent or still being written (empty)."""
+    try:
+        text = pidfile.read_text().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
 @pytest.fixture
 def hidden_on_n2(slurm_conf):
     """Restart n2's slurmd in a mount namespace of its own in which a folder is an empty tmpfs:
@@ -207,11 +216,11 @@ def hidden_on_n2(slurm_conf):
     pidfile = conf.parent / "slurmd-n2.pid"
 
     def restart(prefix: list[str]) -> None:
-        old = int(pidfile.read_text())
+        old = _pid(pidfile)
         os.kill(old, signal.SIGTERM)
         until(lambda: not Path(f"/proc/{old}").exists(), 60, "n2's slurmd to stop")
         subprocess.run([*prefix, "/usr/sbin/slurmd", "-f", str(conf), "-N", "n2"], check=True, timeout=60)
-        until(lambda: pidfile.exists() and int(pidfile.read_text()) != old, 60, "n2's slurmd to start")
+        until(lambda: _pid(pidfile) not in (None, old), 60, "n2's slurmd to start")
 
     def hide(folder: Path) -> None:
         mount = f'mount -t tmpfs -o size=1m ckptops-hidden {folder} && exec "$0" "$@"'
