@@ -360,6 +360,8 @@ def test_a_tracker_written_before_the_data_is_an_alarm_and_never_resumed_from(tm
     assert f"{tracker}which is not complete (it is failed, nothing written)" in shown.stdout
     failed = "ALERT save iter_0000008 failed: the job ended while it was writing (its log); "
     assert f"{failed}0 file(s), 0 B written; no shard from rank(s) 0, 1" in shown.stdout
+    told = triage([log])
+    assert (told.cls, told.save_iteration) == ("save-stalled", 8), told.reason  # rank 1 died in it
     ckptops_here("promote", "--profile", profile)
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
     assert (save / "latest_verified_iteration.txt").read_text().strip() == "4"
