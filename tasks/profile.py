@@ -482,6 +482,28 @@ class SuspectRule(_Section):
     window_days: Positive = 14
 
 
+class BurnIn(_Section):
+    """Return to service (tasks/health/burn_in.py): what a node ckptops drained must pass."""
+
+    level: Literal[3, 4] = Field(default=3, description="DCGM diag level of a burn-in")
+    repeat_level: Literal[3, 4] = Field(
+        default=4, description="the level for a repeat suspect (suspect.repeat within suspect.window_days)"
+    )
+    repeat_hours: Annotated[float, Field(ge=0)] = Field(
+        default=24,
+        description="a repeat suspect returns only after burn-ins passing without a failure for this long",
+    )
+    hold_after: Annotated[int, Field(ge=2)] = Field(
+        default=3, description="this many suspicions within hold_window_days: held for a person"
+    )
+    hold_window_days: Positive = 30
+    min_ready_spares: Annotated[int, Field(ge=0)] = Field(
+        default=0,
+        description="fewer spares ready than this (drained spares and spares in use not counted): the "
+        "fleet report and a recovery's nodes phase say so, with notify.block a notification",
+    )
+
+
 class GpuProcesses(_Section):
     """The gpu-processes check: compute processes on a node's GPUs that no running Slurm job owns."""
 
@@ -554,12 +576,18 @@ class Health(_Section):
     pairs: Pairs = Pairs()
     drain: Drain = Drain()
     suspect: SuspectRule = SuspectRule()
+    burn_in: BurnIn = BurnIn()
     gpu_processes: GpuProcesses = GpuProcesses()
     conformance: Conformance = Conformance()
     nvrx_segment_dir: ProfilePath | None = Field(
         default=None,
         description="NVRx's --ft-segment-health-check-dir: a segment file for each running job on a "
         "node judged unhealthy, removed when the node passes again",
+    )
+    nvrx_exclusion_dir: ProfilePath | None = Field(
+        default=None,
+        description="NVRx's --ft-scheduler-exclusion-dir: scheduler_exclusion.<job_id>.jsonl for each job "
+        "running on an excluded node, rewritten on every sweep and burn-in (NVRx ignores one 30 min old)",
     )
     raw_dir: ProfilePath
 

@@ -1,5 +1,6 @@
-"""``ckptops health run | classify | history``: node health checks across the cluster, the verdict
-on one saved tool output, and a node's record (its verdicts and the incidents naming it)."""
+"""``ckptops health run | classify | history | burn-in | fleet``: node health checks across the
+cluster, the verdict on one saved tool output, a node's record (its verdicts and the incidents
+naming it), the return of drained nodes through a burn-in, and the fleet at a glance."""
 
 import json
 from dataclasses import asdict
@@ -136,3 +137,61 @@ def health_history(
         for entry in entries:
             out.print(describe(entry), markup=False)
         out.print(found.line(), markup=False)
+
+
+def _health(profile):
+    prof = load_profile(profile)
+    if prof.health is None:
+        raise UsageError(f"{prof.source}: no health section")
+    return prof
+
+
+@commands.command("burn-in")
+def health_burn_in(
+    nodes: Annotated[
+        list[str] | None, typer.Argument(help="only these nodes [default: every node ckptops drained]")
+    ] = None,
+    profile: ProfileOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Burn in the nodes ckptops drained and return those that pass to service (never one drained
+    by someone else or held for another reason); exit 0, or 1 when a node failed or is held for a person."""
+    with expected_errors():
+        from tasks.cluster.transport import check_node_name
+        from tasks.health.burn_in import burn_in
+
+        prof = _health(profile)
+        done = burn_in(prof.health, [check_node_name(n) for n in nodes or []] or None)
+    if as_json:
+        exclusions = asdict(done.exclusions) if done.exclusions else None
+        out.print_json(
+            json.dumps({"nodes": [o.to_dict() for o in done.outcomes], "nvrx_exclusions": exclusions})
+        )
+    else:
+        for outcome in done.outcomes:
+            out.print(outcome.line(), markup=False)
+        if not done.outcomes:
+            out.print("no node drained by ckptops is held out of service", markup=False)
+        if done.exclusions and done.exclusions.message():
+            out.print(done.exclusions.message(), markup=False)
+    raise typer.Exit(done.exit_code)
+
+
+@commands.command("fleet")
+def health_fleet(profile: ProfileOpt = None, as_json: JsonOpt = False):
+    """The fleet at a glance: each node healthy, drained (by ckptops, with reason and since when, or
+    by someone else), in burn-in, held for a person or returned; spares ready, in use or out of
+    service; exit 1 when fewer spares are ready than health.burn_in.min_ready_spares."""
+    with expected_errors():
+        from tasks.health.accounting import fleet
+
+        found = fleet(_health(profile).health)
+    if as_json:
+        out.print_json(json.dumps(found.to_dict()))
+    else:
+        for n in found.nodes:
+            out.print(f"{n.node:<16} {n.state:<6} {n.place:<24} {n.detail}".rstrip(), markup=False)
+        out.print(found.summary(), markup=False)
+    if found.spares_short:
+        err.print(f"ckptops: {found.spares_short}", markup=False)
+    raise typer.Exit(1 if found.spares_short else 0)

@@ -59,6 +59,25 @@ def node_state(node: str) -> str:
     return run(["sinfo", "-h", "-N", "-n", check_node_name(node), "-o", "%t"]).strip().rstrip("*~#!%$@^-")
 
 
+def node_statuses(nodes: list[str] | None = None) -> dict[str, tuple[str, str]]:
+    """Slurm's state (as ``node_state``) and reason ('' without one) of ``nodes`` (default:
+    every node), in one call."""
+    argv = ["sinfo", "-h", "-N", "-o", "%N|%t|%E"]
+    if nodes:
+        argv += ["-n", ",".join(check_node_name(n) for n in nodes)]
+    found = {}
+    for line in run(argv).splitlines():
+        node, _, rest = line.partition("|")
+        state, _, reason = rest.partition("|")
+        reason = reason.strip()
+        found[node.strip()] = (state.strip().rstrip("*~#!%$@^-"), "" if reason == "none" else reason)
+    return found
+
+
+def node_status(node: str) -> tuple[str, str]:
+    return node_statuses([node]).get(check_node_name(node), ("unknown", ""))
+
+
 def resume(node: str) -> None:
     run(["scontrol", "update", f"NodeName={check_node_name(node)}", "State=RESUME"])
 

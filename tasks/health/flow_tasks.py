@@ -12,7 +12,9 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from tasks.health.accounting import Fleet, fleet
 from tasks.health.actions import DrainPlan
+from tasks.health.burn_in import BurnIn, burn_in
 from tasks.health.run import HealthRun, resolve_nodes
 from tasks.health.sweep import Sweep, sweep
 
@@ -96,3 +98,16 @@ def publish_health(run: HealthRun, plan: DrainPlan, settings, spares: dict[str, 
         key="node-health-actions",
         description="drains, held nodes, reruns, spares",
     )
+
+
+@task(name="burn-in")
+def burn_in_task(settings, nodes: list[str] | None) -> BurnIn:
+    return burn_in(settings, nodes)
+
+
+@task(name="fleet")
+def fleet_task(settings) -> Fleet:
+    """The fleet's places (tasks.health.accounting), as the ``fleet`` table artifact."""
+    found = fleet(settings)
+    create_table_artifact(table=[n.to_dict() for n in found.nodes], key="fleet", description=found.summary())
+    return found

@@ -10,7 +10,10 @@ Lines (``kind``; a line without one is a verdict, as ckptops wrote them before):
   before it no longer count;
 - ``facts``: what the conformance check read on the node (``at``, ``facts``: fact -> value); the
   latest line is the node's recorded facts, which a spare's admission and a resume's validation
-  compare with (tasks.health.fleet).
+  compare with (tasks.health.fleet);
+- ``burn-in``: a drained node's burn-in (``at``, ``level``, ``passed``, ``summary``;
+  tasks.health.burn_in); ``returned``: it passed and was resumed in Slurm (``at``, ``why``). A
+  burn-in is not an admission: the suspicions before it still count.
 
 The repeat-suspect rule (after NVRx 0.7's node-suspect history): a node named as suspect in
 ``health.suspect.repeat`` incidents within ``health.suspect.window_days`` (since its last
@@ -29,6 +32,7 @@ from tasks.storage.local import append_jsonl, own_folder, read_jsonl
 
 HISTORY = "history.jsonl"
 VERDICT, SUSPECT, ADMITTED, FACTS = "verdict", "suspect", "admitted", "facts"
+BURN_IN, RETURNED = "burn-in", "returned"
 
 
 def history_path(raw_dir: Path, node: str) -> Path:
@@ -52,7 +56,7 @@ def kind(entry: dict) -> str:
 
 
 def _is_entry(entry: dict) -> bool:
-    return kind(entry) in (VERDICT, SUSPECT, ADMITTED, FACTS)
+    return kind(entry) in (VERDICT, SUSPECT, ADMITTED, FACTS, BURN_IN, RETURNED)
 
 
 def _now(now: datetime | None) -> datetime:
@@ -92,6 +96,18 @@ def record_suspect(
 def record_admitted(raw_dir: Path, node: str, now: datetime | None = None) -> None:
     at = _now(now).isoformat(timespec="seconds")
     _append(raw_dir, node, {"kind": ADMITTED, "at": at})
+
+
+def record_burn_in(
+    raw_dir: Path, node: str, level: int, passed: bool, summary: str, now: datetime | None = None
+) -> None:
+    at = _now(now).isoformat(timespec="seconds")
+    _append(raw_dir, node, {"kind": BURN_IN, "at": at, "level": level, "passed": passed, "summary": summary})
+
+
+def record_returned(raw_dir: Path, node: str, why: str, now: datetime | None = None) -> None:
+    at = _now(now).isoformat(timespec="seconds")
+    _append(raw_dir, node, {"kind": RETURNED, "at": at, "why": why})
 
 
 def record_facts(raw_dir: Path, node: str, facts: dict[str, str], now: datetime | None = None) -> None:
@@ -204,6 +220,12 @@ def describe(entry: dict) -> str:
             return f"{entry.get('at')}  suspect   incident {entry.get('incident')}{detail}"
         case "admitted":
             return f"{entry.get('at')}  admitted  passed the spare admission set (earlier suspicions lapse)"
+        case "burn-in":
+            outcome = "passed" if entry.get("passed") else "FAILED"
+            level = entry.get("level")
+            return f"{entry.get('at')}  burn-in   level {level} {outcome}: {entry.get('summary', '')}"
+        case "returned":
+            return f"{entry.get('at')}  returned  resumed in Slurm: {entry.get('why', '')}"
         case "facts":
             facts = entry.get("facts") if isinstance(entry.get("facts"), dict) else {}
             return f"{entry.get('at')}  facts     {', '.join(f'{k} {v}' for k, v in facts.items())}"

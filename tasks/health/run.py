@@ -297,9 +297,10 @@ def run_health(
 ) -> HealthRun:
     """Check ``nodes`` in parallel; with pairs enabled (or ``admit``), pair-test the nodes that
     passed against the known-good node. ``admit`` runs the spare admission set: r3, single-node
-    NCCL, and the pair test. With the conformance check, every node's facts are then compared
-    with the fleet's (tasks.health.fleet) before the verdicts are recorded."""
-    level = 3 if admit else (level or settings.level)
+    NCCL, and the pair test (DCGM at level 3, or ``level`` if higher). With the conformance
+    check, every node's facts are then compared with the fleet's (tasks.health.fleet) before
+    the verdicts are recorded."""
+    level = max(3, level or 3) if admit else (level or settings.level)
     started = time.monotonic()
     key_text = ssh_key_text(settings)
     os.makedirs(settings.raw_dir, exist_ok=True)

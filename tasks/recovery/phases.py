@@ -22,6 +22,7 @@ from tasks.checkpoint.state import VerifyOptions
 from tasks.cluster import slurm
 from tasks.errors import CkptopsError, Unreadable, UsageError
 from tasks.health import fleet
+from tasks.health.accounting import fleet as fleet_places
 from tasks.health.actions import DRAIN_LOG, Readiness
 from tasks.health.run import run_health
 from tasks.health.sweep import HELD_STATES, sweep
@@ -214,6 +215,9 @@ def nodes_phase(profile, incident: Incident, suspects: list[str], job_nodes: lis
             spares = sweep(health, ready[: len(removed)], admit=True)
             admitted = spares.returned
             note += spare_note(spares)
+    if health.spares and health.burn_in.min_ready_spares:
+        short = fleet_places(health).spares_short
+        note += f"; {short}" if short else ""
     return drained, excluded, admitted, note
 
 
