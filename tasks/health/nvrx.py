@@ -27,6 +27,7 @@ from pathlib import Path
 
 from tasks.cluster import slurm
 from tasks.errors import CkptopsError
+from tasks.health.history import HISTORY, kind, read_history
 from tasks.outcome import Verdict
 from tasks.storage.local import atomic_write, open_for_writing, open_regular
 
@@ -154,3 +155,166 @@ def _readmit(node: str, directory: Path, update: SegmentUpdate) -> None:
         else:
             path.unlink()
             update.removed.append(path.name)
+
+
+# NVRx's scheduler-exclusion file (nvidia-resiliency-ext, branch ft-node-state-service, commit
+# f7e7f3c2: services/scheduler_exclusions/decision_file.py writes it, fault_tolerance/
+# scheduler_exclusion.py reads it; docs/source/fault_tolerance/integration/
+# scheduler_exclusion_service.rst, "Decision Artifact"): ``scheduler_exclusion.<job_id>.jsonl`` in
+# the directory given to ``ft_launcher --ft-scheduler-exclusion-dir``. Line 1 is the compact JSON
+# array of the excluded array tasks' ids (the only line the reader reads, matched exactly, with
+# its newline, at most 1 MiB); line 2 the array-task decision, line 3 the node decision, then one
+# observation per excluded node, each with ``valid_until``. The reader ignores a file whose mtime
+# is 30 minutes old: every sweep rewrites it, and a node that passes is left out.
+EXCLUSION_PREFIX = "scheduler_exclusion."
+EXCLUSION_TTL_SECONDS = 1800.0
+
+
+def exclusion_name(job_id: str) -> str:
+    return f"{EXCLUSION_PREFIX}{job_id}.jsonl"
+
+
+def _utc(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, tz=UTC).isoformat().replace("+00:00", "Z")
+
+
+def exclusion_lines(
+    job_id: str, excluded: dict[str, tuple[str, str]], tasks: dict[str, list[str]], now: float
+) -> bytes:
+    """The file of ``job_id``: ``excluded`` node -> (Slurm state, reason), ``tasks`` node -> the
+    job's array task ids on it (its own id for a regular job). ckptops does not read Slurm's
+    restart count: ``restart_count`` is 0."""
+    valid = _utc(now + EXCLUSION_TTL_SECONDS)
+    at = _utc(now)
+    ids = sorted({t for node in excluded for t in tasks.get(node, [])}, key=int)
+    common = {
+        "type": "decision",
+        "schema_version": 1,
+        "job_id": job_id,
+        "generated_at": at,
+        "producer": PRODUCER,
+    }
+    lines = [
+        json.dumps(ids, separators=(",", ":")),
+        json.dumps(
+            common
+            | {
+                "scope": "array_task",
+                "excluded_array_tasks": [
+                    {"task_id": t, "restart_count": 0, "valid_until": valid} for t in ids
+                ],
+            }
+        ),
+        json.dumps(
+            common
+            | {
+                "scope": "node",
+                "excluded_nodes": [{"node": n, "valid_until": valid} for n in sorted(excluded)],
+            }
+        ),
+    ]
+    for node, (state, reason) in sorted(excluded.items()):
+        observed = {"type": "observation", "node": node, "state": state, "reason": reason}
+        lines.append(
+            json.dumps(
+                observed
+                | {
+                    "observed_at": at,
+                    "valid_until": valid,
+                    "array_tasks": [{"task_id": t, "restart_count": 0} for t in tasks.get(node, [])],
+                }
+            )
+        )
+    return ("\n".join(lines) + "\n").encode()
+
+
+def publish_exclusions(
+    directory: Path, excluded: dict[str, tuple[str, str]], jobs: dict[str, dict[str, list[str]]], now: float
+) -> SegmentUpdate:
+    """One file per job running on an excluded node (``jobs``: job id -> node -> its task ids
+    there), each replaced whole; a file of ours that still excludes something but whose job has
+    no excluded node left is rewritten empty (``[]``), and one left empty past the reader's 30
+    minutes is removed. Another producer's file is never touched."""
+    directory, update = Path(directory), SegmentUpdate()
+    for job_id, tasks in sorted(jobs.items()):
+        path = directory / exclusion_name(job_id)
+        if (path.exists() or path.is_symlink()) and _exclusions_of(path) is None:
+            update.errors.append(f"{path.name}: not ours (another producer's, or a link): left alone")
+            continue
+        mine = {n: why for n, why in excluded.items() if n in tasks}
+        atomic_write(path, exclusion_lines(job_id, mine, tasks, now))
+        update.written.append(path.name)
+    for path in sorted(directory.glob(f"{EXCLUSION_PREFIX}*.jsonl")):
+        listed = None if path.name in update.written else _exclusions_of(path)
+        if listed is None:
+            continue
+        job_id = path.name.removeprefix(EXCLUSION_PREFIX).removesuffix(".jsonl")
+        if listed:
+            atomic_write(path, exclusion_lines(job_id, {}, {}, now))
+            update.written.append(path.name)
+        elif now - path.stat().st_mtime > EXCLUSION_TTL_SECONDS:
+            path.unlink()
+            update.removed.append(path.name)
+    return update
+
+
+def _exclusions_of(path: Path) -> list | None:
+    """The task ids a file of ours excludes (its first line); None for anything not ours (a link,
+    another producer's file, one that does not parse)."""
+    try:
+        with open_regular(path, follow=False) as f:
+            lines = f.read(_OURS_LIMIT + 1).splitlines()
+        first, second = json.loads(lines[0]), json.loads(lines[1])
+    except (CkptopsError, OSError, ValueError, IndexError):
+        return None
+    ours = (
+        isinstance(second, dict) and second.get("producer") == PRODUCER and second.get("type") == "decision"
+    )
+    return first if ours and isinstance(first, list) else None
+
+
+def excluded_nodes(settings, nodes: list[str]) -> dict[str, tuple[str, str]]:
+    """The nodes NVRx should keep out, from their history: those whose last word is a failing
+    verdict or a failed burn-in (a passing verdict, a passed burn-in or a return clears it; a
+    SUSPECT or TOOL_ERROR says nothing), each with Slurm's state and reason now."""
+    found = {}
+    for node in nodes:
+        out = False
+        for entry in read_history(settings.raw_dir, node):
+            match kind(entry):
+                case "verdict":
+                    try:
+                        verdict = Verdict(entry.get("verdict"))
+                    except ValueError:
+                        continue
+                    if verdict not in (Verdict.SUSPECT, Verdict.TOOL_ERROR):
+                        out = verdict.is_failure
+                case "burn-in":
+                    out = not entry.get("passed")
+                case "returned":
+                    out = False
+        if out:
+            found[node] = slurm.node_status(node)
+    return found
+
+
+def publish_for(settings, now: float | None = None) -> SegmentUpdate:
+    """``health.nvrx_exclusion_dir`` brought up to date: every node with a history (every node
+    ever checked, not only this sweep's) judged, and a file for each job running on an excluded
+    one."""
+    import time
+
+    raw = Path(settings.raw_dir)
+    known = sorted(p.name for p in raw.iterdir() if (p / HISTORY).is_file()) if raw.is_dir() else []
+    excluded = excluded_nodes(settings, known)
+    jobs: dict[str, dict[str, list[str]]] = {}
+    for node in excluded:
+        for job_id, task_id in allocation_units(node):
+            jobs.setdefault(job_id, {}).setdefault(node, []).append(task_id)
+    directory = Path(settings.nvrx_exclusion_dir)
+    if not directory.is_dir():
+        return SegmentUpdate(errors=[f"health.nvrx_exclusion_dir {directory}: not a directory"])
+    try:
+        return publish_exclusions(directory, excluded, jobs, time.time() if now is None else now)
+    except (CkptopsError, OSError) as e:
+        return SegmentUpdate(errors=[f"health.nvrx_exclusion_dir {directory}: {e}"])

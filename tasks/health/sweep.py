@@ -59,8 +59,8 @@ def sweep(
     ``admit`` runs the spare admission set on the nodes given and puts the ready ones that Slurm
     holds out of service back into it, and starts their suspect history afresh. ``incident``
     (a recovery's incident id) records the nodes as its suspects in their history first: a
-    repeat suspect fails this very sweep. With ``health.nvrx_segment_dir``, NVRx's exclusion
-    files follow the verdicts (tasks.health.nvrx)."""
+    repeat suspect fails this very sweep. With ``health.nvrx_segment_dir`` and
+    ``health.nvrx_exclusion_dir``, NVRx's exclusion files follow the verdicts (tasks.health.nvrx)."""
     names = resolve_nodes(settings, only)
     if incident:
         for node in names:
@@ -73,6 +73,12 @@ def sweep(
             if state == Readiness.READY:
                 record_admitted(settings.raw_dir, node)
     segments = nvrx.publish(run.reports, settings) if settings.nvrx_segment_dir else None
+    if settings.nvrx_exclusion_dir:
+        exclusions = nvrx.publish_for(settings)
+        segments = segments or nvrx.SegmentUpdate()
+        segments.written += exclusions.written
+        segments.removed += exclusions.removed
+        segments.errors += exclusions.errors
     return Sweep(run, plan, spares, return_to_service(spares, settings) if admit else [], segments)
 
 
