@@ -241,3 +241,93 @@ def test_a_relaunch_that_makes_no_progress_is_scancelled_before_the_incident_sto
         subprocess.run(
             ["scontrol", "update", "NodeName=n[1-3]", "State=RESUME"], capture_output=True, timeout=30
         )
+
+
+def test_a_node_a_recovery_drained_comes_back_only_through_its_burn_in_and_serves_the_next_job(
+    slurm_conf, nodes, tmp_path
+):
+    """n2 is drained as a recovery drains (its XID, the incident in the reason); n3 by a person.
+    The burn-in leaves n3 alone, keeps n2 drained while its GPU still fails, and once n2 passes
+    (DCGM r3, NCCL, the pair test with n1) resumes it: the next job runs on it; its history and
+    the fleet's table say so."""
+    from tasks.health.accounting import fleet
+    from tasks.health.burn_in import burn_in
+    from tasks.health.sweep import sweep
+    from tasks.profile import load_profile
+
+    _, _, profile = make_job(tmp_path, nodes, "burn")
+    settings = load_profile(str(profile)).health
+    subprocess.run(
+        ["scontrol", "update", "NodeName=n3", "State=DRAIN", "Reason=bios update"], check=True, timeout=30
+    )
+    scenarios = nodes.root / "scenarios" / ADDRESSES["n2"]
+    try:
+        drained = sweep(settings, ["n2"], reason="ckptops inc-burn hardware", incident="inc-burn")
+        assert drained.plan.drained == ["n2"]
+        assert node_state("n2") == ("IDLE+DRAIN", "ckptops inc-burn hardware")
+
+        failing = burn_in(settings)
+        assert [(o.node, o.action) for o in failing.outcomes] == [("n2", "drained")]
+        assert failing.outcomes[0].detail.startswith("failed its burn-in at level 3: ")
+        assert node_state("n2")[0] == "IDLE+DRAIN" and failing.exit_code == 1
+
+        for suffix in ("out", "rc"):
+            (scenarios / f"journal.{suffix}").unlink()  # the GPU replaced: its kernel log clean
+        nodes.record(ADDRESSES["n2"], "diag", r3_pass_document())
+        cli = str(Path(sys.executable).with_name("ckptops"))
+        done = subprocess.run(
+            [cli, "health", "burn-in", "n2", "n3", "--json", "--profile", str(profile)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        passing = json.loads(done.stdout)["nodes"]
+        assert [(o["node"], o["action"]) for o in passing] == [("n2", "returned"), ("n3", "untouched")]
+        assert passing[0]["detail"] == "passed its burn-in at level 3"
+        assert "DRAIN" not in node_state("n2")[0]
+        assert node_state("n3") == ("IDLE+DRAIN", "bios update")
+
+        served = subprocess.run(
+            [
+                "sbatch",
+                "--wait",
+                "--parsable",
+                "-w",
+                "n2",
+                f"--output={tmp_path / 'next-%j.out'}",
+                "--wrap",
+                "echo $SLURMD_NODENAME",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert served.returncode == 0, served.stderr
+        assert (tmp_path / f"next-{served.stdout.strip()}.out").read_text().strip() == "n2"
+
+        places = {n.node: n.place for n in fleet(settings).nodes}
+        assert places == {"n1": "healthy", "n2": "returned", "n3": "spare out of service"}
+        shown = subprocess.run(
+            [
+                str(Path(sys.executable).with_name("ckptops")),
+                "health",
+                "history",
+                "n2",
+                "--profile",
+                str(profile),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        assert (
+            "burn-in   level 3 FAILED" in shown and "returned  resumed in Slurm: passed its burn-in" in shown
+        )
+    finally:
+        nodes.record_sample(ADDRESSES["n2"], "journal", "synthetic_journal_xid79.txt")
+        for suffix in ("out", "rc"):
+            (scenarios / f"diag.{suffix}").unlink(missing_ok=True)
+        subprocess.run(
+            ["scontrol", "update", "NodeName=n[1-3]", "State=RESUME"], capture_output=True, timeout=30
+        )
