@@ -125,7 +125,7 @@ def test_the_ui_shows_deployments_checks_the_drill_plot_and_the_node_table_in_a_
     _, _, api, first = demo_run
     assert first.returncode == 0
     seen = look(api, tmp_path)
-    assert "local-health" in seen["deployments"] and "recovery-run" in seen["recovery-deployment"]
+    assert "local-health" in seen["health-deployment"] and "recovery-run" in seen["recovery-deployment"]
     assert "records' CRCs match" in seen["verify-checks"]
     assert "decoder.layers" in seen["verify-tensors"]
     assert "localhost" in seen["node-health"] and "no GPUs found" in seen["node-health"]

@@ -35,6 +35,8 @@ def look(api_url: str, out: Path, job: str = "local-tiny") -> dict[str, str]:
     ui = api_url.removesuffix("/api")
     with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         recovery = client.read_deployment_by_name(f"recovery-run/{job}-recovery")
+        verify = client.read_deployment_by_name(f"verify-and-promote/{job}")
+        health_deployment = client.read_deployment_by_name("node-health/local-health")
         count = len(client.read_deployments())
     # The UI in the browser must call this server's API (Prefect's default is port 4200's).
     with urllib.request.urlopen(f"{ui}/ui-settings", timeout=10) as reply:
@@ -52,11 +54,16 @@ def look(api_url: str, out: Path, job: str = "local-tiny") -> dict[str, str]:
     seen: dict[str, str] = {}
     browser = Browser()
     try:
-        # Deployments: every one, with its schedule, and a Run button a person can press.
-        seen["deployments"] = browser.open(
-            f"{ui}/deployments", [f"{count} Deployments", job, "Every 30 seconds", "At 02:15 AM every day"]
-        )
+        # Deployments: every one (the list shows a page of them), and the job's own with their
+        # schedules.
+        seen["deployments"] = browser.open(f"{ui}/deployments", [f"{count} Deployments", job])
         browser.screenshot(out / "deployments.png")
+        seen["verify-deployment"] = browser.open(
+            f"{ui}/deployments/deployment/{verify.id}", [job, "Every 30 seconds"]
+        )
+        seen["health-deployment"] = browser.open(
+            f"{ui}/deployments/deployment/{health_deployment.id}", ["local-health", "At 02:15 AM every day"]
+        )
         seen["recovery-deployment"] = browser.open(
             f"{ui}/deployments/deployment/{recovery.id}",
             [f"{job}-recovery", "Run", "Triggers", f"{job}-recovery__automation_1"],
