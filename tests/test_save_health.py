@@ -118,6 +118,15 @@ def test_the_saves_of_per_rank_logs_are_merged():
 # Save states from the store.
 
 
+def test_saves_the_log_says_finished_and_retention_removed_are_history_not_alarms(tmp_path):
+    """A long job's log holds every save it ever made; the store keeps the newest few."""
+    found = save_report(tmp_path, VerifyOptions(job="j"), read("sync_ok.log"), stall_seconds=60)
+    assert found.saves == [] and found.alarms() == []
+    cut = read_save_log((SAVES / "sync_enospc.log").read_text().splitlines())
+    (failed,) = save_report(tmp_path, VerifyOptions(job="j"), cut).saves
+    assert (failed.iteration, failed.state, failed.files) == (12, SaveState.FAILED, 0)
+
+
 @pytest.fixture
 def store(save_dir) -> Path:
     """A copy of real checkpoints (4..24) whose newest save is cut short: 24 without its metadata

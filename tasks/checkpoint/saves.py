@@ -288,7 +288,9 @@ def save_report(
     save_dir = Path(save_dir)
     threshold, source = stall_threshold(stall_seconds, stall_factor, log)
     judge = _Judge(options, log, threshold, world_size, time.time() if now is None else now)
-    iterations = set(layout.list_iterations(save_dir)) | (set(log.saves) if log else set())
+    # A save the log says finished whose directory is gone was removed since (retention): history.
+    unfinished = {i for i, s in log.saves.items() if not s.done} if log else set()
+    iterations = set(layout.list_iterations(save_dir)) | unfinished
     saves = [_judge(save_dir, i, judge) for i in sorted(iterations)]
     tracker = read_tracker(save_dir)
     problem = None
