@@ -182,6 +182,8 @@ def test_a_stalled_save_fails_verify_and_promote_and_is_notified_once(receiver, 
 
     from flows.verify_and_promote import verify_and_promote
 
+    for iteration in (4, 8, 12, 16):  # one complete checkpoint to verify is enough here
+        shutil.rmtree(iter_dir(save_dir, iteration))
     newest = iter_dir(save_dir, 24)
     for name in (".metadata", "metadata.json", "integrity.json", "__1_0.distcp"):
         (newest / name).unlink(missing_ok=True)
