@@ -122,6 +122,14 @@ def test_saves_the_log_says_finished_and_retention_removed_are_history_not_alarm
     """A long job's log holds every save it ever made; the store keeps the newest few."""
     found = save_report(tmp_path, VerifyOptions(job="j"), read("sync_ok.log"), stall_seconds=60)
     assert found.saves == [] and found.alarms() == []
+    empty = tmp_path / "iter_0000016"
+    empty.mkdir()  # a save that made its directory and wrote nothing since
+    os.utime(empty, (time.time() - 300, time.time() - 300))
+    (stuck,) = save_report(tmp_path, VerifyOptions(job="j"), stall_seconds=60).saves
+    assert (stuck.state, stuck.files) == (SaveState.STALLED, 0) and stuck.reason.startswith(
+        "no byte written for 30"
+    )
+    empty.rmdir()
     cut = read_save_log((SAVES / "sync_enospc.log").read_text().splitlines())
     (failed,) = save_report(tmp_path, VerifyOptions(job="j"), cut).saves
     assert (failed.iteration, failed.state, failed.files) == (12, SaveState.FAILED, 0)

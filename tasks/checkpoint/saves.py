@@ -212,10 +212,14 @@ def _judge(save_dir: Path, iteration: int, judge: _Judge) -> SaveHealth:
     logged = judge.log.saves.get(iteration) if judge.log else None
     try:
         files = list_files(directory) if directory.is_dir() else {}
+        data = {n: st for n, st in files.items() if not layout.is_own_file(n)}
+        # An empty directory the save made has been idle since it was made.
+        made = directory.stat().st_mtime if directory.is_dir() and not data else None
+    except FileNotFoundError:
+        files, data, made = {}, {}, None  # removed while listed
     except OSError as e:
         raise unreadable(directory, e) from None
-    data = {n: st for n, st in files.items() if not layout.is_own_file(n)}
-    newest = max((st.st_mtime for st in data.values()), default=None)
+    newest = max((st.st_mtime for st in data.values()), default=made)
     health = SaveHealth(
         iteration,
         SaveState.WRITING,
