@@ -31,7 +31,7 @@ from pathlib import Path
 from tasks.checkpoint import layout
 from tasks.checkpoint.state import State, VerifyOptions, completeness
 from tasks.errors import unreadable
-from tasks.job.save_log import SaveLog, job_log, read_save_log_file
+from tasks.job.save_log import SaveLog, job_log, p99, read_save_log_file
 from tasks.storage.local import list_files, read_state
 
 _SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -161,11 +161,6 @@ class SaveReport:
         }
 
 
-def _p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-
-
 def stall_threshold(configured: float | None, factor: float, log: SaveLog | None) -> tuple[float, str]:
     """How long a save may go without writing a byte (or run, by the log) before it is stalled."""
     if configured is not None:
@@ -177,10 +172,11 @@ def stall_threshold(configured: float | None, factor: float, log: SaveLog | None
     ]
     if len(took) < 3:
         return UNMEASURED_STALL_SECONDS, "fewer than three saves measured in the job's log"
-    p99 = _p99(took)
+    slowest = p99(took)
     return (
-        max(MIN_STALL_SECONDS, factor * p99),
-        f"{factor:g} x the p99 save time of {p99:.3g} s in the job's log, at least {MIN_STALL_SECONDS:.0f} s",
+        max(MIN_STALL_SECONDS, factor * slowest),
+        f"{factor:g} x the p99 save time of {slowest:.3g} s in the job's log, "
+        f"at least {MIN_STALL_SECONDS:.0f} s",
     )
 
 

@@ -15,6 +15,7 @@ from tasks.goodput.advice import Advice, advise, ettr, ettr_exact
 from tasks.goodput.measure import CAUSES, Figure, GoodputLedger, measure
 from tasks.goodput.simulate import Simulation, restart_for, save_cost_for, simulate
 from tasks.goodput.snapshot import JobSnapshot, read_job
+from tasks.job.save_log import p99
 from tasks.job.step_records import Steps
 from tasks.plots import markdown_image, png, pyplot
 
@@ -127,9 +128,8 @@ class MeasuredSaves:
 
     def lines(self) -> list[str]:
         def spread(values: list[float]) -> str:
-            ordered = sorted(values)
-            p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-            return f"median {statistics.median(values):.2f} s, p99 {p99:.2f} s, max {ordered[-1]:.2f} s"
+            median = statistics.median(values)
+            return f"median {median:.2f} s, p99 {p99(values):.2f} s, max {max(values):.2f} s"
 
         out = [f"saves measured ({self.source}): {len(self.blocking)}; blocking {spread(self.blocking)}"]
         if self.background:

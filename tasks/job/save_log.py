@@ -235,6 +235,13 @@ def read_save_log(lines: Iterable[str], source: str = "") -> SaveLog:
     return SaveLog(saves, ended, source, elsewhere, writer)
 
 
+def p99(values: list[float]) -> float:
+    """The 99th percentile of save times (the nearest rank below): the slowest save but one in a
+    hundred."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
 def job_log(profile, given: Path | None = None) -> Path | None:
     """The job's Megatron-LM log: the one named (``--log``), else ``recovery.step_records`` where
     that is a log rather than step records; None without either."""
