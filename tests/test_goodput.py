@@ -12,9 +12,10 @@ import yaml
 
 from tasks.errors import UsageError
 from tasks.goodput.advice import advise, daly, ettr, ettr_exact, young
-from tasks.goodput.measure import measure, save_times_from_log, save_times_from_records
+from tasks.goodput.measure import measure, save_times_from_records
 from tasks.goodput.report import ledger_lines
 from tasks.goodput.simulate import restart_for, save_cost_for, simulate
+from tasks.job.save_log import read_save_log
 from tasks.job.step_records import Steps
 from tasks.recovery.ledger import Incident, record
 from tests.test_cli import ckptops, ckptops_here
@@ -282,7 +283,7 @@ def test_save_times_from_megatron_timers_and_the_local_job():
         "saved checkpoint iteration 4 to /tmp/x/iter_0000004 in 0.07s",
         "    forward-backward ...............................: (310.11, 312.40)",
     ]
-    assert save_times_from_log(lines) == [pytest.approx(2.56137), 0.07]
+    assert read_save_log(lines).blocking == [pytest.approx(2.56137), 0.07]
 
 
 def test_the_goodput_report_flow_publishes_the_ledger_and_warns_about_the_interval(

@@ -6,15 +6,14 @@ already record, each figure with its source; a figure without a source is "not m
   each iteration: steps recomputed after a resume count once, their first run is lost), from the
   step records or a Megatron-LM log;
 - checkpoint saves, per save: the blocking time from Megatron-LM's ``save-checkpoint`` timer or
-  the local job's ``saved checkpoint ... in Xs`` line, else the time the step loop was held (the
-  gap between two step records less the step's own time); never the checkpoints' file times
-  (tasks.goodput.snapshot picks the source);
+  the local job's ``saved checkpoint ... in Xs`` line (read by tasks.job.save_log), else the time
+  the step loop was held (the gap between two step records less the step's own time); never the
+  checkpoints' file times (tasks.goodput.snapshot picks the source);
 - per incident, from the ledger: detection, triage and approval, queue and relaunch, load,
   recomputation, and the time lost to resumes that failed validation;
 - wall time, ETTR = productive / wall, the incidents and the mean time between failures.
 """
 
-import re
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 
@@ -22,11 +21,6 @@ import numpy as np
 
 from tasks.job.step_records import Steps
 from tasks.recovery.ledger import Incident, IncidentOutcome
-
-# Megatron-LM's timers: "    save-checkpoint ...............: (2561.08, 2561.37)" (min, max in ms).
-_TIMER = re.compile(r"save-checkpoint\s*\.*:\s*\(\s*([0-9.]+),\s*([0-9.]+)\)")
-# The local job's own line.
-_LOCAL = re.compile(r"saved checkpoint iteration (\d+) to \S+ in ([0-9.]+)s")
 
 CAUSES = (
     "saves",
@@ -93,20 +87,6 @@ class GoodputLedger:
 def _median(values) -> float | None:
     values = [v for v in values if v is not None and np.isfinite(v)]
     return float(np.median(values)) if values else None
-
-
-def save_times_from_log(lines) -> list[float]:
-    """Blocking save times (s) from a Megatron-LM log (timers) or the local job's output."""
-    found = []
-    for line in lines:
-        timer = _TIMER.search(line)
-        if timer:
-            found.append(float(timer[2]) / 1000)
-            continue
-        local = _LOCAL.search(line)
-        if local:
-            found.append(float(local[2]))
-    return found
 
 
 def save_times_from_records(steps: Steps, save_interval: int | None) -> list[float]:

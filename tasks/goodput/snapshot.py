@@ -13,12 +13,12 @@ from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.saves import store_save_seconds
 from tasks.checkpoint.signing import Trust
 from tasks.errors import CkptopsError, Malformed, Unreadable, UsageError, unreadable
-from tasks.goodput.measure import Figure, save_times_from_log, save_times_from_records
+from tasks.goodput.measure import Figure, save_times_from_records
 from tasks.job import step_records
 from tasks.job.save_log import SaveLog, read_save_log_file
 from tasks.job.step_records import Steps, load_steps
 from tasks.recovery.ledger import Incident, read_ledger
-from tasks.storage.local import list_files, read_lines
+from tasks.storage.local import list_files
 
 
 @dataclass(frozen=True)
@@ -136,12 +136,9 @@ def _save_times(
     if steps is not None and steps.kind == "megatron-log" and Path(steps.source) not in logs:
         logs.append(Path(steps.source))
     for path in logs:
-        try:
-            found = save_times_from_log(read_lines(path))
-        except OSError as e:
-            raise unreadable(path, e) from None
-        if found:
-            return found, f"save timers in {path}", read_save_log_file(path)
+        saves = read_save_log_file(path)
+        if saves.blocking:
+            return saves.blocking, f"save timers in {path}", saves
     if steps is not None and steps.kind == "records":
         found = save_times_from_records(steps, save_interval)
         if found:

@@ -19,7 +19,7 @@ the job host's local time, as Megatron-LM printed them (read as this host's loca
 
 import re
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -34,6 +34,8 @@ _FINISHED = re.compile(_STAMP + r"successfully saved checkpoint (?:from|at) iter
 # The blocking time across ranks, (min, max) in ms; "save-checkpoint-non-persistent" is another
 # kind of save (not in the store) and does not match.
 TIMER = re.compile(r"save-checkpoint\s*\.*:\s*\(\s*([0-9.]+),\s*([0-9.]+)\)")
+# ckptops's earlier local job printed its own: "saved checkpoint iteration N to DIR in 0.12s".
+_LOCAL_SAVED = re.compile(r"saved checkpoint iteration (\d+) to \S+ in ([0-9.]+)s")
 # What a failed write prints: the OS's words (ENOSPC, EDQUOT, EIO, EROFS), Megatron-Core's async
 # writer's ("Local worker N encountered an error", "Worker failure"), torch DCP's
 # CheckpointException, and torch's zip writer's on a full file system, whose words do not say so
@@ -129,6 +131,9 @@ class SaveLog:
     # training step logged after it: (line, 1-based, and its text).
     saving_elsewhere: tuple[int, str] | None = None
     writer_died: tuple[int, str] | None = None  # a traceback through the async writer's frames
+    # Every blocking save time the log prints, in order (s): each save-checkpoint timer's max
+    # across ranks, whether or not its save's own line is in the log, or the local job's line.
+    blocking: list[float] = field(default_factory=list)
 
     def unfinished(self) -> list[LoggedSave]:
         """Saves that began and never finished, oldest first."""
@@ -191,6 +196,7 @@ def read_save_log(lines: Iterable[str], source: str = "") -> SaveLog:
     unfinished: list[LoggedSave] = []  # began and not finished, oldest first (finalized in order)
     timed: LoggedSave | None = None  # the last save whose timer has not been printed yet
     ended, elsewhere, writer = False, None, None
+    blocking: list[float] = []
     for number, line in enumerate(lines, 1):
         if m := _PROGRESS.search(line):
             step, elsewhere = int(m[1] or m[2] or m[3]), None
@@ -222,8 +228,13 @@ def read_save_log(lines: Iterable[str], source: str = "") -> SaveLog:
                 if save in unfinished:
                     unfinished.remove(save)
                 continue
-        if timed is not None and (m := TIMER.search(line)):
-            timed.blocking_seconds, timed = float(m[2]) / 1000, None
+        if m := TIMER.search(line):
+            blocking.append(float(m[2]) / 1000)
+            if timed is not None:
+                timed.blocking_seconds, timed = blocking[-1], None
+            continue
+        if m := _LOCAL_SAVED.search(line):
+            blocking.append(float(m[2]))
             continue
         if unfinished and unfinished[0].error is None and SAVE_ERROR.search(line):
             unfinished[0].error, unfinished[0].error_line = line.strip()[:500], number
@@ -232,7 +243,7 @@ def read_save_log(lines: Iterable[str], source: str = "") -> SaveLog:
             ended = True
             for save in unfinished:
                 save.ended_with_job = True
-    return SaveLog(saves, ended, source, elsewhere, writer)
+    return SaveLog(saves, ended, source, elsewhere, writer, blocking)
 
 
 def p99(values: list[float]) -> float:
