@@ -221,5 +221,5 @@ def test_a_common_state_without_megatrons_fields_is_one_line_naming_the_checkpoi
             "load_common_state",
             lambda *a, damage=damage: {k: v for k, v in real(*a).items() if k not in damage},
         )
-        with pytest.raises(CkptopsError, match=f"{directory}: its common state lacks what Megatron-LM keeps"):
+        with pytest.raises(CkptopsError, match=f"{directory}: it lacks what Megatron-LM or Megatron-Bridge"):
             checkpoint_facts(directory)

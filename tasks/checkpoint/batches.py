@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.checkpoint import layout
+from tasks.checkpoint import dialect, layout
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
 from tasks.errors import Unreadable, UsageError
 from tasks.storage.local import open_regular
@@ -318,8 +318,9 @@ def next_batch(directory: Path, cache: Path | None = None) -> NextBatch:
     directory = Path(directory)
     if layout.parse_iter_dir(directory.name) is None or not directory.is_dir():
         raise UsageError(f"{directory}: not a checkpoint directory (expected iter_NNNNNNN)")
-    common = load_common_state(directory, build_index(load_dcp_metadata(directory / layout.DCP_METADATA)))
-    args = common.get("args")
+    index = build_index(load_dcp_metadata(directory / layout.DCP_METADATA))
+    common = load_common_state(directory, index)
+    args = dialect.job_args(directory, common, index)
     if args is None:
         raise UsageError(f"{directory}: no args in its common state: the data order cannot be computed")
     _supported(args, directory)

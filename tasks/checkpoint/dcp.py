@@ -192,7 +192,7 @@ def load_common_state(directory: Path, index: DcpIndex) -> dict:
         raise CheckFailed(
             VerifyCheck.STATE, None, "no common state (neither common_state/shard_0_1 nor common.pt)"
         )
-    loaded = _weights_only_load(source, name)
+    loaded = weights_only_load(source, name)
     if record is not None:  # megatron stores the list of the object's shards' data
         loaded = loaded[0] if isinstance(loaded, list) and loaded else loaded
     if not isinstance(loaded, dict):
@@ -204,11 +204,11 @@ def load_object(directory: Path, index: DcpIndex, key: str):
     """One small sharded object (a data-parallel group's optimizer param groups), loaded safely;
     megatron stores the list of the object's shards' data."""
     record = index.records[(key, None)]
-    loaded = _weights_only_load(io.BytesIO(read_record(directory, record)), record.file)
+    loaded = weights_only_load(io.BytesIO(read_record(directory, record)), record.file)
     return loaded[0] if isinstance(loaded, list) and len(loaded) == 1 else loaded
 
 
-def _weights_only_load(source, name: str):
+def weights_only_load(source, name: str):
     import torch
 
     def attempt():

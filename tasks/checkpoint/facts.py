@@ -3,13 +3,15 @@
 Resume validation, recovery, goodput and drills ask here (never the common state themselves):
 iteration, consumed samples, the scheduler's state and what it counts, the LR schedule's settings
 Megatron-LM keeps only in its args, the parallel layout, the writer's versions, and what the
-checkpoint's manifest says of it. Read with the safe loader (tasks.checkpoint.dcp).
+checkpoint's manifest says of it. Read with the safe loader (tasks.checkpoint.dcp), from
+Megatron-LM's args or Megatron-Bridge's train_state.pt and run_config.yaml alike
+(tasks.checkpoint.dialect).
 """
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.checkpoint import layout
+from tasks.checkpoint import dialect, layout
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
 from tasks.checkpoint.manifest import UNCHECKED, read_manifest
 from tasks.checkpoint.signing import Trust
@@ -51,6 +53,7 @@ class CheckpointFacts:
     rerun_state: str | None = None
     rampup: bool = False  # the global batch size ramps up (--rampup-batch-size)
     skipped_samples: int = 0  # samples passed untrained by --iterations-to-skip, up to this save
+    written_by: str = dialect.MEGATRON_LM  # or dialect.BRIDGE: which framework's save wrote it
 
     @property
     def scheduler_unit(self) -> str | None:
@@ -79,37 +82,43 @@ def _manifest_and_common(directory: Path, trust: Trust):
     if layout.parse_iter_dir(directory.name) is None or not directory.is_dir():
         raise UsageError(f"{directory}: not a checkpoint directory (expected iter_NNNNNNN)")
     manifest = read_manifest(directory, trust)
-    return manifest, load_common_state(
-        directory, build_index(load_dcp_metadata(directory / layout.DCP_METADATA))
-    )
+    index = build_index(load_dcp_metadata(directory / layout.DCP_METADATA))
+    common = load_common_state(directory, index)
+    try:
+        args = dialect.job_args(directory, common, index)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        what = f"{type(e).__name__}: {e}"
+        raise Malformed(f"{directory}: its Megatron-Bridge state is unreadable ({what})") from None
+    return manifest, common, args
 
 
 def saved_args(directory: Path, trust: Trust = UNCHECKED) -> tuple[object, dict]:
     """The job's Megatron-LM arguments as the checkpoint saved them, and the writer's versions
     its manifest recorded (empty if never verified)."""
     directory = Path(directory)
-    manifest, common = _manifest_and_common(directory, trust)
-    if common.get("args") is None:
-        raise UsageError(f"{directory}: its common state holds no Megatron-LM args")
-    return common["args"], (manifest.writer if manifest is not None else {})
+    manifest, _, args = _manifest_and_common(directory, trust)
+    if args is None:
+        raise UsageError(
+            f"{directory}: holds neither Megatron-LM's args nor Megatron-Bridge's train_state.pt"
+        )
+    return args, (manifest.writer if manifest is not None else {})
 
 
 def checkpoint_facts(directory: Path, trust: Trust = UNCHECKED) -> CheckpointFacts:
     """What the checkpoint says it is (its own common state, read with the safe loader; its
     manifest read as ``trust`` asks)."""
     directory = Path(directory)
-    manifest, common = _manifest_and_common(directory, trust)
+    manifest, common, args = _manifest_and_common(directory, trust)
     try:
-        return _facts(directory, manifest, common)
+        return _facts(directory, manifest, common, args)
     except (KeyError, AttributeError, TypeError, ValueError) as e:
         # The safe loader read it, but it is not the common state Megatron-LM writes.
         raise Malformed(
-            f"{directory}: its common state lacks what Megatron-LM keeps there ({type(e).__name__}: {e})"
+            f"{directory}: it lacks what Megatron-LM or Megatron-Bridge keeps ({type(e).__name__}: {e})"
         ) from None
 
 
-def _facts(directory: Path, manifest, common: dict) -> CheckpointFacts:
-    args = common.get("args")
+def _facts(directory: Path, manifest, common: dict, args) -> CheckpointFacts:
     not_valid = (
         None
         if manifest is None or manifest.valid
@@ -137,6 +146,7 @@ def _facts(directory: Path, manifest, common: dict) -> CheckpointFacts:
         rerun_state=_rerun_state(common.get("rerun_state_machine")),
         rampup=bool(getattr(args, "rampup_batch_size", None)),
         skipped_samples=int(getattr(args, "skipped_train_samples", 0) or 0),
+        written_by=getattr(args, "written_by", dialect.MEGATRON_LM),
     )
 
 

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from tasks.checkpoint import layout
+from tasks.checkpoint import dialect, layout
 from tasks.checkpoint.state import State, VerifyOptions, completeness
 from tasks.errors import unreadable
 from tasks.job.save_log import SaveLog, job_log, p99, read_save_log_file
@@ -307,6 +307,9 @@ def save_report(
                 f"complete ({what}): a job started with --load would resume from it; ckptops resumes only "
                 "from the promoted checkpoint"
             )
+        elif named.state is not SaveState.WRITING:
+            # Megatron-Bridge resumes from its own latest_train_state.pt, written with the tracker.
+            problem = dialect.pointer_alarm(save_dir)
     needed = _needed(save_dir, saves)
     space = store_space(save_dir, needed, (needed or 0) if archive_same_store else 0, margin_bytes)
     for health in saves:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from tasks.checkpoint import layout
+from tasks.checkpoint import dialect, layout
 from tasks.checkpoint.signing import Trust
 from tasks.errors import unreadable
 from tasks.storage.digest import PROFILE_NAMES, Hashing
@@ -150,6 +150,23 @@ def completeness(
         raise unreadable(directory, e) from None
     if options.writes_integrity_json and layout.INTEGRITY_JSON not in files:
         return Completeness(State.IN_PROGRESS, layout.INTEGRITY_JSON, "not written yet")
+    return _bridge_finishing(directory, files, idle, options)
+
+
+def _bridge_finishing(directory: Path, files: dict, idle: float, options: VerifyOptions) -> Completeness:
+    """Megatron-Bridge writes train_state.pt, its resume pointer, run_config.yaml and tokenizer/
+    after the shards and metadata.json: while they are missing and the save may still be
+    finishing, it is in progress. Once it cannot be (abandoned, or a newer checkpoint finished),
+    verification judges it and names what is missing."""
+    if dialect.dialect_of(directory) != dialect.BRIDGE:
+        return Completeness(None)
+    lacking = [n for n in (dialect.TRAIN_STATE, dialect.RUN_CONFIG) if n not in files]
+    if not lacking and not (directory / dialect.TOKENIZER).exists():
+        lacking = [f"{dialect.TOKENIZER}/"]
+    if lacking and idle <= options.abandon_after_seconds and not _newer_checkpoint_complete(directory):
+        return Completeness(
+            State.IN_PROGRESS, lacking[0], "not written yet (Megatron-Bridge writes it after the shards)"
+        )
     return Completeness(None)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tasks import __version__
 from tasks.checkpoint import content as state_content
-from tasks.checkpoint import layout, signing
+from tasks.checkpoint import dialect, layout, signing
 from tasks.checkpoint.batches import data_version, settled
 from tasks.checkpoint.checks import VerifyCheck
 from tasks.checkpoint.dcp import (
@@ -191,7 +191,8 @@ class _Verifier:
         self.options = options
         self.progress = progress
         self.checks = _Checks()
-        self.files = list_files(directory)
+        self.files = dialect.checkpoint_files(directory, list_files(directory))
+        self.args = None  # the run's settings, in Megatron-LM's names (dialect.job_args)
         self.index: DcpIndex | None = None
         self.backend: dict = {}
         self.scans: dict[str, FileScan] = {}
@@ -499,9 +500,33 @@ class _Verifier:
         except CheckFailed as e:
             self.checks.record(e)
             return
-        args = self.common.get("args")
-        missing = [k for k in ("iteration", "args", "opt_param_scheduler") if k not in self.common]
-        if args is not None and getattr(args, "consumed_train_samples", None) is None:
+        try:
+            args = self.args = dialect.job_args(self.directory, self.common, self.index)
+        except (OSError, ValueError, KeyError, TypeError, CheckFailed):
+            args = None  # a Bridge file that cannot be read: its own finding names it
+        # The dialect's own rules first: a Bridge file missing is the cause of whatever follows.
+        findings = dialect.findings(self.directory, self.iteration, args, self._data_parallel())
+        for finding in findings:
+            self.checks.fail(finding.check, finding.file, finding.detail)
+        self._check_required(args, named=bool(findings))
+        stored = self.common.get("iteration")
+        if stored != self.iteration:
+            self.checks.fail(
+                VerifyCheck.ITERATION,
+                self.common_file,
+                f"common state says iteration {stored}, the directory {self.iteration}",
+            )
+        else:
+            self.checks.passed(VerifyCheck.ITERATION, f"iteration {stored} matches the directory")
+        self._check_layout(args)
+
+    def _check_required(self, args, named: bool) -> None:
+        """Model, optimizer, scheduler, RNG and the run's settings; ``named``: the dialect's
+        findings already named why its settings could not be read."""
+        missing = [k for k in ("iteration", "opt_param_scheduler") if k not in self.common]
+        if args is None and not named:
+            missing.append("args")
+        elif args is not None and getattr(args, "consumed_train_samples", None) is None:
             missing.append("args.consumed_train_samples")
         keys = list(self.index.tensors) + list(self.index.objects)
         if not any(
@@ -516,18 +541,11 @@ class _Verifier:
             self.checks.fail(
                 VerifyCheck.STATE, self.common_file, f"required state missing: {', '.join(missing)}"
             )
-        else:
+        elif not named:
             self.checks.passed(VerifyCheck.STATE, "model, optimizer, scheduler, RNG and common state present")
-        stored = self.common.get("iteration")
-        if stored != self.iteration:
-            self.checks.fail(
-                VerifyCheck.ITERATION,
-                self.common_file,
-                f"common state says iteration {stored}, the directory {self.iteration}",
-            )
-        else:
-            self.checks.passed(VerifyCheck.ITERATION, f"iteration {stored} matches the directory")
-        self._check_layout(args)
+
+    def _data_parallel(self) -> int | None:
+        return self.options.layout[2] if self.options.layout else None
 
     def _check_content(self) -> None:
         """The values in the tensors, the optimizer's invariants and the lineage (``content``)."""
@@ -538,7 +556,7 @@ class _Verifier:
         families = {s.family for s in self.index.object_shards()}
         self.object_families = sorted(families | {k for k in self.index.objects if "/shard_" not in k})
         if self.common is not None:
-            args = self.common.get("args")
+            args = self.args
             previous = self.previous = None if self.given_reference else self._previous()
             steps = state_content.step_counters(self.common, self._optimizer_objects(), self.stats)
             self.step = state_content.check_optimizer(content, self.iteration, args, steps, previous)
@@ -591,7 +609,7 @@ class _Verifier:
         return sorted(name for name, scan in self.scans.items() if scan.changed)
 
     def manifest(self) -> Manifest:
-        args = (self.common or {}).get("args")
+        args = self.args
         content = (self.common or {}).get("content_metadata") or {}
         failures = self.checks.failures
         observed = [FileEntry(name, s.size, s.hash or "") for name, s in sorted(self.scans.items())]

@@ -47,6 +47,7 @@ from megatron.core.dist_checkpointing.mapping import (  # noqa: E402
 )
 from megatron.core.dist_checkpointing.validation import StrictHandling  # noqa: E402
 
+from tasks.checkpoint import dialect  # noqa: E402
 from tasks.checkpoint import layout as ckpt_layout  # noqa: E402
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata  # noqa: E402
 from tasks.checkpoint.facts import wsd_decay_steps  # noqa: E402
@@ -188,13 +189,17 @@ def load_state(
             scheduler.load_state_dict(state["opt_param_scheduler"])
     if load_rng:
         _set_rng(state["rng_state"])
+    saved = dialect.job_args(directory, state)  # Megatron-LM's args, or Bridge's train_state.pt
+    flops = state.get("num_floating_point_operations_so_far") or getattr(
+        saved, "floating_point_operations", 0
+    )
     return Loaded(
         int(state["iteration"]),
-        int(state["args"].consumed_train_samples),
-        float(state.get("num_floating_point_operations_so_far", 0.0)),
+        int(saved.consumed_train_samples),
+        float(flops or 0.0),
         state.get("opt_param_scheduler"),
         notes,
-        int(getattr(state["args"], "skipped_train_samples", 0) or 0),
+        int(getattr(saved, "skipped_train_samples", 0) or 0),
     )
 
 
@@ -310,7 +315,7 @@ class _Load:
         directory = options.checkpoint
         self.index = build_index(load_dcp_metadata(directory / ckpt_layout.DCP_METADATA))
         common = load_common_state(directory, self.index)
-        stored = common.get("args")
+        stored = dialect.job_args(directory, common, self.index)
         if options.model_provider:
             if stored is None:
                 raise ModelArgsError(f"{directory.name}: no args in the common state for the model provider")
