@@ -394,8 +394,10 @@ def scan_file(
     span: tuple[int, int] | None = None,
     uncached: bool = False,
     reader: torchsave.Reader | None = None,
+    name: str | None = None,
 ) -> FileScan:
-    """Hash ``path`` and check the CRCs of ``records`` in it, reading each byte once.
+    """Hash ``path`` and check the CRCs of ``records`` in it, reading each byte once. ``name``:
+    the file's name in the checkpoint (``tokenizer/vocab.json``), if not its own.
 
     With ``span`` (``start``, ``end``: segment boundaries, ``end`` the file's planned size for the
     last span) only those bytes are hashed, into segment digests the caller combines with the other
@@ -403,7 +405,7 @@ def scan_file(
     where a record runs on. The file must still have the size the spans were planned for.
     ``uncached`` drops this host's cached pages of the span first, so the bytes come from storage;
     ``reader``, shared by the files of one verification, remembers the shapes of record seen."""
-    scan = FileScan(path.name, records=len(records))
+    scan = FileScan(name or path.name, records=len(records))
     if span is not None:
         scan.start, scan.end = span  # what was asked for, even when the file is not there to read
     try:
@@ -502,6 +504,7 @@ def scan_files(
             locked_progress if progress else None,
             hashing,
             reader=reader,
+            name=name,
         )
 
     sizes = {name: size_of(name) for name in files}

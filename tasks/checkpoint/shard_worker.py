@@ -73,6 +73,7 @@ def read_shard(plan: ShardPlan, shard_index: int, attempt: int, node: str, work:
                 plan.hashing,
                 (piece.start, piece.end),
                 uncached=plan.drop_cache,
+                name=piece.name,
             )
             if scan.unreadable is not None:
                 error = scan.unreadable

@@ -204,6 +204,9 @@ class _Drill:
             destination.mkdir()
 
             def copy():
+                for folder in sorted({(destination / f.path).parent for f in manifest.files}):
+                    folder.mkdir(exist_ok=True)  # a Bridge checkpoint's tokenizer/
+
                 def one(entry):
                     shutil.copyfile(source / entry.path, destination / entry.path)
                     if self.progress:

@@ -286,14 +286,18 @@ class ArchiveStore:
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def sizes(self, key: str) -> dict[str, int]:
-        """Names directly under ``key`` with their sizes, from one listing (nothing is read)."""
+        """Every object under ``key`` with its size, by its path below ``key`` (a folder's as
+        ``tokenizer/vocab.json``), from one listing (nothing is read)."""
+        path = self._path(key)
+        self.fs.invalidate_cache(path)  # what is there now, not what an earlier listing saw
         try:
-            entries = self._call("list", key, self.fs.ls, self._path(key), detail=True, refresh=True)
+            entries = self._call("list", key, self.fs.find, path, detail=True)
         except FileNotFoundError:
             return {}
+        below = len(path.rstrip("/").split("/"))
         return {
-            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
-            for e in entries
+            "/".join(name.rstrip("/").split("/")[below:]): int(e.get("size") or 0)
+            for name, e in entries.items()
             if e.get("type") != "directory"
         }
 
