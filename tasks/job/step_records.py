@@ -207,6 +207,10 @@ _FIELD = re.compile(
     r"\s*([^|:]+?):\s*([-+]?(?:[0-9.]+(?:[eE][-+]?[0-9]+)?|nan|inf(?:inity)?))\s*", re.IGNORECASE
 )
 _MEMORY = re.compile(r"\(after (\d+) iterations\) memory \(MB\) \|.*?max allocated: ([0-9.]+)")
+# Megatron-Bridge's report: torch's peak allocated bytes in decimal gigabytes (1e9), 5 digits.
+_MEMORY_GB = re.compile(
+    r"\(after (\d+) iterations\) memory \(GB\) \|.*?mem-max-allocated-gigabytes: ([0-9.]+(?:[eE][-+]?\d+)?)"
+)
 _LOADED = re.compile(r"successfully loaded checkpoint from .* at iteration (\d+)")
 
 
@@ -260,7 +264,9 @@ def _line_time(before: str) -> float | None:
 
 def parse_megatron_log(path: Path, lines) -> Steps:
     """Megatron-LM's training-log lines (``iteration N/ M | consumed samples: ... |``) and its
-    memory report lines (``[Rank r] (after N iterations) memory (MB) | ... max allocated: X``).
+    memory report lines (``[Rank r] (after N iterations) memory (MB) | ... max allocated: X``);
+    Megatron-Bridge prints the same iteration lines and reports memory in decimal gigabytes
+    (``memory (GB) | ... mem-max-allocated-gigabytes: X``).
     ``lines`` may be a file: it is read a line at a time.
 
     Throughput is samples/s, from every line's ``elapsed time per iteration (ms)`` and ``global
@@ -271,6 +277,10 @@ def parse_megatron_log(path: Path, lines) -> Steps:
     run = _Run(None)
     for line in lines:
         found = _MEMORY.search(line)
+        gigabytes = _MEMORY_GB.search(line) if found is None else None
+        if gigabytes:
+            memory[int(gigabytes[1])] = int(float(gigabytes[2]) * 1e9)
+            line = line[: gigabytes.start()]
         if found:
             memory[int(found[1])] = int(float(found[2]) * 1024 * 1024)
             # Rank 0's report and the last rank's iteration line share one output: under load

@@ -24,6 +24,14 @@ from tasks.errors import CkptopsError
 from tasks.job.step_records import Steps
 from tasks.outcome import Check, Outcome
 
+# How a resume from a checkpoint silently becomes a run from nothing: Megatron-LM without
+# --exit-on-missing-checkpoint starts from random weights, and Megatron-Bridge loaded another
+# checkpoint than the one asked for, or none, without an error (its PR#4900, #5090, #5260, #3503).
+_FROM_SCRATCH = (
+    " (a checkpoint other than this one, or none, was loaded without an error: Megatron-LM "
+    "without --exit-on-missing-checkpoint; Megatron-Bridge #4900, #5090, #5260, #3503)"
+)
+
 
 class ResumeCheck(StrEnum):
     """The checks of a post-resume validation (a continuation drill makes some of them), as
@@ -251,6 +259,19 @@ class Continuity:
                 "the log shows another checkpoint loaded",
             )
             return
+        expected = f.iteration + 1
+        while expected in self.skip:  # a skipped iteration logs no line
+            expected += 1
+        if first != expected:
+            self.add(
+                ResumeCheck.RESUME_POINT,
+                False,
+                f"first iteration {expected}",
+                f"first iteration {first}",
+                "resumed from another checkpoint than this one"
+                + (f": it started from scratch{_FROM_SCRATCH}" if first == 1 else ""),
+            )
+            return
         unsaid = a.kind == "megatron-log" and not np.isfinite(loaded)
         if unsaid and load_line:
             self.add(
@@ -261,32 +282,24 @@ class Continuity:
                 "the log does not show this checkpoint loaded",
             )
             return
-        expected = f.iteration + 1
-        while expected in self.skip:  # a skipped iteration logs no line
-            expected += 1
-        if first != expected:
-            self.add(
-                ResumeCheck.RESUME_POINT,
-                False,
-                f"first iteration {expected}",
-                f"first iteration {first}",
-                "resumed from another checkpoint than this one",
-            )
-            return
         size = a.batch_count[self.start] if not np.isnan(a.batch_count[self.start]) else f.global_batch_size
         size += (expected - f.iteration - 1) * f.global_batch_size  # the skipped batches before it
         resumed_at = None if np.isnan(a.consumed[self.start]) else int(a.consumed[self.start] - size)
         fits = resumed_at == f.consumed
         # The first line of a run that started at the checkpoint averages its first iteration only.
         self.started_at_checkpoint = fits
+        note = ""
+        if resumed_at == 0 and f.consumed > 0:
+            note = f"its sample count started from zero{_FROM_SCRATCH}"
+        elif unsaid:
+            note = "no load line in this log (rank 0 prints it): placed by its first iteration and "
+            note += "consumed samples"
         self.add(
             ResumeCheck.RESUME_POINT,
             fits,
             f"iteration {f.iteration + 1} after {f.consumed} samples",
             f"iteration {first} after {resumed_at} samples",
-            "no load line in this log (rank 0 prints it): placed by its first iteration and consumed samples"
-            if unsaid
-            else "",
+            note,
         )
 
     def _learning_rate(self) -> None:

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.checkpoint import layout
+from tasks.checkpoint import dialect, layout
 from tasks.checkpoint.facts import saved_args
 from tasks.checkpoint.manifest import UNCHECKED
 from tasks.checkpoint.signing import Trust
@@ -108,18 +108,23 @@ def read_printed_args(path: Path, start: int = 0) -> PrintedArgs | None:
 
 def _block(log, path: Path) -> PrintedArgs | None:
     values: dict[str, str] | None = None
-    opened, label, read = 0, None, 0
+    opened, label, read, bridge = 0, None, 0, None
     for number, raw in enumerate(log, start=1):
         read += len(raw)
         if read > _READ_LIMIT or not raw.endswith(b"\n"):
             return None  # a line still being written, or no block where Megatron-LM prints it
         line = raw.decode(errors="replace").rstrip("\n")
         if values is None:
-            found = _OPEN.search(line)
+            found = _OPEN.search(line) or _BRIDGE_OPEN.search(line)
             if found is not None:
                 values, opened = {}, number
+                bridge = _BridgeBlock() if found.re is _BRIDGE_OPEN else None
                 own = _LABEL.search(line[: found.start()])
                 label = own.group(1) if own else None
+            continue
+        if bridge is not None:
+            if bridge.read(line, values):
+                return PrintedArgs(values, path, opened)
             continue
         if _CLOSE.search(line):
             return PrintedArgs(values, path, opened)
@@ -127,6 +132,42 @@ def _block(log, path: Path) -> PrintedArgs | None:
         if argument is not None:
             values.setdefault(*argument)
     return None
+
+
+# Megatron-Bridge prints no arguments block: its setup logs a "Configuration Summary" instead
+# (ConfigContainer.log_non_default_values, 0.4-0.6): for the model, optimizer and DDP configs the
+# values that differ from Megatron-Core's defaults (``  name: repr  (Mcore default: repr)``), for
+# the others every value set (``  name: repr``), under ``[section]`` headers, closed by a rule.
+_BRIDGE_OPEN = re.compile(r"Configuration Summary \(Non-Default Values vs Megatron Core\)\s*$")
+_BRIDGE_SECTION = re.compile(r"^\[(\w+)\]")
+_BRIDGE_VALUE = re.compile(r"^  (\w+): (.*?)(?:  \(Mcore default: .*\))?\s*$")
+_BRIDGE_RULE = re.compile(r"^={20,}\s*$")
+
+
+class _BridgeBlock:
+    """Bridge's summary read a line at a time, its values under Megatron-LM's argument names
+    (``dialect.megatron_name``); a value equal to Megatron-Core's default is not printed, so not
+    compared."""
+
+    def __init__(self):
+        self.section: str | None = None
+        self.started = False
+
+    def read(self, line: str, values: dict[str, str]) -> bool:
+        """Takes one line; True once the block has closed."""
+        if _BRIDGE_RULE.match(line):
+            return self.started  # the rule under the title opens it, the last one closes it
+        self.started = True
+        section = _BRIDGE_SECTION.match(line)
+        if section is not None:
+            self.section = section.group(1)
+            return False
+        value = _BRIDGE_VALUE.match(line)
+        name = dialect.megatron_name(self.section, value.group(1)) if value and self.section else None
+        if name is not None:
+            text = value.group(2)  # a repr: a string's quotes go, as Megatron-LM prints it
+            values.setdefault(name, found if isinstance(found := typed(text), str) else text)
+        return False
 
 
 # Arguments that mean something only with a switch on: without it Megatron-LM overwrites them
