@@ -5,6 +5,8 @@ PYTHON ?= python3.12
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# The Megatron-Bridge release whose own save writes the Bridge fixtures (pyproject's bridge extra).
+BRIDGE_VERSION := 0.6.2
 
 .PHONY: venv sshd slurm slurm-down postgres chromium b3sum lint test test-quick demo demo-up demo-down screenshots bench clean
 
@@ -15,7 +17,8 @@ $(STAMP): pyproject.toml
 	@if ! $(BIN)/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then \
 		rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); fi
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,bridge]'
+	$(BIN)/python -m pip install --quiet --no-deps megatron-bridge==$(BRIDGE_VERSION)
 	@touch $(STAMP)
 
 # The node-health tests start real OpenSSH servers on 127.0.0.x: they need sshd.

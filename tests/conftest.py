@@ -568,6 +568,21 @@ VARIANTS = {
             "data_parallel: 2",
             entry=ROOT / "tests" / "helpers" / "core_loop.py",
         ),
+        # NeMo's Megatron-Bridge layout, written by Bridge's own save_checkpoint (0.6.2) from the
+        # Megatron-Core loop: train_state.pt, run_config.yaml, tokenizer/, energon/ per DP rank.
+        Variant(
+            "bridge",
+            (
+                "--writer",
+                "bridge",
+                "--bridge-vocab",
+                str(ROOT / "tests" / "data" / "bridge" / "vocab.json"),
+                "--bridge-merges",
+                str(ROOT / "tests" / "data" / "bridge" / "merges.txt"),
+            ),
+            "data_parallel: 2",
+            entry=ROOT / "tests" / "helpers" / "core_loop.py",
+        ),
         # A Megatron-Core loop that configures DDP in code: TP2, the distributed optimizer, bf16
         # with gradients reduced in fp32, in three buckets; its saved args say neither.
         Variant(

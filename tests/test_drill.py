@@ -41,6 +41,7 @@ MATRIX = {
     "llama-like": ("TP 1 x PP 1 x DP 1 (1 ranks)", "optimizer loaded"),
     "async-wsd": ("TP 1 x PP 1 x DP 1 (1 ranks)", "optimizer loaded"),
     "own-loop-groups": ("TP 1 x PP 1 x DP 1 (1 ranks)", "optimizer loaded"),
+    "bridge": ("TP 1 x PP 1 x DP 1 (1 ranks)", "optimizer loaded"),
 }
 
 

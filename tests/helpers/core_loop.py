@@ -129,6 +129,15 @@ def parse_args(argv=None):
         help="with --megatron-core-configs: gradient buckets of this many elements, reduced during "
         "the backward pass (overlap_grad_reduce=True, bucket_size=N)",
     )
+    p.add_argument(
+        "--writer",
+        default="megatron-lm",
+        choices=["megatron-lm", "bridge"],
+        help="whose save writes the checkpoints: Megatron-LM's layout (this loop's save) or "
+        "Megatron-Bridge's own save_checkpoint (tests/helpers/bridge_writer.py)",
+    )
+    p.add_argument("--bridge-vocab", help="with --writer bridge: the GPT-2 BPE vocab.json it keeps")
+    p.add_argument("--bridge-merges", help="with --writer bridge: the GPT-2 BPE merges.txt it keeps")
     p.add_argument("--train-iters", type=int, default=8)
     p.add_argument("--save-interval", type=int, default=4)
     # The model.
@@ -487,7 +496,11 @@ def train(args):
     flops_per_iteration = 6 * model_parameters(built) * args.global_batch_size * args.seq_length
     iteration, consumed, flops = 0, 0, 0.0
     directory = _load_dir(args) if args.load else None
-    if directory:
+    if directory and args.writer == "bridge":
+        import bridge_writer  # beside this script, on sys.path when torchrun runs it
+
+        iteration, consumed, flops = bridge_writer.load(args, built, scheduler)
+    elif directory:
         loaded = load_state(
             directory,
             built,
@@ -510,6 +523,10 @@ def train(args):
     ballast = torch.ones(args.ballast_mb << 18) if args.ballast_mb else None  # noqa: F841 (float32: 4 bytes each)
     fault = args.fail_at if args.fail_at and args.fail_at[0] == torch.distributed.get_rank() else None
     fail_before = fault[1] + (iteration if fault[3] else 0) if fault else None  # +N: after the load
+    if args.writer == "bridge":
+        import bridge_writer  # beside this script, on sys.path when torchrun runs it
+
+        bridge_writer.start(args, iteration, consumed)
     while iteration < args.train_iters:
         if fault and fail_before == iteration + 1:
             fail(fault[2], model)
@@ -550,13 +567,18 @@ def train(args):
         )
         consumed += args.global_batch_size
         flops += flops_per_iteration
-        if rank0:
+        if args.writer == "bridge":
+            norm = None if grad_norm is None else float(grad_norm)
+            bridge_writer.log(args, built, iteration, consumed, loss, lr, norm, 0 if updated else 1)
+        elif rank0:
             print(
                 f"iteration {iteration} consumed {consumed} lr {lr:.3e} "
                 f"loss {loss:.6f} grad_norm {grad_norm:.6f}",
                 flush=True,
             )
-        if iteration % args.save_interval == 0:
+        if iteration % args.save_interval == 0 and args.writer == "bridge":
+            bridge_writer.save(args, built, scheduler, iteration, consumed, flops)
+        elif iteration % args.save_interval == 0:
             save_checkpoint(args, built, scheduler, iteration, consumed, flops)
     recorder.close()
     torch.distributed.barrier()
