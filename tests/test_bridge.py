@@ -188,6 +188,27 @@ REFUSALS = {
 }
 
 
+def test_a_ramp_up_bounds_the_consumed_samples(variety, tmp_path):
+    """Megatron-Core <= 0.18 ramps the batch size, 0.19 ignores the setting: 4 iterations of a
+    ramp from 2 to 8 consume 8 to 32 samples."""
+    save = shutil.copytree(variety["bridge"], tmp_path / "save")
+    directory = save / "iter_0000004"
+    config = directory / "run_config.yaml"
+    config.write_text(
+        config.read_text().replace("  rampup_batch_size: null", "  rampup_batch_size: [2, 2, 64]")
+    )
+    assert promote(save, JUDGED_NOW, 30).current == 4  # 32: the global batch size each time
+    (directory / "manifest.json").unlink()
+    state = torch.load(directory / "train_state.pt", weights_only=True)
+    state["consumed_train_samples"] = torch.tensor(6)
+    torch.save(state, directory / "train_state.pt")
+    (verification,) = promote(save, JUDGED_NOW, 30, requested=4).verifications
+    assert verification.reason == (
+        "train_state.pt: consumed_train_samples 6, but 4 iterations of the run's global batch sizes "
+        "make 8 to 32 [state]"
+    )
+
+
 @pytest.mark.parametrize("bug", sorted(REFUSALS))
 def test_each_silent_wrong_resume_of_bridges_history_is_refused_naming_it(resumed, tmp_path, bug):
     _, trained = resumed

@@ -396,10 +396,8 @@ def scan_file(
     reader: torchsave.Reader | None = None,
     name: str | None = None,
 ) -> FileScan:
-    """Hash ``path`` and check the CRCs of ``records`` in it, reading each byte once. ``name``:
-    the file's name in the checkpoint (``tokenizer/vocab.json``), if not its own.
-
-    With ``span`` (``start``, ``end``: segment boundaries, ``end`` the file's planned size for the
+    """Hash ``path`` (``name`` in the checkpoint, if not its own: ``tokenizer/vocab.json``) and
+    check the CRCs of ``records`` in it, reading each byte once. With ``span`` (``start``, ``end``: segment boundaries, ``end`` the file's planned size for the
     last span) only those bytes are hashed, into segment digests the caller combines with the other
     spans'; the CRCs of ``records`` (those the span owns) are checked whole, reading past ``end``
     where a record runs on. The file must still have the size the spans were planned for.

@@ -1,12 +1,14 @@
-"""Megatron-Bridge's own save (``megatron.bridge.training.checkpointing.save_checkpoint``, 0.6.2)
-for the Megatron-Core loop of ``core_loop.py`` (``--writer bridge``): the layout NeMo's recipes
-write, from Bridge's code, not a copy of it.
+"""Megatron-Bridge's own checkpointing and logging (0.6.2) for the Megatron-Core loop of
+``core_loop.py`` (``--writer bridge``): its ``save_checkpoint`` writes the layout NeMo's recipes
+write, its ``load_checkpoint`` resumes from it, its ``training_log`` prints the iteration lines
+and its ``log_non_default_values`` the configuration summary: Bridge's code, not a copy of it.
 
-Bridge declares GPU-only dependencies; what its checkpointing needs to import and save on a CPU
-is the list in the Makefile's ``bridge`` target. One of them cannot be installed here at all:
-``megatron/bridge/peft/lora_layers.py`` imports Transformer Engine unguarded (for its LoRA
-layers, which a save never touches), so an empty ``transformer_engine`` module stands in for the
-import, after Megatron-Core has decided that Transformer Engine is absent.
+Bridge declares GPU-only dependencies, so the Makefile installs it with --no-deps; what its
+checkpointing needs to import and save on a CPU is pyproject's ``bridge`` extra. One import
+cannot be satisfied here at all: ``megatron/bridge/peft/lora_layers.py`` imports Transformer
+Engine unguarded (for its LoRA layers, which a save never touches), so an empty
+``transformer_engine`` module stands in for the import, after Megatron-Core has decided that
+Transformer Engine is absent.
 """
 
 import sys
