@@ -397,10 +397,10 @@ def scan_file(
     name: str | None = None,
 ) -> FileScan:
     """Hash ``path`` (``name`` in the checkpoint, if not its own: ``tokenizer/vocab.json``) and
-    check the CRCs of ``records`` in it, reading each byte once. With ``span`` (``start``, ``end``: segment boundaries, ``end`` the file's planned size for the
-    last span) only those bytes are hashed, into segment digests the caller combines with the other
-    spans'; the CRCs of ``records`` (those the span owns) are checked whole, reading past ``end``
-    where a record runs on. The file must still have the size the spans were planned for.
+    check the CRCs of ``records`` in it, reading each byte once. With ``span`` (segment bounds,
+    ``end`` the planned size for the last span) only those bytes are hashed, into segment digests
+    the caller combines with the other spans'; the CRCs of ``records`` (the span's own) are checked
+    whole, reading past ``end`` where a record runs on; the file must still have its planned size.
     ``uncached`` drops this host's cached pages of the span first, so the bytes come from storage;
     ``reader``, shared by the files of one verification, remembers the shapes of record seen."""
     scan = FileScan(name or path.name, records=len(records))
