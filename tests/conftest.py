@@ -471,6 +471,7 @@ class Variant:
     nproc: int = 2
     entry: Path = PRETRAIN  # Megatron-LM's loop, or another loop taking the same arguments
     save_interval: int = 4
+    train_iters: int = 4  # its newest checkpoint, the one its drill loads
 
 
 # Six architectures and layouts (the default job is the seventh): what users bring.
@@ -569,7 +570,8 @@ VARIANTS = {
             entry=ROOT / "tests" / "helpers" / "core_loop.py",
         ),
         # NeMo's Megatron-Bridge layout, written by Bridge's own save_checkpoint (0.6.2) from the
-        # Megatron-Core loop: train_state.pt, run_config.yaml, tokenizer/, energon/ per DP rank.
+        # Megatron-Core loop: train_state.pt, run_config.yaml, tokenizer/, energon/ per DP rank;
+        # saves at 4 and 8, its log the four iterations after 4 that a continuation replays.
         Variant(
             "bridge",
             (
@@ -582,6 +584,7 @@ VARIANTS = {
             ),
             "data_parallel: 2",
             entry=ROOT / "tests" / "helpers" / "core_loop.py",
+            train_iters=8,
         ),
         # A Megatron-Core loop that configures DDP in code: TP2, the distributed optimizer, bf16
         # with gradients reduced in fp32, in three buckets; its saved args say neither.
@@ -618,7 +621,7 @@ def _train_variant(variant: Variant, root: Path) -> None:
         run_local_job(
             save,
             nproc=variant.nproc,
-            train_iters=4,
+            train_iters=variant.train_iters,
             save_interval=variant.save_interval,
             timeout_seconds=600,
             extra=[*variant.switches, "--notify-url", events.url],

@@ -1,6 +1,7 @@
 """Megatron-Bridge checkpoints (NeMo's recipes), written by Bridge's own save_checkpoint (0.6.2)
-from the Megatron-Core loop: read as the same facts as Megatron-LM's, resumed and validated
-from Bridge's own log lines, continued by a team's own script, and each of the silent wrong
+from the Megatron-Core loop (the ``bridge`` variant: 8 iterations, saves at 4 and 8): read as
+the same facts as Megatron-LM's, continued from a restored copy by a team's own script through
+Bridge's own load and validated from Bridge's own log lines, and each of the silent wrong
 resumes Bridge's history reports, reproduced on a copy, refused in one line naming it.
 
 The drill from the shared store and the archive is the drill matrix's ``bridge`` row
@@ -13,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra.local_job.launch import run_local_job
 from tasks.archive.copy import archive_checkpoint
 from tasks.checkpoint import dialect
 from tasks.checkpoint.facts import CheckpointFacts, checkpoint_facts
@@ -40,24 +40,6 @@ def trained_log(variety) -> Path:
     return variety["bridge"].parent / "bridge-train.log"
 
 
-@pytest.fixture(scope="module")
-def resumed(variety, tmp_path_factory):
-    """The Bridge job's save (iteration 4) resumed by the same loop to iteration 8, its log
-    Bridge's own training_log lines."""
-    root = tmp_path_factory.mktemp("bridge-resumed")
-    save = shutil.copytree(variety["bridge"], root / "checkpoints")
-    run_local_job(
-        save,
-        train_iters=8,
-        save_interval=4,
-        timeout_seconds=600,
-        log=root / "after.log",
-        extra=["--load", str(save), *VARIANTS["bridge"].switches],
-        entry=CORE_LOOP,
-    )
-    return root, save
-
-
 def test_a_bridge_checkpoint_reads_as_the_facts_a_megatron_lm_one_gives(variety):
     directory = variety["bridge"] / "iter_0000004"
     assert dialect.dialect_of(directory) == dialect.BRIDGE
@@ -74,38 +56,16 @@ def test_a_bridge_checkpoint_reads_as_the_facts_a_megatron_lm_one_gives(variety)
 def test_its_manifest_holds_bridges_own_files_and_the_tokenizers(variety, tmp_path):
     save = shutil.copytree(variety["bridge"], tmp_path / "save")
     report = promote(save, JUDGED_NOW, 30)
-    assert report.current == 4, report.message
-    (verification,) = report.verifications
-    names = {f.path for f in verification.manifest.files}
+    assert report.current == 8 and all(v.ok for v in report.verifications), report.message
+    names = {f.path for f in report.verifications[-1].manifest.files}
     assert {"train_state.pt", "run_config.yaml", "tokenizer/vocab.json", "tokenizer/merges.txt"} <= names
     # The archive entry holds them too, and an object of the tokenizer's gone is a damaged copy.
     profile = load_profile(write_job_profile(tmp_path, save, str(tmp_path / "archive")))
     assert archive_checkpoint(save, profile).committed
-    assert archive_checkpoint(save, profile, force=True).message == "iteration 4 is already archived"
-    ArchiveStore.from_settings(profile.archive).remove("test-job/iter_0000004/tokenizer/vocab.json")
+    assert archive_checkpoint(save, profile, force=True).message == "iteration 8 is already archived"
+    ArchiveStore.from_settings(profile.archive).remove("test-job/iter_0000008/tokenizer/vocab.json")
     again = archive_checkpoint(save, profile, force=True)
     assert again.committed and "had lost 1 of its objects (tokenizer/vocab.json missing)" in again.message
-
-
-def test_a_resume_validates_from_bridges_own_log_lines(variety, resumed, tmp_path):
-    root, trained = resumed
-    save = shutil.copytree(trained, tmp_path / "save")
-    assert promote(save, JUDGED_NOW, 30, requested=4).current == 4
-    after = load_steps(root / "after.log")
-    assert after.kind == "megatron-log" and list(after.iteration) == [5, 6, 7, 8]
-    result = validate_resume(save / "iter_0000004", load_steps(trained_log(variety)), after, SETTINGS)
-    assert result.ok, result.line()
-    # The run that started from nothing (the first run's own lines: iteration 1 after 0 samples)
-    # is what a silent load of no checkpoint prints: refused, naming the Bridge bugs.
-    scratch = validate_resume(
-        save / "iter_0000004", load_steps(trained_log(variety)), load_steps(trained_log(variety)), SETTINGS
-    )
-    check = next(c for c in scratch.checks if c.name == "resume point")
-    assert not scratch.ok and check.observed == "first iteration 1"
-    assert (
-        "started from scratch" in check.detail
-        and "Megatron-Bridge #4900, #5090, #5260, #3503" in check.detail
-    )
 
 
 LOGS = Path(__file__).parent / "data" / "bridge" / "logs"  # real excerpts (SOURCES.md)
@@ -138,11 +98,11 @@ def test_a_published_load_of_iteration_50_that_started_at_1_is_refused():
     assert check.detail.startswith("resumed from another checkpoint than this one: it started from scratch")
 
 
-def test_a_continuation_drill_runs_a_teams_own_bridge_script(resumed, tmp_path):
+def test_a_teams_bridge_script_continues_a_restored_copy_and_the_resume_validates(variety, tmp_path):
     """The team's script, from the drill contract in docs alone: train from CKPT_LOAD at
-    CKPT_STEP up to CKPT_EXIT_INTERVAL, save into CKPT_SAVE only, log to CKPT_LOG."""
-    root, trained = resumed
-    save = shutil.copytree(trained, tmp_path / "checkpoints")
+    CKPT_STEP up to CKPT_EXIT_INTERVAL, save into CKPT_SAVE only, log to CKPT_LOG. Its log, a
+    resume through Bridge's own load, is then validated as the job's own resume would be."""
+    save = shutil.copytree(variety["bridge"], tmp_path / "checkpoints")
     switches = " ".join(VARIANTS["bridge"].switches)
     script = tmp_path / "bridge-job.sh"
     script.write_text(
@@ -155,12 +115,25 @@ def test_a_continuation_drill_runs_a_teams_own_bridge_script(resumed, tmp_path):
         '--save "$CKPT_SAVE" --save-interval "$CKPT_EXIT_INTERVAL" --train-iters "$CKPT_EXIT_INTERVAL"\n'
     )
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    continuation = f", continuation: {{script: '{script}', reference: '{root / 'after.log'}'}}"
+    continuation = f", continuation: {{script: '{script}', reference: '{trained_log(variety)}'}}"
     profile = load_profile(write_job_profile(tmp_path, save, drill_extra=continuation))
     assert promote(save, JUDGED_NOW, 30, requested=4).current == 4
     report = run_drill(profile, "shared", continue_steps=4)
     assert report.ok, report.reason
     assert report.certified and report.reason.endswith("and trained on 4 iterations as the original run did")
+    after = load_steps(Path(report.continuation_log))
+    assert after.kind == "megatron-log" and list(after.iteration) == [5, 6, 7, 8]
+    assert list(after.loaded) == [4, 4, 4, 4]  # Bridge's own load line
+    before = load_steps(trained_log(variety))
+    result = validate_resume(save / "iter_0000004", before, after, SETTINGS)
+    assert result.ok, result.line()
+    # The run that started from nothing (the first run's own lines: iteration 1 after 8 samples)
+    # is what a silent load of no checkpoint prints: refused, naming the Bridge bugs.
+    scratch = validate_resume(save / "iter_0000004", before, before, SETTINGS)
+    check = next(c for c in scratch.checks if c.name == "resume point")
+    assert not scratch.ok and check.observed == "first iteration 1"
+    assert "started from scratch" in check.detail
+    assert "Megatron-Bridge #4900, #5090, #5260, #3503" in check.detail
 
 
 def _break(save: Path, bug: str) -> None:
@@ -198,8 +171,7 @@ def test_a_ramp_up_bounds_the_consumed_samples(variety, tmp_path):
     config.write_text(
         config.read_text().replace("  rampup_batch_size: null", "  rampup_batch_size: [2, 2, 64]")
     )
-    assert promote(save, JUDGED_NOW, 30).current == 4  # 32: the global batch size each time
-    (directory / "manifest.json").unlink()
+    assert verify_checkpoint(directory, JUDGED_NOW).ok  # 32: the global batch size each time
     state = torch.load(directory / "train_state.pt", weights_only=True)
     state["consumed_train_samples"] = torch.tensor(6)
     torch.save(state, directory / "train_state.pt")
@@ -212,9 +184,8 @@ def test_a_ramp_up_bounds_the_consumed_samples(variety, tmp_path):
 
 
 @pytest.mark.parametrize("bug", sorted(REFUSALS))
-def test_each_silent_wrong_resume_of_bridges_history_is_refused_naming_it(resumed, tmp_path, bug):
-    _, trained = resumed
-    save = shutil.copytree(trained, tmp_path / "save")
+def test_each_silent_wrong_resume_of_bridges_history_is_refused_naming_it(variety, tmp_path, bug):
+    save = shutil.copytree(variety["bridge"], tmp_path / "save")
     (save / "iter_0000008").rename(save / "newer")  # iteration 4 is the newest checkpoint
     _break(save, bug)
     shutil.copyfile(save / "iter_0000004" / "train_state.pt", save / "latest_train_state.pt")
@@ -226,9 +197,9 @@ def test_each_silent_wrong_resume_of_bridges_history_is_refused_naming_it(resume
 
 def test_bridges_resume_pointer_on_an_incomplete_iteration_is_an_alarm(variety, tmp_path):
     save = shutil.copytree(variety["bridge"], tmp_path / "save")
-    (save / "iter_0000004" / "run_config.yaml").unlink()
+    (save / "iter_0000008" / "run_config.yaml").unlink()
     alarms = save_report(save, JUDGED_NOW).alarms()
     assert alarms == [
-        f"ALERT {save / 'latest_train_state.pt'}: names iteration 4, which is not complete "
+        f"ALERT {save / 'latest_train_state.pt'}: names iteration 8, which is not complete "
         "(run_config.yaml missing): Megatron-Bridge's resume would load it (PR#5746)"
     ]
