@@ -7,6 +7,7 @@ resumes Bridge's history reports, reproduced on a copy, refused in one line nami
 The drill from the shared store and the archive is the drill matrix's ``bridge`` row
 (tests/test_drill.py)."""
 
+import json
 import shutil
 import stat
 from pathlib import Path
@@ -66,6 +67,14 @@ def test_its_manifest_holds_bridges_own_files_and_the_tokenizers(variety, tmp_pa
     ArchiveStore.from_settings(profile.archive).remove("test-job/iter_0000008/tokenizer/vocab.json")
     again = archive_checkpoint(save, profile, force=True)
     assert again.committed and "had lost 1 of its objects (tokenizer/vocab.json missing)" in again.message
+    # A manifest whose file names leave the checkpoint is no manifest: nothing is fetched by it.
+    entry = tmp_path / "archive" / "test-job" / "iter_0000008" / "manifest.json"
+    planted = json.loads(entry.read_text())
+    planted["files"][0]["path"] = "../../escaped"
+    entry.write_text(json.dumps(planted))
+    report = run_drill(profile, "archive")
+    assert not report.ok and "file '../../escaped' is not inside the checkpoint" in report.reason
+    assert not list(tmp_path.rglob("escaped"))
 
 
 LOGS = Path(__file__).parent / "data" / "bridge" / "logs"  # real excerpts (SOURCES.md)
@@ -158,28 +167,31 @@ REFUSALS = {
     "PR#5637": "energon/iter_0000004/: 1 data loader state files for data-parallel size 2 "
     "(missing: dprank001): a resume would silently drop the ranks' data positions (Megatron-Bridge PR#5637)",
     "PR#3312": "train_state.pt: consumed_train_samples -2144567296: a wrapped 32-bit counter "
-    "(Megatron-Bridge PR#3312); 4 iterations of the run's global batch sizes make 32",
+    "(Megatron-Bridge PR#3312) [state]",
 }
 
 
-def test_a_ramp_up_bounds_the_consumed_samples(variety, tmp_path):
-    """Megatron-Core <= 0.18 ramps the batch size, 0.19 ignores the setting: 4 iterations of a
-    ramp from 2 to 8 consume 8 to 32 samples."""
+def test_the_samples_since_the_last_verified_checkpoint_follow_the_schedule(variety, tmp_path):
+    """The sum so far counts from the newest verified checkpoint (a run may change its batch size
+    at a resume). With a ramp-up each step takes 2 to 8 samples here: Megatron-Core <= 0.18 ramps,
+    0.19 ignores the setting, so 4 iterations after 32 samples make 40 to 64."""
     save = shutil.copytree(variety["bridge"], tmp_path / "save")
-    directory = save / "iter_0000004"
-    config = directory / "run_config.yaml"
-    config.write_text(
-        config.read_text().replace("  rampup_batch_size: null", "  rampup_batch_size: [2, 2, 64]")
-    )
-    assert verify_checkpoint(directory, JUDGED_NOW).ok  # 32: the global batch size each time
+    for directory in (save / "iter_0000004", save / "iter_0000008"):
+        config = directory / "run_config.yaml"
+        config.write_text(
+            config.read_text().replace("  rampup_batch_size: null", "  rampup_batch_size: [2, 2, 64]")
+        )
+    assert promote(save, JUDGED_NOW, 30, requested=4).current == 4  # 32 after 4 iterations of 8
+    directory = save / "iter_0000008"
+    assert verify_checkpoint(directory, JUDGED_NOW).ok  # 64: the global batch size each time
     state = torch.load(directory / "train_state.pt", weights_only=True)
-    state["consumed_train_samples"] = torch.tensor(6)
+    state["consumed_train_samples"] = torch.tensor(36)
     torch.save(state, directory / "train_state.pt")
     verification = verify_checkpoint(directory, JUDGED_NOW)
-    # First the counter, then each rank's data loader state, which still says 32.
+    # First the counter, then each rank's data loader state, which still says 64.
     assert verification.reason == (
-        "train_state.pt: consumed_train_samples 6, but 4 iterations of the run's global batch sizes "
-        "make 8 to 32 [state] (+2 more)"
+        "train_state.pt: consumed_train_samples 36, but 32 samples at iteration 4 and 4 iterations of "
+        "the run's global batch size make 40 to 64 [state] (+2 more)"
     )
 
 

@@ -17,6 +17,7 @@ Bridge's own completeness rules (``findings``) are the checks its silent-resume 
 
 import io
 import re
+import time
 from argparse import Namespace
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,11 @@ DATALOADER_IN_ITER = "dataloader_state"  # Bridge's docs: iter_N/dataloader_stat
 _DATALOADER_FILE = re.compile(r"^train_dataloader_dprank(\d{3,})\.pt$", re.ASCII)
 _DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$", re.ASCII)
 _INT32 = 1 << 32
+_REWRITTEN_SECONDS = 60  # how long a resume file that does not read may be one being copied
+_SMALL = 64 << 20  # train_state.pt is a few KB, run_config.yaml tens of KB
+# Tokenizers whose files Bridge copies into tokenizer/ (its save_tokenizer_assets); a
+# NullTokenizer leaves the folder empty.
+_NO_TOKENIZER_FILES = {"NullTokenizer", None}
 
 
 @dataclass(frozen=True)
@@ -53,28 +59,47 @@ def dialect_of(directory: Path) -> str:
     return BRIDGE if (directory.parent / LATEST_TRAIN_STATE).exists() else MEGATRON_LM
 
 
+def _read(path: Path) -> bytes:
+    """A small file of the save directory, the one at that name (no link, FIFO or device
+    followed), at most _SMALL bytes."""
+    from tasks.storage.local import open_regular
+
+    with open_regular(path, follow=False) as f:
+        data = f.read(_SMALL + 1)
+    if len(data) > _SMALL:
+        raise ValueError(f"over {_SMALL >> 20} MiB")
+    return data
+
+
 def load_small(path: Path):
     """A small torch.save file of tensors and plain types (train_state.pt, a plain data loader
     state), read with the safe loader: nothing in it is unpickled beyond those."""
     from tasks.checkpoint.dcp import weights_only_load
 
-    return weights_only_load(io.BytesIO(Path(path).read_bytes()), Path(path).name)
+    return weights_only_load(io.BytesIO(_read(path)), Path(path).name)
 
 
 def train_state(path: Path) -> dict[str, float | int | bool]:
-    """``train_state.pt`` (or ``latest_train_state.pt``) as plain numbers."""
+    """``train_state.pt`` (or ``latest_train_state.pt``) as plain numbers; ValueError naming
+    what is wrong when it holds anything else."""
     loaded = load_small(path)
-    if not isinstance(loaded, dict):
-        raise ValueError(f"a {type(loaded).__name__}, not a dict")
-    return {k: v.item() if hasattr(v, "item") else v for k, v in loaded.items()}
+    if not isinstance(loaded, dict) or "step" not in loaded:
+        raise ValueError(f"{Path(path).name} holds no training state (a {type(loaded).__name__})")
+    try:
+        return {k: v.item() if hasattr(v, "item") else v for k, v in loaded.items()}
+    except (RuntimeError, ValueError) as e:  # a tensor of more than one number
+        raise ValueError(f"{Path(path).name}: {e}") from None
 
 
 def run_config(path: Path) -> dict:
     import yaml
 
-    loaded = yaml.safe_load(Path(path).read_bytes())
+    try:
+        loaded = yaml.safe_load(_read(path))
+    except yaml.YAMLError as e:
+        raise ValueError(f"{Path(path).name} does not parse ({str(e).splitlines()[0]})") from None
     if not isinstance(loaded, dict):
-        raise ValueError(f"a {type(loaded).__name__}, not a mapping")
+        raise ValueError(f"{Path(path).name} is a {type(loaded).__name__}, not a mapping")
     return loaded
 
 
@@ -214,17 +239,27 @@ def dataloader_files(directory: Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def findings(directory: Path, iteration: int, args, data_parallel: int | None) -> list[Finding]:
+def findings(
+    directory: Path, iteration: int, args, data_parallel: int | None, previous: tuple[int, int] | None = None
+) -> list[Finding]:
     """A checkpoint's own dialect's completeness rules; none beyond the shared ones for
-    Megatron-LM's. ``data_parallel``: the job's size where the profile knows it."""
+    Megatron-LM's (args in its common state decide that, whatever lies beside it).
+    ``data_parallel``: the job's size where the profile knows it; ``previous``: the iteration
+    and consumed samples of the job's newest verified checkpoint before this one."""
     directory = Path(directory)
-    if dialect_of(directory) != BRIDGE:
+    if dialect_of(directory) != BRIDGE or getattr(args, "written_by", BRIDGE) != BRIDGE:
         return []
     found = _bridge_files(directory)
     if found or args is None:
         return found
-    found += _bridge_counters(directory, iteration, args)
+    found += _bridge_counters(directory, iteration, args, previous)
     return found + _bridge_dataloader(directory, args, data_parallel or args.data_parallel_size)
+
+
+def keeps_tokenizer(config: dict) -> bool:
+    """Whether Bridge writes tokenizer files into the checkpoint, by its run_config.yaml."""
+    saves = (config.get("checkpoint") or {}).get("save_tokenizer_assets", True) is not False
+    return saves and (config.get("tokenizer") or {}).get("tokenizer_type") not in _NO_TOKENIZER_FILES
 
 
 def _bridge_files(directory: Path) -> list[Finding]:
@@ -241,8 +276,7 @@ def _bridge_files(directory: Path) -> list[Finding]:
                 missing.append(Finding(VerifyCheck.STATE, name, f"unreadable ({type(e).__name__}: {e})"))
                 continue
             config = read if name == RUN_CONFIG else config
-    keeps_tokenizer = (config.get("checkpoint") or {}).get("save_tokenizer_assets", True) is not False
-    if keeps_tokenizer and not tokenizer_files(directory):
+    if config and keeps_tokenizer(config) and not tokenizer_files(directory):
         missing.append(Finding(VerifyCheck.COMPLETE, f"{TOKENIZER}/", "missing or empty"))
     return missing
 
@@ -281,7 +315,9 @@ def _latest_step(save_dir: Path) -> int | None:
         return None
 
 
-def _bridge_counters(directory: Path, iteration: int, args) -> list[Finding]:
+def _bridge_counters(
+    directory: Path, iteration: int, args, previous: tuple[int, int] | None
+) -> list[Finding]:
     found = []
     if args.iteration != iteration:
         found.append(
@@ -292,20 +328,24 @@ def _bridge_counters(directory: Path, iteration: int, args) -> list[Finding]:
                 "start elsewhere (Megatron-Bridge #4900, #5090, #5260, #3503)",
             )
         )
-    bounds = expected_consumed(args, iteration)
+    consumed, skipped = args.consumed_train_samples, args.skipped_train_samples
+    wrapped = f"consumed_train_samples {consumed}: a wrapped 32-bit counter (Megatron-Bridge PR#3312)"
+    if consumed < 0:
+        return [*found, Finding(VerifyCheck.STATE, TRAIN_STATE, wrapped)]
+    # The sum so far counts from the job's newest verified checkpoint: a run may change its global
+    # batch size at a resume, and run_config.yaml holds only the current one.
+    bounds = (
+        expected_consumed(args, iteration - previous[0]) if previous and previous[0] < iteration else None
+    )
     if bounds is None:
         return found
-    low, high = bounds
-    consumed, skipped = args.consumed_train_samples, args.skipped_train_samples
-    make = f"{iteration} iterations of the run's global batch sizes make " + (
-        f"{high}" if low == high else f"{low} to {high}"
+    low, high = previous[1] + bounds[0], previous[1] + bounds[1]
+    make = (
+        f"{previous[1]} samples at iteration {previous[0]} and {iteration - previous[0]} iterations of the "
+        f"run's global batch size make " + (f"{high}" if low == high else f"{low} to {high}")
     )
-    wrapped = consumed != high and consumed % _INT32 == high % _INT32
-    if consumed < 0 or wrapped:
-        said = (
-            f"consumed_train_samples {consumed}: a wrapped 32-bit counter (Megatron-Bridge PR#3312); {make}"
-        )
-        found.append(Finding(VerifyCheck.STATE, TRAIN_STATE, said))
+    if consumed != high and consumed % _INT32 == high % _INT32:
+        found.append(Finding(VerifyCheck.STATE, TRAIN_STATE, f"{wrapped}; {make}"))
     elif not low - skipped <= consumed <= high:
         found.append(
             Finding(VerifyCheck.STATE, TRAIN_STATE, f"consumed_train_samples {consumed}, but {make}")
@@ -367,6 +407,8 @@ def pointer_alarm(save_dir: Path) -> str | None:
     if not (save_dir / LATEST_TRAIN_STATE).exists():
         return None
     step = _latest_step(save_dir)
+    if step is None and time.time() - (save_dir / LATEST_TRAIN_STATE).stat().st_mtime < _REWRITTEN_SECONDS:
+        return None  # Bridge rewrites it in place (shutil.copy): read mid-copy, not broken
     if step is None:
         return f"{save_dir / LATEST_TRAIN_STATE}: unreadable: Megatron-Bridge's resume has no start"
     directory = save_dir / layout.iter_dir_name(step)

@@ -15,7 +15,7 @@ from tasks.checkpoint import dialect, layout
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
 from tasks.checkpoint.manifest import UNCHECKED, read_manifest
 from tasks.checkpoint.signing import Trust
-from tasks.errors import Malformed, UsageError
+from tasks.errors import CkptopsError, Malformed, UsageError
 
 
 def scheduler_unit(
@@ -86,7 +86,7 @@ def _manifest_and_common(directory: Path, trust: Trust):
     common = load_common_state(directory, index)
     try:
         args = dialect.job_args(directory, common, index)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, CkptopsError) as e:
         what = f"{type(e).__name__}: {e}"
         raise Malformed(f"{directory}: its Megatron-Bridge state is unreadable ({what})") from None
     return manifest, common, args

@@ -155,9 +155,23 @@ class Manifest:
             data["checks"] = [Check.from_dict(c) if isinstance(c, dict) else c for c in data["checks"]]
         data["schema_version"] = SCHEMA_VERSION
         try:
-            return _MANIFEST.validate_python(data)
+            manifest = _MANIFEST.validate_python(data)
         except (pydantic.ValidationError, TypeError) as e:
             raise CorruptManifest(f"{where}: malformed manifest ({_first_error(e)})") from None
+        outside = next((f.path for f in manifest.files if not _inside(f.path)), None)
+        if outside is not None:
+            raise CorruptManifest(
+                f"{where}: malformed manifest (file {outside!r} is not inside the checkpoint)"
+            )
+        return manifest
+
+
+def _inside(name: str) -> bool:
+    """A file's name in a manifest: the checkpoint's own (``__0_0.distcp``) or in one folder of
+    it (Megatron-Bridge's ``tokenizer/vocab.json``); never absolute, never up, never empty parts,
+    so every copy, download and upload by it stays inside its destination."""
+    parts = name.split("/")
+    return 0 < len(parts) <= 2 and all(part not in ("", ".", "..") and "\\" not in part for part in parts)
 
 
 _MANIFEST = pydantic.TypeAdapter(Manifest)

@@ -296,7 +296,11 @@ def save_report(
     problem = None
     if tracker is not None:
         named = next((s for s in saves if s.iteration == tracker), None)
-        if named is None or named.state is not SaveState.COMPLETE:
+        # Megatron-Bridge writes the tracker before its run_config.yaml and tokenizer/: a save
+        # still writing them is finishing, not ahead of its data (stalled, it is an alarm).
+        finishing = named is not None and named.state is SaveState.WRITING and named.files > 0
+        bridge = dialect.dialect_of(save_dir / layout.iter_dir_name(tracker)) == dialect.BRIDGE
+        if named is None or (named.state is not SaveState.COMPLETE and not (finishing and bridge)):
             what = (
                 "no such checkpoint"
                 if named is None
@@ -307,7 +311,7 @@ def save_report(
                 f"complete ({what}): a job started with --load would resume from it; ckptops resumes only "
                 "from the promoted checkpoint"
             )
-        elif named.state is not SaveState.WRITING:
+        elif named.state is SaveState.COMPLETE:
             # Megatron-Bridge resumes from its own latest_train_state.pt, written with the tracker.
             problem = dialect.pointer_alarm(save_dir)
     needed = _needed(save_dir, saves)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tasks.checkpoint import dialect, layout
 from tasks.checkpoint.signing import Trust
-from tasks.errors import unreadable
+from tasks.errors import CkptopsError, unreadable
 from tasks.storage.digest import PROFILE_NAMES, Hashing
 from tasks.storage.local import list_files
 
@@ -161,13 +161,23 @@ def _bridge_finishing(directory: Path, files: dict, idle: float, options: Verify
     if dialect.dialect_of(directory) != dialect.BRIDGE:
         return Completeness(None)
     lacking = [n for n in (dialect.TRAIN_STATE, dialect.RUN_CONFIG) if n not in files]
-    if not lacking and not (directory / dialect.TOKENIZER).exists():
+    if not lacking and _tokenizer_awaited(directory):
         lacking = [f"{dialect.TOKENIZER}/"]
     if lacking and idle <= options.abandon_after_seconds and not _newer_checkpoint_complete(directory):
         return Completeness(
             State.IN_PROGRESS, lacking[0], "not written yet (Megatron-Bridge writes it after the shards)"
         )
     return Completeness(None)
+
+
+def _tokenizer_awaited(directory: Path) -> bool:
+    """Bridge copies the tokenizer's files last (``shutil.copy2``, keeping the source's times):
+    none there yet, where the run's config says it keeps them."""
+    try:
+        keeps = dialect.keeps_tokenizer(dialect.run_config(directory / dialect.RUN_CONFIG))
+    except (OSError, ValueError, CkptopsError):
+        return False  # verification names the unreadable config
+    return keeps and not dialect.tokenizer_files(directory)
 
 
 def wait_until_complete(

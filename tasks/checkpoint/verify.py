@@ -502,10 +502,18 @@ class _Verifier:
             return
         try:
             args = self.args = dialect.job_args(self.directory, self.common, self.index)
-        except (OSError, ValueError, KeyError, TypeError, CheckFailed):
+        except (OSError, ValueError, KeyError, TypeError, CkptopsError):
             args = None  # a Bridge file that cannot be read: its own finding names it
         # The dialect's own rules first: a Bridge file missing is the cause of whatever follows.
-        findings = dialect.findings(self.directory, self.iteration, args, self._data_parallel())
+        previous = self.previous = None if self.given_reference else self._previous()
+        before = (previous.iteration, previous.consumed_train_samples) if previous else None
+        findings = dialect.findings(
+            self.directory,
+            self.iteration,
+            args,
+            self._data_parallel(),
+            before if before and None not in before else None,
+        )
         for finding in findings:
             self.checks.fail(finding.check, finding.file, finding.detail)
         self._check_required(args, named=bool(findings))
@@ -557,7 +565,7 @@ class _Verifier:
         self.object_families = sorted(families | {k for k in self.index.objects if "/shard_" not in k})
         if self.common is not None:
             args = self.args
-            previous = self.previous = None if self.given_reference else self._previous()
+            previous = self.previous  # the newest verified checkpoint before (_check_state)
             steps = state_content.step_counters(self.common, self._optimizer_objects(), self.stats)
             self.step = state_content.check_optimizer(content, self.iteration, args, steps, previous)
             frozen = list(self.options.frozen)

@@ -142,6 +142,7 @@ _BRIDGE_OPEN = re.compile(r"Configuration Summary \(Non-Default Values vs Megatr
 _BRIDGE_SECTION = re.compile(r"^\[(\w+)\]")
 _BRIDGE_VALUE = re.compile(r"^  (\w+): (.*?)(?:  \(Mcore default: .*\))?\s*$")
 _BRIDGE_RULE = re.compile(r"^={20,}\s*$")
+_SRUN_LABEL = re.compile(r"^\s*\d+: ")
 
 
 class _BridgeBlock:
@@ -154,7 +155,8 @@ class _BridgeBlock:
         self.started = False
 
     def read(self, line: str, values: dict[str, str]) -> bool:
-        """Takes one line; True once the block has closed."""
+        """Takes one line (``srun --label``'s ``N: `` dropped); True once the block has closed."""
+        line = _SRUN_LABEL.sub("", line, count=1)
         if _BRIDGE_RULE.match(line):
             return self.started  # the rule under the title opens it, the last one closes it
         self.started = True

@@ -46,6 +46,14 @@ from tasks.storage.archive import ArchiveStore
 from tasks.storage.local import atomic_write
 
 
+def _make_folders(destination: Path, manifest: Manifest) -> None:
+    """The folders of the manifest's files (a Bridge checkpoint's tokenizer/) in the drill's own
+    copy: an S3 download writes into existing folders only. Names are the manifest's, checked
+    to stay inside (``manifest._inside``)."""
+    for folder in sorted({(destination / f.path).parent for f in manifest.files} - {destination}):
+        folder.mkdir(exist_ok=True)
+
+
 class DrillCheck(StrEnum):
     """What a drill checks of the loaded state, as its reports and the UI name them."""
 
@@ -204,8 +212,7 @@ class _Drill:
             destination.mkdir()
 
             def copy():
-                for folder in sorted({(destination / f.path).parent for f in manifest.files}):
-                    folder.mkdir(exist_ok=True)  # a Bridge checkpoint's tokenizer/
+                _make_folders(destination, manifest)
 
                 def one(entry):
                     shutil.copyfile(source / entry.path, destination / entry.path)
@@ -230,6 +237,7 @@ class _Drill:
         manifest = archived_manifest(store, job, iteration, self.trust)
         destination = target / layout.iter_dir_name(iteration)
         destination.mkdir()
+        _make_folders(destination, manifest)
 
         def download():
             store.get_files(
