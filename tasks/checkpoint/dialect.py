@@ -35,7 +35,6 @@ LATEST_TRAIN_STATE = "latest_train_state.pt"
 DATALOADER_SUBDIR = "energon"  # Bridge 0.6: <save>/energon/iter_N/
 DATALOADER_IN_ITER = "dataloader_state"  # Bridge's docs: iter_N/dataloader_state/
 _DATALOADER_FILE = re.compile(r"^train_dataloader_dprank(\d{3,})\.pt$", re.ASCII)
-_DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$", re.ASCII)
 _INT32 = 1 << 32
 _REWRITTEN_SECONDS = 60  # how long a resume file that does not read may be one being copied
 _SMALL = 64 << 20  # train_state.pt is a few KB, run_config.yaml tens of KB
@@ -186,7 +185,7 @@ def bridge_args(directory: Path, index=None) -> Namespace:
 def _data_parallel(found: dict, checkpoint: dict, index) -> int | None:
     if index is None or checkpoint.get("fully_parallel_save") is False:
         return None
-    ranks = [int(m.group(1)) for name in index.files if (m := _DATA_FILE.match(name))]
+    ranks = layout.writing_ranks(index.files)
     model = 1
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         model *= int(found.get(name) or 1)
@@ -227,10 +226,9 @@ def dataloader_dir(directory: Path) -> Path | None:
     return None
 
 
-def dataloader_files(directory: Path) -> dict[int, Path]:
-    """The data loader state files of the iteration, by data-parallel rank."""
+def _dataloader_files(where: Path | None) -> dict[int, Path]:
+    """The data loader state files in ``where`` (``dataloader_dir``), by data-parallel rank."""
     found = {}
-    where = dataloader_dir(directory)
     if where is not None:
         for path in where.iterdir():
             match = _DATALOADER_FILE.match(path.name)
@@ -354,10 +352,10 @@ def _bridge_counters(
 
 
 def _bridge_dataloader(directory: Path, args, data_parallel: int | None) -> list[Finding]:
-    files = dataloader_files(directory)
     where = dataloader_dir(directory)
     if where is None or data_parallel is None:
         return []
+    files = _dataloader_files(where)
     name = f"{where.relative_to(directory.parent)}/"
     missing = [r for r in range(data_parallel) if r not in files]
     extra = [r for r in files if r >= data_parallel]
@@ -380,7 +378,7 @@ def _bridge_dataloader(directory: Path, args, data_parallel: int | None) -> list
             f"data position {position} samples, {TRAIN_STATE} {consumed}: the rank would resume "
             "elsewhere in its data than the run",
         )
-        for rank, position in data_positions(directory).items()
+        for rank, position in _positions(files).items()
         if position is not None and position != consumed
     ]
 
@@ -389,8 +387,12 @@ def data_positions(directory: Path) -> dict[int, int | None]:
     """Each data-parallel rank's saved data position (samples consumed) for the iteration, where
     its state is a plain one the safe loader reads; None for a state of Energon's own classes,
     which are never unpickled here."""
+    return _positions(_dataloader_files(dataloader_dir(directory)))
+
+
+def _positions(files: dict[int, Path]) -> dict[int, int | None]:
     found = {}
-    for rank, path in dataloader_files(directory).items():
+    for rank, path in files.items():
         try:
             state = load_small(path).get("dataloader_state_dict")
         except Exception:  # noqa: BLE001 (Energon's own classes: refused by the safe loader)

@@ -29,6 +29,7 @@ DATA_SUFFIX = ".distcp"
 KNOWN_BACKENDS = {"torch_dist"}
 
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$", re.ASCII)
+_DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$", re.ASCII)  # __<rank>_<n>.distcp
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -61,6 +62,11 @@ def list_iterations(save_dir: Path) -> list[int]:
             except FileNotFoundError:
                 continue
     return sorted(found)
+
+
+def writing_ranks(names) -> set[int]:
+    """The ranks whose data files (``__<rank>_<n>.distcp``) are among ``names``."""
+    return {int(m[1]) for name in names if (m := _DATA_FILE.match(name))}
 
 
 CORE_FILES = (METADATA_JSON, DCP_METADATA)

@@ -22,7 +22,6 @@ Cheap: a listing per iteration and one pass over the log; no checkpoint byte is 
 """
 
 import os
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -34,7 +33,6 @@ from tasks.errors import unreadable
 from tasks.job.save_log import SaveLog, job_log, p99, read_save_log_file
 from tasks.storage.local import list_files, read_state
 
-_SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
 # Without a configured threshold or three measured saves to take a p99 from.
 UNMEASURED_STALL_SECONDS = 1800.0
 MIN_STALL_SECONDS = 60.0
@@ -190,7 +188,7 @@ def read_tracker(save_dir: Path) -> int | None:
 def _missing_ranks(files: dict[str, os.stat_result], world_size: int | None) -> list[int]:
     if not world_size:
         return []
-    ranks = {int(m[1]) for name in files if (m := _SHARD.match(name))}
+    ranks = layout.writing_ranks(files)
     return [r for r in range(world_size) if r not in ranks]
 
 

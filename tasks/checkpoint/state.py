@@ -172,12 +172,14 @@ def _bridge_finishing(directory: Path, files: dict, idle: float, options: Verify
 
 def _tokenizer_awaited(directory: Path) -> bool:
     """Bridge copies the tokenizer's files last (``shutil.copy2``, keeping the source's times):
-    none there yet, where the run's config says it keeps them."""
+    none there yet, where the run's config says it keeps them. The config is parsed only then:
+    a listing is all a finished save costs."""
+    if dialect.tokenizer_files(directory):
+        return False
     try:
-        keeps = dialect.keeps_tokenizer(dialect.run_config(directory / dialect.RUN_CONFIG))
+        return dialect.keeps_tokenizer(dialect.run_config(directory / dialect.RUN_CONFIG))
     except (OSError, ValueError, CkptopsError):
         return False  # verification names the unreadable config
-    return keeps and not dialect.tokenizer_files(directory)
 
 
 def wait_until_complete(
