@@ -2,8 +2,10 @@
 saved (the local job: Megatron-LM's own pretrain on CPU), read from the job's own batch script
 and from Megatron-LM's example launch script, which we did not write."""
 
+import importlib.util
 import json
 import shutil
+import subprocess
 import sys
 from importlib.metadata import version
 from pathlib import Path
@@ -18,7 +20,7 @@ from tasks.relaunch.fit import Kind, checkpoint_fit, compare
 from tasks.relaunch.script import script_args
 from tasks.relaunch.versions import job_versions
 from tasks.restore.history import append_drill, drilled_layouts
-from tests.conftest import iter_dir, verify_and_record_here
+from tests.conftest import ROOT, iter_dir, verify_and_record_here
 
 DATA = Path(__file__).parent / "data" / "scripts"
 MEGATRON_175B = DATA / "megatron_lm_train_gpt3_175b_distributed.sh"
@@ -309,3 +311,19 @@ def test_the_jobs_python_that_cannot_say_its_versions_is_named_not_trusted(tmp_p
     real = job_versions([sys.executable], 60)
     assert set(real) == {"megatron_core", "torch", "cuda", "nccl"}
     json.dumps(real)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("modelopt") is None, reason="NVIDIA ModelOpt is not installed")
+def test_reading_a_script_does_not_import_modelopt_and_leaves_it_importable():
+    """Megatron-LM's parser is imported without ModelOpt (7 CPU-s of every recovery's start, for
+    nothing the parser uses); the process can still import ModelOpt afterwards."""
+    probe = (
+        "import sys, importlib.util\n"
+        "from tasks.relaunch.script import megatron_parser\n"
+        "megatron_parser()\n"
+        "print('modelopt' in sys.modules, importlib.util.find_spec('modelopt') is not None)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.stdout.split() == ["False", "True"], done.stderr[-2000:]

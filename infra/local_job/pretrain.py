@@ -22,6 +22,11 @@ if __name__ == "__main__":  # as a script: the repository root, for tasks.restor
 
 import torch  # noqa: E402
 
+# megatron.training imports NVIDIA ModelOpt where it is installed (Megatron-Bridge's fixtures
+# install it), about 7 CPU-s per rank, then finds no megatron.post_training in megatron-core's
+# package and leaves ModelOpt off: this job goes straight to the same result.
+sys.modules.setdefault("modelopt", None)
+
 from infra.local_job import cpu_loop  # noqa: E402
 
 cpu_loop.install()  # before megatron.training is imported; does nothing on a GPU

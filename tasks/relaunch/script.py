@@ -20,7 +20,9 @@ import argparse
 import logging
 import re
 import shlex
+import sys
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -38,6 +40,27 @@ class _Parser(argparse.ArgumentParser):
         raise _Refusal(message)
 
 
+# What megatron.training imports where it is installed and the parser never uses: NVIDIA
+# ModelOpt's checkpoint hooks (megatron/training/checkpointing.py, and through them Hugging Face
+# transformers), about 7 CPU-s of a recovery's start where Megatron-Bridge's dependencies are
+# installed, for nothing an argument needs. Megatron takes a failed import as "not installed".
+OPTIONAL_IMPORTS = ("modelopt",)
+
+
+@contextmanager
+def _not_importing(names: tuple[str, ...]):
+    """While inside, importing one of ``names`` (not imported yet) fails as a missing package;
+    afterwards the names import as before."""
+    blocked = [name for name in names if name not in sys.modules]
+    sys.modules.update(dict.fromkeys(blocked))
+    try:
+        yield
+    finally:
+        for name in blocked:
+            if sys.modules.get(name) is None:
+                sys.modules.pop(name, None)
+
+
 @cache
 def megatron_parser() -> _Parser:
     """Megatron-LM's own argument parser (megatron.training.arguments), with no defaults: a
@@ -46,7 +69,7 @@ def megatron_parser() -> _Parser:
     for its answer), and warns of every missing GPU library: both are undone here."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _not_importing(OPTIONAL_IMPORTS):
         warnings.simplefilter("ignore")
         from megatron.training.arguments import add_megatron_arguments
     root.handlers[:], root.level = handlers, level
