@@ -23,7 +23,7 @@ ENTRIES = {
     ("script", "pretrain.py"): "training",
     ("script", "core_loop.py"): "core",
     ("module", "tasks.restore.loader"): "core",
-    ("module", "torch.distributed.run"): "core",
+    ("module", "torch.distributed.run"): "torchrun",
     ("script", "hang_job.py"): "core",
     ("script", "promote_child.py"): "ckptops",
     ("script", "ckptops"): "ckptops",
