@@ -244,7 +244,13 @@ def _break_saves(faults: dict[int, str], save_dir: str) -> None:
 
     def schedule(request):
         # Killed as the save is handed over, not after: a worker that got the request first may
-        # write its shard in the moment before the kill lands, and then nothing is missing.
+        # write its shard in the moment before the kill lands, and then nothing is missing. The
+        # saves before it are finished first, on every rank (Megatron-LM queues a save behind an
+        # unfinished one): the fault breaks this save alone, however slow the machine.
+        if saving == ["kill-writer"]:
+            from megatron.training.async_utils import maybe_finalize_async_save
+
+            maybe_finalize_async_save(blocking=True)
         worker = PersistentAsyncCaller._persistent_process
         if saving == ["kill-writer"] and torch.distributed.get_rank() == 1 and worker is not None:
             os.kill(worker.pid, signal.SIGKILL)
