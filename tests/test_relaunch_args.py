@@ -313,6 +313,7 @@ def test_the_jobs_python_that_cannot_say_its_versions_is_named_not_trusted(tmp_p
     json.dumps(real)
 
 
+@pytest.mark.slow  # a cold Python importing torch and megatron.training: 10-20 s
 @pytest.mark.skipif(importlib.util.find_spec("modelopt") is None, reason="NVIDIA ModelOpt is not installed")
 def test_reading_a_script_does_not_import_modelopt_and_leaves_it_importable():
     """Megatron-LM's parser is imported without ModelOpt (7 CPU-s of every recovery's start, for
