@@ -251,10 +251,10 @@ def _break_saves(faults: dict[int, str], save_dir: str) -> None:
             from megatron.training.async_utils import maybe_finalize_async_save
 
             maybe_finalize_async_save(blocking=True)
-        worker = PersistentAsyncCaller._persistent_process
-        if saving == ["kill-writer"] and torch.distributed.get_rank() == 1 and worker is not None:
-            os.kill(worker.pid, signal.SIGKILL)
-            worker.join(timeout=10)
+            worker = PersistentAsyncCaller._persistent_process
+            if torch.distributed.get_rank() == 1 and worker is not None:
+                os.kill(worker.pid, signal.SIGKILL)
+                worker.join(timeout=10)
         return original_schedule(request)
 
     training.save_checkpoint = save_checkpoint

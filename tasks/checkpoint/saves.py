@@ -296,9 +296,13 @@ def save_report(
         named = next((s for s in saves if s.iteration == tracker), None)
         # Megatron-Bridge writes the tracker before its run_config.yaml and tokenizer/: a save
         # still writing them is finishing, not ahead of its data (stalled, it is an alarm).
-        finishing = named is not None and named.state is SaveState.WRITING and named.files > 0
-        bridge = dialect.dialect_of(save_dir / layout.iter_dir_name(tracker)) == dialect.BRIDGE
-        if named is None or (named.state is not SaveState.COMPLETE and not (finishing and bridge)):
+        finishing = (
+            named is not None
+            and named.state is SaveState.WRITING
+            and named.files > 0
+            and dialect.dialect_of(save_dir / layout.iter_dir_name(tracker)) == dialect.BRIDGE
+        )
+        if named is None or (named.state is not SaveState.COMPLETE and not finishing):
             what = (
                 "no such checkpoint"
                 if named is None
