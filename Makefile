@@ -54,12 +54,14 @@ lint: venv
 	$(BIN)/python infra/lint/import_cycles.py
 	$(BIN)/python infra/lint/long_functions.py
 
-# Three xdist workers on CI's two cores: many end-to-end tests wait (a server's timeout, a
-# worker's poll, a collective's timeout), and a third worker fills that time (measured: 637 s
-# with three, 725 s with two, 658 s with four). The tests that share the Slurm cluster or a
+# Four xdist workers on CI's two cores: many end-to-end tests wait (Prefect's heartbeat and
+# triggers, a worker's poll, a collective's timeout, Slurm's progress watch), and with three the
+# waits of the longest tests fell together (/proc/stat: 23-60% busy for half a minute); a fourth
+# keeps both cores busy (95-100%). Measured 2026-12-07 in the checkout: 424.3 s with four, 457.6
+# and 487.5 s with three; peak memory 8 GB of 24. The tests that share the Slurm cluster or a
 # module's fixture run on one worker (tests/conftest.py, xdist_group); the others wherever one
 # is free.
-PARALLEL ?= -n 3 --dist loadgroup
+PARALLEL ?= -n 4 --dist loadgroup
 
 # The Slurm cluster make started is stopped after the tests, whatever they found.
 test: venv sshd slurm postgres chromium lint
