@@ -116,3 +116,38 @@ def test_a_warm_process_has_the_prefect_settings_of_its_own_environment(tmp_path
     seen = json.loads(out)
     assert run.returncode == 0 and seen["warm"] and seen["pid"] != run.pid
     assert seen["api"] == "http://127.0.0.1:9/api" and seen["home"] == str(tmp_path / "home")
+
+
+def test_an_xdist_worker_starts_as_python_c_would_with_its_code_read_from_stdin(tmp_path):
+    """pytest-xdist's workers start warm: execnet's ``python -u -c BOOTSTRAP`` reads its code
+    from stdin, runs it in a new ``__main__`` with the working directory first on sys.path and
+    unbuffered output, as a cold interpreter does."""
+    from execnet.gateway_io import popen_bootstrapline
+
+    code = (
+        "import json, os, sys\n"
+        'print(json.dumps({"pid": os.getpid(), "warm": "torch" in sys.modules, "argv": sys.argv,\n'
+        '    "main": __name__, "first": sys.path[0], "cwd": os.getcwd(), "fresh": "serve" not in globals(),\n'
+        '    "unbuffered": sys.stdout.write_through, "line": sys.stdin.readline()}))\n'
+    )
+
+    def run(warm: bool) -> tuple[subprocess.Popen, dict]:
+        env = dict(os.environ) if warm else {k: v for k, v in os.environ.items() if k != "CKPTOPS_WARM_DIR"}
+        started = subprocess.Popen(
+            [sys.executable, "-u", "-c", popen_bootstrapline],
+            cwd=tmp_path,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        out, _ = started.communicate(repr(code) + "\nthe next line\n", timeout=120)
+        return started, json.loads(out)
+
+    warm, seen = run(True)
+    cold, expected = run(False)
+    assert warm.returncode == cold.returncode == 0
+    assert seen["warm"] and seen["pid"] != warm.pid and not expected["warm"]
+    for key in ("argv", "main", "first", "cwd", "fresh", "unbuffered", "line"):
+        assert seen[key] == expected[key], key
+    assert seen["line"] == "the next line\n" and seen["unbuffered"] and seen["first"] == ""

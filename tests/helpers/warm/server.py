@@ -14,7 +14,8 @@ process until it ends, passing signals on and exiting with its status (or its si
     python -m tests.helpers.warm.server FLAVOR SOCKET
 
 Four flavors (``FLAVORS``): ``training`` (Megatron-LM's loop: ``infra/local_job/pretrain.py``),
-``core`` (the drill's loader, the other test loop), ``torchrun`` (its agent) and ``ckptops``. The process
+``core`` (the drill's loader, the other test loop), ``torchrun`` (its agent) and ``ckptops`` (the CLI,
+flow runs, Prefect's server and CLI, pytest-xdist's workers). The process
 a request gets is a fresh session with the request's argv, environment, cwd, streams, default
 signal handlers and warning filters, the repository's own modules not yet imported; what is left
 of it (its own children) is killed when it ends, and when its stand-in is killed, so is it.
@@ -37,6 +38,7 @@ import socket
 import struct
 import sys
 import threading
+import types
 import warnings
 from dataclasses import dataclass
 
@@ -77,6 +79,9 @@ FLAVORS = {
         "rich",
         "fsspec",
         "prefect",
+        # What a pytest-xdist worker imports to collect the tests, besides the above.
+        "megatron.core",
+        "boto3",
     ),
 }
 # And what the entries import while they run, measured (``sys.modules`` before and after a run of
@@ -141,13 +146,16 @@ def _receive(connection: socket.socket) -> tuple[dict, list[int]]:
 
 
 def parse_command(orig_argv: list[str]) -> tuple[str, str, list[str], bool, list[str]]:
-    """(kind, target, sys.argv, unbuffered, -W options) of ``python [options] (script | -m mod) args``."""
+    """(kind, target, sys.argv, unbuffered, -W options) of
+    ``python [options] (script | -m mod | -c code) args``."""
     unbuffered, warn_options, i = False, [], 1
     while i < len(orig_argv):
         arg = orig_argv[i]
         if arg == "-m":
             module = orig_argv[i + 1]
             return "module", module, [module, *orig_argv[i + 2 :]], unbuffered, warn_options
+        if arg == "-c":
+            return "code", orig_argv[i + 1], ["-c", *orig_argv[i + 2 :]], unbuffered, warn_options
         if arg in ("-W", "-X"):
             if arg == "-W":
                 warn_options.append(orig_argv[i + 1])
@@ -222,6 +230,10 @@ def _run(request: dict, fds: list[int], defaults: Defaults) -> None:
         if kind == "module":
             sys.path[0] = request["cwd"]
             runpy.run_module(target, run_name="__main__", alter_sys=True)
+        elif kind == "code":  # as ``python -c``: in a new __main__, the working directory first
+            sys.path[0] = ""
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            exec(compile(target, "<string>", "exec"), main.__dict__)
         else:
             script = os.path.abspath(target)
             sys.path[0] = os.path.dirname(script)

@@ -3,10 +3,11 @@
 On the test session's PYTHONPATH, Python imports this at every start. In a process that is one
 of the entries below (Megatron's: the local job, the other test loop, the drill's loader,
 torchrun, the Flight Recorder's hang job; ckptops': the CLI, a shard task, a flow run a worker
-starts, Prefect's server and CLI, the promotion tests' child), started by this venv's Python in
-the servers' mount namespace while they run, it asks the flavor's server for a forked,
-already-imported process to run the same command line with its environment, working directory
-and standard streams, stands for it until it ends (signals passed on) and exits as it exited.
+starts, Prefect's server and CLI, the promotion tests' child, pytest-xdist's workers), started
+by this venv's Python in the servers' mount namespace while they run, it asks the flavor's
+server for a forked, already-imported process to run the same command line with its
+environment, working directory and standard streams, stands for it until it ends (signals
+passed on) and exits as it exited.
 Everywhere else, and whenever no server answers, it does nothing and the process starts as
 usual.
 """
@@ -31,6 +32,10 @@ ENTRIES = {
     ("module", "prefect.runner._workspace_supervisor"): "ckptops",
     ("module", "prefect.engine"): "ckptops",
     ("module", "prefect"): "ckptops",  # its server and CLI; not its worker (COLD)
+    # pytest-xdist's workers: execnet starts each as ``python -u -c BOOTSTRAP`` and sends it its
+    # code on stdin. Cold, each imported torch, megatron.core and Prefect again to collect the
+    # tests (about 8 of its 11 CPU-s), four at once at the start of every run.
+    ("code", "import sys;exec(eval(sys.stdin.readline()))"): "ckptops",
 }
 # Started cold though their entry is warm: a Prefect worker (``-m prefect worker``). Whoever kills
 # a worker with everything it started walks its children (a host that goes away, test_watchdog);
@@ -48,7 +53,7 @@ def _flavor(argv: list[str]) -> str | None:
                 return None
             return ENTRIES.get(("module", argv[i + 1]))
         if arg == "-c":
-            return None
+            return ENTRIES.get(("code", argv[i + 1])) if i + 1 < len(argv) else None
         if arg.startswith("-"):
             i += 2 if arg in ("-W", "-X") else 1
             continue
