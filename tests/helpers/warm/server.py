@@ -64,8 +64,9 @@ FLAVORS = {
     "ckptops": (
         "torch",
         "torch.distributed.checkpoint",
-        # The safe loader's allow-list of the common state (tasks/checkpoint/dcp.py): importing
-        # megatron.core costs every verifying process 2-3 s of CPU, ten times its verification.
+        # The safe loader's allow-list of the common state (tasks/checkpoint/dcp.py), and with it
+        # megatron.core's package: importing it costs every verifying process 2-3 s of CPU, ten
+        # times its verification, and every pytest-xdist worker as it collects the tests.
         "megatron.core.safe_globals",
         "numpy",
         "sympy",
@@ -79,9 +80,7 @@ FLAVORS = {
         "rich",
         "fsspec",
         "prefect",
-        # What a pytest-xdist worker imports to collect the tests, besides the above.
-        "megatron.core",
-        "boto3",
+        "boto3",  # the archive's store client, which a pytest-xdist worker imports to collect
     ),
 }
 # And what the entries import while they run, measured (``sys.modules`` before and after a run of
