@@ -151,7 +151,10 @@ def once(tmp_path_factory, key: str, build, wait: bool = True) -> Path | None:
     while another process is building it."""
     base = tmp_path_factory.getbasetemp()
     shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "built-once"
-    shared.mkdir(exist_ok=True)
+    # A development accelerator: CKPTOPS_BUILT_ONCE names a folder kept across runs (and shared
+    # by runs side by side), so a targeted test does not train its fixtures again. CI leaves it unset.
+    shared = Path(os.environ.get("CKPTOPS_BUILT_ONCE", shared))
+    shared.mkdir(parents=True, exist_ok=True)
     folder = shared / key
     with open(shared / f"{key}.lock", "w") as lock:
         try:
