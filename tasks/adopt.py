@@ -1,18 +1,30 @@
 """Bringing a team's existing job in: a starting profile read off its save directory and batch
 script (``ckptops profile init``), and a profile checked against this machine (``ckptops profile
-check``): every path it names, the launcher's tools, the script's relaunch and continuation
-lines, and what each section it lacks would enable."""
+check``): every path it names read as its line says, the launcher's tools, the script's relaunch
+and continuation lines, and what each section it lacks would enable.
 
+The starting profile is written line by line, to keep a comment on each key and on each section
+left to fill in, but every value in it is written by YAML's own emitter, double-quoted on one line
+(``_yaml``): a save directory ``job #1``, a script ``run: 2.sh``, spaces at either end, a line
+break or any other character load back as given, and no comment can be broken out of. The job's
+name must be a profile's (lowercase letters, digits and ``-``), or init refuses it.
+"""
+
+import math
 import os
 import re
 import shutil
 from pathlib import Path
+
+import yaml
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.signing import Trust
 from tasks.errors import CkptopsError, UsageError
 from tasks.job import step_records
 from tasks.outcome import Check, Outcome
+from tasks.profile import SLUG_PATTERN, unquoted_values_cut_short
+from tasks.storage.bounded import read_bounded
 
 # What each optional section of a profile makes possible.
 ENABLES = {
@@ -24,6 +36,9 @@ ENABLES = {
     "sign": "signed manifests: who may vouch for a checkpoint's bytes (unset: manifests unsigned)",
 }
 _SLURM_TOOLS = ("sbatch", "scontrol", "squeue", "scancel")
+
+# A batch script is a page or two; a file past this is not one, and is not read whole.
+MAX_SCRIPT_BYTES = 4 << 20
 
 
 def _check(name: str, ok: bool | None, detail: str, file: Path | None = None) -> Check:
@@ -72,10 +87,9 @@ def _save_dir(profile) -> list[Check]:
 
 
 def _read(script: Path) -> str:
-    from tasks.storage.local import open_regular
-
-    with open_regular(script) as f:
-        return f.read().decode(errors="replace")
+    """A batch script's text: a regular file of at most ``MAX_SCRIPT_BYTES`` (a FIFO would block
+    the reader), refused in one line naming it."""
+    return read_bounded(script, MAX_SCRIPT_BYTES, "the batch script").decode(errors="replace")
 
 
 def _script(name: str, script: Path, needs: tuple[str, ...]) -> Check:
@@ -186,10 +200,22 @@ def _sign(profile) -> list[Check]:
     return [_check("sign", True, trust.describe())]
 
 
+def _as_written(profile) -> list[Check]:
+    """Whether each path and the job name is what its line in the file says
+    (``unquoted_values_cut_short``): a value YAML cut short names another folder or job."""
+    try:
+        cut = unquoted_values_cut_short(profile)
+    except CkptopsError as e:
+        return [_check("profile.values", False, str(e), profile.source)]
+    if cut:
+        return [_check("profile.values", False, "; ".join(cut), profile.source)]
+    return [_check("profile.values", True, "every path and the job name read as their lines say")]
+
+
 def check_profile(profile) -> list[Check]:
-    """The profile against this machine, section by section; a section the profile lacks is a
-    line saying what it would enable."""
-    found = _save_dir(profile)
+    """The profile against this machine, section by section, after its values read as written;
+    a section the profile lacks is a line saying what it would enable."""
+    found = _as_written(profile) + _save_dir(profile)
     for section, check in (
         ("recovery", _recovery),
         ("drill", _drill),
@@ -207,45 +233,51 @@ def check_profile(profile) -> list[Check]:
 _SLUG = re.compile(r"[^a-z0-9-]+")
 
 
+def _yaml(value: str) -> str:
+    """``value`` as one YAML scalar, double-quoted on one line by YAML's own emitter: it loads
+    back as exactly ``value``, whatever it holds."""
+    return yaml.safe_dump(value, default_style='"', allow_unicode=True, width=math.inf).rstrip("\n")
+
+
+def _job_name(name: str | None, save_dir: Path) -> str:
+    """``--name``, refused unless a profile may carry it; by default the folder's name made one."""
+    if name is None:
+        return _SLUG.sub("-", save_dir.name.lower())[:63].strip("-") or "job"
+    if not re.fullmatch(SLUG_PATTERN, name):
+        raise UsageError(
+            f"--name {name!r}: a job's name is lowercase letters, digits and '-', at most 63, "
+            "starting with a letter or digit"
+        )
+    return name
+
+
 def starting_profile(
     save_dir: Path, script: Path | None = None, name: str | None = None, launcher: str | None = None
 ) -> str:
     """A profile for the job that saves into ``save_dir`` (its layout from the newest
     checkpoint's saved args) and is launched by ``script`` with ``launcher`` (by default Slurm
     when the script holds ``#SBATCH`` lines), with a comment on each key and on each section
-    left to fill in."""
+    left to fill in; every value written by ``_yaml``."""
     save_dir = Path(save_dir).resolve()
     if not save_dir.is_dir():
         raise UsageError(f"{save_dir}: no such directory")
+    job = _job_name(name, save_dir)
     newest = newest_checkpoint(save_dir)
     if newest is None:
         raise UsageError(f"{save_dir}: no iter_* checkpoint to read the job's layout from")
     saved = saved_layout(newest)
-    job = name or _SLUG.sub("-", save_dir.name.lower()).strip("-") or "job"
     lines = [
-        f"# A starting profile for {job}, read off {save_dir} ({newest.name}) by ckptops profile init.",
+        f"# A starting profile for {job}, read off {_yaml(str(save_dir))} ({newest.name}) by ckptops "
+        "profile init.",
         "# Check it against this machine: ckptops profile check -p THIS_FILE",
         "job:",
-        f"  name: {job}",
-        f"  save_dir: {save_dir}",
+        f"  name: {_yaml(job)}",
+        f"  save_dir: {_yaml(str(save_dir))}",
         f"  layout: {{tensor_parallel: {saved['tensor_parallel']}, pipeline_parallel: "
         f"{saved['pipeline_parallel']}, data_parallel: {saved['data_parallel']}}}  # from {newest.name}",
     ]
     if script is not None:
-        script = Path(script).resolve()
-        text = script.read_text(errors="replace") if script.is_file() else ""
-        if launcher is None:
-            launcher = "slurm" if "#SBATCH" in text else "local"
-            why = "#SBATCH lines in the script" if launcher == "slurm" else "no #SBATCH line in the script"
-        else:
-            why = "--launcher"
-        lines += [
-            "recovery:",
-            f"  launcher: {launcher}  # {why}",
-            f"  script: {script}",
-            f"  log_dir: {save_dir.parent / 'ckptops-logs'}  # the relaunch's own output, watched",
-            "  # step_records: only for a job with its own step recorder (ckptops_records)",
-        ]
+        lines += _recovery_lines(Path(script).resolve(), launcher, save_dir)
     else:
         lines.append(f"# recovery: {{launcher, script, log_dir}} would enable {ENABLES['recovery']}")
     lines += [
@@ -254,3 +286,21 @@ def starting_profile(
         f"# health: {{nodes: [...], raw_dir: DIR}} would enable {ENABLES['health']}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _recovery_lines(script: Path, launcher: str | None, save_dir: Path) -> list[str]:
+    """The recovery section: the launcher (Slurm when ``script`` holds ``#SBATCH`` lines, unless
+    given), the script and the relaunch's log folder. A script not there yet is read as empty."""
+    text = _read(script) if script.exists() else ""
+    if launcher is None:
+        launcher = "slurm" if "#SBATCH" in text else "local"
+        why = "#SBATCH lines in the script" if launcher == "slurm" else "no #SBATCH line in the script"
+    else:
+        why = "--launcher"
+    return [
+        "recovery:",
+        f"  launcher: {_yaml(launcher)}  # {why}",
+        f"  script: {_yaml(str(script))}",
+        f"  log_dir: {_yaml(str(save_dir.parent / 'ckptops-logs'))}  # the relaunch's own output, watched",
+        "  # step_records: only for a job with its own step recorder (ckptops_records)",
+    ]

@@ -8,8 +8,10 @@ are errors (a misspelt ``keep_verfied`` must not silently fall back to a default
 names the file and the key.
 """
 
+import codecs
 import importlib.resources
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Literal, get_args
@@ -26,11 +28,12 @@ from pydantic import (
     model_validator,
 )
 
-from tasks.errors import UsageError
+from tasks.errors import Malformed, UsageError
 from tasks.health.checks.conformance import Fact
 from tasks.health.verdict import CheckName, NodeCheck
 from tasks.health.xids import CRITICAL_XIDS
 from tasks.recovery.triage.model import FailureClass
+from tasks.storage.bounded import load_yaml, read_bounded
 from tasks.storage.digest import CRYPTOGRAPHIC, PROFILE_NAMES
 
 # The shipped profiles: package data, found the same way installed or in a checkout.
@@ -38,7 +41,11 @@ PROFILES_DIR = Path(str(importlib.resources.files("profiles")))
 DEFAULT_PROFILE = "local"
 PROFILES_ENV = "CKPTOPS_PROFILES"
 
-Slug = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
+# A profile is a page of settings (the 500B example is 6 kB): a file past this is not one.
+MAX_PROFILE_BYTES = 1 << 20
+
+SLUG_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
+Slug = Annotated[str, Field(pattern=SLUG_PATTERN)]
 Positive = Annotated[float, Field(gt=0)]
 
 
@@ -872,21 +879,133 @@ def _where_named(name_or_path) -> str:
 
 
 def load_profile(name_or_path: str | Path | None = None) -> Profile:
+    """The profile a name or path gives (``profile_path``), read as every file ckptops did not
+    write is read (``tasks.storage.bounded``: a regular file, at most ``MAX_PROFILE_BYTES``, nested
+    at most ``MAX_DEPTH`` deep) and validated; each problem is one ``UsageError`` line naming the
+    file and the key (``Unreadable`` where the system kept it from being read)."""
     path = profile_path(name_or_path)
+    data = _profile_bytes(path, name_or_path)
     try:
-        data = yaml.safe_load(path.read_bytes())
-    except FileNotFoundError:
-        raise UsageError(f"{path}: profile not found{_where_named(name_or_path)}") from None
-    except OSError as e:
-        raise UsageError(f"{path}: cannot read the profile ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise UsageError(f"{path}:{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(data, dict):
+        loaded = load_yaml(data, path, "profile")
+    except Malformed as e:
+        raise UsageError(str(e)) from None
+    if not isinstance(loaded, dict):
         raise UsageError(f"{path}: a profile must be a mapping with a 'job' section")
+    _refuse_repeated_keys(_composed(data), path)
     try:
-        profile = Profile.model_validate(data, context={"base": path.resolve().parent})
+        profile = Profile.model_validate(loaded, context={"base": path.resolve().parent})
     except ValidationError as e:
         raise UsageError(_one_line(e, path)) from None
     return profile.model_copy(update={"source": path.resolve()})
+
+
+def _profile_bytes(path: Path, name_or_path) -> bytes:
+    """The profile file's bytes: a FIFO, a device or a directory refused in one line naming it
+    (a FIFO would block the reader for ever), a file past ``MAX_PROFILE_BYTES`` too."""
+    if not path.exists():
+        raise UsageError(f"{path}: profile not found{_where_named(name_or_path)}")
+    try:
+        return read_bounded(path, MAX_PROFILE_BYTES, "the profile")
+    except Malformed as e:
+        raise UsageError(str(e)) from None
+    except UsageError as e:
+        raise UsageError(f"{path}: cannot read the profile ({str(e).removeprefix(f'{path}: ')})") from None
+
+
+def _text(data: bytes) -> str:
+    """The profile's text, decoded as YAML's reader decodes it (UTF-16 after its byte order mark,
+    else UTF-8); only called on bytes that loaded."""
+    utf16 = data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))
+    return data.decode("utf-16" if utf16 else "utf-8")
+
+
+def _composed(data: bytes) -> yaml.Node | None:
+    """The profile's YAML node tree, each node with where it stands in the text (``_text``)."""
+    return yaml.compose(_text(data), Loader=yaml.SafeLoader)
+
+
+def _nodes(root: yaml.Node | None) -> Iterator[yaml.Node]:
+    """Each node of the tree once (an alias shares its node: walked once), without recursion."""
+    pending, seen = [root], set()
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        if isinstance(node, yaml.MappingNode):
+            pending.extend(n for pair in node.value for n in pair)
+        elif isinstance(node, yaml.SequenceNode):
+            pending.extend(node.value)
+
+
+def _refuse_repeated_keys(root: yaml.Node | None, path: Path) -> None:
+    """A key given twice in one mapping is refused: YAML's loader keeps the last without a word,
+    so a line added after a key (a job name holding a line break, a pasted block) would quietly
+    move the job to another save directory."""
+    for node in _nodes(root):
+        if not isinstance(node, yaml.MappingNode):
+            continue
+        first: dict[str, int] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode):
+                continue
+            line = key.start_mark.line + 1
+            if key.value in first:
+                raise UsageError(
+                    f"{path}: line {line}: {key.value} is given twice in one mapping (first at line "
+                    f"{first[key.value]}); YAML would keep the last: give it once"
+                )
+            first[key.value] = line
+
+
+_LINE_BREAK = re.compile("[\r\n\x85\u2028\u2029]")
+
+
+def unquoted_values_cut_short(profile: Profile) -> list[str]:
+    """The paths and the job name whose line in the profile file says more than YAML reads: an
+    unquoted value followed on its line by `` #...`` (a save directory ``job #1`` read as ``job``),
+    or folded from several lines. What a profile names is what ckptops acts on, as root in
+    retention and recovery; a file only holds what was loaded, so the check is made against the
+    file's own text: a plain (unquoted) scalar ends where YAML ends it, and whatever follows it on
+    its line, or the lines it was folded from, is what a reader may have taken for part of it.
+    ``ckptops profile init`` quotes every value, so its profiles never show here. One line per
+    value, naming its key, what YAML reads and what follows it."""
+    if profile.source is None:
+        return []
+    data = _profile_bytes(profile.source, profile.source)
+    text, root = _text(data), _composed(data)
+    found = []
+    for key in ["job.name", *(key for key, _ in profile._paths())]:
+        node = _value_node(root, key.split("."))
+        if not isinstance(node, yaml.ScalarNode) or node.style is not None:
+            continue
+        start, end = node.start_mark, node.end_mark
+        if start.line != end.line:
+            found.append(
+                f"{key}: reads {node.value!r}, folded from lines {start.line + 1}-{end.line + 1}: "
+                "quote it, on one line"
+            )
+            continue
+        stop = _LINE_BREAK.search(text, end.index)
+        rest = text[end.index : stop.start() if stop else len(text)]
+        if rest.lstrip().startswith("#"):
+            found.append(
+                f"{key}: reads {node.value!r} but line {end.line + 1} goes on {rest.strip()!r}, a comment "
+                "to YAML: quote the value if that is part of it, or put the comment on a line of its own"
+            )
+    return found
+
+
+def _value_node(root: yaml.Node | None, keys: list[str]) -> yaml.Node | None:
+    """The node at ``keys`` (mapping keys, and list positions as digits) in the tree; None when
+    the file does not give it (a default)."""
+    node = root
+    for key in keys:
+        if isinstance(node, yaml.MappingNode):
+            node = next((v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == key), None)
+        elif isinstance(node, yaml.SequenceNode) and key.isdigit() and int(key) < len(node.value):
+            node = node.value[int(key)]
+        else:
+            return None
+    return node

@@ -67,7 +67,7 @@ _HEALTH = "job: {name: j, save_dir: /x}\nhealth: {nodes: [a], transport: local, 
         ("- just\n- a list\n", "a profile must be a mapping"),
         ("job: [a, b]\n", "job: Input should be a valid dictionary"),
         ("job: {name: j, save_dir: /x}\nprefect: 5\n", "prefect: Input should be a valid dictionary"),
-        ("job: {name: j\n", "not valid YAML"),
+        ("job: {name: j\n", "profile is not YAML at line 2"),
         (
             "job: {name: j, save_dir: /x}\nrecovery: {script: /x.sh, reverify: 'off'}\n",
             "recovery.reverify: Input should be 'full' or 'manifest'",

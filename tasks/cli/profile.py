@@ -39,7 +39,7 @@ def profile_init(
             out.print(text, markup=False, end="", soft_wrap=True)
             return
         try:
-            with open(output, "x") as f:
+            with open(output, "x", encoding="utf-8") as f:
                 f.write(text)
         except FileExistsError:
             raise UsageError(f"{output}: exists; not overwritten") from None
