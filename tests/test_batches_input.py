@@ -121,3 +121,18 @@ def test_an_unreadable_index_is_a_transient_note_read_again_by_the_next_verifica
     found = data_version(args, iter_dir(copy, 12))
     assert found["indices"] is None and found["transient"] is True
     assert found["note"] == f"{shuffle}: a FIFO, not a regular file; give the file itself"
+
+
+def test_next_batch_of_an_empty_or_garbled_checkpoint_folder_names_it_and_what_is_missing(tmp_path):
+    """An iteration folder a save left empty (or is still writing): one line naming the folder and
+    the file it lacks, exit 2 (it was exit 1 and ``.metadata: missing``, no folder)."""
+    empty = tmp_path / "iter_0000004"
+    empty.mkdir()
+    line = one_line(ckptops_here("next-batch", empty))
+    assert line == (
+        f"ckptops: {empty}: no .metadata: an empty or unfinished save, or not a torch_dist checkpoint: "
+        "its args, and so the data order, cannot be read"
+    )
+    (empty / ".metadata").write_bytes(b"not a pickle")
+    line = one_line(ckptops_here("next-batch", empty))
+    assert line.startswith(f"ckptops: {empty}: .metadata: unreadable (") and line.endswith("[dcp-metadata]")

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from tasks.checkpoint import dialect, layout
-from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
-from tasks.errors import Unreadable, UsageError
+from tasks.checkpoint.dcp import CheckFailed, build_index, load_common_state, load_dcp_metadata
+from tasks.errors import Malformed, Unreadable, UsageError, unreadable
 from tasks.storage.local import open_regular
 
 # Each kind of train dataset Megatron caches: its description file's suffix and its index files.
@@ -318,11 +318,7 @@ def next_batch(directory: Path, cache: Path | None = None) -> NextBatch:
     directory = Path(directory)
     if layout.parse_iter_dir(directory.name) is None or not directory.is_dir():
         raise UsageError(f"{directory}: not a checkpoint directory (expected iter_NNNNNNN)")
-    index = build_index(load_dcp_metadata(directory / layout.DCP_METADATA))
-    common = load_common_state(directory, index)
-    args = dialect.job_args(directory, common, index)
-    if args is None:
-        raise UsageError(f"{directory}: no args in its common state: the data order cannot be computed")
+    common, args = _saved_args(directory)
     _supported(args, directory)
     cache = Path(cache or getattr(args, "data_cache_path", None) or "")
     if not str(cache) or not cache.is_dir():
@@ -337,6 +333,30 @@ def next_batch(directory: Path, cache: Path | None = None) -> NextBatch:
     return NextBatch(
         str(directory), int(common["iteration"]), consumed, size, str(descriptions[0]), version, samples
     )
+
+
+def _saved_args(directory: Path) -> tuple[dict, object]:
+    """The checkpoint's common state and the job's args in it, each problem one line naming the
+    checkpoint's folder: an empty or unfinished one (no ``.metadata``) says so, exit 2."""
+    if not (directory / layout.DCP_METADATA).exists():
+        raise UsageError(
+            f"{directory}: no {layout.DCP_METADATA}: an empty or unfinished save, or not a torch_dist "
+            "checkpoint: its args, and so the data order, cannot be read"
+        )
+    try:
+        index = build_index(load_dcp_metadata(directory / layout.DCP_METADATA))
+        common = load_common_state(directory, index)
+    except CheckFailed as e:
+        raise Malformed(f"{directory}: {e}") from None
+    try:
+        args = dialect.job_args(directory, common, index)
+    except ValueError as e:
+        raise Malformed(f"{directory}: its Megatron-Bridge state cannot be read ({e})") from None
+    except OSError as e:
+        raise unreadable(directory, e) from None
+    if args is None:
+        raise UsageError(f"{directory}: no args in its common state: the data order cannot be computed")
+    return common, args
 
 
 def _index_digests(descriptions: list[Path], known: dict | None = None) -> dict[str, dict]:
