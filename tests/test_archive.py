@@ -14,7 +14,7 @@ import pytest
 import xxhash
 
 from tasks.archive.copy import archive_checkpoint
-from tasks.archive.entries import committed_iterations, newest_committed
+from tasks.archive.entries import archived_manifest, committed_iterations, newest_committed
 from tasks.archive.history import copies
 from tasks.archive.retention import apply_archive_retention
 from tasks.checkpoint.manifest import read_manifest
@@ -25,6 +25,7 @@ from tasks.restore.drill import run_drill
 from tasks.restore.history import read_drills
 from tasks.storage.archive import ArchiveStore
 from tests.conftest import ROOT, iter_dir, s3_bucket, write_job_profile
+from tests.test_cli import ckptops_here
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -152,9 +153,33 @@ def test_an_unreadable_archived_manifest_does_not_stop_the_archive(save_dir, tmp
         )
     assert committed_iterations(store, "test-job") == [16, 20, 24]
     promote(save_dir, options, 30, requested=16)  # rolled back to the iteration with the bad entry
-    result = archive_checkpoint(save_dir, profile, force=True)
+    result = archive_checkpoint(save_dir, profile)
     assert not result.committed and "its archived manifest is unreadable" in result.message
+    assert result.message.endswith("kept for inspection: --force replaces it")
     assert store.read("test-job/iter_0000016/manifest.json") == b""  # left as found, for a human
+
+
+def test_force_replaces_an_archived_entry_whose_manifest_is_unreadable(archived_profile, save_dir):
+    """``archive --force`` copies the promoted save afresh into its entry whose manifest cannot
+    be read (it kept it, never overwritten, whatever the operator asked), reusing the objects
+    found whole; without ``--force`` the entry is kept for inspection and the run says how."""
+    assert archive_checkpoint(save_dir, archived_profile).committed
+    store = store_of(archived_profile)
+    key = "test-job/iter_0000024/manifest.json"
+    store.write(key, b"{torn")
+    kept = archive_checkpoint(save_dir, archived_profile)
+    assert not kept.committed and kept.message.endswith("kept for inspection: --force replaces it")
+    assert store.read(key) == b"{torn"
+    done = ckptops_here("archive", "--force", "-p", archived_profile.source)
+    assert done.exit_code == 0, done.output
+    assert done.stdout.startswith("iteration 24 -> ")
+    assert f"{archived_profile.archive.url}/{key}: " in done.stdout
+    assert "(unreadable archived manifest)): replaced (--force)" in done.stdout
+    assert "reused 0.0 MB" not in done.stdout  # the objects already there whole were not sent again
+    archived = archived_manifest(store, "test-job", 24)
+    assert archived.files == read_manifest(iter_dir(save_dir, 24)).files and archived.archive["verified"]
+    assert committed_iterations(store, "test-job") == [24]
+    assert archive_checkpoint(save_dir, archived_profile).message == "iteration 24 is already archived"
 
 
 def test_a_resaved_iteration_never_overwrites_its_committed_copy(save_dir, tmp_path, options):

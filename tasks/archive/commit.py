@@ -5,8 +5,9 @@ manifest (the promoted one with the archive status in it, signed as the job's ``
 asks, its signature written first) is the commit marker, and a prefix without it does not exist
 for readers, however many objects it holds; then the pointer object names the entry. Undoing a
 commit removes the manifest first, so a reader never sees half an entry: a damaged committed copy
-is uncommitted so it is copied again, and archive retention uncommits an entry before its objects
-go."""
+is uncommitted so it is copied again, ``archive --force`` uncommits an entry whose archived
+manifest cannot be read or trusted so the promoted save is copied into it afresh, and archive
+retention uncommits an entry before its objects go."""
 
 import copy
 import socket
@@ -85,3 +86,19 @@ def uncommit_if_damaged(
     uncommit(store, job, manifest.iteration)
     committed.remove(manifest.iteration)
     return f"the committed copy {what}: uncommitted and copied again"
+
+
+def uncommit_unreadable(
+    store: ArchiveStore, job: str, iteration: int, committed: list[int], unreadable: dict[int, str]
+) -> str:
+    """``archive --force`` on the promoted iteration whose committed entry's manifest cannot be
+    read or trusted (``entries.by_commit_time`` found it): its manifest, then its signature, are
+    removed, so the entry is no entry for readers and the promoted save is copied into it as into
+    a new one (objects found whole are reused, and checked as every copy's are). It is taken out
+    of ``committed`` and ``unreadable``. On an Object Lock bucket the old versions stay, locked.
+    Returns what the run says of it."""
+    why = unreadable.pop(iteration)
+    uncommit(store, job, iteration)
+    store.remove(entry_key(job, iteration, layout.SIGNATURE))
+    committed.remove(iteration)
+    return f"its archived manifest was unreadable ({why}): replaced (--force)"

@@ -27,7 +27,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from tasks.archive.check import check_read_back, check_stored, reads_back, verified
-from tasks.archive.commit import commit, refuse_an_entry_nobody_could_read, uncommit_if_damaged
+from tasks.archive.commit import (
+    commit,
+    refuse_an_entry_nobody_could_read,
+    uncommit_if_damaged,
+    uncommit_unreadable,
+)
 from tasks.archive.entries import archived_manifest, by_commit_time, committed_iterations, entry_key
 from tasks.archive.history import log_copy
 from tasks.archive.protect import lock_objects
@@ -77,7 +82,9 @@ def progress_total(save_dir: Path, settings=None) -> int:
 def archive_checkpoint(
     save_dir: Path, profile, force: bool = False, progress: Callable[[int], None] | None = None
 ) -> ArchiveResult:
-    """Copy the promoted checkpoint to the archive (once per period unless ``force``)."""
+    """Copy the promoted checkpoint to the archive (once per period unless ``force``). A
+    committed entry of the promoted iteration whose archived manifest cannot be read or trusted
+    is kept for inspection, and replaced by a fresh copy with ``force``."""
     if profile.archive is None:
         raise UsageError(f"{profile.source}: no archive section")
     save_dir = Path(save_dir)
@@ -89,15 +96,18 @@ def archive_checkpoint(
         refuse_an_entry_nobody_could_read(found.manifest, trust)
         committed = committed_iterations(store, job)
         commit_times, unreadable = by_commit_time(store, job, committed, trust)
-        if iteration in unreadable:
+        if iteration in unreadable and not force:
             return ArchiveResult(
                 iteration,
                 location,
                 False,
                 f"iteration {iteration} is archived but its archived manifest is unreadable "
-                f"({unreadable[iteration]}); kept for inspection, never overwritten",
+                f"({unreadable[iteration]}); kept for inspection: --force replaces it",
             )
-        damaged = uncommit_if_damaged(store, job, found.manifest, committed, trust)
+        if iteration in unreadable:  # and --force: copied afresh
+            damaged = uncommit_unreadable(store, job, iteration, committed, unreadable)
+        else:
+            damaged = uncommit_if_damaged(store, job, found.manifest, committed, trust)
         period = profile.archive.period_hours
         again = force or damaged is not None  # a damaged copy is copied again whatever the period
         why_not = _why_not(store, job, found.manifest, committed, commit_times, period, again, trust)

@@ -25,7 +25,12 @@ commands = typer.Typer()
 def archive(
     save_dir: Annotated[Path | None, typer.Argument(help=OWN_SAVE_DIR)] = None,
     force: Annotated[
-        bool, typer.Option("--force", help="copy even if the newest archive copy is younger than the period")
+        bool,
+        typer.Option(
+            "--force",
+            help="copy even if the newest archive copy is younger than the period, and replace the "
+            "promoted iteration's archived entry if its manifest cannot be read or trusted",
+        ),
     ] = False,
     profile: ProfileOpt = None,
 ):
