@@ -162,3 +162,37 @@ def test_a_recovery_of_a_hang_reads_the_dumps_its_profile_names(hang, tmp_path):
     incident = json.loads(ckptops_here("recover", "--logs", log, "--json", "--profile", profile).stdout)
     assert incident["class"] == "hang"
     assert incident["hang"] == f"{tmp_path / 'none'}: no such directory of Flight Recorder dumps"
+
+
+def test_triage_of_the_dumps_alone_or_of_a_log_that_says_nothing_of_a_hang(hang, tmp_path):
+    """The dumps are evidence of a hang in themselves: no logs at all, or a log with only the
+    job's own progress (it was killed in its hang), still name rank 3, without a traceback."""
+    dumps, _ = hang
+    alone = ckptops_here("triage", "--flight-recorder", dumps, "--json")
+    assert alone.exit_code == 0, alone.output
+    answer = json.loads(alone.stdout)
+    assert (answer["class"], answer["suspect_ranks"]) == ("hang", [3])
+    quiet = tmp_path / "job.log"
+    quiet.write_text("".join(f"rank {r} step 1\n" for r in range(4)))
+    said = ckptops_here("triage", quiet, "--flight-recorder", dumps, "--world-size", "4")
+    assert said.exit_code == 0 and said.stdout.startswith("hang"), said.output
+    assert "rank 3 never did" in said.stdout and "Traceback" not in said.output
+    refused = ckptops_here("triage")
+    assert refused.exit_code == 2 and "--flight-recorder DIR" in refused.stderr
+
+
+def test_a_recovery_whose_dumps_are_bad_still_writes_its_incident(hang, tmp_path):
+    """A dump nested past the limit and a stray file of a rank no job has: one warning each, the
+    rest of the dumps still name rank 3, and the incident is written."""
+    from tests.test_recovery import local_profile
+
+    dumps, log = hang
+    bad = Path(shutil.copytree(dumps, tmp_path / "fr"))
+    (bad / f"{PREFIX}0").write_text('{"entries": ' + "[" * 50_000 + "]" * 50_000 + "}")
+    shutil.copy(dumps / f"{PREFIX}3", bad / f"{PREFIX}{'9' * 30}")
+    profile = local_profile(tmp_path, flight_recorder_dir=str(bad))
+    done = ckptops_here("recover", "--logs", log, "--json", "--profile", profile)
+    incident = json.loads(done.stdout)
+    assert incident["class"] == "hang" and "rank 3 never did" in incident["hang"], done.output
+    assert f"{bad / f'{PREFIX}0'}: Flight Recorder dump nests deeper than 16 levels" in done.stderr
+    assert f"{bad / f'{PREFIX}{"9" * 30}'}: rank " in done.stderr and "Traceback" not in done.output

@@ -23,6 +23,7 @@ from tasks.cli.common import (
 )
 from tasks.errors import Interrupted, UsageError
 from tasks.profile import load_profile
+from tasks.recovery.triage.flight_recorder import MAX_WORLD
 from tasks.recovery.triage.model import FailureClass
 
 commands = typer.Typer()
@@ -31,8 +32,9 @@ commands = typer.Typer()
 @commands.command()
 def triage(
     files: Annotated[
-        list[Path], typer.Argument(help="logs of the failed run: per-rank logs, Slurm output, kernel logs")
-    ],
+        list[Path] | None,
+        typer.Argument(help="logs of the failed run: per-rank logs, Slurm output, kernel logs"),
+    ] = None,
     exit_code: Annotated[
         int | None,
         typer.Option("--exit-code", help="the job's exit code (Megatron: 16 rerun elsewhere, 17 stop)"),
@@ -47,20 +49,26 @@ def triage(
     ] = None,
     world_size: Annotated[
         int | None,
-        typer.Option("--world-size", min=1, help="the job's ranks, for the dumps it should have left"),
+        typer.Option(
+            "--world-size", min=1, max=MAX_WORLD, help="the job's ranks, for the dumps it should have left"
+        ),
     ] = None,
     as_json: JsonOpt = False,
 ):
     """Find the first error of a failed run and its class: the class word first, then the suspect
-    nodes and the first error. Exit 0 when a class was found, 1 when unknown, 2 unreadable."""
+    nodes and the first error. With --flight-recorder the logs may be left out: ranks waiting in a
+    collective are a hang, whatever the logs say. Exit 0 when a class was found, 1 when unknown,
+    2 unreadable."""
+    if not files and flight_recorder is None:
+        fail(UsageError("name the logs of the failed run, or --flight-recorder DIR, or both"))
     with expected_errors():
         from tasks.recovery.triage import attribute_hang
         from tasks.recovery.triage import triage as run_triage
 
-        found = run_triage(files, exit_code=exit_code)
+        found = run_triage(list(files or []), exit_code=exit_code)
         if flight_recorder is not None:
             found = attribute_hang(found, flight_recorder, world_size=world_size)
-            for problem in found.flight_recorder.get("problems", []):
+            for problem in (found.flight_recorder or {}).get("problems", []):
                 warn(problem)
     if as_json:
         out.print_json(json.dumps(found.to_dict()))

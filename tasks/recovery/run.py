@@ -183,6 +183,9 @@ class _Recovery:
             self._triage()
         except CkptopsError as e:
             return self._closed(str(e))
+        except Exception:
+            self._closed(f"the recovery run failed during {self.phase} (a fault in ckptops)")
+            raise
         incident.failure_key = failure_key(self.source, self.tri, self.detected)
         try:
             lock = self._lock()
@@ -360,10 +363,12 @@ class _Recovery:
             self.profile.health.critical_xids if self.profile.health else None,
         )
         dumps = self.profile.recovery.flight_recorder_dir
-        if dumps is not None and tri.cls == FailureClass.HANG:
+        if dumps is not None and tri.cls in (FailureClass.HANG, FailureClass.UNKNOWN):
             ranks = self.detected.layout or None
             self._do("flight-recorder", attribute_hang, tri, dumps, ranks, required=False)
-            incident.hang = tri.flight_recorder["reason"]
+            for problem in tri.flight_recorder["problems"]:
+                self.warn(problem)
+            incident.hang = tri.flight_recorder["reason"] if tri.cls == FailureClass.HANG else None
         incident.mark("triaged")
         incident.cls, incident.exit_code = tri.cls, tri.exit_code
         tri.infrastructure = tri.infrastructure or self.detected.infrastructure

@@ -50,7 +50,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
-from tasks.errors import UsageError, unreadable
+from tasks.errors import CkptopsError, UsageError, unreadable
 from tasks.health.xids import CRITICAL_XIDS
 from tasks.job.save_log import merged, read_save_log, stalled_in
 from tasks.recovery.triage import flight_recorder
@@ -157,21 +157,32 @@ def attribute_hang(
     world_size: int | None = None,
     required: bool = True,
 ) -> Triage:
-    """For a hang, read the ranks' Flight Recorder dumps in ``dumps`` and name the ranks that never
-    entered the collective the others wait in (and, through ``layout``, their nodes) as suspects
-    beside the logs' own. Any other class is left as it is. No dumps there: UsageError, or with
-    ``required`` false (a recovery, where the job may not have dumped) a note in the reason."""
-    if found.cls != FailureClass.HANG:
+    """For a hang, or logs that show no failure at all, read the ranks' Flight Recorder dumps in
+    ``dumps`` and name the ranks that never entered the collective the others wait in (and,
+    through ``layout``, their nodes) as suspects beside the logs' own. Ranks waiting in a
+    collective are evidence of a hang in themselves: an ``unknown`` failure whose dumps show them
+    is a ``hang``. Any other class is left as it is. No dumps there, or a folder that cannot be
+    read: UsageError (or Unreadable), or with ``required`` false (a recovery, where the job may not
+    have dumped) a note in the reason. A dump that cannot be used is one of the problems."""
+    if found.cls not in (FailureClass.HANG, FailureClass.UNKNOWN):
         return found
     try:
         seen = flight_recorder.flight_recorder(dumps, world_size or (len(layout) if layout else None))
-    except UsageError as e:
+    except CkptopsError as e:
         if required:
             raise
-        found.flight_recorder = {"error": str(e), "reason": str(e)}
+        found.flight_recorder = {"error": str(e), "reason": str(e), "problems": []}
         found.reason += f"; Flight Recorder: {e}"
         return found
     found.flight_recorder = seen.to_dict()
+    if found.cls == FailureClass.UNKNOWN:
+        if not seen.suspect_ranks:
+            found.reason += f"; Flight Recorder: {seen.reason}"
+            return found
+        found.cls = FailureClass.HANG
+        found.reason = (
+            f"the Flight Recorder dumps show ranks waiting in a collective; the logs alone: {found.reason}"
+        )
     found.suspect_ranks = list(seen.suspect_ranks)
     found.stuck_collective = seen.stuck
     for rank in seen.suspect_ranks:

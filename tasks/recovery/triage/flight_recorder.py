@@ -7,6 +7,15 @@ are not read with it: it unpickles whatever is there, and a dump is untrusted in
 dict of plain values, so a pickle that names any Python class or function is refused unread;
 JSON dumps (``_dump_nccl_trace_json``, torchcomms) are read as well.
 
+A dump is read as any bytes ckptops did not write are (``tasks.storage.bounded``): a regular file
+of at most MAX_DUMP_BYTES; a pickle scanned before it is unpickled, and refused past
+MAX_DUMP_VALUES operations (a shared reference counts each time it is used: a memo-reference bomb
+is refused unread); nested at most MAX_DUMP_DEPTH deep; times of creation within
+EARLIEST_NS..LATEST_NS; process groups of at most MAX_WORLD ranks, each rank within the dump's
+own world. The world is the caller's, else the size a majority of the dumps state (never one
+rank's claim): a dump of another size, or a file whose rank is outside that world, is dropped.
+Each dump dropped is one line naming the file and the limit; the rest are still read.
+
 The match: every process group's collectives are numbered alike on all its ranks
 (``collective_seq_id``). In each group, the ranks whose newest collective has the group's highest
 number entered it and wait there; the ranks behind never entered it. A rank that is behind in
@@ -18,21 +27,31 @@ not matched: a hang between two pipeline stages shows through the collectives th
 """
 
 import io
-import json
 import math
 import os
 import pickle
+import pickletools
 import re
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from tasks.errors import UsageError, unreadable
-from tasks.storage.local import TEMP_MARK, open_regular
+from tasks.errors import CkptopsError, Malformed, UsageError, unreadable
+from tasks.storage.bounded import bounded_int, check_depth, load_json, read_bounded
+from tasks.storage.local import TEMP_MARK
 
 # torch's naming: a prefix, then the rank (``nccl_trace_rank_12``, ``fr_trace_rank_0``).
 DUMP_NAME = re.compile(r"^(?P<prefix>.*?)(?P<rank>\d+)$")
-MAX_DUMP_BYTES = 256 << 20
+MAX_DUMP_BYTES = 64 << 20
+# A dump of 2,000 entries (torch's usual buffer) with 30 stack frames each is about 700,000 pickle
+# operations; torchtitan's 20,000 without frames about 800,000.
+MAX_DUMP_VALUES = 5_000_000
+MAX_DUMP_DEPTH = 16  # a dump nests 5 deep (entries, an entry, its sizes, a size)
+MAX_WORLD = 1 << 20  # ranks: far past any job's, far below what a claim of millions would cost
+EARLIEST_NS, LATEST_NS = 946_684_800 * 10**9, 4_102_444_800 * 10**9  # 2000-01-01 .. 2100-01-01
+MAX_SEQUENCE = 2**63 - 1
 KNOWN_MAJOR = 2  # torch's dump versions 2.x (2.10 in torch 2.14); 1.x had no process groups
 # A dump whose newest entry is this much older than the others' is from another run of the job.
 FOREIGN_SECONDS = 3600.0
@@ -96,96 +115,178 @@ class Attribution:
         }
 
 
-def _parse(raw: bytes) -> dict:
+def _parse(raw: bytes, path: Path) -> Any:
+    """A dump's bytes as plain values: JSON, or a pickle scanned first (``_scan``) and then
+    unpickled with no Python object allowed."""
     if raw.lstrip()[:1] == b"{":
-        try:
-            return json.loads(raw)
-        except ValueError as e:
-            raise ValueError(f"torn or not a Flight Recorder dump (JSON: {e})") from None
+        values = raw.count(b",") + raw.count(b"{") + raw.count(b"[")
+        if values > MAX_DUMP_VALUES:
+            raise Malformed(f"{path}: a JSON dump of over {MAX_DUMP_VALUES:,} values; refused unread")
+        return load_json(raw, path, "Flight Recorder dump", MAX_DUMP_DEPTH)
+    _scan(raw, path)
     try:
-        return _PlainValues(io.BytesIO(raw)).load()
+        data = _PlainValues(io.BytesIO(raw)).load()
     except _Refused as e:
-        raise ValueError(f"not a Flight Recorder dump, refused unread: {e}") from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, MemoryError) as e:
-        raise ValueError(f"torn or not a Flight Recorder dump ({e or type(e).__name__})") from None
+        raise Malformed(f"{path}: not a Flight Recorder dump, refused unread: {e}") from None
+    except Exception as e:  # the unpickler's own errors on bytes that are not a pickle
+        raise Malformed(f"{path}: torn or not a Flight Recorder dump ({e or type(e).__name__})") from None
+    check_depth(data, path, "Flight Recorder dump", MAX_DUMP_DEPTH)
+    return data
 
 
-def _ranks(text) -> list[int] | None:
-    """A group's ranks as the dump writes them (``"[0, 1]"``, or a list)."""
+def _widths() -> list:
+    """For each pickle opcode, what follows it: a fixed number of bytes, a length of 1, 4 or 8
+    bytes and that many bytes (negative), one line ("line") or two ("pair"); None: no opcode."""
+    table: list = [None] * 256
+    lengths = {
+        pickletools.TAKEN_FROM_ARGUMENT1: -1,
+        pickletools.TAKEN_FROM_ARGUMENT4: -4,
+        pickletools.TAKEN_FROM_ARGUMENT4U: -4,
+        pickletools.TAKEN_FROM_ARGUMENT8U: -8,
+    }
+    for op in pickletools.opcodes:
+        arg = op.arg
+        if arg is None:
+            width = 0
+        elif arg.n >= 0:
+            width = arg.n
+        elif arg.n == pickletools.UP_TO_NEWLINE:
+            width = "pair" if arg.name == "stringnl_noescape_pair" else "line"
+        else:
+            width = lengths[arg.n]
+        table[ord(op.code)] = width
+    return table
+
+
+_WIDTHS = _widths()
+_STOP = ord(pickletools.code2op["."].code)
+
+
+def _scan(raw: bytes, path: Path) -> None:
+    """Count a pickle's operations without making any object: each makes at most one value or
+    reference, so a pickle of a few megabytes that would unpickle to gigabytes (a reference to one
+    list, used millions of times) is refused here, at MAX_DUMP_VALUES."""
+    at, count, end = 0, 0, len(raw)
     try:
-        ranks = json.loads(text) if isinstance(text, str) else text
+        while at < end:
+            code = raw[at]
+            at, count = at + 1, count + 1
+            if count > MAX_DUMP_VALUES:
+                raise Malformed(
+                    f"{path}: a pickle of over {MAX_DUMP_VALUES:,} values and references, more than a "
+                    "Flight Recorder dump holds; refused unread"
+                )
+            width = _WIDTHS[code]
+            if code == _STOP:
+                return
+            if width is None:
+                break
+            if width == "line":
+                at = raw.index(b"\n", at) + 1
+            elif width == "pair":
+                at = raw.index(b"\n", raw.index(b"\n", at) + 1) + 1
+            elif width >= 0:
+                at += width
+            else:
+                at += -width + int.from_bytes(raw[at : at - width], "little")
     except ValueError:
+        pass  # a line that never ends: torn, as the unpickler says
+    # Torn or not a pickle: the unpickler names what is wrong.
+
+
+def _ranks(text, path: Path, name: str) -> list[int] | None:
+    """A group's ranks as the dump writes them (``"[0, 1]"``, or a list): at most MAX_WORLD, each
+    within 0..MAX_WORLD-1; None where the dump names none."""
+    what = f"process group {name[:40]!r}'s ranks"
+    if isinstance(text, str):
+        if len(text) > 12 * MAX_WORLD:
+            raise Malformed(f"{path}: {what} is longer than {12 * MAX_WORLD:,} characters; refused")
+        text = load_json(text, path, what, depth=1)
+    if not isinstance(text, list) or not text:
         return None
-    if (
-        isinstance(ranks, list)
-        and ranks
-        and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks)
-    ):
-        return ranks
-    return None
+    if len(text) > MAX_WORLD:
+        raise Malformed(f"{path}: {what} are {len(text):,}, more than {MAX_WORLD:,}; refused")
+    return [_int(r, path, what, 0, MAX_WORLD - 1) for r in text]
 
 
-def _check_version(data: dict) -> None:
+def _int(value, path: Path, key: str, low: int, high: int) -> int:
+    """``bounded_int``, with an integer too long to print refused by its length first."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        raise Malformed(
+            f"{path}: {key} is an integer of {value.bit_length()} bits, outside {low}..{high:,}; refused"
+        )
+    return bounded_int(value, path, key, low, high)
+
+
+def _check_version(data: dict, path: Path) -> None:
     version = data.get("version")
-    major = str(version).split(".", 1)[0]
+    major = str(version)[:20].split(".", 1)[0]
     if not isinstance(version, str) or not major.isdigit() or int(major) != KNOWN_MAJOR:
-        raise ValueError(f"Flight Recorder dump version {version!r}, not one this reader knows (2.x)")
+        shown = version[:20] if isinstance(version, str) else type(version).__name__
+        raise Malformed(f"{path}: Flight Recorder dump version {shown!r}, not one this reader knows (2.x)")
 
 
-def _newest(entries) -> tuple[dict[str, Collective], int | None]:
+def _newest(entries: list, path: Path) -> tuple[dict[str, Collective], int | None]:
     newest: dict[str, Collective] = {}
     latest = None
-    for entry in entries:
+    for index, entry in enumerate(entries):
         if not isinstance(entry, dict):
-            raise ValueError("an entry that is not a record")
+            raise Malformed(f"{path}: entry {index} is not a record")
         created = entry.get("time_created_ns")
-        if isinstance(created, int):
+        if created is not None:
+            created = _int(created, path, f"entry {index}'s time_created_ns", EARLIEST_NS, LATEST_NS)
             latest = created if latest is None else max(latest, created)
         group, seq = entry.get("process_group"), entry.get("collective_seq_id")
-        if entry.get("is_p2p") or not isinstance(seq, int) or seq <= 0:
+        if entry.get("is_p2p") or not isinstance(seq, int) or isinstance(seq, bool):
             continue  # point-to-point, or not a numbered collective
-        if not (isinstance(group, list | tuple) and len(group) == 2):
-            raise ValueError(f"an entry without its process group (collective {seq})")
-        name, desc = str(group[0]), str(group[1])
+        if _int(seq, path, f"entry {index}'s collective_seq_id", -MAX_SEQUENCE, MAX_SEQUENCE) <= 0:
+            continue
+        if not (
+            isinstance(group, list | tuple) and len(group) == 2 and all(isinstance(g, str) for g in group)
+        ):
+            raise Malformed(f"{path}: entry {index} has no process group (collective {seq})")
+        name, desc = group[0][:200], group[1][:200]
         if name not in newest or seq >= newest[name].sequence:
-            op = str(entry.get("profiling_name", "?"))
+            op = str(entry.get("profiling_name", "?"))[:200]
             newest[name] = Collective(name, desc, seq, op)
     return newest, latest
 
 
 def read_dump(path: Path, rank: int) -> Dump:
-    """One rank's dump; ValueError with the reason if it cannot be used."""
-    try:
-        with open_regular(path, follow=False) as f:
-            raw = f.read(MAX_DUMP_BYTES + 1)
-    except UsageError as e:
-        raise ValueError(str(e).split(": ", 1)[-1]) from None
-    except OSError as e:
-        raise unreadable(path, e) from None
-    if len(raw) > MAX_DUMP_BYTES:
-        raise ValueError(f"over {MAX_DUMP_BYTES >> 20} MiB, not a Flight Recorder dump")
-    data = _parse(raw)
+    """One rank's dump; a CkptopsError naming the file and what is wrong if it cannot be used."""
+    data = _parse(read_bounded(path, MAX_DUMP_BYTES, "a Flight Recorder dump", follow=False), path)
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
-        raise ValueError("not a Flight Recorder dump (no entries)")
-    _check_version(data)
+        raise Malformed(f"{path}: not a Flight Recorder dump (no entries)")
+    _check_version(data, path)
     config = data.get("pg_config") if isinstance(data.get("pg_config"), dict) else {}
     members = {}
     world = None
     for name, group in config.items():
         # gloo's configuration holds one unnamed entry, some group's, whichever: not used.
-        ranks = _ranks(group.get("ranks")) if isinstance(group, dict) and name else None
+        ranks = _ranks(group.get("ranks"), path, str(name)) if isinstance(group, dict) and name else None
         if ranks is not None:
-            members[str(name)] = ranks
+            members[str(name)[:200]] = ranks
             if group.get("desc") == "default_pg":
                 world = ranks
-    newest, latest = _newest(data["entries"])
+    if world is not None:
+        if sorted(world) != list(range(len(world))):
+            raise Malformed(f"{path}: its default process group's ranks are not 0..{len(world) - 1}; refused")
+        outside = next((r for ranks in members.values() for r in ranks if r >= len(world)), None)
+        if outside is not None or rank >= len(world):
+            raise Malformed(
+                f"{path}: rank {rank if outside is None else outside} is outside the dump's own world "
+                f"of {len(world)} ranks; refused"
+            )
+    newest, latest = _newest(data["entries"], path)
     return Dump(rank, str(path), world, members, newest, latest)
 
 
-def read_dumps(directory: Path) -> tuple[list[Dump], list[str], set[int]]:
+def read_dumps(
+    directory: Path, world_size: int | None = None
+) -> tuple[list[Dump], list[str], set[int], int | None]:
     """Every rank's dump in ``directory`` (the most common file prefix; files of another prefix
-    are another job's), one line for each file that could not be used, and the ranks that have a
-    file at all."""
+    are another job's), one line for each file that could not be used, the ranks that have a
+    file at all, and the job's world size (``world_size``, else the dumps' majority, else None)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise UsageError(f"{directory}: no such directory of Flight Recorder dumps")
@@ -208,26 +309,58 @@ def read_dumps(directory: Path) -> tuple[list[Dump], list[str], set[int]]:
         if other != prefix
         for _, path in files
     ]
-    dumps = []
+    limit = world_size or MAX_WORLD
+    ranks = (
+        f"the job's {world_size:,} ranks" if world_size else f"0..{MAX_WORLD - 1:,}, the ranks ckptops reads"
+    )
+    dumps, files = [], set()
     for rank, path in by_prefix[prefix]:
+        if rank >= limit:
+            problems.append(f"{path}: rank {_short(rank)} is outside {ranks}; not a dump of this job")
+            continue
+        files.add(rank)
         try:
             dumps.append(read_dump(path, rank))
-        except ValueError as e:
-            problems.append(f"{path}: {e}")
-    return *_same_job(dumps, problems), {rank for rank, _ in by_prefix[prefix]}
+        except CkptopsError as e:
+            problems.append(str(e))
+    dumps, world = _same_job(dumps, problems, world_size)
+    # A file of a rank outside the world agreed on (unreadable as well: it has its line) is no
+    # rank of the job that left no usable dump.
+    files = {r for r in files if world is None or r < world}
+    return dumps, problems, files, world
 
 
-def _same_job(dumps: list[Dump], problems: list[str]) -> tuple[list[Dump], list[str]]:
-    """Drop dumps of another job or run: another world size than most, or entries an hour older
-    than the others' newest."""
-    sizes = [len(d.world) for d in dumps if d.world]
-    size = statistics.mode(sizes) if sizes else None
+def _short(rank: int) -> str:
+    text = str(rank)
+    return text if len(text) <= 20 else f"{text[:8]}...{text[-4:]} ({len(text)} digits)"
+
+
+def _same_job(
+    dumps: list[Dump], problems: list[str], world_size: int | None
+) -> tuple[list[Dump], int | None]:
+    """Drop dumps of another job or run: another world size than the caller's or than a majority
+    of the dumps state, a rank outside it, or entries an hour older than the others' newest."""
+    world = world_size
+    if world is None:
+        sizes = Counter(len(d.world) for d in dumps if d.world)
+        common = sizes.most_common(1)
+        if common and common[0][1] * 2 > len(dumps):
+            world = common[0][0]
+        elif common:
+            problems.append(f"the dumps agree on no world size ({_sizes(sizes)} of {len(dumps)} dumps)")
     times = [d.newest_ns for d in dumps if d.newest_ns is not None]
     middle = statistics.median(times) if times else None
     kept = []
     for d in dumps:
-        if size is not None and d.world and len(d.world) != size:
-            problems.append(f"{d.path}: another job's dump (a world of {len(d.world)} ranks, not {size})")
+        outside = world is not None and (
+            d.rank >= world or any(r >= world for ranks in d.members.values() for r in ranks)
+        )
+        if world is not None and d.world and len(d.world) != world:
+            problems.append(f"{d.path}: another job's dump (a world of {len(d.world)} ranks, not {world})")
+        elif outside:
+            problems.append(
+                f"{d.path}: names ranks outside the world of {world} ranks; not a dump of this job"
+            )
         elif (
             middle is not None and d.newest_ns is not None and (middle - d.newest_ns) / 1e9 > FOREIGN_SECONDS
         ):
@@ -237,7 +370,11 @@ def _same_job(dumps: list[Dump], problems: list[str]) -> tuple[list[Dump], list[
             )
         else:
             kept.append(d)
-    return kept, problems
+    return kept, world
+
+
+def _sizes(sizes: Counter) -> str:
+    return ", ".join(f"{size:,} ranks in {n}" for size, n in sizes.most_common(3))
 
 
 def attribute(
@@ -245,10 +382,9 @@ def attribute(
 ) -> Attribution:
     """The stuck collective and the ranks that never entered it (see the module's docstring).
     ``files``: the ranks that left a dump file, usable or not; ``world_size``: how many ranks the
-    job has, where the caller knows (else the dumps say, where they do)."""
+    job has, where known (``read_dumps`` says)."""
     by_rank = {d.rank: d for d in dumps}
-    worlds = [d.world for d in dumps if d.world]
-    expected = world_size or (len(worlds[0]) if worlds else None)
+    expected = world_size
     result = Attribution(len(by_rank), expected, list(problems), set(files))
     if expected:
         result.no_dump = [r for r in range(expected) if r not in files]
@@ -334,4 +470,4 @@ def _list(ranks: list[int]) -> str:
 
 def flight_recorder(directory: Path, world_size: int | None = None) -> Attribution:
     """Read the dumps in ``directory`` and attribute the hang."""
-    return attribute(*read_dumps(directory), world_size)
+    return attribute(*read_dumps(directory, world_size))
