@@ -3,11 +3,16 @@ started left running afterwards, however it ended.
 
 Training and loading jobs hang rather than crash in many failure modes, and a dead torchrun rank
 leaves helpers behind (megatron's checkpoint writer Manager, a process group of its own): every
-process the command started is noted while it runs and killed, with its group, at the end.
+process the command started is noted while it runs and killed, with its group, at the end. A
+process that left the tree before it was noted (``setsid -f``, a double fork: reparented to init)
+is found by a variable of the command's own in its environment (``start`` sets it, its children
+inherit it; /proc/PID/environ, read bounded) and killed too; one that clears its environment is
+not.
 """
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -21,6 +26,12 @@ from tasks.errors import CkptopsError
 from tasks.storage.local import open_for_writing
 
 _POLL_SECONDS = 0.5
+# The variable ``start`` adds to a command's environment, a random name each (``TOKEN`` and 16 hex
+# digits): a command started inside another keeps its ancestor's too.
+TOKEN = "CKPTOPS_STARTED_"
+_ENVIRON_BYTES = 4 << 20  # the most read of one process's environment (Linux allows 2 MiB of it at exec)
+_SWEEP_SECONDS = 10.0  # the most spent finding a command's processes by their environment
+_SWEEPS = 4  # passes over /proc: a process forked while the one before was killed is found by the next
 
 
 class TimedOut(CkptopsError):
@@ -107,16 +118,22 @@ def start(
 ) -> subprocess.Popen:
     """Start ``argv`` in a session of its own, stdout and stderr into ``log`` (after what it
     holds, with ``append``). Every process ckptops starts and leaves running starts here. The
-    log is opened by ``open_for_writing``: a link planted at its name is refused, never followed."""
+    log is opened by ``open_for_writing``: a link planted at its name is refused, never followed.
+    Its environment (``env``, else this process's) gets a variable of its own, named by the
+    returned process's ``token``, which ``wait`` and ``terminate`` find its escaped children by."""
     log = Path(log)
     log.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(8)
+    env = {**(os.environ if env is None else env), f"{TOKEN}{token}": "1"}
     sink = open_for_writing(log, append=append, truncate=not append)
     try:
-        return subprocess.Popen(
+        started = subprocess.Popen(
             argv, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
         )
     finally:
         os.close(sink)
+    started.token = token
+    return started
 
 
 def running(pid: int, holder: dict | None = None) -> bool:
@@ -134,13 +151,20 @@ def running(pid: int, holder: dict | None = None) -> bool:
     return False
 
 
-def terminate(pid: int, grace_seconds: float = 30.0, holder: dict | None = None, hard: bool = False) -> bool:
+def terminate(
+    pid: int,
+    grace_seconds: float = 30.0,
+    holder: dict | None = None,
+    hard: bool = False,
+    token: str | None = None,
+) -> bool:
     """End a process started by ``start`` (a session and a group of its own) and everything it
     started: SIGTERM to its group (a job's launcher passes it on to its ranks), then, whatever is
-    left after ``grace_seconds``, SIGKILL to every group and process it started. ``hard``: SIGKILL
-    at once, for a run that must not do one more thing (Megatron-LM's ``--exit-signal-handler``
-    turns SIGTERM into a save into ``--save``). False when it was not running; returns once all
-    of it is gone (or, for a process stuck in I/O the kernel does not interrupt, after another
+    left after ``grace_seconds``, SIGKILL to every group and process it started, and with
+    ``token`` (its ``start``'s) to every process carrying it. ``hard``: SIGKILL at once, for a
+    run that must not do one more thing (Megatron-LM's ``--exit-signal-handler`` turns SIGTERM
+    into a save into ``--save``). False when it was not running; returns once all of it is gone
+    (or, for a process stuck in I/O the kernel does not interrupt, after another
     ``grace_seconds``, 30 s when ``hard``)."""
     if not running(pid, holder):
         return False
@@ -160,6 +184,7 @@ def terminate(pid: int, grace_seconds: float = 30.0, holder: dict | None = None,
     for child in (pid, *descendants):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(child, signal.SIGKILL)
+    kill_carrying(token)
     deadline = time.monotonic() + grace_seconds  # a process in uninterruptible I/O may linger
     while time.monotonic() < deadline and any(running(p) for p in (pid, *descendants)):
         time.sleep(0.05)
@@ -223,4 +248,52 @@ def _kill_all(process: subprocess.Popen, descendants: dict[int, int]) -> None:
     for pid in descendants:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
+    kill_carrying(getattr(process, "token", None))
     process.wait()
+
+
+def carrying(token: str, deadline: float) -> list[int]:
+    """The processes of this host whose environment holds ``token``'s variable, read from
+    /proc/PID/environ (at most ``_ENVIRON_BYTES`` each) until ``deadline`` (``time.monotonic``):
+    what ``start`` started, wherever it went since. One that cannot be read (gone, another
+    user's) is passed over; so is this process."""
+    needle = f"{TOKEN}{token}=".encode()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if time.monotonic() > deadline:
+            break
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                environ = f.read(_ENVIRON_BYTES)
+        except OSError:
+            continue
+        if environ.startswith(needle) or b"\0" + needle in environ:
+            found.append(int(name))
+    return found
+
+
+def kill_carrying(token: str | None) -> list[int]:
+    """SIGKILL every process carrying ``token`` (``carrying``), and the group of each that leads
+    one, pass after pass until none is found (a killed process is a zombie with no environment
+    left) or ``_SWEEPS`` passes or ``_SWEEP_SECONDS`` are spent; the processes killed."""
+    if token is None:
+        return []
+    deadline = time.monotonic() + _SWEEP_SECONDS
+    killed: list[int] = []
+    for _ in range(_SWEEPS):
+        found = carrying(token, deadline)
+        if not found:
+            break
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+        killed += found
+    return killed
