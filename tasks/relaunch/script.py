@@ -106,28 +106,44 @@ _DESCRIPTOR = re.compile(r"(^|\s)\d+(?=[<>])")
 _HEREDOC = re.compile(r"<<(-?)\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\2")
 
 
-def _commands(text: str) -> list[str]:
-    """The script's lines, continued lines joined, each heredoc's body left out (what it holds
-    is a file's or a command's input, not a command of the script)."""
+# What ends one command and starts the next on the same line (the lexer's punctuation tokens).
+_SEPARATORS = {";", "&", "&&", "|", "||", "|&", ";;", ";&", ";;&"}
+
+
+def _script_lines(text: str) -> list[tuple[str, bool]]:
+    """The script's lines, continued lines joined, each with whether it is a heredoc's body
+    (what it holds is a file's or a command's input, not a command of the script)."""
     kept, ending = [], None
     for line in text.replace("\\\n", " ").splitlines():
         if ending is not None:
             if line.strip() == ending or line == ending:
                 ending = None
+            else:
+                kept.append((line, True))
             continue
-        kept.append(line)
+        kept.append((line, False))
         opened = _HEREDOC.search(_COMMENT.sub("", line))
         if opened:
             ending = opened[3]
     return kept
 
 
+def mentions(text: str, name: str) -> bool:
+    """Whether the script ``text`` names ``name`` (a variable: ``$NAME``, ``${NAME:-x}``, or as
+    the word itself) outside its comments: in a command, or in what a heredoc holds."""
+    word = re.compile(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])")
+    return any(word.search(line if body else _COMMENT.sub("", line)) for line, body in _script_lines(text))
+
+
 def _lines(text: str) -> list[list[str]]:
     """The script's commands, each as its tokens (continued lines joined, comments dropped: a
-    ``#`` that starts a word, never one inside a path): a flag's values never run on into the
-    next command."""
+    ``#`` that starts a word, never one inside a path; a heredoc's body left out): a flag's
+    values never run on into the next command, and commands one line holds (``a; b``, ``a &&
+    b``, ``a | b``) are as many commands."""
     lines = []
-    for line in _commands(text):
+    for line, body in _script_lines(text):
+        if body:
+            continue
         line = _DESCRIPTOR.sub(r"\1", _COMMENT.sub("", line))
         lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
         lexer.whitespace_split, lexer.commenters = True, ""
@@ -135,7 +151,14 @@ def _lines(text: str) -> list[list[str]]:
             tokens = _substitutions(list(lexer))
         except ValueError:  # a quote that spans lines: its words as they stand
             tokens = line.split()
-        lines.append([word for token in tokens for word in _flag_words(token)])
+        command: list[str] = []
+        for token in tokens:
+            if token in _SEPARATORS:
+                lines.append(command)
+                command = []
+            else:
+                command += _flag_words(token)
+        lines.append(command)
     return lines
 
 
