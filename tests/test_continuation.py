@@ -353,10 +353,12 @@ def _saved_by_the_job(save: Path, iteration: int) -> None:
     (save / "latest_checkpointed_iteration.txt").write_text(str(iteration))
 
 
-def test_the_fingerprint_tells_a_continuation_in_production_from_the_job_training_on(tmp_path):
-    """The job goes on saving and ckptops on promoting while a nightly continuation drill runs:
-    neither is the drill's doing. A save at or below where the job was, a checkpoint's file
-    rewritten or removed, a tracker moved back, are."""
+def test_the_fingerprint_takes_any_change_of_what_a_resume_reads_as_the_continuations(tmp_path):
+    """ckptops's own records, the job's TensorBoard files beside its checkpoints: no change. A
+    new iteration, even one past where the job was (the continuation's save cannot be told from
+    the job's own while it runs), a promotion, a checkpoint's file rewritten or removed, a
+    tracker moved: each is, and is named. Before: a save newer than every checkpoint at the start
+    was taken for the job's own, with the tracker and pointer moving on to it."""
     from tasks.restore.continuation import changes, fingerprint
 
     def after(change) -> str | None:
@@ -365,16 +367,21 @@ def test_the_fingerprint_tells_a_continuation_in_production_from_the_job_trainin
         change(save)
         return changes(before, fingerprint(save, set()))
 
-    def trains_on(save: Path) -> None:
-        _saved_by_the_job(save, 28)
+    def records_only(save: Path) -> None:
         (save / ".ckptops.lock").write_text('{"pid": 1}')  # the verify-and-promote run's lock
         (save / ".ckptops-history" / "promotions.jsonl").write_text("{}\n")
         (save / "tb").mkdir()  # --tensorboard-dir under the save directory
+
+    def saves_past_the_newest(save: Path) -> None:
+        _saved_by_the_job(save, 28)
 
     def promotes_and_retires(save: Path) -> None:
         _saved_by_the_job(save, 28)
         (save / "latest_verified_iteration.txt").write_text("28")
         shutil.rmtree(save / "iter_0000016")  # retention keeps the newest three
+
+    def promotes_an_older_one(save: Path) -> None:
+        (save / "latest_verified_iteration.txt").write_text("24")
 
     def continues_into_production(save: Path) -> None:
         _saved_by_the_job(save, 22)
@@ -385,10 +392,15 @@ def test_the_fingerprint_tells_a_continuation_in_production_from_the_job_trainin
     def removes_one(save: Path) -> None:
         shutil.rmtree(save / "iter_0000016")
 
-    assert after(trains_on) is None
-    assert after(promotes_and_retires) is None
+    assert after(records_only) is None
+    assert after(saves_past_the_newest) == (
+        "iter_0000028 appeared, a new iteration in production while the continuation ran; "
+        "latest_checkpointed_iteration.txt went from 24 to 28"
+    )
+    assert after(promotes_and_retires).startswith("iter_0000016 was removed; iter_0000016/.metadata was removed")
+    assert after(promotes_an_older_one) == "latest_verified_iteration.txt went from 20 to 24"
     assert after(continues_into_production) == (
-        "iter_0000022 appeared; iter_0000022/__0_0.distcp appeared; "
+        "iter_0000022 appeared, a new iteration in production while the continuation ran; "
         "latest_checkpointed_iteration.txt went from 24 to 22"
     )
     assert after(rewrites_the_promoted_one).startswith("iter_0000020/__0_0.distcp changed (size")

@@ -15,12 +15,15 @@ where both runs printed them over the same iterations, skipped and NaN steps.
 What the script says is only a pre-check (``tasks.relaunch.fit``). The authority is the
 arguments block Megatron-LM prints at start (``tasks.relaunch.printed``), read from the run's
 own log as soon as it is there: a run that does not fit the checkpoint, loads anything but the
-copy or saves anywhere but ``CKPT_SAVE`` is stopped (its process group, or ``scancel``) before
-its first iteration, naming the argument. Whatever the script does, the job's save directory is
-fingerprinted before and after (every entry's name, size, mtime and inode, Megatron-LM's tracker,
-ckptops' pointer): any change fails the drill and names what changed. A run is evidence only if
-its log shows Megatron-LM loading that very iteration from the copy and its iterations are
-stamped after the drill began.
+copy, saves anywhere but ``CKPT_SAVE`` or makes any other save (non-persistent, converted)
+outside it is stopped (every process it started, or ``scancel``) before its first iteration,
+naming the argument. Whatever the script does, the job's save directory is fingerprinted before
+and after (each checkpoint file's size, mtime, ctime and inode, the set of iterations, the whole
+bytes of Megatron-LM's and Megatron-Bridge's trackers and of ckptops' pointer), and the promoted
+checkpoint and the one drilled are read again whole against their manifests after the run,
+whatever its outcome: any change, a new iteration included, fails the drill (``PRODUCTION``) and
+names what changed. A run is evidence only if its log shows Megatron-LM loading that very
+iteration from the copy and its iterations are stamped after the drill began.
 """
 
 import contextlib
@@ -32,9 +35,13 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.checkpoint import layout
+from tasks.checkpoint import dialect, layout
 from tasks.checkpoint.facts import checkpoint_facts
-from tasks.checkpoint.manifest import Manifest
+from tasks.checkpoint.manifest import Manifest, valid_for_this_save
+from tasks.checkpoint.pointer import read_pointer
+from tasks.checkpoint.signing import Trust
+from tasks.checkpoint.state import State, VerifyOptions
+from tasks.checkpoint.verify import verify_checkpoint
 from tasks.cluster import process
 from tasks.errors import CkptopsError, UsageError
 from tasks.job import step_records
@@ -44,8 +51,10 @@ from tasks.relaunch.continuity import Continuity
 from tasks.relaunch.fit import Compatibility, Kind, checkpoint_fit
 from tasks.relaunch.launch import Launch, job_directory, watch_printed
 from tasks.relaunch.printed import PrintedArgs, fit_printed
+from tasks.relaunch.script import mentions
 from tasks.restore.history import drilled_layouts
 from tasks.restore.launch import allocation_options, cancel, sbatch_wait
+from tasks.storage.bounded import read_bounded
 from tasks.storage.local import open_regular
 
 # Relative tolerance of the loss and grad norm at the first iteration and after it, by the
@@ -57,8 +66,13 @@ PRODUCTION = "save directory"  # the job's own save directory, untouched by the 
 EVIDENCE = "continuation evidence"  # the run loaded this copy and trained now
 # Megatron-LM's "  successfully loaded checkpoint from DIR [ t 1/1, ... ] at iteration N".
 _LOADED = re.compile(r"successfully loaded checkpoint from (.*) \[ t \d+/\d+.*\] at iteration (\d+)\s*$")
-# Arguments that name where Megatron-LM writes checkpoints: CKPT_SAVE's or none.
-_SAVES = ("save", "non_persistent_global_ckpt_dir")
+# What a tracker holds when it names an iteration (as ``tasks.checkpoint.pointer`` reads it).
+_TRACKER_TEXT = re.compile(rb"\s*([0-9]+)\s*")
+# Arguments that name where Megatron-LM writes a checkpoint (megatron-core 0.19.2's
+# CheckpointConfig): ``save`` is CKPT_SAVE or none, the others none or inside CKPT_SAVE (the
+# non-persistent saves, local or global; ``--ckpt-convert-save``, where training.py saves the
+# loaded checkpoint converted, tracker and all, before any iteration).
+_SAVES = ("save", "non_persistent_global_ckpt_dir", "non_persistent_local_ckpt_dir", "ckpt_convert_save")
 
 
 @dataclass
@@ -98,7 +112,7 @@ def continuation_sources(profile) -> tuple[Path, Steps]:
         raise UsageError(f"the job's batch script: {e}") from None
     except OSError as e:
         raise UsageError(f"{script}: the job's batch script cannot be read ({e.strerror})") from None
-    if "CKPT_LOAD" not in text:
+    if not mentions(text, "CKPT_LOAD"):  # a comment that names it reads nothing
         raise UsageError(
             f"{script}: does not read CKPT_LOAD: it would train from, and save into, the job's own "
             "checkpoints (docs/archive-and-drills.md#the-continuation-drill: the lines a script needs)"
@@ -117,21 +131,30 @@ def checkable_up_to(before: Steps, steps: int) -> int | None:
 
 # ---------------------------------------------------------------- the save directory, untouched
 
+# What a resume reads beside its iterations: Megatron-LM's tracker, Megatron-Bridge's (the
+# ``latest_train_state.pt`` its resume reads) and ckptops' pointer, each kept whole.
+TRACKERS = (layout.MEGATRON_TRACKER, dialect.LATEST_TRAIN_STATE, layout.POINTER)
+_TRACKER_BYTES = 1 << 20  # the most kept of a tracker: Megatron's holds a number, Bridge's a few KB
+_STAT = ("kind", "size", "mtime", "ctime", "inode", "mode")
+
 
 def fingerprint(save_dir: Path, leave_out: set[Path]) -> dict[str, tuple]:
-    """What a resume from ``save_dir`` reads: every entry of its ``iter_*`` checkpoints by its
-    path (kind, size, mtime_ns, inode; links not followed), and the text of Megatron-LM's
-    tracker and ckptops' pointer. ckptops's own records (``.ckptops*``: its other runs write them
-    meanwhile, each through its own guards), the job's logs and TensorBoard files are no resume
-    point and are left out, as is ``leave_out`` (the continuation's kept log). Walked with
-    ``os.scandir`` on strings: a seed-sized save directory has three checkpoints of 5,120 files."""
+    """What a resume from ``save_dir`` reads, as no script can put back: every entry of its
+    ``iter_*`` checkpoints and of Megatron-Bridge's ``energon/`` data loader states by its path
+    (kind, size, mtime_ns, ctime_ns, inode, mode; links not followed: a file rewritten and its
+    mtime stamped back still has a new ctime), and each tracker (``TRACKERS``) with its whole
+    bytes.
+    ckptops's own records (``.ckptops*``: its other runs write them meanwhile, each through its
+    own guards), the job's logs and TensorBoard files are no resume point and are left out, as is
+    ``leave_out`` (the continuation's kept log). Walked with ``os.scandir`` on strings: a
+    seed-sized save directory has three checkpoints of 5,120 files."""
     found: dict[str, tuple] = {}
     root = os.fspath(save_dir)
     skipped = {os.fspath(p) for p in leave_out}
     pending = []
     with contextlib.suppress(OSError), os.scandir(root) as top:
         for entry in top:
-            if layout.parse_iter_dir(entry.name) is not None:
+            if layout.parse_iter_dir(entry.name) is not None or entry.name == dialect.DATALOADER_SUBDIR:
                 described = _entry(entry)
                 if described is not None:
                     found[entry.name] = described
@@ -155,74 +178,84 @@ def fingerprint(save_dir: Path, leave_out: set[Path]) -> dict[str, tuple]:
             found[name] = described
             if described[0] == "dir":
                 pending.append(name)
-    for name in (layout.MEGATRON_TRACKER, layout.POINTER):
-        try:
-            text = (Path(save_dir) / name).read_bytes()[:64].decode(errors="replace").strip()
-        except OSError:
-            text = None
-        found[f"{name} (its text)"] = (text,)
+    for name in TRACKERS:
+        found[name] = _tracker(Path(save_dir) / name)
     return found
 
 
 def _entry(entry: os.DirEntry) -> tuple | None:
     try:
-        st = entry.stat(follow_symlinks=False)
+        return _described(entry.stat(follow_symlinks=False))
     except OSError:
         return None
+
+
+def _described(st: os.stat_result) -> tuple:
     kind = "dir" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode) else "file"
-    if kind == "dir":  # its size and mtime move with entries made in it, each fingerprinted
-        return (kind, None, None, st.st_ino)
-    return (kind, st.st_size, st.st_mtime_ns, st.st_ino)
+    mode = stat.S_IMODE(st.st_mode)
+    if kind == "dir":  # its size and times move with entries made in it, each fingerprinted
+        return (kind, None, None, None, st.st_ino, mode)
+    return (kind, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, mode)
+
+
+def _tracker(path: Path) -> tuple | None:
+    """A tracker as ``_described`` says it, and its bytes (the refusal, for a link, a FIFO or one
+    past ``_TRACKER_BYTES``); None when there is none."""
+    try:
+        described = _described(path.lstat())
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return ("unreadable", e.strerror)
+    try:
+        content: bytes | str = read_bounded(path, _TRACKER_BYTES, "a tracker", follow=False)
+    except (CkptopsError, OSError) as e:
+        content = str(e)
+    return (*described, content)
 
 
 def _iteration(name: str) -> int | None:
-    return layout.parse_iter_dir(name.split("/", 1)[0])
+    """The iteration an entry belongs to: ``iter_N/...`` or ``energon/iter_N/...``."""
+    parts = name.split("/", 2)
+    if parts[0] == dialect.DATALOADER_SUBDIR:
+        return layout.parse_iter_dir(parts[1]) if len(parts) > 1 else None
+    return layout.parse_iter_dir(parts[0])
 
 
-def _number(text: str | None) -> int | None:
-    return int(text) if text is not None and text.isdigit() else None
+def _new_iteration(name: str, had: set[int]) -> str | None:
+    """The folder of an iteration that was not there before ``name`` is in (None if there was)."""
+    iteration = _iteration(name)
+    if iteration is None or iteration in had:
+        return None
+    head = name.split("/", 2)
+    return "/".join(head[:2]) if head[0] == dialect.DATALOADER_SUBDIR else head[0]
 
 
 def changes(before: dict[str, tuple], after: dict[str, tuple], shown: int = 5) -> str | None:
-    """What the continuation changed of what a resume reads, in words (the first ``shown``);
-    None if nothing. The job may go on training meanwhile: a checkpoint newer than every one
-    there at the start is its save (its files, and the tracker or pointer moving on to it, are
-    no change of ours to judge). Anything else is: a file of a checkpoint already there changed,
-    added or removed, a checkpoint appearing at or below the newest one there at the start (a
-    continuation saving where the job already was), the tracker or pointer moving to anything
-    but a newer save."""
-    newest = max((i for i in map(_iteration, before) if i is not None), default=-1)
-    pointer = f"{layout.POINTER} (its text)"
-    was_at, now_at = (_number((f.get(pointer) or (None,))[0]) for f in (before, after))
-    # Retention after a promotion of the job's new save removes whole checkpoints older than the
-    # one promoted before: the pointer having moved on to that save says a promotion ran.
-    promoted_on = was_at is not None and now_at is not None and now_at > newest
-    retired = {
-        i
-        for i in map(_iteration, before)
-        if i is not None and promoted_on and i < was_at and layout.iter_dir_name(i) not in after
-    }
-    said = []
+    """What changed in what a resume reads between two fingerprints, in words (the first
+    ``shown``); None if nothing. Whoever made it, any change counts: a file of a checkpoint
+    already there rewritten (its ctime moves, whatever its mtime says), added or removed; a new
+    iteration (while the continuation runs, its save cannot be told from the job's own); a
+    tracker or the pointer written, moved or removed."""
+    had = {i for i in map(_iteration, before) if i is not None}
+    said, new = [], set()
     for name in sorted(before.keys() | after.keys()):
         was, now = before.get(name), after.get(name)
         if was == now:
             continue
-        iteration = _iteration(name)
-        if iteration in retired:
-            continue
-        if name.endswith("(its text)"):
-            moved_to = _number(now[0]) if now else None
-            if moved_to is not None and moved_to > newest and iter_dir_in(after, moved_to):
-                continue  # moved on to the job's own new save
-            said.append(f"{name.removesuffix(' (its text)')} went from {was[0]} to {now[0]}")
-        elif iteration is not None and iteration > newest and was is None:
-            continue  # the job's own new save, being written
+        folder = _new_iteration(name, had)
+        if name in TRACKERS:
+            said.append(_tracker_change(name, was, now))
+        elif folder is not None:
+            if folder not in new:
+                new.add(folder)
+                said.append(f"{folder} appeared, a new iteration in production while the continuation ran")
         elif was is None:
             said.append(f"{name} appeared")
         elif now is None:
             said.append(f"{name} was removed")
         else:
-            what = [label for label, a, b in zip(("kind", "size", "mtime", "inode"), was, now) if a != b]
+            what = [label for label, a, b in zip(_STAT, was, now) if a != b]
             said.append(f"{name} changed ({', '.join(what)})")
     if not said:
         return None
@@ -230,8 +263,24 @@ def changes(before: dict[str, tuple], after: dict[str, tuple], shown: int = 5) -
     return "; ".join(said[:shown]) + more
 
 
-def iter_dir_in(found: dict[str, tuple], iteration: int) -> bool:
-    return layout.iter_dir_name(iteration) in found
+def _tracker_change(name: str, was: tuple | None, now: tuple | None) -> str:
+    if was is None:
+        return f"{name} appeared"
+    if now is None:
+        return f"{name} was removed"
+    if was[-1] == now[-1]:
+        moved = [label for label, a, b in zip(_STAT, was, now) if a != b]
+        return f"{name} was written ({', '.join(moved)})"
+    texts = [_number(v[-1]) for v in (was, now)]
+    if None in texts:
+        return f"{name} was rewritten"
+    return f"{name} went from {texts[0]} to {texts[1]}"
+
+
+def _number(content) -> int | None:
+    """A tracker's iteration, if its bytes are one (``tasks.checkpoint.pointer``'s reading)."""
+    found = _TRACKER_TEXT.fullmatch(content) if isinstance(content, bytes) else None
+    return int(found[1]) if found else None
 
 
 # ---------------------------------------------------------------- the run, watched
@@ -305,6 +354,7 @@ def _where(text: str | None, cwd: Path | None) -> Path | None:
 def _misfit(printed: PrintedArgs, fit: Compatibility, env: dict, cwd: Path | None) -> str | None:
     """Why the run, as Megatron-LM printed its arguments, must not go on; None when it may."""
     at = f"printed at {printed.where()}"
+    save = Path(env["CKPT_SAVE"])
     for name in _SAVES:
         text = printed.get(name)
         if text is None or text == "None":
@@ -312,11 +362,12 @@ def _misfit(printed: PrintedArgs, fit: Compatibility, env: dict, cwd: Path | Non
         where = _where(text, cwd)
         if where is None:
             said = f"{name} is {text}, relative, and the job's working directory is not known"
-        elif where != Path(env["CKPT_SAVE"]):
+        elif where != save and (name == "save" or save not in where.parents):
             said = f"{name} is {text}" + (f" ({where})" if str(where) != text else "")
         else:
             continue
-        return f"{said}, not CKPT_SAVE {env['CKPT_SAVE']}: it would save outside the drill's scratch ({at})"
+        wanted = "CKPT_SAVE" if name == "save" else "inside CKPT_SAVE"
+        return f"{said}, not {wanted} {save}: it would save outside the drill's scratch ({at})"
     if _where(printed.get("load"), cwd) != Path(env["CKPT_LOAD"]):
         return (
             f"load is {printed.get('load')}, not CKPT_LOAD {env['CKPT_LOAD']}: it would not train from "
@@ -329,13 +380,14 @@ def _misfit(printed: PrintedArgs, fit: Compatibility, env: dict, cwd: Path | Non
 
 
 def _stop(run: _Run, started) -> None:
-    """End the run now with SIGKILL, every process it started, or its Slurm job's steps and
-    batch script: SIGTERM would let Megatron-LM's ``--exit-signal-handler`` save on its way out,
-    into whatever ``--save`` it printed."""
+    """End the run now with SIGKILL, every process it started (those that left its session
+    too, found by their environment), or its Slurm job's steps and batch script: SIGTERM would
+    let Megatron-LM's ``--exit-signal-handler`` save on its way out, into whatever ``--save`` it
+    printed."""
     if started is None:
         cancel(run.launcher_log, hard=True)
         return
-    process.terminate(started.pid, hard=True)
+    process.terminate(started.pid, hard=True, token=started.token)
 
 
 def _watch(run: _Run, watch: _Watch, started) -> None:
@@ -503,23 +555,25 @@ def _not_logged_yet(before: Steps, n: int, steps: int) -> Continued | None:
 
 
 def _run_guarded(run: _Run) -> _Watch | Continued:
-    """The run, watched, with the job's save directory fingerprinted before and after: not
-    certified when it changed there (``touched``, for the caller's alarm) or when its printed
-    arguments stopped it; a run that failed otherwise raises, once the save directory was seen."""
+    """The run, watched, with the job's save directory fingerprinted before and after and its
+    resumable checkpoints read again whole after it, whatever its outcome: not certified when
+    anything changed there (``touched``, for the caller's alarm) or when its printed arguments
+    stopped it; a run that failed otherwise raises, once the save directory was seen."""
     save_dir = run.profile.job.save_dir
     ours = {run.log, run.job_log}
+    resumable = _resumable(run.profile, layout.parse_iter_dir(run.restored.name))
     untouched = fingerprint(save_dir, ours)
     failure = watch = None
     try:
         watch = _run_watched(run)
-    except CkptopsError as e:  # exited non-zero, timed out: production is looked at first
+    except (CkptopsError, OSError) as e:  # exited non-zero, timed out: production is looked at first
         failure = e
     touched = changes(untouched, fingerprint(save_dir, ours))
-    if touched is not None:
-        said = f"{save_dir}: the continuation changed the job's save directory: {touched}"
-        return Continued(
-            Outcome.UNCHECKED, "not certified", [Check(PRODUCTION, Outcome.FAIL, said)], touched=touched
-        )
+    said = [f"{save_dir}: the continuation changed the job's save directory: {touched}"] if touched else []
+    said += _reverified(run.profile, resumable)
+    if said:
+        checks = [Check(PRODUCTION, Outcome.FAIL, line) for line in said]
+        return Continued(Outcome.UNCHECKED, "not certified", checks, touched="; ".join(said))
     if isinstance(failure, process.Failed) and _written(run.log):
         raise CkptopsError(
             f"{run.log}: the continuation run exited {failure.code}: {process.tail(run.log)}"
@@ -529,6 +583,46 @@ def _run_guarded(run: _Run) -> _Watch | Continued:
     if watch.stopped is not None:
         return Continued(Outcome.UNCHECKED, "not certified", [Check(PRINTED, Outcome.FAIL, watch.stopped)])
     return watch
+
+
+def _resumable(profile, drilled: int | None) -> list[tuple[Path, Manifest]]:
+    """The job's checkpoints a resume may take, each with the manifest it is valid by, read
+    before the continuation: the promoted one and the one drilled (the drill certifies it),
+    where its manifest says valid for the save on disk."""
+    save_dir, trust = profile.job.save_dir, Trust.of(profile)
+    try:
+        promoted = read_pointer(save_dir)
+    except CkptopsError:
+        promoted = None  # a garbled pointer: its bytes are fingerprinted all the same
+    found = []
+    for iteration in sorted({i for i in (promoted, drilled) if i is not None}):
+        directory = save_dir / layout.iter_dir_name(iteration)
+        try:
+            manifest = valid_for_this_save(directory, iteration, trust)
+        except (CkptopsError, OSError):
+            manifest = None
+        if manifest is not None:
+            found.append((directory, manifest))
+    return found
+
+
+def _reverified(profile, resumable: list[tuple[Path, Manifest]]) -> list[str]:
+    """Each of ``resumable`` read again, every byte, against the manifest it was valid by
+    (``verify_checkpoint`` with it as the reference: hashes, not stats): one line for each that
+    no longer matches, naming the file."""
+    options = VerifyOptions(job=profile.job.name, megatron_core_version=profile.job.megatron_core_version)
+    said = []
+    for directory, manifest in resumable:
+        try:
+            result = verify_checkpoint(directory, options, reference=manifest)
+        except CkptopsError as e:
+            said.append(f"{directory}: cannot be verified again after the continuation: {e}")
+            continue
+        if result.state is not State.VALID:
+            failing = next((c for c in result.checks if c.failed and c.file), None)
+            where = directory / failing.file if failing is not None else directory
+            said.append(f"{where}: no longer matches its manifest after the continuation: {result.reason}")
+    return said
 
 
 def _trained(run: _Run, watch: _Watch, n: int, steps: int, began: float, save_to: Path) -> Steps | Continued:

@@ -326,10 +326,10 @@ class _Drill:
             unsent = send(
                 self.profile,
                 "a continuation drill changed the job's save directory",
-                f"drill {self.report.id}: {continued.checks[0].detail}: check the pointer and Megatron-LM's "
-                "tracker before the next resume",
+                f"drill {self.report.id}: {continued.touched}: check the pointer, the trackers and the "
+                "promoted checkpoint before the next resume",
             )
-            continued.checks[0].detail += f"; {unsent}" if unsent else ""
+            continued.checks[-1].detail += f"; {unsent}" if unsent else ""
         elif continued.outcome is not Outcome.UNCHECKED:
             continued = self._verified_again(manifest, continued)
         self.report.continuation_log = str(kept) if kept.exists() else None

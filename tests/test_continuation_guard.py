@@ -1,0 +1,204 @@
+"""The continuation drill kept out of production (issue 56): what no script can put back in the
+job's save directory (ctimes, the trackers' bytes, the set of iterations), every save Megatron-LM
+can be told to make kept inside the drill's scratch, the promoted checkpoint read again whole
+after the run, children that leave the run's session ended with it, and the script reader's
+commands and comments. The real runs use Megatron-LM's own loop (``tests/test_continuation.py``'s
+profile and scripts)."""
+
+import os
+import re
+import select
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tasks.cluster import process
+from tasks.errors import UsageError
+from tasks.relaunch.fit import Compatibility
+from tasks.relaunch.printed import PrintedArgs
+from tasks.relaunch.script import script_args
+from tasks.restore.continuation import _misfit, changes, continuation_sources, fingerprint
+from tests.test_continuation import _production
+
+# One of Megatron-LM's iteration lines: the original run's log a continuation is compared with.
+ITERATION = (
+    " [2026-12-07 19:36:41.385023] iteration        1/      24 | consumed samples:            8 | "
+    "learning rate: 5.000000E-04 | global batch size:     8 | lm loss: 4.846237E+00 | loss scale: 1.0 | "
+    "grad norm: 1.344 | number of skipped iterations:   0 | number of nan iterations:   0 |\n"
+)
+
+
+def _after(tmp_path: Path, change) -> str | None:
+    save = _production(tmp_path / "save")
+    before = fingerprint(save, set())
+    change(save)
+    return changes(before, fingerprint(save, set()))
+
+
+def _rewritten_in_place(path: Path, data: bytes) -> None:
+    """``data`` written over the start of ``path``, its size and mtime put back (``touch -r``)."""
+    was = path.stat()
+    with open(path, "r+b") as f:
+        f.write(data)
+    os.utime(path, ns=(was.st_atime_ns, was.st_mtime_ns))
+
+
+def test_a_shard_rewritten_in_place_with_its_mtime_put_back_is_a_change(tmp_path):
+    """Before: kind, size, mtime and inode were the same, so nothing had changed."""
+    shard = Path("iter_0000020") / "__0_0.distcp"
+    assert _after(tmp_path, lambda save: _rewritten_in_place(save / shard, b"evil")) == (
+        f"{shard} changed (ctime)"
+    )
+
+
+def test_a_tracker_written_again_or_moved_is_a_change_whatever_its_stamps_say(tmp_path):
+    tracker = "latest_checkpointed_iteration.txt"
+    assert _after(tmp_path, lambda save: _rewritten_in_place(save / tracker, b"24")) == (
+        f"{tracker} was written (ctime)"
+    )
+    (tmp_path / "save").rename(tmp_path / "first")
+    assert _after(tmp_path, lambda save: _rewritten_in_place(save / tracker, b"28")) == (
+        f"{tracker} went from 24 to 28"
+    )
+
+
+def test_megatron_bridges_tracker_and_data_loader_states_are_fingerprinted(tmp_path):
+    def bridge(save: Path) -> Path:
+        (save / "latest_train_state.pt").write_bytes(b"\x80\x02 iteration 24")
+        (save / "energon" / "iter_0000024").mkdir(parents=True)
+        (save / "energon" / "iter_0000024" / "train_dataloader_dprank000.pt").write_bytes(b"state")
+        return save
+
+    save = bridge(_production(tmp_path / "save"))
+    before = fingerprint(save, set())
+    (save / "latest_train_state.pt").write_bytes(b"\x80\x02 iteration 28")
+    (save / "energon" / "iter_0000028").mkdir()
+    (save / "energon" / "iter_0000028" / "train_dataloader_dprank000.pt").write_bytes(b"state")
+    assert changes(before, fingerprint(save, set())) == (
+        "energon/iter_0000028 appeared, a new iteration in production while the continuation ran; "
+        "latest_train_state.pt was rewritten"
+    )
+
+
+def test_a_fifo_planted_as_a_tracker_is_fingerprinted_not_read(tmp_path):
+    """A FIFO with no writer would block a plain read for ever."""
+    save = _production(tmp_path / "save")
+    before = fingerprint(save, set())
+    (save / "latest_checkpointed_iteration.txt").unlink()
+    os.mkfifo(save / "latest_checkpointed_iteration.txt")
+    found = fingerprint(save, set())
+    assert "a FIFO, not a regular file" in found["latest_checkpointed_iteration.txt"][-1]
+    assert changes(before, found) == "latest_checkpointed_iteration.txt was rewritten"
+
+
+def _printed(**values: str) -> PrintedArgs:
+    return PrintedArgs(
+        {"save": "/scratch/continuation-save", "load": "/scratch/restore", **values}, Path("log"), 3
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "refused"),
+    [
+        ("ckpt_convert_save", "/ckpt/job", True),
+        ("ckpt_convert_save", "/scratch/continuation-save/converted", False),
+        ("non_persistent_global_ckpt_dir", "/ckpt/job/non_persistent", True),
+        ("non_persistent_local_ckpt_dir", "/local/ckpt", True),
+        ("non_persistent_local_ckpt_dir", "None", False),
+    ],
+)
+def test_every_save_megatron_lm_makes_must_lie_inside_ckpt_save(name, value, refused, tmp_path):
+    """Megatron-LM's training.py saves the loaded checkpoint converted, tracker and all, into
+    ``join(ckpt_convert_save, format)`` before any iteration; its non-persistent saves go to
+    their own directories. Before: only save and the global non-persistent one were judged."""
+    scratch = tmp_path / "scratch"
+    (scratch / "continuation-save").mkdir(parents=True)
+    (scratch / "restore").mkdir()
+    value = value.replace("/scratch", str(scratch))
+    env = {"CKPT_SAVE": str(scratch / "continuation-save"), "CKPT_LOAD": str(scratch / "restore")}
+    printed = PrintedArgs(
+        {"save": env["CKPT_SAVE"], "load": env["CKPT_LOAD"], name: value}, Path("run.log"), 3
+    )
+    said = _misfit(printed, Compatibility(16, "job.sh", 0), env, None)
+    if not refused:
+        assert said is None
+        return
+    assert said == (
+        f"{name} is {value}, not inside CKPT_SAVE {env['CKPT_SAVE']}: it would save outside the "
+        "drill's scratch (printed at run.log:3)"
+    )
+
+
+def test_a_script_that_names_ckpt_load_only_in_a_comment_is_refused(tmp_path):
+    script = tmp_path / "job.sh"
+    settings = SimpleNamespace(script=script, reference=tmp_path / "train.log")
+    profile = SimpleNamespace(source="p.yaml", drill=SimpleNamespace(continuation=settings), recovery=None)
+    (tmp_path / "train.log").write_text(ITERATION)
+    script.write_text(
+        "#!/bin/bash\n# reads CKPT_LOAD, honest\ntorchrun pretrain_gpt.py --load /ckpt/job  # CKPT_LOAD\n"
+    )
+    with pytest.raises(UsageError, match=f"^{script}: does not read CKPT_LOAD"):
+        continuation_sources(profile)
+    for reads in ('--load "$CKPT_LOAD"', "--load ${CKPT_LOAD:-/ckpt}", "<<EOF\nload: $CKPT_LOAD\nEOF"):
+        script.write_text(f"#!/bin/bash\n# a comment\ntorchrun pretrain_gpt.py {reads}\n")
+        assert continuation_sources(profile)[0] == script, reads
+
+
+def test_two_commands_on_one_continued_line_are_read_as_two(tmp_path):
+    """Before: the line was one command, so the second --lr replaced the first, as argparse
+    takes a repeated flag, instead of being named as set twice."""
+    script = tmp_path / "job.sh"
+    for joined in (";", "&&", "||", "|", "&"):
+        script.write_text(
+            f"#!/bin/bash\ntorchrun pretrain_gpt.py --lr 1e-4 \\\n  --num-layers 2 {joined} torchrun \\\n"
+            "  pretrain_gpt.py --lr 2e-4 --num-layers 2\n"
+        )
+        found = script_args(script, {})
+        assert found.unresolved["lr"] == "the script sets it more than once (1e-4; 2e-4)", joined
+        assert found.values["num_layers"] == 2 and "lr" not in found.values, joined
+
+
+def _escaping(tmp_path: Path, then: str) -> tuple[subprocess.Popen, int]:
+    """A command whose child leaves its session (``setsid -f``: reparented to init before any
+    poll of the command's children can note it), then runs ``then``; and that child's pid, which
+    it writes into a FIFO once it runs."""
+    fifo = tmp_path / f"escaped-{len(list(tmp_path.iterdir()))}.pid"
+    os.mkfifo(fifo)
+    script = f"setsid -f bash -c 'echo $$ > {fifo}; exec sleep 300'\n{then}"
+    started = process.start(["bash", "-c", script], tmp_path / "log")
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        text = b""
+        while not text.endswith(b"\n"):
+            assert select.select([fd], [], [], 60)[0], "the escaping child never ran"
+            text += os.read(fd, 64)
+    finally:
+        os.close(fd)
+    return started, int(text)
+
+
+def test_a_child_that_left_the_session_is_ended_with_the_command(tmp_path):
+    """Before: it outlived the command, which had ended and been waited for."""
+    started, escaped = _escaping(tmp_path, "exit 0\n")
+    process.wait(started, tmp_path / "log", 60)
+    assert not process.running(escaped)
+    # As the continuation's watch stops a run that is still going.
+    started, escaped = _escaping(tmp_path, "exec sleep 300\n")
+    assert process.terminate(started.pid, hard=True, token=started.token)
+    assert not process.running(escaped)
+    started.wait()
+
+
+def test_only_the_commands_own_processes_carry_its_token(tmp_path):
+    started = process.start(["sleep", "300"], tmp_path / "log")
+    other = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        assert re.fullmatch(r"[0-9a-f]{16}", started.token)
+        assert process.carrying(started.token, float("inf")) == [started.pid]
+    finally:
+        other.kill()
+        other.wait()
+        process.terminate(started.pid, hard=True, token=started.token)
+        started.wait()
