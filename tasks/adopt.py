@@ -20,7 +20,7 @@ import yaml
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.signing import Trust
-from tasks.errors import CkptopsError, UsageError
+from tasks.errors import CkptopsError, Malformed, UsageError
 from tasks.job import step_records
 from tasks.outcome import Check, Outcome
 from tasks.profile import SLUG_PATTERN, unquoted_values_cut_short
@@ -52,13 +52,23 @@ def newest_checkpoint(save_dir: Path) -> Path | None:
 
 
 def saved_layout(checkpoint: Path) -> dict[str, int]:
-    """TP, PP and DP as the checkpoint's saved args say (DP from the world size)."""
+    """TP, PP and DP as the checkpoint's saved args say (DP from the world size); a checkpoint
+    file that cannot be read is one ``Malformed`` line naming the checkpoint's folder."""
+    from tasks.checkpoint.dcp import CheckFailed
     from tasks.checkpoint.facts import saved_args
 
-    args, _ = saved_args(checkpoint)
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    world = int(getattr(args, "world_size", tp * pp) or tp * pp)
+    try:
+        args, _ = saved_args(checkpoint)
+    except CheckFailed as e:
+        raise Malformed(f"{checkpoint}: {e}") from None
+    try:
+        tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+        pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+        world = int(getattr(args, "world_size", tp * pp) or tp * pp)
+    except (TypeError, ValueError) as e:
+        raise Malformed(f"{checkpoint}: its saved args hold no layout ({e})") from None
+    if min(tp, pp, world) < 1:
+        raise Malformed(f"{checkpoint}: its saved args say TP {tp}, PP {pp}, world size {world}")
     return {"tensor_parallel": tp, "pipeline_parallel": pp, "data_parallel": max(1, world // (tp * pp))}
 
 

@@ -5,6 +5,7 @@ write is (a regular file, its size and depth bounded, a key given once)."""
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import yaml
 
 from tasks import adopt
 from tasks.errors import UsageError
-from tasks.profile import MAX_PROFILE_BYTES, load_profile
+from tasks.profile import MAX_PROFILE_BYTES, Layout, load_profile
 from tests.test_cli import ckptops_here
 
 # Folder and script names YAML would read otherwise, written plainly.
@@ -126,3 +127,25 @@ def test_a_profile_is_read_bounded_and_refused_in_one_line(tmp_path, kind):
     done = ckptops_here("profile", "check", "-p", written)
     assert done.exit_code == 2 and done.stderr.startswith(f"ckptops: {said}")
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_init_reads_a_real_checkpoint_and_refuses_a_fifo_at_its_metadata_in_one_line(trained, tmp_path):
+    """On a real checkpoint (the local job's, DP 2), under a folder name YAML would cut short; then
+    with a FIFO planted at its ``.metadata`` (the checkpoint readers refuse it, never wait on it):
+    one line naming the checkpoint's folder, exit 2, nothing written."""
+    save = tmp_path / "job #1"
+    shutil.copytree(trained / "iter_0000024", save / "iter_0000024")
+    written = tmp_path / "profile.yaml"
+    done = ckptops_here("profile", "init", "--save-dir", save, "--out", written)
+    assert done.exit_code == 0, done.output
+    profile = load_profile(written)
+    assert profile.job.save_dir == save and profile.job.name == "job-1"
+    assert profile.job.layout == Layout(data_parallel=2)
+
+    metadata = save / "iter_0000024" / ".metadata"
+    metadata.unlink()
+    os.mkfifo(metadata)
+    done = ckptops_here("profile", "init", "--save-dir", save, "--out", tmp_path / "again.yaml")
+    assert done.exit_code == 2 and not (tmp_path / "again.yaml").exists()
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"ckptops: {save / 'iter_0000024'}: .metadata: ") and "FIFO" in line
