@@ -26,7 +26,9 @@ from tasks.checkpoint.lock import Held
 from tasks.checkpoint.scan import FileScan, Record, scan_file, stat_key
 from tasks.checkpoint.state import VerifyOptions, wait_until_complete
 from tasks.checkpoint.verify import Verification, verify_and_record
+from tasks.errors import CkptopsError
 from tasks.storage.digest import Hashing
+from tasks.storage.local import open_regular
 
 _EOCD = b"PK\x05\x06"
 _EOCD_SIZE = 22
@@ -38,9 +40,14 @@ _ZIP64_EOCD_SIZE = 56  # without extensible data, as torch.save writes it
 
 def walk_records(path: Path) -> list[tuple[int, int]] | None:
     """The (offset, length) of every record in a DCP data file, from its end backwards; None when
-    the file is not laid out that way (the early reading is then skipped, never guessed)."""
+    the file is not laid out that way (the early reading is then skipped, never guessed), or is no
+    longer a regular file at that name (``open_regular`` refuses it: the reading is skipped too)."""
     found = []
-    with open(path, "rb") as f:
+    try:
+        opened = open_regular(path, follow=False)
+    except CkptopsError:
+        return None
+    with opened as f:
         end = os.fstat(f.fileno()).st_size
         while end > 0:
             if end < _EOCD_SIZE:

@@ -24,9 +24,11 @@ Why it is shaped like this (measured on the 2-core machine, see README):
   against most of its per-record cost.
 """
 
+import errno
 import hashlib
 import os
 import re
+import stat
 import struct
 import threading
 import zipfile
@@ -385,6 +387,29 @@ def owned_records(records: list[Record], start: int, end: int, last: bool) -> li
     return [r for r in records if start <= r.offset and (r.offset < end or last)]
 
 
+def _open_listed(path: Path, scan: FileScan) -> int | None:
+    """A file listed as a regular one, opened to read: without following a link or blocking on
+    a FIFO put in its place since (the scan is then ``changed``: not what was listed), nor read
+    unless it still is a regular file. None, with the scan saying why, where it is not."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        scan.changed = True  # listed a moment ago: a writer is still at work
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            scan.changed = True
+        else:
+            scan.unreadable = e
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        scan.changed = True
+        return None
+    os.set_blocking(fd, True)
+    return fd
+
+
 def scan_file(
     path: Path,
     records: list[Record],
@@ -406,13 +431,8 @@ def scan_file(
     scan = FileScan(name or path.name, records=len(records))
     if span is not None:
         scan.start, scan.end = span  # what was asked for, even when the file is not there to read
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        scan.changed = True  # listed a moment ago: a writer is still at work
-        return scan
-    except OSError as e:
-        scan.unreadable = e
+    fd = _open_listed(path, scan)
+    if fd is None:
         return scan
     try:
         before = os.fstat(fd)
