@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.checks import VerifyCheck
+from tasks.storage.bounded import load_yaml, read_bounded
 
 MEGATRON_LM = "megatron-lm"
 BRIDGE = "megatron-bridge"
@@ -37,7 +38,9 @@ DATALOADER_IN_ITER = "dataloader_state"  # Bridge's docs: iter_N/dataloader_stat
 _DATALOADER_FILE = re.compile(r"^train_dataloader_dprank(\d{3,})\.pt$", re.ASCII)
 _INT32 = 1 << 32
 _REWRITTEN_SECONDS = 60  # how long a resume file that does not read may be one being copied
-_SMALL = 64 << 20  # train_state.pt is a few KB, run_config.yaml tens of KB
+_SMALL = 64 << 20  # a data loader state: some MB
+_TRAIN_STATE_LIMIT = 1 << 20  # a few KB: a handful of counters
+_RUN_CONFIG_LIMIT = 4 << 20  # tens of KB; the YAML parser takes seconds a MB
 # Tokenizers whose files Bridge copies into tokenizer/ (its save_tokenizer_assets); a
 # NullTokenizer leaves the folder empty.
 _NO_TOKENIZER_FILES = {"NullTokenizer", None}
@@ -51,37 +54,36 @@ class Finding:
 
 
 def dialect_of(directory: Path) -> str:
-    """Bridge where its own files are in the iteration directory, or its resume file beside it."""
+    """Bridge as far as a listing can tell: where Bridge's progress file ``train_state.pt``, the
+    first of its own files it writes after the shards, is in the iteration directory, or where its
+    resume file lies beside it (the save may not have written its own yet). A ``run_config.yaml``
+    alone is not Bridge's (it writes that after ``train_state.pt``). What the checkpoint holds
+    decides the rest: Megatron-LM's args in its common state make it Megatron-LM's, whatever lies
+    beside them (``job_args``, ``findings``)."""
     directory = Path(directory)
-    if (directory / TRAIN_STATE).exists() or (directory / RUN_CONFIG).exists():
+    if (directory / TRAIN_STATE).exists():
         return BRIDGE
     return BRIDGE if (directory.parent / LATEST_TRAIN_STATE).exists() else MEGATRON_LM
 
 
-def _read(path: Path) -> bytes:
+def _read(path: Path, limit: int = _SMALL, what: str = "a Megatron-Bridge file") -> bytes:
     """A small file of the save directory, the one at that name (no link, FIFO or device
-    followed), at most _SMALL bytes."""
-    from tasks.storage.local import open_regular
-
-    with open_regular(path, follow=False) as f:
-        data = f.read(_SMALL + 1)
-    if len(data) > _SMALL:
-        raise ValueError(f"over {_SMALL >> 20} MiB")
-    return data
+    followed), at most ``limit`` bytes (``bounded.read_bounded``)."""
+    return read_bounded(path, limit, what, follow=False)
 
 
-def load_small(path: Path):
+def load_small(path: Path, limit: int = _SMALL):
     """A small torch.save file of tensors and plain types (train_state.pt, a plain data loader
     state), read with the safe loader: nothing in it is unpickled beyond those."""
     from tasks.checkpoint.dcp import weights_only_load
 
-    return weights_only_load(io.BytesIO(_read(path)), Path(path).name)
+    return weights_only_load(io.BytesIO(_read(path, limit)), Path(path).name)
 
 
 def train_state(path: Path) -> dict[str, float | int | bool]:
     """``train_state.pt`` (or ``latest_train_state.pt``) as plain numbers; ValueError naming
     what is wrong when it holds anything else."""
-    loaded = load_small(path)
+    loaded = load_small(path, _TRAIN_STATE_LIMIT)
     if not isinstance(loaded, dict) or "step" not in loaded:
         raise ValueError(f"{Path(path).name} holds no training state (a {type(loaded).__name__})")
     try:
@@ -91,12 +93,9 @@ def train_state(path: Path) -> dict[str, float | int | bool]:
 
 
 def run_config(path: Path) -> dict:
-    import yaml
-
-    try:
-        loaded = yaml.safe_load(_read(path))
-    except yaml.YAMLError as e:
-        raise ValueError(f"{Path(path).name} does not parse ({str(e).splitlines()[0]})") from None
+    """``run_config.yaml``: at most 4 MiB, nested at most ``bounded.MAX_DEPTH`` deep, a mapping;
+    Malformed naming the file and the limit otherwise."""
+    loaded = load_yaml(_read(path, _RUN_CONFIG_LIMIT, "the run config"), path, "the run config")
     if not isinstance(loaded, dict):
         raise ValueError(f"{Path(path).name} is a {type(loaded).__name__}, not a mapping")
     return loaded
@@ -199,7 +198,7 @@ def job_args(directory: Path, common: dict, index=None):
     OSError naming nothing: callers name the file (``findings`` does)."""
     if common.get("args") is not None:
         return common["args"]
-    if dialect_of(directory) == BRIDGE and (Path(directory) / TRAIN_STATE).exists():
+    if (Path(directory) / TRAIN_STATE).exists():
         return bridge_args(directory, index)
     return None
 
@@ -241,11 +240,15 @@ def findings(
     directory: Path, iteration: int, args, data_parallel: int | None, previous: tuple[int, int] | None = None
 ) -> list[Finding]:
     """A checkpoint's own dialect's completeness rules; none beyond the shared ones for
-    Megatron-LM's (args in its common state decide that, whatever lies beside it).
-    ``data_parallel``: the job's size where the profile knows it; ``previous``: the iteration
-    and consumed samples of the job's newest verified checkpoint before this one."""
+    Megatron-LM's (args in its common state decide that, whatever lies beside it). Without args
+    (``job_args`` found none, or Bridge's files could not be read), Bridge's rules where a file
+    of Bridge's is there to say why. ``data_parallel``: the job's size where the profile knows
+    it; ``previous``: the iteration and consumed samples of the job's newest verified checkpoint
+    before this one."""
     directory = Path(directory)
-    if dialect_of(directory) != BRIDGE or getattr(args, "written_by", BRIDGE) != BRIDGE:
+    if args is not None and getattr(args, "written_by", MEGATRON_LM) != BRIDGE:
+        return []
+    if args is None and dialect_of(directory) != BRIDGE and not (directory / RUN_CONFIG).exists():
         return []
     found = _bridge_files(directory)
     if found or args is None:
