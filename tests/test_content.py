@@ -236,7 +236,9 @@ def test_a_stale_resave_verified_before_its_predecessor_is_judged_again_and_neve
     for iteration in (2, 4):
         shutil.copytree(iter_dir(corrupted, iteration), iter_dir(save, iteration))
     early = verify_and_record_here(iter_dir(save, 4), options)
-    assert early.ok and check(early, "lineage").detail.startswith("no earlier verified checkpoint")
+    assert early.ok and check(early, "lineage").detail.startswith(
+        "lineage not checked: no earlier verified checkpoint"
+    )
     report = promote(save, options, 30)
     assert read_pointer(save) == 2 and not report.ok
     assert [(v.iteration, v.state) for v in report.verifications] == [(2, State.VALID), (4, State.INVALID)]

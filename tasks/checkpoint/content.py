@@ -25,6 +25,8 @@ _STEP_TENSOR = re.compile(r"(^|\.)step(\.|$)")
 _PER_PARAM = "optimizer.state."
 _ALIGNMENT = 64  # the distributed optimizer's parameter alignment in its buffers (elements)
 _DP_GROUP = r"optimizer\.distributed\.dp_group_idx_\d+"
+# A lineage warning that says the check had nothing to compare with: the verdict says so too.
+LINEAGE_NOT_CHECKED = "lineage not checked"
 
 
 @dataclass
@@ -304,13 +306,24 @@ def check_lineage(
     previous,
     frozen: list[str],
     drift_factor: float,
+    earlier: int | None = None,
 ) -> None:
     """Against the previous verified checkpoint's manifest: not a stale re-save, no tensor or
-    object family lost, and (a warning) no tensor whose norm moved more than ``drift_factor``."""
-    if previous is None:
-        content.passes.setdefault(
-            VerifyCheck.LINEAGE, "no earlier verified checkpoint of the job to compare with"
+    object family lost, and (a warning) no tensor whose norm moved more than ``drift_factor``.
+    Without one, ``earlier`` (the newest earlier checkpoint of the job on disk, none verified
+    valid) makes it a warning that the lineage was not checked: a stale re-save of it would pass."""
+    if previous is None and earlier is not None:
+        content.warnings.append(
+            Finding(
+                VerifyCheck.LINEAGE,
+                None,
+                f"{LINEAGE_NOT_CHECKED}: no earlier verified checkpoint "
+                f"(iteration {earlier} is not verified valid)",
+            )
         )
+        return
+    if previous is None:
+        content.passes.setdefault(VerifyCheck.LINEAGE, "no earlier checkpoint of the job to compare with")
         return
     name = f"iteration {previous.iteration}"
     if previous.tensors is None:

@@ -33,6 +33,7 @@ from tasks.checkpoint.dcp import (
     DcpIndex,
     build_index,
     collector_off,
+    index_limit,
     load_common_state,
     load_dcp_metadata,
     load_object,
@@ -115,10 +116,31 @@ class _Checks:
         return [r for r in self.results if r.failed]
 
     def reason(self) -> str:
+        """The first failure, where there is one; else the verdict's line (``verdict_reason``)."""
+        if not self.failures:
+            return verdict_reason(self)
         first = self.failures[0]
         more = len(self.failures) - 1
         where = f"{first.file}: " if first.file else ""
         return f"{where}{first.detail} [{first.name}]" + (f" (+{more} more)" if more else "")
+
+
+def verdict_reason(checks: _Checks) -> str:
+    """The line of a verdict: its first failure; or, where the lineage could not be checked, that
+    (a stale re-save of an unverified predecessor passes every other check); or that all passed."""
+    if checks.failures:
+        return checks.reason()
+    unchecked = next(
+        (
+            c
+            for c in checks.results
+            if c.name == VerifyCheck.LINEAGE and c.detail.startswith(state_content.LINEAGE_NOT_CHECKED)
+        ),
+        None,
+    )
+    if unchecked is not None:
+        return f"{unchecked.detail} [{VerifyCheck.LINEAGE}]; every other check passed"
+    return "all checks passed"
 
 
 def _tiles_exactly(size: tuple[int, ...], chunks) -> str | None:
@@ -320,7 +342,8 @@ class _Verifier:
 
     def _load_index(self) -> None:
         try:
-            self.index = build_index(load_dcp_metadata(self.directory / layout.DCP_METADATA))
+            limit = index_limit(self.directory, self.files)
+            self.index = build_index(load_dcp_metadata(self.directory / layout.DCP_METADATA, limit))
         except CheckFailed as e:
             self.checks.record(e)
             return
@@ -572,8 +595,9 @@ class _Verifier:
             objects = set(self.object_families)
             state_content.check_claims(content, self.index, objects, self.common, args, frozen, self.step)
             if not self.given_reference:
+                earlier = None if previous is not None else self._earlier()
                 state_content.check_lineage(
-                    content, self.stats, objects, previous, frozen, self.options.drift_factor
+                    content, self.stats, objects, previous, frozen, self.options.drift_factor, earlier
                 )
         for finding in content.failures:
             self.checks.fail(finding.check, finding.file, finding.detail)
@@ -598,6 +622,12 @@ class _Verifier:
         the save on disk (one that cannot be read, or describes an older save, is passed over)."""
         found = next(verified_newest_first(self.directory.parent, self.iteration, self.options.trust), None)
         return found[1] if found else None
+
+    def _earlier(self) -> int | None:
+        """The newest checkpoint directory of the job before this one, verified or not."""
+        return max(
+            (i for i in layout.list_iterations(self.directory.parent) if i < self.iteration), default=None
+        )
 
     def _check_layout(self, args) -> None:
         stored = self._layout(args)
@@ -628,7 +658,7 @@ class _Verifier:
             job=self.options.job,
             iteration=self.iteration,
             status=State.VALID if valid else State.INVALID,
-            reason="all checks passed" if valid else self.checks.reason(),
+            reason=verdict_reason(self.checks),
             consumed_train_samples=getattr(args, "consumed_train_samples", None),
             writer=self._writer(content),
             layout=self._layout(args),
@@ -841,6 +871,8 @@ def rejudge_lineage(directory: Path, verified: Manifest, options: VerifyOptions)
         if result is None:
             break
         if result.ok:
+            if result.reason != manifest.reason:  # it said its lineage was not checked
+                write_manifest(target, result.manifest, options.trust)
             previous = manifest
             continue
         write_manifest(target, result.manifest, options.trust)
@@ -874,7 +906,7 @@ def _rejudged(
     rewritten = replace(
         manifest,
         status=State.VALID if valid else State.INVALID,
-        reason=manifest.reason if valid else judged.reason(),
+        reason=judged.reason(),
         checks=checks,
         checked_at=now_iso(),
         tensors={name: asdict(s) for name, s in stats.items()},
