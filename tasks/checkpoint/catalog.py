@@ -2,15 +2,18 @@
 
 It owns no file. A checkpoint's state comes from its manifest (the verifier's) and a cheap
 completeness check (stat only); "promoted" from the pointer; pins from the pin folder. Deriving
-it each time means it can never disagree with the files it describes.
+it each time means it can never disagree with the files it describes. A manifest the verdict log
+does not vouch for (``manifest.UnboundVerdict``: the log deleted or shortened) says nothing: its
+checkpoint is listed as needing verification again, with a warning, and never promoted first.
 """
 
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tasks.checkpoint import layout
-from tasks.checkpoint.manifest import CorruptManifest, read_manifest
+from tasks.checkpoint.manifest import CorruptManifest, UnboundVerdict, read_manifest
 from tasks.checkpoint.pins import expired_leases
 from tasks.checkpoint.pins import pins as read_pins
 from tasks.checkpoint.pointer import read_pointer
@@ -20,6 +23,8 @@ from tasks.outcome import Outcome
 from tasks.storage.local import list_entries, list_files
 
 _FROM_DISK = object()
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,6 +50,7 @@ class CheckpointInfo:
     # False, it loads but does not resume; None, never continued.
     certified: bool | None = None
     certification: str = ""  # what that drill said
+    unbound: str | None = None  # why its manifest's verdict is not trusted: it is verified again
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,6 +79,10 @@ def describe(
         return info
     try:
         manifest = read_manifest(directory, options.trust)
+    except UnboundVerdict as e:
+        info.stale, info.unbound = True, str(e)
+        info.reason = f"needs verifying again: {str(e).split(': ', 1)[-1]}"
+        return info
     except CorruptManifest as e:
         info.state, info.reason, info.manifest_error = State.INVALID, str(e), str(e)
         return info
@@ -139,6 +149,16 @@ def catalog(
         info.pins = sorted(pinned.get(iteration, []))
         info.expired_pins = expired.get(iteration, [])
         infos.append(info)
+    unbound = [i for i in infos if i.unbound]
+    if unbound:
+        log.warning(
+            "%s: %d manifest(s) not bound to the verdict log (iterations %s): verified again before "
+            "any is promoted; first: %s",
+            save_dir,
+            len(unbound),
+            ", ".join(str(i.iteration) for i in unbound),
+            unbound[0].unbound,
+        )
     return infos
 
 

@@ -8,7 +8,10 @@ changes ``status`` and
 
 Each manifest written is numbered and recorded in the save directory's verdict log
 (``verdicts``): a manifest older than the newest verdict recorded for its checkpoint (one put
-back after re-verification found the checkpoint invalid, signed or not) is never trusted.
+back after re-verification found the checkpoint invalid, signed or not) is never trusted. In the
+job's own save directory a manifest must also be bound to the log (its sequence there, with its
+digest): one that is not (the log deleted or shortened, its line lost) is read as a reference for
+the bytes by re-verification only, never as a verdict (``UnboundVerdict``).
 """
 
 import copy
@@ -57,6 +60,13 @@ class UntrustedManifest(CorruptManifest):
     """A manifest whose signature the profile's ``sign`` policy does not accept (``signing``)."""
 
 
+class UnboundVerdict(UntrustedManifest):
+    """A manifest of the job's own save directory that the verdict log does not vouch for
+    (``verdicts.unbound``): not a verdict to act on, but no evidence of tampering either. Its
+    checkpoint is verified again (``catalog``); its file hashes, under its signature, remain the
+    reference the bytes are compared with."""
+
+
 @dataclass
 class FileEntry:
     path: str
@@ -103,6 +113,9 @@ class Manifest:
     # Its number among the verdicts recorded for this checkpoint in the save directory's verdict
     # log (``verdicts``); None in a manifest written before the log.
     verdict: int | None = None
+    # Its line's sequence in the verdict log, which binds it to the log (``verdicts.unbound``);
+    # None in a manifest written before sequences.
+    sequence: int | None = None
     # The previous verified checkpoint its lineage was judged against; None: there was none then
     # (it is judged again when one before it is verified: ``verify.rejudge_lineage``).
     lineage_from: int | None = None
@@ -245,17 +258,38 @@ def sign_manifest(
 def read_manifest(directory: Path, trust: Trust = UNCHECKED) -> Manifest | None:
     """The checkpoint's manifest, or None if it has never been verified (``CorruptManifest`` if
     it cannot be trusted, ``UntrustedManifest`` if its signature is not what ``trust`` asks for,
-    ``Unreadable`` if the environment refuses to read it)."""
-    return read_signed_manifest(directory, trust)[0]
+    ``UnboundVerdict`` if, in the job's own save directory, the verdict log does not vouch for
+    it, ``Unreadable`` if the environment refuses to read it)."""
+    manifest, _, raw = _read_signed(directory, trust)
+    iteration = layout.parse_iter_dir(Path(directory).name)
+    if manifest is None or trust.job is None or iteration is None:
+        return manifest
+    path = Path(directory) / MANIFEST
+    why = verdicts.unbound(Path(directory).parent, iteration, manifest.sequence, raw, trust.required)
+    if why is not None:
+        # Read once more, in case this read fell between a writer's rename and its append.
+        if read_state(path) != raw:
+            return read_manifest(directory, trust)
+        why = verdicts.unbound(Path(directory).parent, iteration, manifest.sequence, raw, trust.required)
+        if why is not None:
+            raise UnboundVerdict(f"{path}: {why}")
+    return manifest
 
 
 def read_signed_manifest(directory: Path, trust: Trust = UNCHECKED) -> tuple[Manifest | None, str | None]:
-    """``read_manifest``, with the allowed key that signed it, for messages (None: unsigned, or
-    a policy that checks nothing)."""
+    """The checkpoint's manifest as a reference for its bytes (what re-verification compares them
+    with), with the allowed key that signed it, for messages (None: unsigned, or a policy that
+    checks nothing); ``read_manifest``'s errors, except that one the verdict log does not vouch
+    for is returned: its hashes are still under its signature, its verdict is judged again."""
+    return _read_signed(directory, trust)[:2]
+
+
+def _read_signed(directory: Path, trust: Trust) -> tuple[Manifest | None, str | None, bytes | None]:
+    """``read_signed_manifest``, with the manifest's exact bytes."""
     path = Path(directory) / MANIFEST
     raw = read_state(path)
     if raw is None:
-        return None, None
+        return None, None, None
     manifest = parse_manifest(raw, str(path))
     iteration = layout.parse_iter_dir(Path(directory).name)
     if iteration is not None:
@@ -263,10 +297,10 @@ def read_signed_manifest(directory: Path, trust: Trust = UNCHECKED) -> tuple[Man
         if older is not None:
             # Read once more, in case this read fell between a writer's rename and its append.
             if read_state(path) != raw:
-                return read_signed_manifest(directory, trust)
+                return _read_signed(directory, trust)
             raise UntrustedManifest(f"{path}: {older}")
     if not trust.checks:
-        return manifest, None
+        return manifest, None, raw
     signature_path = Path(directory) / layout.SIGNATURE
     try:
         signature = read_state(signature_path)
@@ -278,9 +312,9 @@ def read_signed_manifest(directory: Path, trust: Trust = UNCHECKED) -> tuple[Man
         # A writer renames the signature and the manifest in turn: read once more, in case this
         # read fell between the two renames.
         if read_state(path) != raw:
-            return read_signed_manifest(directory, trust)
+            return _read_signed(directory, trust)
         raise UntrustedManifest(str(e)) from None
-    return manifest, key.label() if key else None
+    return manifest, key.label() if key else None, raw
 
 
 def valid_for_this_save(directory: Path, iteration: int, trust: Trust = UNCHECKED) -> Manifest | None:
@@ -319,22 +353,26 @@ def verified_newest_first(
             yield iteration, manifest
 
 
-def _number_on_disk(path: Path) -> int | None:
-    """The verdict number of the manifest a write replaces, read as plainly as can be (it may be
-    one that cannot be trusted: its number still counts)."""
+def _numbers_on_disk(path: Path) -> tuple[int | None, int | None]:
+    """The verdict number and the sequence of the manifest a write replaces, read as plainly as
+    can be (it may be one that cannot be trusted: its numbers still count)."""
     try:
-        number = json.loads(read_state(path) or b"{}").get("verdict")
+        found = json.loads(read_state(path) or b"{}")
+        numbers = found.get("verdict"), found.get("sequence")
     except (ValueError, AttributeError):
-        return None
-    return number if type(number) is int else None
+        return None, None
+    number, sequence = (n if type(n) is int else None for n in numbers)
+    return number, sequence
 
 
 def write_manifest(directory: Path, manifest: Manifest, trust: Trust) -> str | None:
     """Write the manifest, signed where ``trust`` has a key and its digests are cryptographic
     (``signing``): the signature is made first, so a key that cannot sign changes nothing, and
     the two files are renamed into place together. Which key signed, or None. The manifest gets
-    the next verdict number of its checkpoint, and is recorded in the save directory's verdict
-    log once it is in place."""
+    the next verdict number of its checkpoint and the log's next sequence (both under its
+    signature), and is recorded in the save directory's verdict log once it is in place: a line
+    lost after the rename leaves a manifest the log does not vouch for, which is verified again,
+    never trusted on its word (``verdicts.unbound``)."""
     path = Path(directory) / MANIFEST
     save_dir = Path(directory).parent
     if trust.checks and not trust.signs:
@@ -343,7 +381,9 @@ def write_manifest(directory: Path, manifest: Manifest, trust: Trust) -> str | N
         )
     iteration = layout.parse_iter_dir(Path(directory).name)
     if iteration is not None:
-        manifest.verdict = verdicts.next_number(save_dir, iteration, _number_on_disk(path))
+        number, sequence = _numbers_on_disk(path)
+        manifest.verdict = verdicts.next_number(save_dir, iteration, number)
+        manifest.sequence = verdicts.next_sequence(save_dir, sequence)
     data = manifest.to_json().encode()
     name = signing.local_name(trust, directory, manifest)
     signature, key = sign_manifest(manifest, data, trust, str(path), name)
@@ -358,6 +398,12 @@ def write_manifest(directory: Path, manifest: Manifest, trust: Trust) -> str | N
         raise unreadable(path, e) from None
     if iteration is not None:
         verdicts.record(
-            save_dir, iteration, manifest.verdict, manifest.status.value, data, manifest.checked_at
+            save_dir,
+            iteration,
+            manifest.verdict,
+            manifest.sequence,
+            manifest.status.value,
+            data,
+            manifest.checked_at,
         )
     return key
