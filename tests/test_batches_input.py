@@ -8,10 +8,12 @@ import shutil
 import subprocess
 
 import numpy
+import pytest
 
-from tasks.checkpoint.batches import data_version
+from tasks.checkpoint.batches import _Indices, _read_description, data_version
 from tasks.checkpoint.dcp import build_index, load_common_state, load_dcp_metadata
 from tasks.checkpoint.manifest import read_manifest
+from tasks.errors import UsageError
 from tests.conftest import ROOT, iter_dir
 from tests.test_cli import ckptops_here
 
@@ -136,3 +138,36 @@ def test_next_batch_of_an_empty_or_garbled_checkpoint_folder_names_it_and_what_i
     (empty / ".metadata").write_bytes(b"not a pickle")
     line = one_line(ckptops_here("next-batch", empty))
     assert line.startswith(f"ckptops: {empty}: .metadata: unreadable (") and line.endswith("[dcp-metadata]")
+
+
+def test_the_data_caches_files_are_read_bounded_never_waited_on(tmp_path):
+    """Anyone who can write the data cache can leave a FIFO or a bomb there: numpy's and
+    read_text's plain opens waited on a FIFO for ever, and a deep description was a
+    RecursionError. Each is one line naming the file, as a description or index is."""
+    description = tmp_path / "abc-GPTDataset-train-description.txt"
+    os.mkfifo(description)
+    with pytest.raises(UsageError) as caught:
+        _read_description(description)
+    assert str(caught.value) == f"{description}: a FIFO, not a regular file; give the file itself"
+    description.unlink()
+    description.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(UsageError, match=r"abc-GPTDataset-train-description.txt: the dataset description "):
+        _read_description(description)
+
+    description.write_text("{}")
+    numpy.save(tmp_path / "abc-GPTDataset-train-document_index.npy", numpy.arange(4, dtype=numpy.int32))
+    numpy.save(tmp_path / "abc-GPTDataset-train-sample_index.npy", numpy.zeros((3, 2), dtype=numpy.int64))
+    shuffle = tmp_path / "abc-GPTDataset-train-shuffle_index.npy"
+    os.mkfifo(shuffle)
+    with pytest.raises(UsageError) as caught:
+        _Indices(description)
+    assert str(caught.value) == f"{shuffle}: a FIFO, not a regular file; give the file itself"
+    shuffle.unlink()
+    numpy.save(shuffle, numpy.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(UsageError) as caught:
+        _Indices(description)
+    assert str(caught.value) == f"{shuffle}: unreadable dataset index (it holds Python objects)"
+    numpy.save(shuffle, numpy.array([1, 0], dtype=numpy.uint32))
+    indices = _Indices(description)
+    assert indices.arrays["shuffle_index"].tolist() == [1, 0] and len(indices) == 2
+    assert indices.arrays["sample_index"].shape == (3, 2) and indices.entry("document_index", 3) == 3

@@ -27,10 +27,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from numpy.lib import format as npy
 
 from tasks.checkpoint import dialect, layout
 from tasks.checkpoint.dcp import CheckFailed, build_index, load_common_state, load_dcp_metadata
-from tasks.errors import Malformed, Unreadable, UsageError, unreadable
+from tasks.errors import CkptopsError, Malformed, Unreadable, UsageError, unreadable
+from tasks.storage.bounded import load_json, read_bounded
 from tasks.storage.local import open_regular
 
 # Each kind of train dataset Megatron caches: its description file's suffix and its index files.
@@ -40,6 +42,10 @@ _INDICES = {
     _GPT: ("document_index", "sample_index", "shuffle_index"),
     _BLENDED: ("dataset_index", "dataset_sample_index"),
 }
+
+
+# Megatron's description of one dataset is about a kilobyte; a blend's lists each of its datasets'.
+MAX_DESCRIPTION_BYTES = 16 << 20
 
 
 def _description_suffix(kind: str) -> str:
@@ -112,11 +118,13 @@ def _prefixes(args, where: Path) -> list[str]:
 
 
 def _read_description(path: Path) -> dict:
-    """A description file of the cache, a JSON object; anything else is one line naming it."""
+    """A description file of the cache, a JSON object read bounded (a regular file of at most
+    ``MAX_DESCRIPTION_BYTES``, nested at most ``MAX_DEPTH``); anything else is one line naming it."""
     try:
-        described = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{path}: unreadable dataset description ({e})") from None
+        what = "the dataset description"
+        described = load_json(read_bounded(path, MAX_DESCRIPTION_BYTES, what), path, what)
+    except CkptopsError as e:
+        raise UsageError(str(e)) from None
     if not isinstance(described, dict):
         raise UsageError(
             f"{path}: not a dataset description (a JSON {type(described).__name__}, not an object)"
@@ -227,6 +235,27 @@ def _index_files(description: Path) -> dict[str, Path]:
     return {name: Path(f"{stem}{name}.npy") for name in _INDICES[kind]}
 
 
+def _load_index(path: Path) -> np.ndarray:
+    """An index file memory-mapped as ``np.load(path, mmap_mode="r")`` maps it, but through a
+    descriptor opened as a regular file (``open_regular``: numpy's own plain open would wait for
+    ever on a FIFO in the cache); a file that is not a plain array is one line naming it."""
+    try:
+        with open_regular(path) as f:
+            version = npy.read_magic(f)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"format version {version} is not read here")
+            read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+            shape, fortran, dtype = read_header(f)
+            if dtype.hasobject:
+                raise ValueError("it holds Python objects")
+            order = "F" if fortran else "C"
+            return np.memmap(f, dtype=dtype, mode="r", shape=shape, order=order, offset=f.tell())
+    except CkptopsError as e:
+        raise UsageError(str(e)) from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: unreadable dataset index ({e})") from None
+
+
 class _Indices:
     """One dataset's index files, memory-mapped. Every entry is read with its range checked: the
     files are the job's (or anyone's who can write the cache), and an entry out of range would
@@ -237,10 +266,7 @@ class _Indices:
         self.paths = _index_files(description)
         self.arrays = {}
         for name, path in self.paths.items():
-            try:
-                array = np.load(path, mmap_mode="r", allow_pickle=False)
-            except (OSError, ValueError) as e:
-                raise UsageError(f"{path}: unreadable dataset index ({e})") from None
+            array = _load_index(path)
             shape = (2,) if name == "sample_index" else ()
             if (
                 not np.issubdtype(array.dtype, np.integer)
