@@ -4,8 +4,10 @@
 profile file, so a profile and the data it names can move together: every path field is a
 ``ProfilePath``, which validation resolves against the folder ``load_profile`` passes in the
 validation context (a profile built in code, without one, keeps its paths as given). Unknown keys
-are errors (a misspelt ``keep_verfied`` must not silently fall back to a default), and every error
-names the file and the key.
+are errors (a misspelt ``keep_verfied`` must not silently fall back to a default), and so is a key
+given twice (YAML keeps the last without a word); every error names the file and the key. A
+profile is not always ckptops's own file: it is read as every such file is
+(``tasks.storage.bounded``: a regular file, its size and nesting bounded).
 """
 
 import codecs
