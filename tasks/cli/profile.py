@@ -28,7 +28,8 @@ def profile_init(
     ] = None,
 ):
     """A starting profile: the job's layout from its newest checkpoint's saved args, its launcher
-    from its script, each section left out named with what it would enable."""
+    from its script, each section left out named with what it would enable; every value quoted,
+    so it loads back as given."""
     with expected_errors():
         from tasks.adopt import starting_profile
 
@@ -48,9 +49,9 @@ def profile_init(
 
 @commands.command("check")
 def profile_check(profile: ProfileOpt = None, as_json: JsonOpt = False):
-    """The profile against this machine: every path it names, the launcher's tools, the job
-    script's relaunch and continuation lines, and what each missing section would enable. Exit 1
-    when something it names is wrong."""
+    """The profile against this machine: every path it names (and the job's name) read as its
+    line says, each path there, the launcher's tools, the job script's relaunch and continuation
+    lines, and what each missing section would enable. Exit 1 when something it names is wrong."""
     with expected_errors():
         import json
 
