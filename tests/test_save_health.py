@@ -83,11 +83,15 @@ def test_older_megatron_lm_wording_and_a_save_overtaken_by_the_next():
             "saving checkpoint at iteration     200 to /ckpt",
             " iteration      201/    1000 | consumed samples: 1608 | lm loss: 2.0 |",
             "saving checkpoint at iteration     300 to /ckpt",
+            "Traceback (most recent call last):",
+            '  File "/opt/megatron/megatron/training/checkpointing.py", line 480, in save_checkpoint',
+            "    torch.save(state_dict, checkpoint_name)",
             "OSError: [Errno 122] Disk quota exceeded",
         ]
     )
     assert log.saves[100].done and log.saves[100].began is None  # no timestamps
     assert log.saves[200].error == "OSError: [Errno 122] Disk quota exceeded"
+    assert log.saves[200].error_line == 10
     assert log.saves[200].out_of_space and log.saves[300].error is None
     assert log.saves[300].stuck and not log.saves[200].stuck  # 200 failed; 300 never finished
     behind = read_save_log(
@@ -168,14 +172,15 @@ def test_the_log_decides_a_failed_save_and_the_tracker_ahead_of_the_data_is_an_a
     log = read_save_log(
         [
             "[2026-12-07 04:50:53.945097] saving checkpoint at iteration      24 to /ck in torch_dist format",
-            "[rank0]: OSError: [Errno 5] Input/output error",
+            "[rank0]: OSError: [Errno 5] Input/output error: '/ck/iter_0000024/__0_0.distcp'",
         ]
     )
     (store / "latest_checkpointed_iteration.txt").write_text("24")
     found = save_report(store, options, log, world_size=2)
     failed = found.saves[-1]
     assert (
-        failed.state is SaveState.FAILED and failed.error == "[rank0]: OSError: [Errno 5] Input/output error"
+        failed.state is SaveState.FAILED
+        and failed.error == "[rank0]: OSError: [Errno 5] Input/output error: '/ck/iter_0000024/__0_0.distcp'"
     )
     assert not failed.out_of_space  # an I/O error, and the disk has room
     assert found.tracker == 24
@@ -423,3 +428,53 @@ def test_the_advice_measures_an_async_jobs_blocking_and_background_writes_apart(
     assert len(found["saves"]["store"]) == 2  # first data file to .metadata, for 2 and 4
     text = ckptops_here("goodput", "advise", *given).stdout
     assert "async background writes: 2; median " in text
+
+
+WANDB_FULL = (
+    "wandb: WARNING Failed to cache artifact: [Errno 28] No space left on device: "
+    "'/root/.cache/wandb/artifacts/obj/tmp1234'"
+)
+
+
+def test_a_save_error_counts_only_in_its_writers_words_or_naming_its_directory(store):
+    """Another program's full disk (a wandb cache) during a save is not the save's failure; the
+    same words naming the save's directory, in Megatron-Core's writer's log line, or ending a
+    traceback through a checkpoint writer's frames are."""
+    began = "[2026-12-07 04:50:53.945097] saving checkpoint at iteration      24 to /ck in torch_dist format"
+    log = read_save_log([began, WANDB_FULL, "[rank0]: OSError: [Errno 28] No space left on device"])
+    assert log.saves[24].error is None
+    found = save_report(store, VerifyOptions(job="test-job"), log, world_size=2)
+    assert not any(s.state is SaveState.FAILED or s.out_of_space for s in found.saves)
+    assert not any("out of space" in line or "failed" in line for line in found.alarm_lines())
+    for owned in (
+        "[rank0]: OSError: [Errno 28] No space left on device: '/ck/iter_0000024/__0_0.distcp'",
+        "ERROR:megatron.core.dist_checkpointing.strategies.filesystem_async:Local worker 0 encountered "
+        "an error: [Errno 28] No space left on device",
+    ):
+        assert read_save_log([began, WANDB_FULL, owned]).saves[24].error == owned
+    traced = read_save_log(
+        [
+            began,
+            "[rank0]: Traceback (most recent call last):",
+            '[rank0]:   File "/usr/lib/python3/site-packages/torch/serialization.py", line 379, in save',
+            "[rank0]:     _save(obj, opened_zipfile, pickle_module, pickle_protocol)",
+            "[rank0]: OSError: [Errno 28] No space left on device",
+        ]
+    )
+    assert traced.saves[24].error == "[rank0]: OSError: [Errno 28] No space left on device"
+    assert traced.saves[24].out_of_space
+
+
+def test_triage_keeps_a_nan_failure_beside_another_programs_full_disk(tmp_path):
+    nan = (
+        "ERROR:megatron.core.rerun_state_machine:Unexpected result nan on rank 1 at iteration #25 "
+        "invocation #1 (message='found NaN in local grad norm')"
+    )
+    log = tmp_path / "job.log"
+    log.write_text(
+        "[2026-12-07 04:50:53.945097] saving checkpoint at iteration 24 to /ck in torch_dist format\n"
+        f"[2026-12-07 04:50:54] {WANDB_FULL}\n[2026-12-07 04:50:55] {nan}\n"
+    )
+    found = triage([log])
+    assert found.cls == "numerics", found.reason
+    assert all(e.cls != "save-failed" for e in found.evidence)

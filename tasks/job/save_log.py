@@ -51,6 +51,22 @@ SAVE_ERROR = re.compile(
     r"|inline_container\.cc:\d+\]. unexpected pos|PytorchStreamWriter failed writing file",
     re.I,
 )
+# Words that belong to the saving ranks' writer: its own messages and its loggers' names
+# (Megatron-Core 0.19's filesystem_async and async_utils, torch DCP, torch's zip writer). The OS's
+# words alone (ENOSPC, EDQUOT, EIO, EROFS) are anybody's: a wandb cache, a data loader, a
+# profiler; they are a save's error only on a line of the writer's, a line that names the save's
+# directory, or the exception that ends a traceback through a writer's frames (WriterTrace).
+_WRITER_WORDS = re.compile(
+    r"Local worker \d+ encountered an error|Worker failure: |CheckpointException"
+    r"|An error is caught while starting worker|inline_container\.cc:\d+\]. unexpected pos"
+    r"|PytorchStreamWriter failed writing file"
+    r"|megatron\.core\.dist_checkpointing|torch\.distributed\.checkpoint",
+    re.I,
+)
+# A frame of a checkpoint writer: Megatron's and DeepSpeed's checkpointing code, torch DCP,
+# Megatron-Core's dist_checkpointing, torch.save's serialization.
+_WRITER_FRAME = re.compile(r'File "[^"]*(?:checkpoint|/torch/serialization\.py)[^"]*", line \d+')
+_FRAME = re.compile(r'\bFile "[^"]+", line \d+')
 # A training step logged (Megatron-LM's, torchtitan's, nanoGPT's): progress after a save began.
 # The step's number: only a later step is progress past a save (the last rank prints the
 # iteration line, rank 0 the save's, and the two interleave).
@@ -70,6 +86,44 @@ ENDED = re.compile(
     r"ChildFailedError|Root Cause \(first observed failure\)|\*\*\* (?:JOB|STEP) \S+ ON \S+ CANCELLED"
     r"|\[after training is done\]|exiting program at iteration"
 )
+
+
+class WriterTrace:
+    """Follows a log's tracebacks, a line at a time: ``feed`` says whether a line is the
+    exception that ends a traceback whose frames run through a checkpoint writer's code. A frame's
+    source lines are indented two columns past its ``File``; the first other line after the
+    frames is the exception."""
+
+    def __init__(self) -> None:
+        self.column: int | None = None  # of the last frame's ``File``
+        self.writer = False
+
+    def feed(self, line: str) -> bool:
+        frame = _FRAME.search(line)
+        if frame is not None:
+            self.column = frame.start()
+            self.writer = self.writer or _WRITER_FRAME.search(line) is not None
+            return False
+        column = self.column
+        if column is not None and line[column : column + 2] == "  " and line[column:].strip():
+            return False
+        ended = column is not None and self.writer
+        self.column, self.writer = None, False
+        return ended
+
+
+def writers(line: str, directories, in_writer_trace: bool) -> bool:
+    """Whether a save error's words on ``line`` are the saving ranks' writer's: its own words,
+    the name of a save's directory (``directories``), or the end of a traceback through its frames."""
+    if _WRITER_WORDS.search(line) or in_writer_trace:
+        return True
+    return any(d and d in line for d in directories)
+
+
+def save_directory(line: str) -> str | None:
+    """The directory a ``saving checkpoint at iteration N to DIR`` line names."""
+    m = _BEGAN.search(line) if "saving checkpoint" in line else None
+    return m[3] if m else None
 
 
 @dataclass
@@ -191,13 +245,16 @@ def stalled_in(log: SaveLog) -> LoggedSave | None:
 
 def read_save_log(lines: Iterable[str], source: str = "") -> SaveLog:
     """The saves in a Megatron-LM log, in one pass. An error line counts for the oldest save
-    not finished (Megatron-LM finalizes saves in order); the timer after a save is that save's."""
+    not finished (Megatron-LM finalizes saves in order), when it is the writer's (``writers``);
+    the timer after a save is that save's."""
     saves: dict[int, LoggedSave] = {}
     unfinished: list[LoggedSave] = []  # began and not finished, oldest first (finalized in order)
     timed: LoggedSave | None = None  # the last save whose timer has not been printed yet
     ended, elsewhere, writer = False, None, None
     blocking: list[float] = []
+    trace = WriterTrace()
     for number, line in enumerate(lines, 1):
+        in_writer = trace.feed(line)
         if m := _PROGRESS.search(line):
             step, elsewhere = int(m[1] or m[2] or m[3]), None
             for save in unfinished:
@@ -236,8 +293,14 @@ def read_save_log(lines: Iterable[str], source: str = "") -> SaveLog:
         if m := _LOCAL_SAVED.search(line):
             blocking.append(float(m[2]))
             continue
-        if unfinished and unfinished[0].error is None and SAVE_ERROR.search(line):
-            unfinished[0].error, unfinished[0].error_line = line.strip()[:500], number
+        oldest = unfinished[0] if unfinished else None
+        if (
+            oldest is not None
+            and oldest.error is None
+            and SAVE_ERROR.search(line)
+            and writers(line, (oldest.directory,), in_writer)
+        ):
+            oldest.error, oldest.error_line = line.strip()[:500], number
             continue
         if ENDED.search(line):
             ended = True

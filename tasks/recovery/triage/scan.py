@@ -6,6 +6,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from tasks.job.save_log import WriterTrace, save_directory, writers
 from tasks.recovery.triage.decide import Decide
 from tasks.recovery.triage.model import (
     BLOCK,
@@ -75,6 +76,7 @@ class _File:
     frame: int | None = None  # column of `File "..."` on the line before (a traceback frame)
     summaries: dict = field(default_factory=dict)  # torchrun's root-cause blocks open, by label
     hosts: set = field(default_factory=set)  # hosts NCCL's `host:pid:tid [local rank]` lines name (2 at most)
+    trace: WriterTrace = field(default_factory=WriterTrace)  # a traceback through a checkpoint writer
 
 
 class Scan(Decide):
@@ -83,6 +85,7 @@ class Scan(Decide):
         self.critical = critical
         self.files: list[_File] = []
         self.year: int | None = None  # of the first dated timestamp
+        self.save_dirs: set[str] = set()  # the directories the logs' saves write to (16 at most)
 
     def read(self, index: int, name: str, lines) -> None:
         state = _File(index, name)
@@ -123,6 +126,9 @@ class Scan(Decide):
         f.lines += len(block)
 
     def _line(self, f: _File, number: int, text: str, screened: bool) -> None:
+        in_writer = f.trace.feed(text)
+        if len(self.save_dirs) < 16 and (directory := save_directory(text)):
+            self.save_dirs.add(directory)
         stamp = timestamp_of(text)
         if stamp is not None:
             f.last_ts = stamp
@@ -160,6 +166,12 @@ class Scan(Decide):
             f.nvrm = None
             return  # a training progress line: evidence only when NaN or a spike
         found = classify_line(text, self.critical) if screened else None
+        if (
+            found is not None
+            and found[1] == FailureClass.SAVE_FAILED
+            and not writers(text, self.save_dirs, in_writer)
+        ):
+            found = None  # the OS's words, not the saving ranks' writer's (a wandb cache, a loader)
         if progress is not None and (found is None or found[1] != FailureClass.NUMERICS):
             found = ("root", FailureClass.NUMERICS, frozenset({progress[0]}))
         hit = None
