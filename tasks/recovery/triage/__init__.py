@@ -24,8 +24,11 @@ nothing. The decision:
 5. Nothing recognised: ``unknown``. No guessing.
 
 A failed checkpoint write (no space, over quota, an I/O error, Megatron-Core's async writer's or
-torch DCP's failure) is a root line of class ``save-failed``; the save it was writing, by the
-log, is ``save_iteration`` for both save classes.
+torch DCP's failure) is a root line of class ``save-failed`` when the words are the saving ranks'
+writer's (``tasks.job.save_log.writers``: the writer's own line, the save's directory named, or the
+exception ending a traceback through a checkpoint writer's frames); another program's full disk (a
+wandb cache) is no evidence. The save it was writing, by the log, is ``save_iteration`` for both
+save classes.
 
 Within a class, the first error of a preempted job is the scheduler's line that states why (``DUE
 TO TIME LIMIT``), if there is one. A step cancelled without a reason after an srun task failed is
