@@ -91,7 +91,14 @@ def test_yaml_that_is_not_yaml_names_the_file_and_line(tmp_path):
 
 @pytest.mark.parametrize(
     ("value", "said"),
-    [(10**30, "outside 0..1,000"), (-1, "outside"), ("12", "not an integer"), (True, "not an integer")],
+    [
+        (10**30, "outside 0..1,000"),
+        (10**5000, "a 16610-bit integer, outside"),
+        (-1, "outside"),
+        ("12", "not an integer"),
+        (True, "not an integer"),
+    ],
+    ids=["huge", "unprintable", "negative", "text", "bool"],
 )
 def test_an_integer_out_of_range_or_of_another_type_is_refused(tmp_path, value, said):
     with pytest.raises(Malformed, match=f"time_created_ns is .*{said}"):

@@ -99,5 +99,7 @@ def bounded_int(value: Any, path: Path, key: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise Malformed(f"{path}: {key} is {str(value)[:40]!r}, not an integer")
     if not low <= value <= high:
-        raise Malformed(f"{path}: {key} is {value}, outside {low}..{high:,}; refused")
+        # An integer of thousands of digits cannot even be printed (Python's limit): its size is.
+        said = value if value.bit_length() <= 64 else f"a {value.bit_length()}-bit integer"
+        raise Malformed(f"{path}: {key} is {said}, outside {low}..{high:,}; refused")
     return value
