@@ -131,8 +131,16 @@ def load_dcp_metadata(path: Path, limit: int | None = None) -> Metadata:
 
 
 def _read_index(path: Path, limit: int) -> bytes:
+    """``.metadata``'s bytes, at most ``limit``; read asking for no more than the file holds (a
+    read of ``limit`` bytes, terabytes beside a large checkpoint, would reserve them first)."""
     try:
-        return read_bounded(path, limit, "the DCP index", follow=False)
+        size = os.lstat(path).st_size
+    except FileNotFoundError:
+        raise CheckFailed(VerifyCheck.DCP_METADATA, path.name, "missing") from None
+    except OSError as e:
+        raise unreadable(path, e) from None
+    try:
+        return read_bounded(path, min(limit, size), "the DCP index", follow=False)
     except Unreadable:
         if not os.path.lexists(path):
             raise CheckFailed(VerifyCheck.DCP_METADATA, path.name, "missing") from None
@@ -141,7 +149,8 @@ def _read_index(path: Path, limit: int) -> bytes:
         kind = str(e).removeprefix(f"{path}: ").split(";")[0]
         raise CheckFailed(VerifyCheck.DCP_METADATA, path.name, f"{kind}; refused") from None
     except Malformed:
-        size = os.lstat(path).st_size
+        if size <= limit:  # it grew as it was read: not the index that was listed
+            raise CheckFailed(VerifyCheck.DCP_METADATA, path.name, "changed while being read") from None
         raise CheckFailed(
             VerifyCheck.DCP_METADATA,
             path.name,
