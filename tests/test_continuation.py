@@ -397,7 +397,9 @@ def test_the_fingerprint_takes_any_change_of_what_a_resume_reads_as_the_continua
         "iter_0000028 appeared, a new iteration in production while the continuation ran; "
         "latest_checkpointed_iteration.txt went from 24 to 28"
     )
-    assert after(promotes_and_retires).startswith("iter_0000016 was removed; iter_0000016/.metadata was removed")
+    assert after(promotes_and_retires).startswith(
+        "iter_0000016 was removed; iter_0000016/.metadata was removed"
+    )
     assert after(promotes_an_older_one) == "latest_verified_iteration.txt went from 20 to 24"
     assert after(continues_into_production) == (
         "iter_0000022 appeared, a new iteration in production while the continuation ran; "
