@@ -108,6 +108,13 @@ def _parses(path: Path) -> bool:
         return False
 
 
+def _idle_seconds(directory: Path, files: dict[str, os.stat_result]) -> float:
+    """How long since the save last wrote into ``directory``: ckptops's own files (a manifest
+    written into a save that failed) are not the save's, and never make it look active."""
+    times = [st.st_mtime for name, st in files.items() if not layout.is_own_file(name)]
+    return time.time() - max(times, default=directory.stat().st_mtime)
+
+
 def completeness(
     directory: Path, options: VerifyOptions, files: dict[str, os.stat_result] | None = None
 ) -> Completeness:
@@ -116,7 +123,7 @@ def completeness(
     directory = Path(directory)
     try:
         files = list_files(directory) if files is None else files
-        idle = time.time() - max((st.st_mtime for st in files.values()), default=directory.stat().st_mtime)
+        idle = _idle_seconds(directory, files)
         if layout.METADATA_JSON not in files:
             if _newer_checkpoint_complete(directory):
                 return Completeness(

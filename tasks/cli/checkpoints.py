@@ -170,15 +170,16 @@ def status(
     as_json: JsonOpt = False,
 ):
     """Every checkpoint and its promotion, the saves not complete and the store's space; ALERT
-    (exit 1) for a save stalled or failed, the tracker ahead of the data, no room for the next
-    save, or a checkpoint waiting past verify.alert_after_seconds unpromoted."""
+    (exit 1) for a save stalled or failed, a tracker (Megatron-LM's or Megatron-Bridge's) naming
+    a checkpoint missing, invalid or not verified past verify.abandon_after_seconds, no room for
+    the next save, or a checkpoint waiting past verify.alert_after_seconds unpromoted."""
     with expected_errors():
         from tasks.status import job_status
 
         prof = load_profile(profile)
         directory = _save_dir(prof, save_dir)
         found = job_status(prof, directory, _options(prof, directory), details=not as_json, log=log)
-    alarms = found.saves.alarms()
+    alarms = found.alarms
     if as_json:
         saves = {s.iteration: s.to_dict() for s in found.saves.saves}
         rows = [i.to_dict() | {"save": saves.get(i.iteration)} for i in found.checkpoints]
