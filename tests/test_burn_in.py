@@ -7,13 +7,22 @@ tests/test_recovery_slurm.py."""
 import json
 import os
 import re
+import stat
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from tasks.health import nvrx
-from tasks.health.burn_in import Drained, passing_since, proof
-from tasks.health.history import record_burn_in, record_returned, record_suspect, record_verdict
+from tasks.health import actions, nvrx
+from tasks.health import burn_in as burn_in_module
+from tasks.health.actions import DRAIN_LOG, DrainPlan, apply_drains
+from tasks.health.burn_in import Drained, burn_in, drained_by_us, passing_since, proof
+from tasks.health.history import (
+    read_history,
+    record_burn_in,
+    record_returned,
+    record_suspect,
+    record_verdict,
+)
 from tasks.outcome import Verdict
 from tasks.profile import load_profile
 
@@ -179,3 +188,83 @@ def test_the_burn_in_flow_shows_the_fleet_and_fails_when_spares_run_short(prefec
     rows = {row["node"]: row for row in json.loads(Artifact.get("fleet").data)}
     assert rows["n2"]["place"] == "drained by someone else" and rows["n2"]["detail"] == "bios update"
     assert rows["s1"]["place"] == "spare in use" and rows["n1"]["place"] == "healthy"
+
+
+NOBODY = 65534  # another local account
+
+
+def _drains_enabled(tmp_path: Path, monkeypatch):
+    """Settings that drain, a Slurm that takes any drain, and a run_health never to be reached."""
+    settings = load_profile(str(health_profile(tmp_path, drain={"enabled": True}))).health
+    monkeypatch.setattr(actions.slurm, "drain", lambda node, reason: None)
+
+    def no_burn_in(*args, **kwargs):
+        raise AssertionError("a burn-in ran on a drain or history ckptops cannot prove is its own")
+
+    monkeypatch.setattr(burn_in_module, "run_health", no_burn_in)
+    return settings
+
+
+def _slurm_holds(monkeypatch, reason: str) -> None:
+    monkeypatch.setattr(
+        burn_in_module.slurm, "node_statuses", lambda nodes: {n: ("drain", reason) for n in nodes}
+    )
+
+
+def test_a_drain_line_another_account_wrote_proves_no_drain(tmp_path, monkeypatch, caplog):
+    """Before: a line appended by another user to the drains log in a world-writable raw_dir made
+    a person's drain look like ckptops's, and a passing burn-in would have resumed the node."""
+    settings = _drains_enabled(tmp_path, monkeypatch)
+    raw = settings.raw_dir
+    raw.mkdir()
+    os.chmod(raw, 0o777)
+    log = raw / DRAIN_LOG
+    log.write_text(json.dumps({"at": NOW.timestamp(), "node": "n1", "reason": "alice: reseat DIMM"}) + "\n")
+    os.chown(log, NOBODY, NOBODY)
+    _slurm_holds(monkeypatch, "alice: reseat DIMM")
+    with caplog.at_level("WARNING"):
+        assert drained_by_us(settings) == {}
+        done = burn_in(settings, only=["n1"])
+    assert [o.line() for o in done.outcomes] == [
+        "n1: untouched: not held out of service by a drain of ckptops'"
+    ]
+    warned = [r.getMessage() for r in caplog.records if str(log) in r.getMessage()]
+    assert warned and warned[0].startswith(f"{log}: owned by another account than ckptops's")
+    assert "owner nobody (uid 65534)" in warned[0] and f"nothing in {log} is trusted" in warned[0]
+
+    # A log of ckptops's own in that world-writable folder proves nothing either: anybody could
+    # have replaced it; in a sticky one (as /tmp) nobody else can, and its drains count.
+    os.chown(log, 0, 0)
+    os.chmod(log, 0o600)
+    assert drained_by_us(settings) == {}
+    os.chmod(raw, 0o1777)
+    assert list(drained_by_us(settings)) == ["n1"]
+
+
+def test_drains_and_histories_are_written_private_and_read_back_as_ckptops_own(tmp_path, monkeypatch):
+    settings = _drains_enabled(tmp_path, monkeypatch)
+    apply_drains(DrainPlan(drain=[("n1", "ckptops FAIL_HARDWARE dcgm-diag")]), settings, NOW.timestamp())
+    record_suspect(settings.raw_dir, "n1", "inc-1", now=NOW)
+    for path in (settings.raw_dir / DRAIN_LOG, settings.raw_dir / "n1" / "history.jsonl"):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    _slurm_holds(monkeypatch, "ckptops FAIL_HARDWARE dcgm-diag")
+    assert drained_by_us(settings)["n1"].ours
+    assert [e["incident"] for e in read_history(settings.raw_dir, "n1")] == ["inc-1"]
+
+
+def test_a_node_whose_history_another_account_could_write_is_held_for_a_person(tmp_path, monkeypatch, caplog):
+    """A forged ``admitted`` or ``burn-in`` line would lapse suspicions or shorten the proof: a
+    history ckptops cannot prove is its own decides nothing, and the node waits for a person."""
+    settings = _drains_enabled(tmp_path, monkeypatch)
+    apply_drains(DrainPlan(drain=[("n1", "ckptops FAIL_HARDWARE dcgm-diag")]), settings, NOW.timestamp())
+    history = settings.raw_dir / "n1" / "history.jsonl"
+    history.parent.mkdir()
+    history.write_text(json.dumps({"kind": "admitted", "at": NOW.isoformat()}) + "\n")
+    os.chown(history, NOBODY, NOBODY)
+    _slurm_holds(monkeypatch, "ckptops FAIL_HARDWARE dcgm-diag")
+    with caplog.at_level("WARNING"):
+        assert read_history(settings.raw_dir, "n1") == []
+        (outcome,) = burn_in(settings, only=["n1"], now=NOW.timestamp()).outcomes
+    assert outcome.action == "held"
+    assert outcome.detail.startswith(f"its history is not ckptops's own ({history}: owned by another account")
+    assert outcome.detail.endswith("): a person decides")

@@ -197,7 +197,7 @@ def _with_summary(report: NodeReport, summary: str) -> NodeReport:
 def test_nvrx_segment_files_follow_the_verdicts(tmp_path):
     directory = tmp_path / "segments"
     directory.mkdir()
-    settings = SimpleNamespace(nvrx_segment_dir=directory)
+    settings = SimpleNamespace(nvrx_segment_dir=directory, command_timeout_seconds=60)
     running = {"gpu1": [("100", "100"), ("200", "3")], "gpu2": [("200", "3"), ("200", "4")], "gpu3": []}
     other = directory / "segment_health_check.300.300"
     other.write_text("excluded by another tool\n")
@@ -239,7 +239,9 @@ def test_nvrx_segment_files_follow_the_verdicts(tmp_path):
         )
     )
     assert load_profile(relative).health.nvrx_segment_dir == tmp_path / "seg"
-    missing = nvrx.publish([bad], SimpleNamespace(nvrx_segment_dir=tmp_path / "nowhere"), running.get)
+    missing = nvrx.publish(
+        [bad], SimpleNamespace(nvrx_segment_dir=tmp_path / "nowhere", command_timeout_seconds=60), running.get
+    )
     assert missing.errors == [f"health.nvrx_segment_dir {tmp_path / 'nowhere'}: not a directory"]
 
     def refuses(node):

@@ -56,7 +56,7 @@ def test_nvrx_segments_never_write_through_a_link(tmp_path, victim):
     link, so root overwrote its target; a linked lock file made root create its target."""
     directory = tmp_path / "segments"
     directory.mkdir()
-    settings = SimpleNamespace(nvrx_segment_dir=directory)
+    settings = SimpleNamespace(nvrx_segment_dir=directory, command_timeout_seconds=60)
     running = {"gpu1": [("100", "100"), ("200", "3")]}.get
     bad = _report("gpu1", Verdict.FAIL_HARDWARE, "memory on GPU 3: error 83 (ISOLATE)")
     for name in ("segment_health_check.100.100", "segment_health_check.200.3"):

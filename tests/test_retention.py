@@ -1,5 +1,7 @@
 """Retention on real checkpoints: exactly the right ones remain."""
 
+import pytest
+
 from tasks.checkpoint.catalog import catalog
 from tasks.checkpoint.pins import pin, pinned
 from tasks.checkpoint.pointer import read_pointer
@@ -84,3 +86,76 @@ def test_a_lease_whose_reader_is_gone_protects_nothing(save_dir, options):
     assert remaining(save_dir) == [4, 16, 20, 24]  # the operator's pin still holds 4
     with pinned(save_dir, 16, "drill-live", "reading"):  # a live reader's lease protects
         assert retain(save_dir, options, 2, 30)[0].kept[16].startswith("pinned by drill-live")
+
+
+def test_only_trash_ckptops_recorded_is_purged(tmp_path, monkeypatch, caplog):
+    """Before: ``purge_trash`` deleted every ``.ckptops-trash-*`` folder, a user's included, and
+    said nothing. Now a delete a crash cut short is finished, and nothing else is touched."""
+    from tasks.storage import local
+
+    save = tmp_path / "save"
+    (save / "iter_0000004").mkdir(parents=True)
+    (save / "iter_0000004" / "shard").write_text("x")
+    users = save / ".ckptops-trash-x"
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    # A delete killed after its rename: the trash folder stays, recorded.
+    with monkeypatch.context() as crash, pytest.raises(KeyboardInterrupt):
+        crash.setattr(local.shutil, "rmtree", _killed)
+        local.remove_tree(save / "iter_0000004")
+    (ours,) = [p for p in save.glob(".ckptops-trash-iter_0000004-*")]
+    # A folder made later at the name of a trash ckptops finished deleting (its inode may well
+    # be the deleted one's): not ours.
+    local.remove_tree(_made(save / "iter_0000008"))
+    (name,) = {line["trash"] for line in _record(save) if "iter_0000008" in line["trash"]}
+    swapped = _made(save / name)
+
+    with caplog.at_level("WARNING"):
+        left = local.purge_trash(save)
+    assert not ours.exists()
+    assert left == sorted([users, swapped]) and (users / "notes.txt").read_text() == "mine"
+    record = save / ".ckptops-trash.jsonl"
+    assert sorted(r.getMessage() for r in caplog.records) == [
+        f"{path}: named like ckptops's trash, but no deletion of ckptops's recorded it in {record}; "
+        "left alone"
+        for path in sorted([users, swapped])
+    ]
+    # The record keeps only trash still there that it made (none): it is gone.
+    assert not (save / local.TRASH_RECORD).exists()
+
+
+def _killed(path):
+    raise KeyboardInterrupt  # the process stopped mid-delete
+
+
+def _made(path):
+    path.mkdir()
+    return path
+
+
+def _record(save) -> list[dict]:
+    import json
+
+    from tasks.storage.local import TRASH_RECORD
+
+    return [json.loads(line) for line in (save / TRASH_RECORD).read_text().splitlines()]
+
+
+def test_a_trash_record_another_account_could_write_proves_nothing(tmp_path, caplog):
+    """A record line forged by another account must not turn a user's folder into our trash."""
+    import json
+    import os
+
+    from tasks.storage import local
+
+    save = tmp_path / "save"
+    users = save / ".ckptops-trash-x"
+    users.mkdir(parents=True)
+    found = os.stat(users)
+    record = save / local.TRASH_RECORD
+    record.write_text(json.dumps({"trash": users.name, "device": found.st_dev, "inode": found.st_ino}) + "\n")
+    os.chown(record, 65534, 65534)
+    with caplog.at_level("WARNING"):
+        assert local.purge_trash(save) == [users]
+    assert users.is_dir()
+    assert any(f"{record}: owned by another account than ckptops's" in r.getMessage() for r in caplog.records)

@@ -32,7 +32,7 @@ from pathlib import Path
 from tasks.checkpoint import layout
 from tasks.checkpoint.verdicts import VERDICTS
 from tasks.errors import CkptopsError, UsageError, unreadable
-from tasks.storage.local import list_entries
+from tasks.storage.local import list_entries, user_name
 
 COMMON_PT = "common.pt"  # the common state of a checkpoint of core 0.18 or older
 
@@ -41,13 +41,6 @@ class Exposed(CkptopsError):
     """A file that must be private is not: a key others may read. Exit 2, like bad input."""
 
     exit_code = 2
-
-
-def _user(uid: int) -> str:
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
 
 
 def _group(gid: int) -> str:
@@ -61,7 +54,7 @@ def describe_mode(st: os.stat_result) -> str:
     """``drwxrwxr-x (0o775), owner alice (uid 1000), group proj (gid 500)``."""
     return (
         f"{stat.filemode(st.st_mode)} ({oct(stat.S_IMODE(st.st_mode))}), "
-        f"owner {_user(st.st_uid)}, group {_group(st.st_gid)}"
+        f"owner {user_name(st.st_uid)}, group {_group(st.st_gid)}"
     )
 
 
@@ -183,7 +176,7 @@ def refuse_readable_by_others(path: Path, what: str) -> os.stat_result:
     elif stat.S_IMODE(st.st_mode) & 0o077:
         why = "readable or writable by others than its owner (UNPROTECTED PRIVATE KEY FILE); chmod 600 it"
     elif st.st_uid not in (os.geteuid(), 0):
-        why = f"owned by another user than the one running ckptops ({_user(os.geteuid())})"
+        why = f"owned by another user than the one running ckptops ({user_name(os.geteuid())})"
     else:
         return st
     raise Exposed(f"{path}: {what} refused, {why}: {describe_mode(st)}")

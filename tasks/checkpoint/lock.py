@@ -2,12 +2,17 @@
 
 An advisory ``flock`` on ``<save>/.ckptops.lock``. The kernel drops it when the holder dies, so a
 crashed run never leaves the job locked. (On Lustre this needs the ``flock`` mount option; on NFS
-v4 it maps to byte-range locks.) The file's content names the holder for the error message only.
+v4 it maps to byte-range locks.) The file's content names the holder for the error message only,
+and is emptied before the lock is released.
+
+Only ckptops's account can hold it (``tasks.storage.local.held_lock``): the file is created 0600
+(whoever can open a file can ``flock`` it, so a 0644 lock could be held by any local user), a
+lock file another account owns or may write is refused in one line naming the file and that
+account, and a holder of another account (``/proc/locks``) is refused at once, never waited on.
 It is opened by ``open_for_writing``: a link or a hard link planted at its name is refused in one
 line, never written through (the holder's stamp would overwrite its target).
 """
 
-import fcntl
 import json
 import os
 import socket
@@ -17,18 +22,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.checkpoint.layout import LOCK
-from tasks.errors import LockTimeout, UsageError
-from tasks.storage.local import open_for_writing
+from tasks.errors import UsageError
+from tasks.storage.local import flock_holder, held_lock, user_name
 
-_POLL_SECONDS = 0.1
+_STAMP_LIMIT = 4096
 
 
 def _holder(fd: int) -> str:
+    """The holder's stamp (pid, host, since) where it wrote one, else its pid from /proc/locks."""
     try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return f"pid {info.get('pid')} on {info.get('host')} since {info.get('since')}"
+        info = json.loads(os.pread(fd, _STAMP_LIMIT, 0) or b"null")
     except ValueError:
-        return "an unknown holder"
+        info = None
+    if isinstance(info, dict):
+        return f"pid {info.get('pid')} on {info.get('host')} since {info.get('since')}"
+    found = flock_holder(fd)
+    return f"pid {found[0]} of {user_name(found[1])}" if found else "an unknown holder"
 
 
 @dataclass(frozen=True)
@@ -47,33 +56,15 @@ class Held:
 @contextmanager
 def job_lock(save_dir: Path, timeout_seconds: float, name: str = LOCK):
     """Hold the save directory's lock (or another lock file ``name`` in it) and yield ``Held``;
-    raise LockTimeout naming the holder after the timeout."""
-    path = Path(save_dir) / name
+    raise LockTimeout naming the holder after the timeout, and ``Malformed`` at once for a lock
+    file or a holder of another account."""
     if not Path(save_dir).is_dir():
         raise UsageError(f"{save_dir}: no such save directory")
-    fd = open_for_writing(path)  # a link planted at the lock's name is refused, never followed
-    try:
-        deadline = time.monotonic() + timeout_seconds
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise LockTimeout(
-                        f"{path}: held by {_holder(fd)}; gave up after {timeout_seconds:.0f}s"
-                    ) from None
-                time.sleep(_POLL_SECONDS)
-        stamp = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(stamp).encode(), 0)
-        except OSError as e:  # a full store: name the file
-            raise OSError(e.errno, e.strerror, str(path)) from None
+    with held_lock(Path(save_dir) / name, timeout_seconds, _stamp, _holder):
         yield Held(Path(save_dir), name)
-    finally:
-        os.close(fd)  # closing the descriptor releases the flock
+
+
+def _stamp() -> bytes:
+    """Who holds the lock, from when: written into the lock file once it is held."""
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": since}).encode()

@@ -5,6 +5,10 @@ waiting for verification), anything pinned, anything not verified valid. A faile
 kept and reported: it is evidence, and deleting it is a human decision. Nothing at all is deleted
 before a first promotion. Deletion runs apart from verification and under the job lock, and each
 checkpoint disappears atomically (rename, then delete) so no reader sees half of one.
+
+A delete a crash cut short leaves a ``.ckptops-trash-*`` folder; the next run finishes only those
+its own trash record proves it made (``purge_trash``): a folder of that name ckptops did not
+record, a user's among them, is left alone and named once in a warning.
 """
 
 from dataclasses import dataclass, field

@@ -19,7 +19,7 @@ from tasks.cluster import slurm
 from tasks.health.run import NodeReport
 from tasks.health.verdict import CheckName
 from tasks.outcome import Verdict
-from tasks.storage.local import append_jsonl, read_jsonl
+from tasks.storage.local import append_private_jsonl, read_jsonl
 
 DRAIN_LOG = "drains.jsonl"
 _REASON_LIMIT = 200
@@ -39,6 +39,9 @@ def _reason(report: NodeReport) -> str:
 
 
 def _drained_in_last_hour(raw_dir: Path, now: float) -> list[str]:
+    """The nodes the drain log says were drained within the hour. Read whoever wrote it: a line
+    another account added can only hold a drain back, never make one (the burn-in, which resumes
+    nodes, trusts the log only as ckptops's own)."""
     recent = []
     for entry in read_jsonl(Path(raw_dir) / DRAIN_LOG):
         try:
@@ -81,14 +84,15 @@ def plan_drains(
 
 
 def apply_drains(plan: DrainPlan, settings, now: float | None = None) -> DrainPlan:
-    """Drain the planned nodes when the profile allows it; log every drain."""
+    """Drain the planned nodes when the profile allows it; log every drain (the drain log,
+    created 0600: the burn-in trusts it only as ckptops's own)."""
     if not settings.drain.enabled or plan.page:
         return plan
     log = Path(settings.raw_dir) / DRAIN_LOG
     for node, reason in plan.drain:
         slurm.drain(node, reason)
         plan.drained.append(node)
-        append_jsonl(log, {"at": time.time() if now is None else now, "node": node, "reason": reason})
+        append_private_jsonl(log, {"at": time.time() if now is None else now, "node": node, "reason": reason})
     return plan
 
 

@@ -19,6 +19,11 @@ service with that very reason:
 Never touched: a node drained by someone else (no drain of ours in the log), or one whose Slurm
 reason is no longer ours (a person drained it again, for their own reason), or one Slurm no longer
 holds out of service. Nothing in Slurm changes unless ``health.drain.enabled``.
+
+The drain log and a node's history are trusted only from ckptops's own account: a file another
+account owns or may write, or one in a folder it may write (a world-writable ``health.raw_dir``),
+could hold a line that makes a person's drain look like ours. Such a drain log proves no drain
+(nothing is burnt in, a warning names it); such a history holds its node for a person.
 """
 
 import time
@@ -36,10 +41,11 @@ from tasks.health.history import (
     read_history,
     record_burn_in,
     record_returned,
+    untrusted_history,
 )
 from tasks.health.run import run_health
 from tasks.health.sweep import HELD_STATES
-from tasks.storage.local import read_jsonl
+from tasks.storage.local import read_own_jsonl
 
 
 @dataclass(frozen=True)
@@ -59,9 +65,11 @@ class Drained:
 
 
 def drained_by_us(settings) -> dict[str, Drained]:
-    """The latest drain of each node in the drain log, with its Slurm state and reason now."""
+    """The latest drain of each node in the drain log, with its Slurm state and reason now. The
+    log is trusted only as ckptops's own (``read_own_jsonl``): one another account owns or may
+    write, or in a folder it may write, proves no drain (a warning names it) and none is listed."""
     latest: dict[str, dict] = {}
-    for entry in read_jsonl(settings.raw_dir / DRAIN_LOG):
+    for entry in read_own_jsonl(settings.raw_dir / DRAIN_LOG):
         if isinstance(entry.get("node"), str) and isinstance(entry.get("reason"), str):
             latest[entry["node"]] = entry
     now = slurm.node_statuses(sorted(latest)) if latest else {}
@@ -158,6 +166,9 @@ def burn_in(settings, only: list[str] | None = None, now: float | None = None) -
 
 def _one(settings, drained: Drained, now: datetime) -> Outcome:
     node = drained.node
+    untrusted = untrusted_history(settings.raw_dir, node)
+    if untrusted is not None:
+        return Outcome(node, "held", f"its history is not ckptops's own ({untrusted}): a person decides")
     what, level, hours = proof(settings, node, now)
     if what == "held":
         burn = settings.burn_in

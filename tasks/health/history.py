@@ -1,6 +1,9 @@
 """A node's history: every health verdict on it and every incident that named it a suspect, one
 JSON line each in ``<raw_dir>/<node>/history.jsonl``. The one place node health and recovery
-both write to, and the one they both read.
+both write to, and the one they both read. It decides drains and returns to service, so it is
+written 0600 by ckptops's account and read only while nobody else can have written it: the file,
+the node's folder and ``raw_dir`` owned by ckptops's account (or root), none writable by its
+group or others (a sticky folder excepted).
 
 Lines (``kind``; a line without one is a verdict, as ckptops wrote them before):
 - ``verdict``: a check run of the node (its verdict, summary and every check with its raw file);
@@ -28,7 +31,7 @@ from pathlib import Path
 from tasks.errors import Unreadable
 from tasks.health.verdict import CheckName, Evidence, HealthCheck, result
 from tasks.outcome import Verdict
-from tasks.storage.local import append_jsonl, own_folder, read_jsonl
+from tasks.storage.local import append_private_jsonl, own_folder, read_own_jsonl, written_by_others
 
 HISTORY = "history.jsonl"
 VERDICT, SUSPECT, ADMITTED, FACTS = "verdict", "suspect", "admitted", "facts"
@@ -40,15 +43,25 @@ def history_path(raw_dir: Path, node: str) -> Path:
 
 
 def _append(raw_dir: Path, node: str, entry: dict) -> None:
-    """A line of the node's history, in the node's own folder (never through a link there)."""
-    append_jsonl(own_folder(raw_dir, node) / HISTORY, entry)
+    """A line of the node's history, in the node's own folder (never through a link there),
+    created 0600."""
+    append_private_jsonl(own_folder(raw_dir, node) / HISTORY, entry)
 
 
 def read_history(raw_dir: Path, node: str) -> list[dict]:
     """The node's lines, oldest first (none for a node never checked or named); a line that is
     not one of ours is skipped with one warning naming the file and line (a byte nobody meant
-    never stops the sweep); an unreadable file is an ``Unreadable`` error naming it."""
-    return read_jsonl(history_path(raw_dir, node), _is_entry)
+    never stops the sweep); an unreadable file is an ``Unreadable`` error naming it. Trusted
+    only as ckptops's own (``untrusted_history``): otherwise one warning names the file or
+    folder, its owner and mode, and the history reads as empty."""
+    return read_own_jsonl(history_path(raw_dir, node), _is_entry, root=raw_dir)
+
+
+def untrusted_history(raw_dir: Path, node: str) -> str | None:
+    """Why the node's history may hold lines another account wrote (the file, its folder or
+    ``raw_dir`` owned by another account, or writable by its group or others), one line; None
+    when only ckptops's account can have written it."""
+    return written_by_others(history_path(raw_dir, node), root=raw_dir)
 
 
 def kind(entry: dict) -> str:

@@ -15,12 +15,13 @@ its verdict and why; and removes the node from every file of ours when it passes
 goes when no node is left in it). SUSPECT and TOOL_ERROR change nothing. Files are replaced
 whole (``atomic_write``: a temporary with a random name, fsynced, renamed), so NVRx never sees
 one half-written or empty and a link planted in the directory is never written through; files
-this module did not write (a link among them) are never touched.
+this module did not write (a link among them) are never touched. Writers take turns on
+``.ckptops-segments.lock`` (``held_lock``: a file only ckptops's account may open, created 0600;
+another account's lock file or holder is refused at once), waiting for another sweep at most
+``health.command_timeout_seconds``; either way the sweep goes on, the failure among its errors.
 """
 
-import fcntl
 import json
-import os
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,7 +30,7 @@ from tasks.cluster import slurm
 from tasks.errors import CkptopsError
 from tasks.health.history import HISTORY, kind, read_history
 from tasks.outcome import Verdict
-from tasks.storage.local import atomic_write, open_for_writing, open_regular
+from tasks.storage.local import atomic_write, held_lock, open_regular
 
 PREFIX = "segment_health_check."
 PRODUCER = "ckptops"
@@ -98,17 +99,14 @@ def publish(reports, settings, units=allocation_units, now: datetime | None = No
         return update
     at = (now or datetime.now(UTC)).isoformat(timespec="seconds")
     try:
-        lock = open_for_writing(directory / LOCK)
+        # One writer at a time (several sweeps, one directory), waited for no longer than a
+        # command may run (health.command_timeout_seconds).
+        with held_lock(directory / LOCK, settings.command_timeout_seconds):
+            _publish(reports, directory, units, at, update)
     except CkptopsError as e:
         update.errors.append(f"health.nvrx_segment_dir: {e}")
-        return update
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one writer at a time (several sweeps, one directory)
-        _publish(reports, directory, units, at, update)
     except OSError as e:
         update.errors.append(f"health.nvrx_segment_dir {directory}: {e.strerror or e}")
-    finally:
-        os.close(lock)
     update.written = sorted(set(update.written))
     return update
 

@@ -303,7 +303,7 @@ def run_health(
     level = max(3, level or 3) if admit else (level or settings.level)
     started = time.monotonic()
     key_text = ssh_key_text(settings)
-    os.makedirs(settings.raw_dir, exist_ok=True)
+    os.makedirs(settings.raw_dir, mode=0o755, exist_ok=True)  # no umask makes it group-writable
     compared = conformance.NAME in settings.checks
 
     def one(node):

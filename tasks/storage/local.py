@@ -22,21 +22,26 @@ pointer writable by the whole group, and the job's project group must be able to
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
+import pwd
 import secrets
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 
-from tasks.errors import Malformed, Unreadable, UsageError, unreadable
+from tasks.errors import LockTimeout, Malformed, Unreadable, UsageError, unreadable
 
 TEMP_MARK = ".tmp-"
 TRASH_PREFIX = ".ckptops-trash-"
+# Where ``remove_tree`` records each trash name before the rename (not itself a trash name).
+TRASH_RECORD = ".ckptops-trash.jsonl"
 # The longest line a log reader keeps: the rest of a longer line is read past, never held.
 MAX_LINE = 64 << 10
 # The modes of the files ckptops writes: readable by all, or (a secret) by the owner only.
@@ -185,11 +190,13 @@ def own_folder(root: Path, *parts: str) -> Path:
     link, or anything but a folder, at one of these names is ``Malformed`` (one line naming it)
     and never followed, so no file of ckptops's can be steered out of the folder it was given."""
     path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
+    path.mkdir(mode=0o755, parents=True, exist_ok=True)
     for part in parts:
         path = path / part
         with contextlib.suppress(FileExistsError):
-            path.mkdir()  # at a link's name this is EEXIST: the link itself is never followed
+            # At a link's name this is EEXIST: the link itself is never followed. 0755: a umask
+            # of 002 must not let the group write a folder whose files ckptops trusts.
+            path.mkdir(mode=0o755)
         if not stat.S_ISDIR(os.lstat(path).st_mode):
             raise Malformed(
                 f"{path}: {_what_is_there(path)} where ckptops keeps a folder of its own; "
@@ -198,18 +205,20 @@ def own_folder(root: Path, *parts: str) -> Path:
     return path
 
 
-def open_for_writing(path: Path, append: bool = False, truncate: bool = False) -> int:
+def open_for_writing(
+    path: Path, append: bool = False, truncate: bool = False, *, mode: int = PUBLIC_MODE
+) -> int:
     """A read-write descriptor on the regular file at ``path`` (``O_APPEND`` with ``append``;
-    emptied with ``truncate``), created if absent with mode 0644 and its directory's group; an
-    existing file keeps its mode and group. Never through a link: a symbolic link at ``path``
-    (``O_NOFOLLOW``), a FIFO, device or directory, or a file with another hard link (writing it
-    would write that other name too) is ``Malformed``, one line naming the path, and nothing is
-    written. Checked on the opened descriptor, so nothing can be swapped in between; emptied
-    only after the check."""
+    emptied with ``truncate``), created if absent with ``mode`` (0644 unless the caller says
+    0600) and its directory's group; an existing file keeps its mode and group. Never through a
+    link: a symbolic link at ``path`` (``O_NOFOLLOW``), a FIFO, device or directory, or a file
+    with another hard link (writing it would write that other name too) is ``Malformed``, one
+    line naming the path, and nothing is written. Checked on the opened descriptor, so nothing
+    can be swapped in between; emptied only after the check."""
     path = Path(path)
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_APPEND if append else 0)
     try:
-        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, PUBLIC_MODE)
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
         created = True
     except FileExistsError:
         created = False
@@ -223,7 +232,7 @@ def open_for_writing(path: Path, append: bool = False, truncate: bool = False) -
         raise unreadable(path, e) from None
     try:
         if created:
-            _set_access(fd, path.parent, PUBLIC_MODE)
+            _set_access(fd, path.parent, mode)
         else:
             found = os.fstat(fd)
             if not stat.S_ISREG(found.st_mode):
@@ -237,6 +246,109 @@ def open_for_writing(path: Path, append: bool = False, truncate: bool = False) -
         os.close(fd)
         raise
     return fd
+
+
+def open_private(path: Path) -> int:
+    """A read-write descriptor on a file only ckptops's account may open (a lock: whoever can
+    open a file can ``flock`` it): ``open_for_writing``'s, created 0600 if absent. An existing
+    one owned by another account, or that its group or others may write, is ``Malformed``, one
+    line naming it, its owner's user name and mode, and is never waited on; one of ckptops's that
+    others may read (0644, as ckptops made its locks before) is made 0600."""
+    fd = open_for_writing(path, mode=SECRET_MODE)
+    try:
+        found = os.fstat(fd)
+        if found.st_uid != os.geteuid():
+            why = f"owned by another account than ckptops's ({user_name(os.geteuid())})"
+        elif stat.S_IMODE(found.st_mode) & (stat.S_IWGRP | stat.S_IWOTH):
+            why = "writable by its group or by others"
+        else:
+            if stat.S_IMODE(found.st_mode) != SECRET_MODE:
+                os.fchmod(fd, SECRET_MODE)
+            return fd
+        raise Malformed(
+            f"{path}: {why}: {_mode_and_owner(found)}; ckptops locks only a file of its own account "
+            "that no other may open (remove it)"
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def flock_holder(fd: int) -> tuple[int, int] | None:
+    """The pid and uid of the process of this host that holds the ``flock`` on ``fd``'s file, as
+    ``/proc/locks`` names it; None where it names none (another host's holder on a shared file
+    system, a process gone, no ``/proc``)."""
+    found = os.fstat(fd)
+    inode = f"{os.major(found.st_dev):02x}:{os.minor(found.st_dev):02x}:{found.st_ino}"
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == inode and fields[4].isdigit():
+                    pid = int(fields[4])
+                    return pid, os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+    return None
+
+
+_LOCK_POLL_SECONDS = 0.1
+
+
+def wait_for_flock(fd: int, path: Path, timeout_seconds: float, holder: Callable[[int], str]) -> None:
+    """Take the exclusive ``flock`` on ``fd`` (the file at ``path``), waiting at most
+    ``timeout_seconds`` for its holder (``LockTimeout`` naming it, ``holder(fd)``, after that);
+    a holder of another account (``flock_holder``) is ``Malformed`` at once, never waited on."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        other = flock_holder(fd)
+        if other is not None and other[1] != os.geteuid():
+            raise Malformed(
+                f"{path}: locked by pid {other[0]} of {user_name(other[1])}, another account than "
+                f"ckptops's ({user_name(os.geteuid())}); not waited on"
+            )
+        if time.monotonic() >= deadline:
+            raise LockTimeout(f"{path}: held by {holder(fd)}; gave up after {timeout_seconds:.0f}s")
+        time.sleep(_LOCK_POLL_SECONDS)
+
+
+@contextlib.contextmanager
+def held_lock(
+    path: Path,
+    timeout_seconds: float,
+    stamp: Callable[[], bytes] | None = None,
+    holder: Callable[[int], str] | None = None,
+) -> Iterator[int]:
+    """Hold the exclusive ``flock`` on the private file ``path`` (``open_private``), waited for
+    at most ``timeout_seconds`` (``wait_for_flock``; ``holder`` describes a holder from the
+    file's descriptor, else its pid from ``/proc/locks``); what ``stamp`` returns (who holds it,
+    for another waiter's message) is written into it once held, and the file is emptied before the lock is
+    released, so a stamp only ever names a live holder."""
+    fd = open_private(path)
+    try:
+        wait_for_flock(fd, path, timeout_seconds, holder or _pid_holder)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, stamp() if stamp else b"", 0)
+        except OSError as e:  # a full store: name the file
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        try:
+            yield fd
+        finally:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+def _pid_holder(fd: int) -> str:
+    found = flock_holder(fd)
+    return f"pid {found[0]} of {user_name(found[1])}" if found else "a process of another host, or one gone"
 
 
 def write_output(path: Path, data: bytes) -> None:
@@ -254,10 +366,19 @@ def append_jsonl(path: Path, entry: dict) -> None:
     writers never interleave), after a newline if a torn line ends the file (so a crash mid-append
     costs that line only), fsynced. The log is opened by ``open_for_writing``: a link planted at
     its path is refused, never followed."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _append_line(Path(path), entry, PUBLIC_MODE)
+
+
+def append_private_jsonl(path: Path, entry: dict) -> None:
+    """``append_jsonl`` to a log that ckptops later trusts only from its own account
+    (``read_own_jsonl``: a node's history, the drain log, the trash record), created 0600."""
+    _append_line(Path(path), entry, SECRET_MODE)
+
+
+def _append_line(path: Path, entry: dict, mode: int) -> None:
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     data = (json.dumps(entry) + "\n").encode()
-    fd = open_for_writing(path, append=True)
+    fd = open_for_writing(path, append=True, mode=mode)
     try:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
@@ -337,6 +458,72 @@ def _entry(line: bytes, fits: Callable[[dict], bool] | None) -> dict | None:
     except (ValueError, KeyError, TypeError, AttributeError):  # UnicodeDecodeError among them
         pass
     return None
+
+
+def user_name(uid: int) -> str:
+    """``alice (uid 1000)``; ``uid 1000`` for a uid this host has no name for."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _mode_and_owner(st: os.stat_result) -> str:
+    return f"{stat.filemode(st.st_mode)} ({oct(stat.S_IMODE(st.st_mode))}), owner {user_name(st.st_uid)}"
+
+
+def _others_may_write(st: os.stat_result, folder: bool) -> str | None:
+    """What lets another account than ckptops's write the entry ``st`` describes (its
+    ``lstat``), or None. Root is trusted whoever ckptops runs as (it can write anything); a
+    folder others may write is fine when sticky (as /tmp): nobody else can rename or remove what
+    ckptops put in it."""
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"owned by another account than ckptops's ({user_name(os.geteuid())})"
+    if mode & (stat.S_IWGRP | stat.S_IWOTH) and not (folder and mode & stat.S_ISVTX):
+        return "writable by its group or by others"
+    return None
+
+
+def written_by_others(path: Path, root: Path | None = None) -> str | None:
+    """Why the file at ``path`` may hold bytes another account wrote, one line naming the file or
+    folder at fault, its mode and owner; None when only ckptops's account (or root) can have
+    written it: the file, if there, and every folder from its own up to ``root`` (its own only
+    without ``root``; ``root`` itself followed if a link, as the operator may give one) are owned
+    by ckptops's account or root, are no links, and neither their group nor others may write
+    them."""
+    path = Path(path)
+    folders = [path.parent]
+    if root is not None and Path(root) in path.parents:
+        while folders[-1] != Path(root):
+            folders.append(folders[-1].parent)
+    for entry in [path, *folders]:
+        try:
+            found = os.stat(entry) if entry == folders[-1] else os.lstat(entry)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            return f"{entry}: cannot be examined ({e.strerror or e})"
+        why = _others_may_write(found, entry != path)
+        if why is not None:
+            return f"{entry}: {why}: {_mode_and_owner(found)}"
+    return None
+
+
+def read_own_jsonl(
+    path: Path, fits: Callable[[dict], bool] | None = None, root: Path | None = None
+) -> list[dict]:
+    """``read_jsonl`` of a log ckptops trusts only from its own account (a node's history, the
+    drain log, the trash record): where ``written_by_others`` finds that another account could
+    have written it, one warning names the file or folder, its owner and mode, and nothing in it
+    is used (an empty log)."""
+    why = written_by_others(path, root)
+    if why is not None:
+        warn_once(f"{why}; nothing in {path} is trusted (only a log of ckptops's own account is)")
+        return []
+    return read_jsonl(path, fits)
 
 
 TAIL_BYTES = 64 * 1024
@@ -437,23 +624,68 @@ def remove_tree(path: Path) -> None:
     """Delete a directory so that it is never seen half-deleted.
 
     The directory is first renamed to a trash name in the same parent (atomic), so listings stop
-    seeing it at once; the slow recursive delete then works on a name nobody looks for. A crash
-    during the delete leaves only a trash directory, which ``purge_trash`` finishes later.
+    seeing it at once; the slow recursive delete then works on a name nobody looks for. Before
+    the rename, the trash name and the directory's device and inode go into the parent's trash
+    record (``TRASH_RECORD``, a log of ckptops's own account): a crash during the delete leaves a
+    trash directory ``purge_trash`` can prove is ours, and finishes later.
     """
     path = Path(path)
     trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{secrets.token_hex(4)}")
+    found = os.lstat(path)
+    if not stat.S_ISDIR(found.st_mode):
+        raise Malformed(f"{path}: {_what_is_there(path)}, not a directory; nothing removed")
+    record = path.parent / TRASH_RECORD
+    append_private_jsonl(record, {"trash": trash.name, "device": found.st_dev, "inode": found.st_ino})
     os.rename(path, trash)
     _fsync_dir(path.parent)
     shutil.rmtree(trash)
+    # Gone: its inode may be reused, and a folder made at its name later is not ours.
+    append_private_jsonl(record, {"trash": trash.name, "removed": True})
 
 
-def purge_trash(directory: Path) -> None:
-    """Finish deletions a crash interrupted."""
-    for trash in Path(directory).glob(f"{TRASH_PREFIX}*"):
-        if trash.is_symlink():
-            trash.unlink()
+def _is_trash_entry(entry: dict) -> bool:
+    return str(entry.get("trash", "")).startswith(TRASH_PREFIX) and (
+        entry.get("removed") is True
+        or (isinstance(entry.get("device"), int) and isinstance(entry.get("inode"), int))
+    )
+
+
+def purge_trash(directory: Path) -> list[Path]:
+    """Finish the deletions a crash interrupted: remove each trash folder ``remove_tree``
+    recorded (its name, device and inode in ``directory``'s trash record, trusted only from
+    ckptops's own account: ``read_own_jsonl``), then drop the record's lines of trash no longer
+    there. A ``.ckptops-trash-*`` entry that is not one of those (a user's folder, a link, a
+    folder put where ours was) is left alone, named once in a warning, and returned."""
+    directory = Path(directory)
+    record = directory / TRASH_RECORD
+    made, entries = {}, read_own_jsonl(record, _is_trash_entry)
+    for entry in entries:
+        if entry.get("removed") is True:
+            made.pop(entry["trash"], None)
         else:
+            made[entry["trash"]] = (entry["device"], entry["inode"])
+    left = []
+    for trash in sorted(directory.glob(f"{TRASH_PREFIX}*")):
+        try:
+            found = os.lstat(trash)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(found.st_mode) and made.get(trash.name) == (found.st_dev, found.st_ino):
             shutil.rmtree(trash, ignore_errors=True)
+        else:
+            left.append(trash)
+            warn_once(
+                f"{trash}: named like ckptops's trash, but no deletion of ckptops's recorded it in "
+                f"{record}; left alone"
+            )
+    if entries:  # a record of ours: the lines of trash still there kept, the rest dropped
+        there = [(n, d, i) for n, (d, i) in made.items() if os.path.lexists(directory / n)]
+        kept = [{"trash": n, "device": d, "inode": i} for n, d, i in there]
+        if kept:
+            atomic_write(record, "".join(json.dumps(e) + "\n" for e in kept).encode(), secret=True)
+        else:
+            remove_file(record)
+    return left
 
 
 def open_regular(path: Path, follow: bool = True):
