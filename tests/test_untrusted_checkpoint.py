@@ -7,6 +7,7 @@ import os
 import pickle
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,17 @@ def test_lineage_not_checked_is_said_when_an_earlier_checkpoint_is_not_verified(
     assert first.line() == "VALID iter_0000004: all checks passed"
     judged = read_manifest(iter_dir(save, 8))  # judged again against 4, from the manifests
     assert judged.reason == "all checks passed" and judged.lineage_from == 4
+
+
+def test_a_deep_integrity_json_fails_its_check_in_one_line(trained, tmp_path, options):
+    """Megatron's integrity.json nested thousands deep: before, JSON's RecursionError escaped
+    verification as a traceback."""
+    directory = iter_dir(copied(trained, tmp_path, 8), 8)
+    _deep(directory / "integrity.json")
+    settled = time.time() - 2 * options.settle_seconds  # written by a save that finished a while ago
+    os.utime(directory / "integrity.json", (settled, settled))
+    result = verify_checkpoint(directory, options)
+    assert result.state is State.INVALID
+    assert result.reason.startswith(
+        "integrity.json: unreadable (nests deeper than 64 levels; refused) [integrity.json]"
+    )

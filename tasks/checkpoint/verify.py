@@ -15,8 +15,8 @@ of every byte (XXH3-128 per file, CRC-32 per record, SHA-256 where ``integrity.j
 the reference manifest when there is one, and the state Megatron-LM needs to resume.
 """
 
-import json
 import math
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -53,10 +53,13 @@ from tasks.checkpoint.manifest import (
 from tasks.checkpoint.scan import FileScan, scan_file, scan_files
 from tasks.checkpoint.signing import Trust
 from tasks.checkpoint.state import State, VerifyOptions, completeness
-from tasks.errors import CkptopsError, UsageError, unreadable
+from tasks.errors import CkptopsError, Malformed, Unreadable, UsageError, unreadable
 from tasks.outcome import Check, Outcome, failed, passed
+from tasks.storage.bounded import load_json, read_bounded
 from tasks.storage.digest import ALGORITHMS, Hashing, comparable
 from tasks.storage.local import list_files
+
+_METADATA_JSON_LIMIT = 64 << 10  # metadata.json: a few keys, some tens of bytes
 
 
 @dataclass
@@ -267,17 +270,31 @@ class _Verifier:
         scan = scan_file(self.directory / layout.DCP_METADATA, [], hashing=self.reference.hashing)
         return entry is not None and (scan.size, scan.hash) == (entry.size, entry.hash)
 
+    def _own_json(self, name: str, limit: int, check: VerifyCheck):
+        """One of the checkpoint's small JSON files (``bounded``'s policy: a regular file at that
+        name, at most ``limit`` bytes, nested at most 64 deep); None, the failure recorded, when
+        it is missing or not that."""
+        path = self.directory / name
+        try:
+            data = read_bounded(path, limit, "it", follow=False)
+        except Unreadable:
+            if os.path.lexists(path):
+                raise
+            self.checks.fail(check, name, "missing")
+            return None
+        except (UsageError, Malformed) as e:  # a FIFO, a link, larger than the limit
+            self.checks.fail(check, name, str(e).removeprefix(f"{path}: ").removeprefix("it "))
+            return None
+        try:
+            return load_json(data, path, "it")
+        except Malformed as e:
+            self.checks.fail(check, name, f"unreadable ({str(e).removeprefix(f'{path}: it ')})")
+        return None
+
     def _check_metadata_json(self) -> None:
         name = layout.METADATA_JSON
-        try:
-            config = json.loads((self.directory / name).read_bytes())
-        except FileNotFoundError:
-            self.checks.fail(VerifyCheck.METADATA_JSON, name, "missing")
-            return
-        except OSError as e:
-            raise unreadable(self.directory / name, e) from None
-        except ValueError as e:
-            self.checks.fail(VerifyCheck.METADATA_JSON, name, f"unreadable ({e})")
+        config = self._own_json(name, _METADATA_JSON_LIMIT, VerifyCheck.METADATA_JSON)
+        if config is None:
             return
         backend = config.get("sharded_backend") if isinstance(config, dict) else None
         if not isinstance(backend, str):
@@ -419,8 +436,12 @@ class _Verifier:
         name = layout.INTEGRITY_JSON
         if name not in self.files:
             return
+        # It lists the top-level files: a name and a digest each, some hundred bytes.
+        limit = _METADATA_JSON_LIMIT + 400 * len(self.files)
+        data = self._own_json(name, limit, VerifyCheck.INTEGRITY_JSON)
+        if data is None:
+            return
         try:
-            data = json.loads((self.directory / name).read_bytes())
             if data.get("algorithm", "sha256") != "sha256":
                 raise ValueError(f"algorithm {data.get('algorithm')!r} is not sha256")
             # Megatron hashes every top-level file when it finalises; if we verified before it
@@ -428,8 +449,6 @@ class _Verifier:
             self.integrity = {
                 str(k): str(v) for k, v in data["files"].items() if not layout.is_own_file(str(k))
             }
-        except OSError as e:
-            raise unreadable(self.directory / name, e) from None
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             self.checks.fail(VerifyCheck.INTEGRITY_JSON, name, f"unreadable ({e})")
 
