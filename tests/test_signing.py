@@ -319,12 +319,15 @@ def test_the_archive_signs_its_entry_and_an_altered_archived_manifest_is_not_use
         UnreadableManifest, match="not signed .manifest.sig missing., and sign.required is set"
     ):
         archived_manifest(store, "signed-job", 24, trust)
-    # The archive run says which entry it cannot trust, and why, and overwrites nothing.
-    result = archive_checkpoint(save_dir, profile, force=True)
+    # The archive run says which entry it cannot trust, and why, and overwrites nothing; with
+    # --force it copies the checkpoint afresh, signed.
+    result = archive_checkpoint(save_dir, profile)
     assert not result.committed and "\n" not in result.message
     assert (
         f"{entry / layout.MANIFEST}: not signed (manifest.sig missing), and sign.required" in result.message
     )
+    assert archive_checkpoint(save_dir, profile, force=True).committed
+    assert archived_manifest(store, "signed-job", 24, trust).valid
 
 
 def _copy_signed(source: Path, target: Path) -> None:
