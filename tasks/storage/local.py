@@ -18,6 +18,13 @@ the lines (through ``logging``: the CLI's stderr, the worker's log).
 Files ckptops writes get mode 0644 whatever the umask (0600 for anything holding a secret), and
 the group of the directory they are written into: a umask of 002 must not make a manifest or the
 pointer writable by the whole group, and the job's project group must be able to read them.
+
+What only ckptops's account may touch is 0600 and checked as such. A lock (``held_lock``): whoever
+can open a file can ``flock`` it, so a lock file another account owns or may write, or a holder
+of another account, is refused at once, and a holder of ours is waited for only up to a timeout.
+A log ckptops acts on (a node's history, the drain log, the trash record: ``append_private_jsonl``)
+is read only while nobody else can have written it (``read_own_jsonl``). ``remove_tree`` records
+each trash name before its rename, and ``purge_trash`` deletes only what that record proves.
 """
 
 import contextlib
