@@ -119,7 +119,7 @@ APPENDS = {
     "drills": (lambda save: append_drill(save, _Drill()), f"{HISTORY}/{DRILLS}"),
     "node history": (lambda raw: record_admitted(raw, "gpu1"), f"gpu1/{NODE_HISTORY}"),
     "verdicts": (
-        lambda save: verdicts.record(save, 8, 1, "valid", b"{}", "2026-12-04T20:00:00Z"),
+        lambda save: verdicts.record(save, 8, 1, 1, "valid", b"{}", "2026-12-04T20:00:00Z"),
         f"{HISTORY}/{verdicts.VERDICTS}",
     ),
     "scratch records": (lambda save: record_scratch(save, {"token": "t"}), f"{HISTORY}/{SCRATCH}"),
