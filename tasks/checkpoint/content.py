@@ -312,14 +312,15 @@ def check_lineage(
     object family lost, and (a warning) no tensor whose norm moved more than ``drift_factor``.
     Without one, ``earlier`` (the newest earlier checkpoint of the job on disk, none verified
     valid) makes it a warning that the lineage was not checked: a stale re-save of it would pass."""
-    if previous is None and earlier is not None:
-        content.warnings.append(
+    if previous is None and earlier is not None:  # first among the warnings: the verdict says it
+        content.warnings.insert(
+            0,
             Finding(
                 VerifyCheck.LINEAGE,
                 None,
                 f"{LINEAGE_NOT_CHECKED}: no earlier verified checkpoint "
                 f"(iteration {earlier} is not verified valid)",
-            )
+            ),
         )
         return
     if previous is None:
