@@ -104,3 +104,9 @@ def test_an_integer_out_of_range_or_of_another_type_is_refused(tmp_path, value, 
     with pytest.raises(Malformed, match=f"time_created_ns is .*{said}"):
         bounded_int(value, tmp_path / "dump", "time_created_ns", 0, 1000)
     assert bounded_int(7, tmp_path / "dump", "time_created_ns", 0, 1000) == 7
+
+
+def test_a_large_limit_reserves_nothing_for_a_small_file(tmp_path):
+    path = tmp_path / ".metadata"
+    path.write_bytes(b"small")
+    assert read_bounded(path, 1 << 50, "the index") == b"small"

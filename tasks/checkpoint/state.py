@@ -4,7 +4,6 @@ Kept apart from verification, which reads every byte, so that listing a save dir
 retention, promotion decisions) stays cheap and does not import torch.
 """
 
-import json
 import os
 import time
 from collections.abc import Callable
@@ -15,12 +14,16 @@ from pathlib import Path
 from tasks.checkpoint import dialect, layout
 from tasks.checkpoint.signing import Trust
 from tasks.errors import CkptopsError, unreadable
+from tasks.storage.bounded import load_json, read_bounded
 from tasks.storage.digest import PROFILE_NAMES, Hashing
 from tasks.storage.local import list_files
 
 # Shards are written by many hosts and metadata.json by rank 0: tolerate this much clock skew
 # before calling a shard "newer than metadata.json". A real re-save comes an interval later.
 CLOCK_SKEW_NS = 5_000_000_000
+# The most of a young metadata.json or integrity.json read to see whether it is whole yet: an
+# integrity.json lists every file with a digest, about 400 bytes each (5,120 files: 2 MB).
+_YOUNG_JSON_LIMIT = 16 << 20
 
 
 class State(StrEnum):
@@ -102,9 +105,12 @@ def _newer_checkpoint_complete(directory: Path) -> bool:
 
 
 def _parses(path: Path) -> bool:
+    """Whether a young ``metadata.json`` or ``integrity.json`` is whole JSON yet: read bounded,
+    a link or FIFO not opened (verification names what is wrong once it has settled)."""
     try:
-        return isinstance(json.loads(path.read_bytes()), dict)
-    except ValueError:
+        data = read_bounded(path, _YOUNG_JSON_LIMIT, path.name, follow=False)
+        return isinstance(load_json(data, path, path.name), dict)
+    except CkptopsError:
         return False
 
 

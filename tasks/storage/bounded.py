@@ -14,6 +14,7 @@ record no larger than the bytes that hold it, a chunk no larger than its tensor)
 """
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +26,22 @@ from tasks.storage.local import open_regular
 # Deeper than any file ckptops reads needs (a Bridge run_config nests about 6 levels, a Flight
 # Recorder dump 5), far below where Python's parsers run out of stack.
 MAX_DEPTH = 64
+_PIECE = 8 << 20  # read in pieces of 8 MiB
 
 
 def read_bounded(path: Path, limit: int, what: str, follow: bool = True) -> bytes:
     """The whole of the regular file ``path``, refused past ``limit`` bytes (``what`` names it in
-    the message). Read through the opened descriptor: the size checked is the size read."""
+    the message). The opened descriptor's size is asked first (a read of ``limit + 1`` would
+    reserve that much memory before a byte came), and what is read through it is counted: a file
+    still growing is refused the same way."""
     with open_regular(path, follow=follow) as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise Malformed(f"{path}: {what} is larger than {limit:,} bytes, the most ckptops reads; refused")
-    return data
+        data = bytearray()
+        if os.fstat(f.fileno()).st_size <= limit:
+            while len(data) <= limit and (piece := f.read(min(_PIECE, limit + 1 - len(data)))):
+                data += piece
+        if os.fstat(f.fileno()).st_size > limit or len(data) > limit:
+            raise Malformed(f"{path}: {what} is larger than {limit:,} bytes, the most ckptops reads; refused")
+    return bytes(data)
 
 
 def load_json(data: bytes | str, path: Path, what: str, depth: int = MAX_DEPTH) -> Any:
