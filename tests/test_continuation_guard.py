@@ -8,19 +8,23 @@ profile and scripts)."""
 import os
 import re
 import select
+import shutil
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from tasks.checkpoint.manifest import read_manifest
 from tasks.cluster import process
 from tasks.errors import UsageError
 from tasks.relaunch.fit import Compatibility
 from tasks.relaunch.printed import PrintedArgs
 from tasks.relaunch.script import script_args
 from tasks.restore.continuation import _misfit, changes, continuation_sources, fingerprint
-from tests.test_continuation import _production
+from tasks.restore.drill import run_drill
+from tests.conftest import iter_dir
+from tests.test_continuation import INTEGRITY, _production, continuation_profile
 
 # One of Megatron-LM's iteration lines: the original run's log a continuation is compared with.
 ITERATION = (
@@ -202,3 +206,60 @@ def test_only_the_commands_own_processes_carry_its_token(tmp_path):
         other.wait()
         process.terminate(started.pid, hard=True, token=started.token)
         started.wait()
+
+
+def test_a_script_that_reaches_production_after_training_is_caught_and_nothing_is_certified(
+    trained, tmp_path, options
+):
+    """The three ways issue 56's tester changed production from the job's own script, each after
+    or instead of an honest continuation: before, the first two drills said PASS and certified,
+    and the third wrote a checkpoint and tracker outside the drill's scratch."""
+    profile, save = continuation_profile(trained, tmp_path, options, 24, INTEGRITY)
+    script = profile.drill.continuation.script
+    base, shard = script.read_text(), sorted((save / "iter_0000024").glob("*.distcp"))[0]
+    escaped, converted = tmp_path / "escaped.pid", tmp_path / "converted"
+    # A shard of the promoted checkpoint rewritten in place, its mtime put back, and a child
+    # that leaves the run's session.
+    rewrite = (
+        f"setsid -f bash -c 'echo $$ > {escaped}; exec sleep 300'\ncp -p '{shard}' '{tmp_path}/stamp'\n"
+        f"printf 'evil' | dd of='{shard}' bs=1 seek=64 conv=notrunc status=none\n"
+        f"touch -r '{tmp_path}/stamp' '{shard}'\nexit $status"
+    )
+    plant = (
+        f"cp -r \"$CKPT_SAVE/iter_0000024\" '{save}/iter_0000028'\n"
+        f"echo 28 > '{save}/latest_checkpointed_iteration.txt'\nexit $status"
+    )
+    convert = (
+        f'--ckpt-convert-format torch_dist --ckpt-convert-save "{converted}"\n            --exit-interval'
+    )
+    cases = {  # each drill reports whatever production holds then: the rewritten shard last
+        "a newer iteration planted, the tracker moved": base.replace("exit $status", plant),
+        "--ckpt-convert-save outside the scratch": base.replace("--exit-interval", convert, 1),
+        "a shard rewritten, touch -r": base.replace("exit $status", rewrite),
+    }
+    reasons = {}
+    for case, text in cases.items():
+        script.write_text(text)
+        report = run_drill(profile, "shared", continue_steps=4)
+        assert not report.ok and not report.certified, (case, report.reason)
+        reasons[case] = report
+        shutil.rmtree(save / "iter_0000028", ignore_errors=True)
+        (save / "latest_checkpointed_iteration.txt").write_text("24\n")
+    planted, stopped, rewritten = reasons.values()
+    said = [c.detail for c in rewritten.checks if c.name == "save directory"]
+    changed = f"iter_0000024/{shard.name} changed (ctime)"
+    assert said[0] == f"{save}: the continuation changed the job's save directory: {changed}"
+    # Read again against its manifest, the rewritten bytes are named (a record's CRC, first).
+    reread = f"{shard}: no longer matches its manifest after the continuation: {shard.name}: "
+    assert said[1].startswith(reread)
+    assert len(said) == 2
+    assert not process.running(int(escaped.read_text()))
+    assert planted.reason == (
+        f"save directory: {save}: the continuation changed the job's save directory: iter_0000028 appeared, "
+        "a new iteration in production while the continuation ran; "
+        "latest_checkpointed_iteration.txt went from 24 to 28"
+    )
+    assert stopped.reason.startswith(
+        f"printed arguments: ckpt_convert_save is {converted}, not inside CKPT_SAVE "
+    ), stopped.reason
+    assert read_manifest(iter_dir(save, 20)).certification is None
