@@ -561,3 +561,28 @@ def test_a_job_slurm_preempted_was_taken_by_the_infrastructure_before_anything_e
         "7", "train", "PREEMPTED", ["n1"], 8, None, None, 0, "None", end_time="2026-12-06T10:00:00"
     )
     assert taken_away(job, tmp_path / "absent.jsonl") == "Slurm job 7: JobState=PREEMPTED (Reason=None)"
+
+
+def test_a_drain_line_another_account_could_write_makes_no_cancellation_a_planned_swap(tmp_path, monkeypatch):
+    """A job cancelled while the drain log says ckptops drained its node was taken away by a
+    planned swap: but only a drain log ckptops's own account wrote says so (issue 56: a line
+    appended to a world-writable health.raw_dir would blame the infrastructure for the job's own
+    failure)."""
+    from tasks.cluster import slurm
+    from tasks.recovery.infrastructure import taken_away
+    from tasks.recovery.job import SlurmJob
+    from tasks.storage.local import append_private_jsonl
+
+    monkeypatch.setattr(slurm, "reservations", lambda: [])
+    job = SlurmJob(
+        "7", "train", "CANCELLED", ["n1"], 8, None, None, 0, "None",
+        start_time="2026-12-06T10:00:00", end_time="2026-12-06T11:00:00",
+    )  # fmt: skip
+    raw = tmp_path / "raw"
+    raw.mkdir(mode=0o755)
+    drains = raw / "drains.jsonl"
+    at = slurm.slurm_time("2026-12-06T10:30:00")
+    append_private_jsonl(drains, {"node": "n1", "at": at, "reason": "ckptops FAIL_HARDWARE xid"})
+    assert taken_away(job, drains).startswith("Slurm job 7 cancelled after ckptops drained n1 during its run")
+    raw.chmod(0o777)  # another account could have appended the line
+    assert taken_away(job, drains) is None

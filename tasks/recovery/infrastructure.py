@@ -20,7 +20,7 @@ from pathlib import Path
 from tasks.cluster import slurm
 from tasks.errors import CkptopsError
 from tasks.recovery.job import SlurmJob, slurm_job
-from tasks.storage.local import read_jsonl
+from tasks.storage.local import read_own_jsonl
 
 _ENDING = ("RUNNING", "COMPLETING", "CONFIGURING", "STOPPED", "SUSPENDED")
 _POLL_SECONDS = 1.0
@@ -65,7 +65,7 @@ def _taken_away(job: SlurmJob, drain_log: Path | None) -> str | None:
             )
     if job.state != "CANCELLED" or drain_log is None or start is None:
         return None
-    for entry in read_jsonl(drain_log, lambda e: isinstance(e.get("at"), (int, float))):
+    for entry in read_own_jsonl(drain_log, lambda e: isinstance(e.get("at"), (int, float))):
         if entry.get("node") in job.nodes and start <= entry["at"] <= end + _SLACK_SECONDS:
             return (
                 f"Slurm job {job.id} cancelled after ckptops drained {entry['node']} during its run "
