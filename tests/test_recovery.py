@@ -586,3 +586,44 @@ def test_a_drain_line_another_account_could_write_makes_no_cancellation_a_planne
     assert taken_away(job, drains).startswith("Slurm job 7 cancelled after ckptops drained n1 during its run")
     raw.chmod(0o777)  # another account could have appended the line
     assert taken_away(job, drains) is None
+
+
+def _escaped_pid(fifo) -> int:
+    """The pid a relaunch's escaping child writes into ``fifo`` once it runs."""
+    import select
+
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        text = b""
+        while not text.endswith(b"\n"):
+            assert select.select([fd], [], [], 60)[0], "the escaping child never ran"
+            text += os.read(fd, 64)
+    finally:
+        os.close(fd)
+    return int(text)
+
+
+@pytest.mark.parametrize("then", ["exec sleep 300", "exit 0"], ids=["running", "script-ended"])
+def test_cancelling_a_local_relaunch_ends_a_child_that_left_its_session(tmp_path, then):
+    """A relaunch's ``setsid -f`` child left its process group: cancel found only the group and
+    left it training (issue 56). It is found by the launch's token in its environment, whether
+    the script still runs or has already ended."""
+    from types import SimpleNamespace
+
+    from tasks.cluster import process
+    from tasks.recovery.job import cancel, start_local
+
+    fifo = tmp_path / "escaped.pid"
+    os.mkfifo(fifo)
+    script = tmp_path / "train.sh"
+    script.write_text(
+        "#!/bin/bash\n# --exit-on-missing-checkpoint\n"
+        f"setsid -f bash -c 'echo $$ > {fifo}; exec sleep 300'\n{then}\n"
+    )
+    settings = SimpleNamespace(script=script, pass_step=("env",))
+    job, holder, _ = start_local(settings, "train", 8, tmp_path / "logs", "t0k3n")
+    escaped = _escaped_pid(fifo)
+    assert process.running(escaped)
+    said = cancel(job, holder, timeout_seconds=20, hard=True)
+    assert said.startswith(f"job {job} ")
+    assert not process.running(escaped)

@@ -131,13 +131,14 @@ def start_local(
     """Run the job's own script with bash, detached (it outlives the recovery run): its id
     (``local:PID``), its process's identity (so a later recovery never takes another process
     that got the pid for it) and its output file (its own: named by ``token``, the incident).
-    The job's name and ``token`` go in its environment."""
+    The job's name and ``token`` go in its environment; the identity carries the launch's own
+    token too (``process.start``'s), by which ``cancel`` finds what left its process group."""
     check_script(settings.script)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"relaunch-{time.strftime('%Y%m%d-%H%M%S')}-{token}.out"
     env = {TOKEN_ENV: token, JOB_ENV: job}
     child = Launch(settings.script, step, settings.pass_step, env, skip).start(log)
-    return f"local:{child.pid}", process.identity(child.pid), log
+    return f"local:{child.pid}", {**process.identity(child.pid), "token": child.token}, log
 
 
 def _local_pid(job: str) -> int | None:
@@ -283,7 +284,10 @@ def cancel(job: str, holder: dict | None = None, timeout_seconds: float = 60.0, 
         if pid is not None:
             if job_state(job, holder) == ELSEWHERE:
                 return f"job {job} runs on {holder.get('host')}: not cancelled from here, cancel it there"
-            ended = process.terminate(pid, min(30.0, timeout_seconds / 2), holder, hard)
+            token = _launch_token(holder)
+            ended = process.terminate(pid, min(30.0, timeout_seconds / 2), holder, hard, token)
+            if not ended:  # its script ended, a child that left its session (setsid -f) may not have
+                process.kill_carrying(token)
             return f"job {job} {'stopped' if ended else 'had already ended'}"
         if not alive(job):
             return f"job {job} had already ended"
@@ -294,6 +298,13 @@ def cancel(job: str, holder: dict | None = None, timeout_seconds: float = 60.0, 
     except CkptopsError as e:
         return f"job {job} NOT known to be cancelled: {e}"
     return f"job {job} cancelled ({state})"
+
+
+def _launch_token(holder: dict | None) -> str | None:
+    """The launch's own token a local relaunch's identity carries (``start_local``), if it is
+    one ``process.start`` makes (the identity comes back from an incident file)."""
+    token = (holder or {}).get("token")
+    return token if isinstance(token, str) and re.fullmatch(r"[0-9a-f]{16}", token) else None
 
 
 def find_by_token(job_name: str, token: str, launcher: str) -> tuple[str, dict | None] | None:
