@@ -5,8 +5,9 @@ run holds the job's concurrency slot and runs the promotion cycle (tasks.checkpo
 the CLI's) with Prefect tasks for its steps and the profile's wait for a save still being written;
 then it publishes the checks and a summary as artifacts and tells the promotion alarm. Last, the
 saves' health (tasks.checkpoint.saves): a stalled or failed save, Megatron-LM's tracker ahead of
-the data, or a store that cannot hold the next save fails the run with the alarm's line, and is
-notified once through ``notify.block``.
+the data, a tracker naming a checkpoint a plain ``--load`` must not take (tasks.checkpoint.trackers)
+or a store that cannot hold the next save fails the run with the alarm's line, and is notified
+once through ``notify.block``.
 """
 
 from prefect import flow
@@ -40,8 +41,7 @@ def verify_and_promote(
         )
     publish(prof.job.name, prof.job.save_dir, report)
     announce_if_caught_up(prof, options)
-    saves = save_health(prof, options)
-    problems = report.problems() + saves.alarms()
+    problems = report.problems() + save_health(prof, options)
     if problems:
         return Failed(message="; ".join(problems))
     return Completed(message=report.summary())

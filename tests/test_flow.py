@@ -79,6 +79,9 @@ def test_flow_fails_naming_the_bad_checkpoint_and_keeps_the_good_one(prefect_api
     state = verify_and_promote(profile=write_profile(tmp_path, save_dir, "flow-bad"), return_state=True)
     assert state.is_failed()
     assert state.message.startswith("INVALID iter_0000024: __0_0.distcp: ") and "[crc]" in state.message
+    # Megatron-LM's own tracker still names 24: a plain --load would take it (issue 56).
+    tracker = save_dir / "latest_checkpointed_iteration.txt"
+    assert f"ALERT {tracker} names iteration 24, which is invalid (__0_0.distcp: " in state.message
     assert read_pointer(save_dir) == 20
     rows = json.loads(Artifact.get("verify-checks-flow-bad").data)
     assert any(r["iteration"] == 24 and r["result"] == "FAIL" and r["file"] == "__0_0.distcp" for r in rows)

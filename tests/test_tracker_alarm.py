@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tasks.checkpoint import layout
 from tasks.checkpoint.state import State, VerifyOptions, completeness
-from tasks.status import tracker_alarms
+from tasks.checkpoint.trackers import tracker_alarms
 from tests.conftest import iter_dir
 from tests.test_cli import ckptops_here
 

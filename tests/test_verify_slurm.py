@@ -328,4 +328,9 @@ def test_a_record_outside_any_file_fails_both_engines_the_same_way(slurm_conf, s
     local, remote = verify_with("local", directory, profile), verify_with("slurm", directory, profile)
     assert local.state is State.INVALID
     assert (remote.state, remote.reason) == (local.state, local.reason)
-    assert remote.reason.startswith("__0_0.distcp: record ") and "has offset -8" in remote.reason
+    # The index is checked before any shard is read (issue 56): the record is refused there.
+    assert (
+        remote.reason.startswith(".metadata: record ")
+        and "has offset -8, not an integer in 0.." in remote.reason
+    )
+    assert "[dcp-metadata]" in remote.reason

@@ -25,13 +25,15 @@ from prefect.artifacts import (
 from prefect.concurrency.sync import concurrency
 
 from tasks.checkpoint import layout
+from tasks.checkpoint.catalog import catalog
 from tasks.checkpoint.content import worst_tensors
 from tasks.checkpoint.lock import Held
 from tasks.checkpoint.manifest import RESUME_WORDS
 from tasks.checkpoint.promote import Here, PromotionReport, Waiting
 from tasks.checkpoint.retention import RetentionPlan
-from tasks.checkpoint.saves import SaveReport, SaveState, saves_of
+from tasks.checkpoint.saves import SaveState, saves_of
 from tasks.checkpoint.state import Completeness, State, VerifyOptions
+from tasks.checkpoint.trackers import alarm_lines, tracker_alarms
 from tasks.checkpoint.verify import Verification
 from tasks.storage.local import list_files
 
@@ -284,11 +286,13 @@ def _variable(job: str) -> str:
 
 
 @task(name="save-health")
-def save_health(profile, options: VerifyOptions) -> SaveReport:
-    """Each save's state in the profile's save directory, from the store and the job's log: a
-    table artifact of the saves not complete, a warning in the run's log for each alarm, and a
+def save_health(profile, options: VerifyOptions) -> list[str]:
+    """Each save's state in the profile's save directory, from the store and the job's log, and
+    the trackers a plain ``--load`` resumes from (``tasks.checkpoint.trackers``): a table
+    artifact of the saves not complete, a warning in the run's log for each alarm, and a
     notification through ``notify.block`` for each alarm not notified before (what was sent is
-    kept in a Prefect Variable, so a stalled save is told once, not every run)."""
+    kept in a Prefect Variable, so a stalled save is told once, not every run). The alarms'
+    lines."""
     from prefect.variables import Variable
 
     from tasks import notify
@@ -305,7 +309,8 @@ def save_health(profile, options: VerifyOptions) -> SaveReport:
         key=f"saves-{re.sub(r'[^a-z0-9-]', '-', profile.job.name.lower())}",
         description=f"saves of {profile.job.name} not complete; {report.space.line()}",
     )
-    alarms = report.alarm_lines()
+    save_dir = profile.job.save_dir
+    alarms = alarm_lines(report, tracker_alarms(save_dir, catalog(save_dir, options), options))
     logger = get_run_logger()
     for line in alarms.values():
         logger.warning(line)
@@ -317,4 +322,4 @@ def save_health(profile, options: VerifyOptions) -> SaveReport:
             logger.warning(problem)
     if set(alarms) != sent:
         Variable.set(_variable(profile.job.name), sorted(alarms), overwrite=True)
-    return report
+    return list(alarms.values())
