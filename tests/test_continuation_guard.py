@@ -7,7 +7,6 @@ profile and scripts)."""
 
 import os
 import re
-import select
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,6 +23,7 @@ from tasks.relaunch.script import script_args
 from tasks.restore.continuation import _misfit, changes, continuation_sources, fingerprint
 from tasks.restore.drill import run_drill
 from tests.conftest import iter_dir
+from tests.helpers.poll import line_from_fifo
 from tests.test_continuation import INTEGRITY, _production, continuation_profile
 
 # One of Megatron-LM's iteration lines: the original run's log a continuation is compared with.
@@ -172,15 +172,7 @@ def _escaping(tmp_path: Path, then: str) -> tuple[subprocess.Popen, int]:
     os.mkfifo(fifo)
     script = f"setsid -f bash -c 'echo $$ > {fifo}; exec sleep 300'\n{then}"
     started = process.start(["bash", "-c", script], tmp_path / "log")
-    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        text = b""
-        while not text.endswith(b"\n"):
-            assert select.select([fd], [], [], 60)[0], "the escaping child never ran"
-            text += os.read(fd, 64)
-    finally:
-        os.close(fd)
-    return started, int(text)
+    return started, int(line_from_fifo(fifo, 60, "the escaping child ran"))
 
 
 def test_a_child_that_left_the_session_is_ended_with_the_command(tmp_path):

@@ -588,21 +588,6 @@ def test_a_drain_line_another_account_could_write_makes_no_cancellation_a_planne
     assert taken_away(job, drains) is None
 
 
-def _escaped_pid(fifo) -> int:
-    """The pid a relaunch's escaping child writes into ``fifo`` once it runs."""
-    import select
-
-    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        text = b""
-        while not text.endswith(b"\n"):
-            assert select.select([fd], [], [], 60)[0], "the escaping child never ran"
-            text += os.read(fd, 64)
-    finally:
-        os.close(fd)
-    return int(text)
-
-
 @pytest.mark.parametrize("then", ["exec sleep 300", "exit 0"], ids=["running", "script-ended"])
 def test_cancelling_a_local_relaunch_ends_a_child_that_left_its_session(tmp_path, then):
     """A relaunch's ``setsid -f`` child left its process group: cancel found only the group and
@@ -612,6 +597,7 @@ def test_cancelling_a_local_relaunch_ends_a_child_that_left_its_session(tmp_path
 
     from tasks.cluster import process
     from tasks.recovery.job import cancel, start_local
+    from tests.helpers.poll import line_from_fifo
 
     fifo = tmp_path / "escaped.pid"
     os.mkfifo(fifo)
@@ -622,7 +608,7 @@ def test_cancelling_a_local_relaunch_ends_a_child_that_left_its_session(tmp_path
     )
     settings = SimpleNamespace(script=script, pass_step=("env",))
     job, holder, _ = start_local(settings, "train", 8, tmp_path / "logs", "t0k3n")
-    escaped = _escaped_pid(fifo)
+    escaped = int(line_from_fifo(fifo, 60, "the escaping child ran"))
     assert process.running(escaped)
     said = cancel(job, holder, timeout_seconds=20, hard=True)
     assert said.startswith(f"job {job} ")

@@ -3,6 +3,8 @@
 Never a sleep as synchronisation: each poll asks for the state it waits for, and has a deadline.
 """
 
+import os
+import select
 import time
 
 
@@ -23,3 +25,18 @@ def until(condition, timeout: float, what: str, every: float = 0.2):
     if value is None:
         raise AssertionError(f"not within {timeout:.0f}s: {what}")
     return value
+
+
+def line_from_fifo(fifo, timeout: float, what: str) -> str:
+    """The first line a process writes into the FIFO ``fifo`` (a child says it runs, and its pid),
+    waited for with ``select``; an AssertionError naming ``what`` if none came within ``timeout``
+    seconds of silence."""
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        text = b""
+        while not text.endswith(b"\n"):
+            assert select.select([fd], [], [], timeout)[0], f"not within {timeout:.0f}s: {what}"
+            text += os.read(fd, 64)
+    finally:
+        os.close(fd)
+    return text.decode()
