@@ -171,3 +171,24 @@ def test_the_dumps_alone_name_exactly_the_held_out_cases_faulty_ranks():
         answer = json.loads(result.stdout)
         assert answer["class"] == "hang" and tuple(answer["suspect_ranks"]) == missing, folder
         assert set(missing) <= set(injected)
+
+
+def test_a_slurm_task_layout_smaller_than_the_dumps_world_drops_no_dump(dumps):
+    """torchrun under Slurm: one Slurm task a node, many ranks a task. The scheduler's layout (2
+    tasks here) is no world size: the 16 ranks' dumps are all read, and their suspects are not
+    mapped to the nodes of the tasks that happen to share their numbers."""
+    from tasks.recovery.triage import attribute_hang
+    from tasks.recovery.triage.model import Triage
+
+    tasks = {0: "node-a", 1: "node-b"}
+    found = attribute_hang(Triage("unknown", [], None, [], "nothing recognised"), dumps, tasks)
+    assert found.cls == "hang" and tuple(found.suspect_ranks) == MISSING
+    assert found.flight_recorder["read"] == 16 and found.flight_recorder["expected"] == 16
+    assert found.flight_recorder["problems"] == [] and found.suspect_nodes == []
+    assert "the job's 2 tasks are not its ranks" in found.reason
+    # A layout of exactly the dumps' ranks still names the suspects' nodes.
+    ranks = {r: f"node-{r // 8}" for r in range(16)}
+    found = attribute_hang(Triage("hang", [], None, [], "timeouts"), dumps, ranks)
+    assert found.suspect_nodes == ["node-1"] and tuple(found.suspect_ranks) == MISSING
+    # Only an explicit world size drops the dumps of another.
+    assert fr.read_dumps(dumps, world_size=2)[0] == []

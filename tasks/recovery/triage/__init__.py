@@ -159,6 +159,7 @@ def attribute_hang(
     layout: dict[int, str] | None = None,
     world_size: int | None = None,
     required: bool = True,
+    since: float | None = None,
 ) -> Triage:
     """For a hang, or logs that show no failure at all, read the ranks' Flight Recorder dumps in
     ``dumps`` and name the ranks that never entered the collective the others wait in (and,
@@ -166,17 +167,27 @@ def attribute_hang(
     collective are evidence of a hang in themselves: an ``unknown`` failure whose dumps show them
     is a ``hang``. Any other class is left as it is. No dumps there, or a folder that cannot be
     read: UsageError (or Unreadable), or with ``required`` false (a recovery, where the job may not
-    have dumped) a note in the reason. A dump that cannot be used is one of the problems."""
+    have dumped) a note in the reason. A dump that cannot be used is one of the problems.
+
+    Only ``world_size`` (``--world-size``) drops the dumps of another size. ``layout`` is what the
+    scheduler knows (one entry a Slurm task: under torchrun a task is a node of many ranks), so it
+    is no world size: it counts only where the dumps state none and no dump's rank is past it, and
+    names the suspects' nodes only where it has exactly the dumps' ranks. ``since``: the failed
+    job's start (epoch seconds); dumps older than it are an earlier run's and ignored."""
     if found.cls not in (FailureClass.HANG, FailureClass.UNKNOWN):
         return found
     try:
-        seen = flight_recorder.flight_recorder(dumps, world_size or (len(layout) if layout else None))
+        read, problems, files, world = flight_recorder.read_dumps(dumps, world_size, since)
     except CkptopsError as e:
         if required:
             raise
         found.flight_recorder = {"error": str(e), "reason": str(e), "problems": []}
         found.reason += f"; Flight Recorder: {e}"
         return found
+    tasks = len(layout) if layout else None
+    if world is None and tasks and all(r < tasks for r in files):
+        world = tasks
+    seen = flight_recorder.attribute(read, problems, files, world)
     found.flight_recorder = seen.to_dict()
     if found.cls == FailureClass.UNKNOWN:
         if not seen.suspect_ranks:
@@ -188,9 +199,12 @@ def attribute_hang(
         )
     found.suspect_ranks = list(seen.suspect_ranks)
     found.stuck_collective = seen.stuck
+    nodes = layout if tasks and world == tasks else {}
     for rank in seen.suspect_ranks:
-        node = (layout or {}).get(rank)
+        node = nodes.get(rank)
         if node is not None and node not in found.suspect_nodes:
             found.suspect_nodes.append(node)
     found.reason += f"; Flight Recorder: {seen.reason}"
+    if tasks and world != tasks and seen.suspect_ranks:
+        found.reason += f" (the job's {tasks} tasks are not its ranks: no rank's node is known)"
     return found
