@@ -8,6 +8,7 @@ import pickle
 import shutil
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -235,3 +236,41 @@ def test_a_deep_integrity_json_fails_its_check_in_one_line(trained, tmp_path, op
     assert result.reason.startswith(
         "integrity.json: unreadable (nests deeper than 64 levels; refused) [integrity.json]"
     )
+
+
+def _torch_dcp_save(directory: Path, state: dict) -> None:
+    """``state`` saved by torch's own DCP writer in this one process (no process group)."""
+    import torch.distributed.checkpoint as torch_dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        torch_dcp.save(state, checkpoint_id=str(directory))
+
+
+def test_a_torch_dcp_save_with_a_scalar_tensor_loads_and_checks(tmp_path):
+    """A 0-dim tensor's one chunk has no offsets and no sizes; the index of a plain torch DCP save
+    (its checkpoint_id a pathlib path) holding one loads, and both tensors have their records."""
+    import torch
+
+    _torch_dcp_save(tmp_path, {"scalar": torch.tensor(3.0), "weight": torch.ones(2, 3)})
+    index = build_index(load_dcp_metadata(tmp_path / ".metadata"))
+    assert set(index.tensors) == {"scalar", "weight"}
+    assert {record.key for record in index.records.values()} == {"scalar@[]", "weight@[0, 0]"}
+
+
+@pytest.mark.parametrize("chunks", [0, 1], ids=["no-chunk", "a-chunk-with-offsets"])
+def test_a_scalar_tensor_not_of_one_empty_chunk_is_refused(tmp_path, chunks):
+    """No chunk, or its one chunk with an offset and a size (a second chunk is past its one
+    element already): refused in one line naming the tensor."""
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    _torch_dcp_save(tmp_path, {"scalar": torch.tensor(3.0)})
+
+    def change(metadata):
+        item = metadata.state_dict_metadata["scalar"]
+        item.chunks = [ChunkStorageMetadata(torch.Size([0]), torch.Size([1]))] if chunks else []
+
+    rewrite_index(tmp_path, change)
+    with pytest.raises(CkptopsError, match="tensor 'scalar' is a scalar but has not exactly 1 chunk"):
+        load_dcp_metadata(tmp_path / ".metadata")

@@ -51,7 +51,15 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 _DCP_MODULES = ("torch.distributed.checkpoint.", "megatron.core.dist_checkpointing.")
-_EXPLICIT = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+# torch's own FileSystemWriter records its checkpoint_id as a pathlib path of strings (a plain
+# ``torch.distributed.checkpoint.save``; Megatron's writer records a str); building one reads nothing.
+_EXPLICIT = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib._local", "PosixPath"),
+}
 # An object shard's grid offset and shape: dot-separated numbers of at most 18 digits each.
 _SHARD_KEY = re.compile(
     r"^(?P<family>.+)/shard_(?P<offset>\d{1,18}(?:\.\d{1,18})*)_(?P<shape>\d{1,18}(?:\.\d{1,18})*)$", re.ASCII
@@ -206,6 +214,9 @@ def _check_tensor(fqn, item, name: str) -> int:
             f"{label} has {len(chunks):,} chunks, more than its {elements:,} elements; refused",
         )
     dimensions = len(size)
+    if dimensions == 0:
+        _check_scalar(label, chunks, name)
+        return len(chunks)
     try:
         ranks = {(type(c), len(c.offsets), len(c.sizes)) for c in chunks}
         same = ranks == {(ChunkStorageMetadata, dimensions, dimensions)}
@@ -219,6 +230,22 @@ def _check_tensor(fqn, item, name: str) -> int:
             f"{label}: a chunk that is not {dimensions} integer offsets and sizes; refused",
         )
     return len(chunks)
+
+
+def _check_scalar(label: str, chunks: list, name: str) -> None:
+    """A 0-dim tensor's chunks: exactly one, with no offsets and no sizes (its one element)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    try:
+        empty = all(type(c) is ChunkStorageMetadata and len(c.offsets) == len(c.sizes) == 0 for c in chunks)
+    except (AttributeError, TypeError):
+        empty = False
+    if len(chunks) != 1 or not empty:
+        raise CheckFailed(
+            VerifyCheck.DCP_METADATA,
+            name,
+            f"{label} is a scalar but has not exactly 1 chunk with no offsets and sizes; refused",
+        )
 
 
 def _check_record(index, info, name: str) -> None:
