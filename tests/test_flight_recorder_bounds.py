@@ -192,3 +192,37 @@ def test_a_slurm_task_layout_smaller_than_the_dumps_world_drops_no_dump(dumps):
     assert found.suspect_nodes == ["node-1"] and tuple(found.suspect_ranks) == MISSING
     # Only an explicit world size drops the dumps of another.
     assert fr.read_dumps(dumps, world_size=2)[0] == []
+
+
+def test_dumps_older_than_the_failed_jobs_start_are_an_earlier_runs_and_ignored(dumps):
+    """A dump written before the job started (its file's time), or whose newest entry is older,
+    is left out with one line for all of them; an unknown failure whose only dumps are old stays
+    unknown, and the ranks of old files are no ranks that dumped."""
+    import os
+
+    from tasks.recovery.triage import attribute_hang
+    from tasks.recovery.triage.model import Triage
+
+    entries = min(d.newest_ns for d in fr.read_dumps(dumps)[0]) / 1e9  # NVRx's run, 2025
+    started = entries - 60
+    for rank in (0, 1, 2):
+        os.utime(dumps / f"_dump_{rank}", (started - 3600, started - 3600))
+    read, problems, files, world = fr.read_dumps(dumps, since=started)
+    assert sorted(d.rank for d in read) == list(range(3, 16)) and files == set(range(3, 16))
+    (line,) = problems
+    assert (
+        line.startswith(f"{dumps}: 3 dumps older than the failed job's start (")
+        and "(first: _dump_0)" in line
+    )
+    # Started after every entry (the files are new): every dump is an earlier run's.
+    for dump in dumps.glob("_dump_*"):
+        os.utime(dump)
+    read, problems, files, _ = fr.read_dumps(dumps, since=entries + 3600 * 24)
+    assert read == [] and files == set() and len(problems) == 1 and "16 dumps older" in problems[0]
+    found = Triage("unknown", [], None, [], "nothing recognised")
+    found = attribute_hang(found, dumps, required=False, since=entries + 3600 * 24)
+    assert found.cls == "unknown" and found.suspect_ranks == []
+    assert found.flight_recorder["problems"] == problems
+    # Without a start, or with the real one, the same dumps make it a hang.
+    found = attribute_hang(Triage("unknown", [], None, [], "x"), dumps, since=started)
+    assert found.cls == "hang" and tuple(found.suspect_ranks) == MISSING

@@ -613,3 +613,60 @@ def test_cancelling_a_local_relaunch_ends_a_child_that_left_its_session(tmp_path
     said = cancel(job, holder, timeout_seconds=20, hard=True)
     assert said.startswith(f"job {job} ")
     assert not process.running(escaped)
+
+
+def test_the_failed_jobs_start_is_slurms_else_the_logs_first_time_less_any_zone():
+    """What Flight Recorder dumps are compared with (tasks.recovery.run.job_started): Slurm's
+    StartTime (scontrol's local time), else the logs' first time less 14 hours (a log's own zone
+    read as UTC), else nothing known."""
+    from datetime import datetime
+
+    from tasks.recovery.run import job_started
+
+    slurm = datetime(2026, 3, 1, 12, 0, 5).timestamp()
+    assert job_started("0:2026-03-01T12:00:05", 1e9) == slurm
+    assert job_started("2:2026-03-01T12:00:05", None) == slurm
+    assert job_started("0:Unknown", 1_800_000_000.0) == 1_800_000_000.0 - 14 * 3600
+    assert job_started(None, 1_800_000_000.0) == 1_800_000_000.0 - 14 * 3600
+    assert job_started("0:None", None) is None and job_started(None, None) is None
+
+
+def test_triage_says_when_the_logs_began(tmp_path):
+    from tasks.recovery.triage import triage
+
+    log = tmp_path / "job.log"
+    log.write_text("no time here\n[2026-03-01 12:00:05] step 1\n[2026-03-01 12:09:00] step 2\n")
+    bare = tmp_path / "bare.log"
+    bare.write_text("no time at all\n")
+    assert triage([bare, log]).logs_began == datetime_utc(2026, 3, 1, 12, 0, 5)
+    assert triage([bare]).logs_began is None
+
+
+def datetime_utc(*when) -> float:
+    from datetime import UTC, datetime
+
+    return datetime(*when, tzinfo=UTC).timestamp()
+
+
+def test_a_recovery_refused_at_a_lock_file_of_another_account_writes_its_incident(tmp_path):
+    """A recovery lock file another account owns is refused at once (whoever can open it can
+    flock it): the recovery stops there, and its incident says so, naming the file."""
+    from tasks.checkpoint.layout import RECOVERY_LOCK
+    from tests.test_cli import ckptops_here
+
+    profile = local_profile(tmp_path)
+    save = tmp_path / "checkpoints"
+    lock = save / RECOVERY_LOCK
+    lock.write_text("")
+    os.chmod(lock, 0o600)
+    os.chown(lock, 65534, 65534)
+    done = ckptops_here("recover", "--logs", HARDWARE_LOG, "--json", "--profile", profile)
+    assert done.exit_code == 1, done.output
+    incident = json.loads(done.stdout)
+    assert incident["outcome"] == "stopped" and incident["relaunched_job"] is None
+    assert (
+        incident["reason"].startswith("the recovery lock of job is refused: ")
+        and str(lock) in incident["reason"]
+    )
+    (written,) = incidents(save)
+    assert written.reason == incident["reason"] and "Traceback" not in done.output

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 
@@ -107,6 +108,23 @@ class Decision:
     by: str
     checkpoint: int | None = None  # another checkpoint than the plan's
     note: str = ""
+
+
+# Log times are read as UTC (tasks.recovery.triage), but a job may print its own zone's: such a
+# time read as UTC is at most 14 hours (UTC+14) after the moment it names.
+LOG_ZONE_HOURS = 14
+
+
+def job_started(attempt: str | None, logs_began: float | None) -> float | None:
+    """When the failed job started, to tell its Flight Recorder dumps from an earlier run's:
+    Slurm's StartTime (``Detected.attempt`` is ``restarts:StartTime``, scontrol's local time),
+    else the logs' first time less LOG_ZONE_HOURS; None where neither is known."""
+    start = (attempt or "").partition(":")[2]
+    try:
+        return datetime.fromisoformat(start).timestamp()
+    except ValueError:
+        pass
+    return None if logs_began is None else logs_began - LOG_ZONE_HOURS * 3600
 
 
 class Duplicate(CkptopsError):
@@ -189,8 +207,12 @@ class _Recovery:
         incident.failure_key = failure_key(self.source, self.tri, self.detected)
         try:
             lock = self._lock()
+        except Duplicate:
+            raise
         except LockTimeout as e:
             return self._closed(f"another recovery of {incident.job} holds its recovery lock: {e}")
+        except CkptopsError as e:  # a lock file or holder of another account: refused at once
+            return self._closed(f"the recovery lock of {incident.job} is refused: {e}")
         with lock:
             try:
                 adoptable = self._resolve_leftovers()
@@ -364,11 +386,7 @@ class _Recovery:
         )
         dumps = self.profile.recovery.flight_recorder_dir
         if dumps is not None and tri.cls in (FailureClass.HANG, FailureClass.UNKNOWN):
-            ranks = self.detected.layout or None
-            self._do("flight-recorder", attribute_hang, tri, dumps, ranks, required=False)
-            for problem in tri.flight_recorder["problems"]:
-                self.warn(problem)
-            incident.hang = tri.flight_recorder["reason"] if tri.cls == FailureClass.HANG else None
+            self._flight_recorder(dumps)
         incident.mark("triaged")
         incident.cls, incident.exit_code = tri.cls, tri.exit_code
         tri.infrastructure = tri.infrastructure or self.detected.infrastructure
@@ -378,6 +396,25 @@ class _Recovery:
         incident.suspect_gpus = list(tri.suspect_gpus)
         if tri.first_error is not None and tri.first_error.at is not None:
             incident.mark("first_error", tri.first_error.at)
+
+    def _flight_recorder(self, dumps: Path) -> None:
+        """The ranks' dumps, for a hang or a failure the logs do not explain. Only those written
+        since the failed job started count (an earlier run's would make an unknown failure a
+        hang); where no start is known, an unknown failure's are not read at all."""
+        tri, incident = self.tri, self.incident
+        since = job_started(self.detected.attempt, tri.logs_began)
+        if since is None and tri.cls == FailureClass.UNKNOWN:
+            self.warn(
+                f"{dumps}: Flight Recorder dumps not read: when the failed job started is unknown (no "
+                "Slurm start, no time in its logs), so an earlier run's cannot be told apart"
+            )
+            return
+        # The Slurm layout has a task a node under torchrun: no world size (attribute_hang).
+        layout = self.detected.layout or None
+        self._do("flight-recorder", attribute_hang, tri, dumps, layout, required=False, since=since)
+        for problem in tri.flight_recorder["problems"]:
+            self.warn(problem)
+        incident.hang = tri.flight_recorder["reason"] if tri.cls == FailureClass.HANG else None
 
     def _phases(self) -> None:
         incident, settings = self.incident, self.settings

@@ -26,7 +26,10 @@ class Decide:
             cascades += [h for h in hits if h.kind == "cascade"]
         roots.sort(key=lambda h: h.order)
         cascades.sort(key=lambda h: h.order)
-        return self._decide(roots, cascades, exit_code)
+        found = self._decide(roots, cascades, exit_code)
+        began = [self._epoch(f.first_ts) for f in self.files if f.first_ts is not None]
+        found.logs_began = min(began) if began else None
+        return found
 
     def _decide(self, roots: list[Hit], cascades: list[Hit], exit_code: int | None) -> "Triage":
         exits = [h for h in cascades if h.exit_code in MEGATRON]

@@ -33,6 +33,7 @@ import pickle
 import pickletools
 import re
 import statistics
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -282,11 +283,13 @@ def read_dump(path: Path, rank: int) -> Dump:
 
 
 def read_dumps(
-    directory: Path, world_size: int | None = None
+    directory: Path, world_size: int | None = None, since: float | None = None
 ) -> tuple[list[Dump], list[str], set[int], int | None]:
     """Every rank's dump in ``directory`` (the most common file prefix; files of another prefix
     are another job's), one line for each file that could not be used, the ranks that have a
-    file at all, and the job's world size (``world_size``, else the dumps' majority, else None)."""
+    file at all, and the job's world size (``world_size``, else the dumps' majority, else None).
+    ``since``: when the job started (epoch seconds); a dump written before it, or whose newest
+    entry is older, is an earlier run's: left out, with one line for all of them."""
     directory = Path(directory)
     if not directory.is_dir():
         raise UsageError(f"{directory}: no such directory of Flight Recorder dumps")
@@ -313,21 +316,49 @@ def read_dumps(
     ranks = (
         f"the job's {world_size:,} ranks" if world_size else f"0..{MAX_WORLD - 1:,}, the ranks ckptops reads"
     )
-    dumps, files = [], set()
+    dumps, files, old = [], set(), []
     for rank, path in by_prefix[prefix]:
         if rank >= limit:
             problems.append(f"{path}: rank {_short(rank)} is outside {ranks}; not a dump of this job")
             continue
-        files.add(rank)
+        if since is not None and _written(path) < since:
+            old.append(path)
+            continue
         try:
-            dumps.append(read_dump(path, rank))
+            dump = read_dump(path, rank)
         except CkptopsError as e:
+            files.add(rank)
             problems.append(str(e))
+            continue
+        if since is not None and dump.newest_ns is not None and dump.newest_ns < since * 1e9:
+            old.append(path)
+            continue
+        files.add(rank)
+        dumps.append(dump)
+    if old:
+        problems.append(_older(directory, old, since))
     dumps, world = _same_job(dumps, problems, world_size)
     # A file of a rank outside the world agreed on (unreadable as well: it has its line) is no
     # rank of the job that left no usable dump.
     files = {r for r in files if world is None or r < world}
     return dumps, problems, files, world
+
+
+def _written(path: Path) -> float:
+    """A dump file's modification time; one that cannot be seen is read (and says why)."""
+    try:
+        return os.lstat(path).st_mtime
+    except OSError:
+        return math.inf
+
+
+def _older(directory: Path, old: list[Path], since: float) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(since))
+    what = "1 dump" if len(old) == 1 else f"{len(old):,} dumps"
+    return (
+        f"{directory}: {what} older than the failed job's start ({when}), an earlier run's: ignored "
+        f"(first: {old[0].name})"
+    )
 
 
 def _short(rank: int) -> str:

@@ -72,6 +72,9 @@ class Triage:
     suspect_gpus: list[str] = field(default_factory=list)
     # The save a save-failed or save-stalled failure was writing, by the job's log.
     save_iteration: int | None = None
+    # The earliest time any of the logs states (epoch seconds, read as UTC): when the job began,
+    # as far as its logs tell.
+    logs_began: float | None = None
 
     def to_dict(self) -> dict:
         first = self.first_error
