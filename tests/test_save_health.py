@@ -478,3 +478,32 @@ def test_triage_keeps_a_nan_failure_beside_another_programs_full_disk(tmp_path):
     found = triage([log])
     assert found.cls == "numerics", found.reason
     assert all(e.cls != "save-failed" for e in found.evidence)
+
+
+def test_a_full_disk_through_activation_checkpointing_is_no_save_failure(tmp_path):
+    """torch/utils/checkpoint.py is activation checkpointing (a recompute in the backward pass),
+    not a checkpoint writer: an ENOSPC ending a traceback through it (a spill, a cache) is not the
+    save's; the same words ending a traceback through a writer's module are."""
+    began = "[2026-12-07 04:50:53.945097] saving checkpoint at iteration      24 to /ck in torch_dist format"
+    enospc = "[rank0]: OSError: [Errno 28] No space left on device"
+    recompute = [
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "/venv/site-packages/torch/utils/checkpoint.py", line 1128, in unpack_hook',
+        "[rank0]:     frame.recompute_fn(*args)",
+        enospc,
+    ]
+    assert read_save_log([began, *recompute]).saves[24].error is None
+    log = tmp_path / "job.log"
+    log.write_text("\n".join([began, *recompute]) + "\n")
+    assert triage([log]).cls != "save-failed"
+    for writer in (
+        "/opt/megatron/megatron/core/dist_checkpointing/strategies/filesystem_async.py",
+        "/opt/megatron/megatron/training/checkpointing.py",
+        "/usr/lib/python3/site-packages/torch/distributed/checkpoint/filesystem.py",
+        "/usr/lib/python3/site-packages/torch/serialization.py",
+        "/opt/Megatron-Bridge/src/megatron/bridge/training/checkpointing.py",
+    ):
+        traced = [recompute[0], f'[rank0]:   File "{writer}", line 379, in save', "[rank0]:     x()", enospc]
+        assert read_save_log([began, *traced]).saves[24].error == enospc, writer
+        log.write_text("\n".join([began, *traced]) + "\n")
+        assert triage([log]).cls == "save-failed", writer

@@ -63,9 +63,21 @@ _WRITER_WORDS = re.compile(
     r"|megatron\.core\.dist_checkpointing|torch\.distributed\.checkpoint",
     re.I,
 )
-# A frame of a checkpoint writer: Megatron's and DeepSpeed's checkpointing code, torch DCP,
-# Megatron-Core's dist_checkpointing, torch.save's serialization.
-_WRITER_FRAME = re.compile(r'File "[^"]*(?:checkpoint|/torch/serialization\.py)[^"]*", line \d+')
+# A frame of a checkpoint writer's module: Megatron-Core's dist_checkpointing, Megatron-LM's and
+# Megatron-Bridge's checkpointing.py, torch DCP, torch.save's serialization, DeepSpeed's checkpoint
+# engines, NeMo's checkpoint IO and callbacks. Not any path with "checkpoint" in it:
+# torch/utils/checkpoint.py is activation checkpointing (a recompute in the backward pass).
+_WRITER_FRAME = re.compile(
+    r'File "(?:[^"]*/)?(?:'
+    r"megatron/core/dist_checkpointing/[^\"]*"
+    r"|megatron/(?:training|bridge/training)/checkpointing\.py"
+    r"|torch/distributed/checkpoint/[^\"]*"
+    r"|torch/serialization\.py"
+    r"|deepspeed/runtime/checkpoint_engine/[^\"]*"
+    r"|nemo/utils/callbacks/(?:dist_ckpt_io|nemo_model_checkpoint)\.py"
+    r"|nemo/lightning/io/pl\.py|nemo/lightning/pytorch/callbacks/model_checkpoint\.py"
+    r')", line \d+'
+)
 _FRAME = re.compile(r'\bFile "[^"]+", line \d+')
 # A training step logged (Megatron-LM's, torchtitan's, nanoGPT's): progress after a save began.
 # The step's number: only a later step is progress past a save (the last rank prints the
