@@ -17,12 +17,14 @@ import pytest
 from tasks.checkpoint.manifest import read_manifest
 from tasks.cluster import process
 from tasks.errors import UsageError
+from tasks.profile import load_profile
 from tasks.relaunch.fit import Compatibility
 from tasks.relaunch.printed import PrintedArgs
 from tasks.relaunch.script import script_args
-from tasks.restore.continuation import _misfit, changes, continuation_sources, fingerprint
+from tasks.restore import continuation
+from tasks.restore.continuation import _misfit, _resumable, changes, continuation_sources, fingerprint
 from tasks.restore.drill import run_drill
-from tests.conftest import iter_dir
+from tests.conftest import iter_dir, write_job_profile
 from tests.helpers.poll import line_from_fifo
 from tests.test_continuation import INTEGRITY, _production, continuation_profile
 
@@ -255,3 +257,54 @@ def test_a_script_that_reaches_production_after_training_is_caught_and_nothing_i
         f"printed arguments: ckpt_convert_save is {converted}, not inside CKPT_SAVE "
     ), stopped.reason
     assert read_manifest(iter_dir(save, 20)).certification is None
+
+
+def _production_profile(tmp_path: Path, verify: str = ""):
+    save = _production(tmp_path / "save")
+    path = write_job_profile(tmp_path, save)
+    if verify:
+        path.write_text(path.read_text().replace("verify: {", "verify: {" + verify + ", "))
+    return load_profile(path), save
+
+
+def test_a_resumable_checkpoint_that_cannot_be_read_again_is_named_with_why(tmp_path):
+    """The promoted checkpoint (20) has no manifest, the drilled one (16) a garbled one: neither
+    can be re-verified after the run, and each is named. Before: both were passed over without a
+    word, and the drill's checks said nothing of production not being read again."""
+    profile, save = _production_profile(tmp_path)
+    (save / "iter_0000016" / "manifest.json").write_text("{not json")
+    found, skipped = _resumable(profile, 16)
+    assert found == []
+    assert skipped[1] == (
+        f"{save}/iter_0000020: the promoted checkpoint will not be re-verified after the continuation: "
+        "it has no manifest"
+    )
+    assert skipped[0].startswith(
+        f"{save}/iter_0000016: the drilled checkpoint will not be re-verified after the continuation: "
+        "its manifest cannot be read ("
+    ), skipped[0]
+    assert len(skipped) == 2
+    # A pointer that cannot be read: the promoted checkpoint is not known, and that is said.
+    (save / "latest_verified_iteration.txt").write_text("twenty")
+    found, skipped = _resumable(profile, None)
+    assert found == [] and len(skipped) == 1
+    assert skipped[0].startswith("the promoted checkpoint will not be re-verified after the continuation: ")
+
+
+def test_the_reverification_verifies_with_the_profiles_settings(tmp_path, monkeypatch):
+    """Before: bare VerifyOptions, with the default engine, threads and hashing, whatever the
+    profile's verify section said."""
+    profile, save = _production_profile(tmp_path, "threads: 3")
+    seen = []
+
+    def verify(directory, options, reference=None):
+        seen.append(options)
+        raise UsageError("not verified in this test")
+
+    monkeypatch.setattr(continuation, "verify_checkpoint", verify)
+    said = continuation._reverified(profile, [(save / "iter_0000020", object())])
+    assert said == [
+        f"{save}/iter_0000020: cannot be verified again after the continuation: not verified in this test"
+    ]
+    assert seen[0].threads == 3 and seen[0].engine == profile.verify.engine
+    assert seen[0].hashing.segment_bytes == profile.verify.segment_mb << 20

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from tasks.checkpoint import dialect, layout
 from tasks.checkpoint.facts import checkpoint_facts
-from tasks.checkpoint.manifest import Manifest, valid_for_this_save
+from tasks.checkpoint.manifest import Manifest, read_manifest, valid_for_this_save
 from tasks.checkpoint.pointer import read_pointer
 from tasks.checkpoint.signing import Trust
 from tasks.checkpoint.state import State, VerifyOptions
@@ -336,6 +336,7 @@ class _Watch:
     printed: PrintedArgs | None = None
     stopped: str | None = None
     late: bool = False  # the block was read only once the run had ended
+    unverified: list[Check] = field(default_factory=list)  # resumable checkpoints not read again
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -535,8 +536,9 @@ def continue_training(
         return watch
     after = _trained(run, watch, n, steps, began, save_to)
     if isinstance(after, Continued):
+        after.checks += watch.unverified
         return after
-    warned = [Check(ARGUMENTS, Outcome.WARN, d.words) for d in fits.of(Kind.WARN)]
+    warned = [Check(ARGUMENTS, Outcome.WARN, d.words) for d in fits.of(Kind.WARN)] + watch.unverified
     return _compared(profile, facts, before, after, steps, warned)
 
 
@@ -558,10 +560,12 @@ def _run_guarded(run: _Run) -> _Watch | Continued:
     """The run, watched, with the job's save directory fingerprinted before and after and its
     resumable checkpoints read again whole after it, whatever its outcome: not certified when
     anything changed there (``touched``, for the caller's alarm) or when its printed arguments
-    stopped it; a run that failed otherwise raises, once the save directory was seen."""
+    stopped it; a run that failed otherwise raises, once the save directory was seen. Those that
+    could not be read again are warned of (``unverified``)."""
     save_dir = run.profile.job.save_dir
     ours = {run.log, run.job_log}
-    resumable = _resumable(run.profile, layout.parse_iter_dir(run.restored.name))
+    resumable, skipped = _resumable(run.profile, layout.parse_iter_dir(run.restored.name))
+    unverified = [Check(PRODUCTION, Outcome.WARN, line) for line in skipped]
     untouched = fingerprint(save_dir, ours)
     failure = watch = None
     try:
@@ -572,7 +576,7 @@ def _run_guarded(run: _Run) -> _Watch | Continued:
     said = [f"{save_dir}: the continuation changed the job's save directory: {touched}"] if touched else []
     said += _reverified(run.profile, resumable)
     if said:
-        checks = [Check(PRODUCTION, Outcome.FAIL, line) for line in said]
+        checks = unverified + [Check(PRODUCTION, Outcome.FAIL, line) for line in said]  # the alarm's last
         return Continued(Outcome.UNCHECKED, "not certified", checks, touched="; ".join(said))
     if isinstance(failure, process.Failed) and _written(run.log):
         raise CkptopsError(
@@ -581,36 +585,66 @@ def _run_guarded(run: _Run) -> _Watch | Continued:
     if failure is not None:
         raise failure
     if watch.stopped is not None:
-        return Continued(Outcome.UNCHECKED, "not certified", [Check(PRINTED, Outcome.FAIL, watch.stopped)])
+        stopped = Check(PRINTED, Outcome.FAIL, watch.stopped)
+        return Continued(Outcome.UNCHECKED, "not certified", [stopped, *unverified])
+    watch.unverified = unverified
     return watch
 
 
-def _resumable(profile, drilled: int | None) -> list[tuple[Path, Manifest]]:
+def _resumable(profile, drilled: int | None) -> tuple[list[tuple[Path, Manifest]], list[str]]:
     """The job's checkpoints a resume may take, each with the manifest it is valid by, read
     before the continuation: the promoted one and the one drilled (the drill certifies it),
-    where its manifest says valid for the save on disk."""
+    where its manifest says valid for the save on disk; and one line for each of them that
+    cannot be read again after the run, and why (a pointer that cannot be read, a manifest that
+    is missing, unreadable, or not for the save on disk; a drilled checkpoint no longer there is
+    no resume's)."""
     save_dir, trust = profile.job.save_dir, Trust.of(profile)
+    found, skipped = [], []
     try:
         promoted = read_pointer(save_dir)
-    except CkptopsError:
+    except CkptopsError as e:
         promoted = None  # a garbled pointer: its bytes are fingerprinted all the same
-    found = []
+        skipped.append(f"the promoted checkpoint will not be re-verified after the continuation: {e}")
     for iteration in sorted({i for i in (promoted, drilled) if i is not None}):
         directory = save_dir / layout.iter_dir_name(iteration)
+        which = "promoted" if iteration == promoted else "drilled"
+        if which == "drilled" and not os.path.lexists(directory):
+            continue  # drilled from the archive, gone from the save directory: no resume takes it
         try:
             manifest = valid_for_this_save(directory, iteration, trust)
-        except (CkptopsError, OSError):
-            manifest = None
+            why = None if manifest is not None else _not_valid_for_this_save(directory, iteration, trust)
+        except (CkptopsError, OSError) as e:
+            manifest, why = None, f"its manifest cannot be read ({e})"
         if manifest is not None:
             found.append((directory, manifest))
-    return found
+        else:
+            skipped.append(
+                f"{directory}: the {which} checkpoint will not be re-verified after the continuation: {why}"
+            )
+    return found, skipped
+
+
+def _not_valid_for_this_save(directory: Path, iteration: int, trust: Trust) -> str:
+    """Why ``valid_for_this_save`` found no manifest to verify ``directory`` by."""
+    try:
+        manifest = read_manifest(directory, trust)
+    except (CkptopsError, OSError) as e:
+        return f"its manifest cannot be read ({e})"
+    if manifest is None:
+        return "it has no manifest"
+    if not manifest.valid:
+        return "its manifest says invalid"
+    return (
+        f"its manifest is not for the save on disk (iteration {manifest.iteration}, a linked directory, "
+        "or files saved again since)"
+    )
 
 
 def _reverified(profile, resumable: list[tuple[Path, Manifest]]) -> list[str]:
     """Each of ``resumable`` read again, every byte, against the manifest it was valid by
     (``verify_checkpoint`` with it as the reference: hashes, not stats): one line for each that
     no longer matches, naming the file."""
-    options = VerifyOptions(job=profile.job.name, megatron_core_version=profile.job.megatron_core_version)
+    options = VerifyOptions.from_profile(profile)  # the profile's engine, threads and hashing
     said = []
     for directory, manifest in resumable:
         try:
