@@ -268,3 +268,47 @@ def test_a_node_whose_history_another_account_could_write_is_held_for_a_person(t
     assert outcome.action == "held"
     assert outcome.detail.startswith(f"its history is not ckptops's own ({history}: owned by another account")
     assert outcome.detail.endswith("): a person decides")
+
+
+def test_an_untrusted_history_never_lifts_an_exclusion_and_an_old_group_writable_raw_dir_heals(
+    tmp_path, monkeypatch
+):
+    """Before: a history ckptops could not trust read as empty, so the next sweep rewrote the
+    exclusion file ``[]`` and a node that failed its checks was free for NVRx's restarts; and a
+    ``raw_dir`` the old code made 0775 (``mkdir`` under a umask of 002) was never trusted again."""
+    out = tmp_path / "exclusions"
+    out.mkdir()
+    settings = health(tmp_path, out)
+    raw = settings.raw_dir
+    report = type("R", (), {"started_at": NOW.isoformat(), "summary": "xid 79", "checks": []})
+    report.node, report.verdict = "n1", Verdict.FAIL_HARDWARE
+    record_verdict(raw, report)
+    monkeypatch.setattr(
+        nvrx.slurm, "node_statuses", lambda nodes: {n: ("drain", "ckptops inc-1") for n in nodes}
+    )
+    monkeypatch.setattr(nvrx, "allocation_units", lambda node: [("41", "3")])
+    now = time.time()
+    assert nvrx.publish_for(settings, now=now).written == ["scheduler_exclusion.41.jsonl"]
+    path = out / "scheduler_exclusion.41.jsonl"
+    published = path.read_bytes()
+    # The old code's 0775 raw_dir, here another account's (nothing ckptops may heal): untrusted.
+    os.chmod(raw, 0o775)
+    os.chown(raw, 65534, 65534)
+    update = nvrx.publish_for(settings, now=now + 60)
+    assert path.read_bytes() == published and nvrx_reader_excludes(out, "41", "3", now + 60)
+    assert not update.written and not update.removed
+    (error,) = update.errors
+    assert error.startswith(f"{raw}: owned by another account than ckptops's") and error.endswith(
+        f"exclusion files in {out} left unchanged"
+    )
+    # ckptops's own raw_dir, left 0775 by the old code: made 0755, and trusted again.
+    os.chown(raw, os.geteuid(), os.getegid())
+    update = nvrx.publish_for(settings, now=now + 120)
+    assert not update.errors and update.written == ["scheduler_exclusion.41.jsonl"]
+    assert stat.S_IMODE(os.stat(raw).st_mode) == 0o755
+    assert nvrx_reader_excludes(out, "41", "3", now + 120)
+    # A node's folder the old code left 0775 is made 0755 by the next line written there.
+    os.chmod(raw / "n1", 0o775)
+    record_burn_in(raw, "n1", 3, False, "FAIL_HARDWARE dcgm-diag", NOW)
+    assert stat.S_IMODE(os.stat(raw / "n1").st_mode) == 0o755
+    assert [e["kind"] for e in read_history(raw, "n1")] == ["verdict", "burn-in"]

@@ -159,3 +159,45 @@ def test_a_trash_record_another_account_could_write_proves_nothing(tmp_path, cap
         assert local.purge_trash(save) == [users]
     assert users.is_dir()
     assert any(f"{record}: owned by another account than ckptops's" in r.getMessage() for r in caplog.records)
+
+
+def test_ckptops_own_trash_record_is_trusted_in_a_save_directory_of_the_jobs_user(
+    tmp_path, monkeypatch, caplog
+):
+    """Before: the record was trusted only in a folder of ckptops's account, and the save
+    directory is normally the job user's: a delete a crash cut short was never finished. Now the
+    record is trusted by the file alone (ckptops's, 0600, one link); any other still proves
+    nothing."""
+    import os
+    import shutil
+
+    from tasks.storage import local
+
+    save = tmp_path / "save"
+    save.mkdir()
+    os.chown(save, 65534, 65534)  # the job's user's save directory
+
+    def crashed_delete():
+        (save / "iter_0000004").mkdir()
+        with monkeypatch.context() as crash, pytest.raises(KeyboardInterrupt):
+            crash.setattr(local.shutil, "rmtree", _killed)
+            local.remove_tree(save / "iter_0000004")
+        (trash,) = save.glob(".ckptops-trash-iter_0000004-*")
+        return trash
+
+    ours = crashed_delete()
+    assert local.purge_trash(save) == [] and not ours.exists()
+    assert not (save / local.TRASH_RECORD).exists()
+    record = save / local.TRASH_RECORD
+    for spoil, why in (
+        (lambda: os.chmod(record, 0o644), "not private to its owner (mode other than 0600)"),
+        (lambda: os.chown(record, 65534, 65534), "owned by another account than ckptops's"),
+    ):
+        trash = crashed_delete()
+        spoil()
+        with caplog.at_level("WARNING"):
+            assert local.purge_trash(save) == [trash]
+        assert trash.is_dir()
+        assert any(r.getMessage().startswith(f"{record}: {why}") for r in caplog.records)
+        record.unlink()
+        shutil.rmtree(trash)

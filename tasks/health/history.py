@@ -28,10 +28,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from tasks.errors import Unreadable
+from tasks.errors import Malformed, Unreadable
 from tasks.health.verdict import CheckName, Evidence, HealthCheck, result
 from tasks.outcome import Verdict
-from tasks.storage.local import append_private_jsonl, own_folder, read_own_jsonl, written_by_others
+from tasks.storage.local import (
+    append_private_jsonl,
+    own_folder,
+    read_jsonl,
+    read_own_jsonl,
+    tighten_own_folder,
+    written_by_others,
+)
 
 HISTORY = "history.jsonl"
 VERDICT, SUSPECT, ADMITTED, FACTS = "verdict", "suspect", "admitted", "facts"
@@ -44,8 +51,19 @@ def history_path(raw_dir: Path, node: str) -> Path:
 
 def _append(raw_dir: Path, node: str, entry: dict) -> None:
     """A line of the node's history, in the node's own folder (never through a link there),
-    created 0600."""
-    append_private_jsonl(own_folder(raw_dir, node) / HISTORY, entry)
+    created 0600; ``raw_dir`` and that folder healed first (``heal``)."""
+    folder = own_folder(raw_dir, node)
+    heal(raw_dir, node)
+    append_private_jsonl(folder / HISTORY, entry)
+
+
+def heal(raw_dir: Path, node: str) -> None:
+    """``raw_dir`` and the node's folder made 0755 where ckptops's own account owns them and an
+    older ckptops left them writable by the group (``mkdir`` under a umask of 002): after an
+    upgrade, the history reads as ckptops's own again (``tighten_own_folder``; a folder of
+    another account, or a link below ``raw_dir``, is left as it is, and stays untrusted)."""
+    tighten_own_folder(Path(raw_dir), follow=True)
+    tighten_own_folder(Path(raw_dir) / node)
 
 
 def read_history(raw_dir: Path, node: str) -> list[dict]:
@@ -62,6 +80,19 @@ def untrusted_history(raw_dir: Path, node: str) -> str | None:
     ``raw_dir`` owned by another account, or writable by its group or others), one line; None
     when only ckptops's account can have written it."""
     return written_by_others(history_path(raw_dir, node), root=raw_dir)
+
+
+def trusted_history(raw_dir: Path, node: str) -> list[dict]:
+    """``read_history`` for a decision that must never take a history it cannot trust for an
+    empty one (NVRx's exclusions: an empty history lifts one): the folders healed first
+    (``heal``), then a history still untrusted is ``Malformed``, one line naming the file or
+    folder at fault, its owner and mode."""
+    heal(raw_dir, node)
+    path = history_path(raw_dir, node)
+    why = untrusted_history(raw_dir, node)
+    if why is not None:
+        raise Malformed(f"{why}; nothing in {path} is trusted (only a history of ckptops's own account is)")
+    return read_jsonl(path, _is_entry)
 
 
 def kind(entry: dict) -> str:

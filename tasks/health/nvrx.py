@@ -22,13 +22,14 @@ another account's lock file or holder is refused at once), waiting for another s
 """
 
 import json
+import os
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
 from tasks.cluster import slurm
 from tasks.errors import CkptopsError
-from tasks.health.history import HISTORY, kind, read_history
+from tasks.health.history import HISTORY, kind, trusted_history
 from tasks.outcome import Verdict
 from tasks.storage.local import atomic_write, held_lock, open_regular
 
@@ -271,47 +272,66 @@ def _exclusions_of(path: Path) -> list | None:
     return first if ours and isinstance(first, list) else None
 
 
-def excluded_nodes(settings, nodes: list[str]) -> dict[str, tuple[str, str]]:
+def excluded_nodes(settings, nodes: list[str]) -> tuple[dict[str, tuple[str, str]], list[str]]:
     """The nodes NVRx should keep out, from their history: those whose last word is a failing
     verdict or a failed burn-in (a passing verdict, a passed burn-in or a return clears it; a
-    SUSPECT or TOOL_ERROR says nothing), each with Slurm's state and reason now."""
-    found = {}
+    SUSPECT or TOOL_ERROR says nothing), each with Slurm's state and reason now; and one line
+    for each node whose history cannot be trusted or read (``trusted_history``): that says
+    nothing about the node, and must never be taken for a history that clears it."""
+    found, errors = {}, []
     for node in nodes:
-        out = False
-        for entry in read_history(settings.raw_dir, node):
-            match kind(entry):
-                case "verdict":
-                    try:
-                        verdict = Verdict(entry.get("verdict"))
-                    except ValueError:
-                        continue
-                    if verdict not in (Verdict.SUSPECT, Verdict.TOOL_ERROR):
-                        out = verdict.is_failure
-                case "burn-in":
-                    out = not entry.get("passed")
-                case "returned":
-                    out = False
-        if out:
+        try:
+            entries = trusted_history(settings.raw_dir, node)
+        except CkptopsError as e:
+            errors.append(str(e))
+            continue
+        if _excluded_by(entries):
             found[node] = slurm.node_status(node)
-    return found
+    return found, errors
+
+
+def _excluded_by(entries: list[dict]) -> bool:
+    out = False
+    for entry in entries:
+        match kind(entry):
+            case "verdict":
+                try:
+                    verdict = Verdict(entry.get("verdict"))
+                except ValueError:
+                    continue
+                if verdict not in (Verdict.SUSPECT, Verdict.TOOL_ERROR):
+                    out = verdict.is_failure
+            case "burn-in":
+                out = not entry.get("passed")
+            case "returned":
+                out = False
+    return out
 
 
 def publish_for(settings, now: float | None = None) -> SegmentUpdate:
     """``health.nvrx_exclusion_dir`` brought up to date: every node with a history (every node
     ever checked, not only this sweep's) judged, and a file for each job running on an excluded
-    one."""
+    one. Where a node's history cannot be trusted (``trusted_history``, after healing the folders
+    an older ckptops left group-writable) no file is written or removed, and each such history is
+    one error line: an exclusion it held is never lifted by a history nobody can read.
+    (The files then age out of NVRx's 30 minutes until the history is fixed.)"""
     import time
 
     raw = Path(settings.raw_dir)
-    known = sorted(p.name for p in raw.iterdir() if (p / HISTORY).is_file()) if raw.is_dir() else []
-    excluded = excluded_nodes(settings, known)
+    # Whatever is at a history's name (a link too): one that cannot be trusted is an error, not no history.
+    known = sorted(p.name for p in raw.iterdir() if os.path.lexists(p / HISTORY)) if raw.is_dir() else []
+    directory = Path(settings.nvrx_exclusion_dir)
+    if not directory.is_dir():
+        return SegmentUpdate(errors=[f"health.nvrx_exclusion_dir {directory}: not a directory"])
+    excluded, untrusted = excluded_nodes(settings, known)
+    if untrusted:  # an exclusion it held would be lifted: every file is left as it is
+        return SegmentUpdate(
+            errors=[f"{why}; exclusion files in {directory} left unchanged" for why in untrusted]
+        )
     jobs: dict[str, dict[str, list[str]]] = {}
     for node in excluded:
         for job_id, task_id in allocation_units(node):
             jobs.setdefault(job_id, {}).setdefault(node, []).append(task_id)
-    directory = Path(settings.nvrx_exclusion_dir)
-    if not directory.is_dir():
-        return SegmentUpdate(errors=[f"health.nvrx_exclusion_dir {directory}: not a directory"])
     try:
         return publish_exclusions(directory, excluded, jobs, time.time() if now is None else now)
     except (CkptopsError, OSError) as e:

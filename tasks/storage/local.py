@@ -23,7 +23,8 @@ What only ckptops's account may touch is 0600 and checked as such. A lock (``hel
 can open a file can ``flock`` it, so a lock file another account owns or may write, or a holder
 of another account, is refused at once, and a holder of ours is waited for only up to a timeout.
 A log ckptops acts on (a node's history, the drain log, the trash record: ``append_private_jsonl``)
-is read only while nobody else can have written it (``read_own_jsonl``). ``remove_tree`` records
+is read only while nobody else can have written it (``read_own_jsonl``; the trash record, in a
+folder the job's user owns, by the file alone: ckptops's own, 0600, one link). ``remove_tree`` records
 each trash name before its rename, and ``purge_trash`` deletes only what that record proves.
 """
 
@@ -193,7 +194,8 @@ def _what_is_there(path: Path) -> str:
 def own_folder(root: Path, *parts: str) -> Path:
     """The folder ``root/parts...`` that ckptops names and keeps in a folder it was given
     (``.ckptops-history`` and its ``drills``, ``.ckptops-pins``, a node's raw folder), made
-    where absent. ``root`` is the operator's and may be a link; below it nothing may be: a
+    where absent, and tightened where an older ckptops left it group-writable
+    (``tighten_own_folder``). ``root`` is the operator's and may be a link; below it nothing may be: a
     link, or anything but a folder, at one of these names is ``Malformed`` (one line naming it)
     and never followed, so no file of ckptops's can be steered out of the folder it was given."""
     path = Path(root)
@@ -209,7 +211,32 @@ def own_folder(root: Path, *parts: str) -> Path:
                 f"{path}: {_what_is_there(path)} where ckptops keeps a folder of its own; "
                 "nothing is written through it (remove it)"
             )
+        tighten_own_folder(path)
     return path
+
+
+def tighten_own_folder(path: Path, follow: bool = False) -> bool:
+    """Heal a folder ckptops made before it made them 0755 (``mkdir`` under a umask of 002 left
+    it 0775, and nothing in it could be trusted again): a folder owned by ckptops's own account
+    that its group or others may write, and not sticky, loses those write bits (0775 -> 0755).
+    Anything else (absent, a link unless ``follow``, not a folder, another account's) is left as
+    it is. Checked and changed on one descriptor, so nothing can be swapped in between. Whether
+    the mode was changed."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return False  # absent, a link, not a folder, or unreadable: not for us to heal
+    try:
+        found = os.fstat(fd)
+        mode = stat.S_IMODE(found.st_mode)
+        loose = mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX
+        if found.st_uid != os.geteuid() or not loose:
+            return False
+        os.fchmod(fd, mode & ~(stat.S_IWGRP | stat.S_IWOTH))
+        return True
+    finally:
+        os.close(fd)
 
 
 def open_for_writing(
@@ -523,7 +550,7 @@ def read_own_jsonl(
     path: Path, fits: Callable[[dict], bool] | None = None, root: Path | None = None
 ) -> list[dict]:
     """``read_jsonl`` of a log ckptops trusts only from its own account (a node's history, the
-    drain log, the trash record): where ``written_by_others`` finds that another account could
+    drain log): where ``written_by_others`` finds that another account could
     have written it, one warning names the file or folder, its owner and mode, and nothing in it
     is used (an empty log)."""
     why = written_by_others(path, root)
@@ -657,15 +684,68 @@ def _is_trash_entry(entry: dict) -> bool:
     )
 
 
+def _private_file_fault(found: os.stat_result) -> str | None:
+    """What lets another account than ckptops's have written the file ``found`` describes (its
+    ``fstat``), or None: only a regular file owned by ckptops's account, with no group or other
+    bits and no other hard link, can have been written by nobody else."""
+    if not stat.S_ISREG(found.st_mode):
+        return _KINDS.get(stat.S_IFMT(found.st_mode), "not a regular file")
+    if found.st_uid != os.geteuid():
+        return f"owned by another account than ckptops's ({user_name(os.geteuid())})"
+    if stat.S_IMODE(found.st_mode) & 0o077:
+        return "not private to its owner (mode other than 0600)"
+    if found.st_nlink != 1:
+        return f"a file with {found.st_nlink} hard links"
+    return None
+
+
+def _read_trash_record(record: Path) -> list[dict]:
+    """The entries of a trash record, trusted by the file alone: the save directory it lies in
+    is normally the job user's, so its folder proves nothing (``read_own_jsonl`` would distrust
+    every record there), but a regular file of ckptops's account, 0600, with one link, only
+    that account can have written; each entry's device and inode then prove its folder. Any
+    other file (a link among them) is one warning naming it, its mode and owner, and proves
+    nothing (no entries). Checked on the opened descriptor, so nothing can be swapped in."""
+    try:
+        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise unreadable(record, e) from None
+        warn_once(f"{record}: a symbolic link; nothing in it is trusted (only ckptops's own 0600 file is)")
+        return []
+    with os.fdopen(fd, "rb") as f:
+        found = os.fstat(f.fileno())
+        why = _private_file_fault(found)
+        if why is not None:
+            warn_once(
+                f"{record}: {why}: {_mode_and_owner(found)}; nothing in it is trusted "
+                "(only ckptops's own 0600 file is)"
+            )
+            return []
+        data = f.read()
+    entries, skipped = [], []
+    for number, line in enumerate(data.split(b"\n"), 1):
+        entry = _entry(line, _is_trash_entry) if line.strip() else {}
+        if entry is None:
+            skipped.append(number)
+        elif entry:
+            entries.append(entry)
+    if skipped:
+        _warn_skipped(record, skipped)
+    return entries
+
+
 def purge_trash(directory: Path) -> list[Path]:
     """Finish the deletions a crash interrupted: remove each trash folder ``remove_tree``
-    recorded (its name, device and inode in ``directory``'s trash record, trusted only from
-    ckptops's own account: ``read_own_jsonl``), then drop the record's lines of trash no longer
+    recorded (its name, device and inode in ``directory``'s trash record, trusted only as
+    ckptops's own file: ``_read_trash_record``), then drop the record's lines of trash no longer
     there. A ``.ckptops-trash-*`` entry that is not one of those (a user's folder, a link, a
     folder put where ours was) is left alone, named once in a warning, and returned."""
     directory = Path(directory)
     record = directory / TRASH_RECORD
-    made, entries = {}, read_own_jsonl(record, _is_trash_entry)
+    made, entries = {}, _read_trash_record(record)
     for entry in entries:
         if entry.get("removed") is True:
             made.pop(entry["trash"], None)
