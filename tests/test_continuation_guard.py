@@ -202,6 +202,43 @@ def test_only_the_commands_own_processes_carry_its_token(tmp_path):
         started.wait()
 
 
+def _a_later_tick_than(ticks: int) -> None:
+    """Returns once a process started now starts in a later clock tick than ``ticks`` (probes,
+    started one after another until one does: the clock /proc/PID/stat counts in)."""
+    for _ in range(100_000):
+        probe = subprocess.Popen(["true"])
+        later = process.start_ticks(probe.pid) > ticks
+        probe.wait()
+        if later:
+            return
+    raise AssertionError(f"no process started after clock tick {ticks}")
+
+
+def test_a_process_older_than_the_command_is_neither_read_nor_killed_by_the_sweep(tmp_path, monkeypatch):
+    """A process started before the command, its variable set by hand: before, the sweep read the
+    environment of every process (a read that blocks on one stuck in I/O) and killed it."""
+    monkeypatch.setattr(process.secrets, "token_hex", lambda n: "0123456789abcdef")
+    variable = {f"{process.TOKEN}0123456789abcdef": "1"}
+    older = subprocess.Popen(["sleep", "300"], env={**os.environ, **variable}, start_new_session=True)
+    try:
+        _a_later_tick_than(process.start_ticks(older.pid))
+        started = process.start(["sleep", "300"], tmp_path / "log")
+        assert started.token == "0123456789abcdef" and started.start_ticks > process.start_ticks(older.pid)
+        assert set(process.carrying(started.token, float("inf"))) == {older.pid, started.pid}
+        assert process.carrying(started.token, float("inf"), started.start_ticks) == [started.pid]
+        read, holds = [], process._holds
+        monkeypatch.setattr(
+            process, "_holds", lambda name, needle: read.append(int(name)) or holds(name, needle)
+        )
+        assert process.terminate(started.pid, hard=True, token=started.token)
+        assert started.pid in read and older.pid not in read
+        started.wait()
+        assert older.poll() is None and process.running(older.pid)
+    finally:
+        older.kill()
+        older.wait()
+
+
 def test_a_script_that_reaches_production_after_training_is_caught_and_nothing_is_certified(
     trained, tmp_path, options
 ):

@@ -7,7 +7,10 @@ process the command started is noted while it runs and killed, with its group, a
 process that left the tree before it was noted (``setsid -f``, a double fork: reparented to init)
 is found by a variable of the command's own in its environment (``start`` sets it, its children
 inherit it; /proc/PID/environ, read bounded) and killed too; one that clears its environment is
-not.
+not. Only processes that started no earlier than the command are read (their start time in
+/proc/PID/stat, which never blocks, unlike environ on a process stuck in uninterruptible I/O), and
+each is signalled through a pidfd opened before its environment is read, so a pid the kernel gave
+to another process meanwhile is never signalled.
 """
 
 import contextlib
@@ -133,7 +136,20 @@ def start(
     finally:
         os.close(sink)
     started.token = token
+    started.start_ticks = start_ticks(started.pid)  # our child, not reaped yet: its stat is there
     return started
+
+
+def start_ticks(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (/proc/PID/stat's 22nd field, read without
+    touching the process's memory: it does not block on a process stuck in I/O); None when it
+    cannot be read (gone, no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read(4096)
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])  # fields after the name, from the 3rd
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def running(pid: int, holder: dict | None = None) -> bool:
@@ -168,6 +184,7 @@ def terminate(
     ``grace_seconds``, 30 s when ``hard``)."""
     if not running(pid, holder):
         return False
+    since = start_ticks(pid)  # what it started started after it: older processes are not read
     descendants: dict[int, int] = {}
     _note_descendants(pid, descendants)
     if not hard:
@@ -184,7 +201,7 @@ def terminate(
     for child in (pid, *descendants):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(child, signal.SIGKILL)
-    kill_carrying(token)
+    kill_carrying(token, since)
     deadline = time.monotonic() + grace_seconds  # a process in uninterruptible I/O may linger
     while time.monotonic() < deadline and any(running(p) for p in (pid, *descendants)):
         time.sleep(0.05)
@@ -248,15 +265,26 @@ def _kill_all(process: subprocess.Popen, descendants: dict[int, int]) -> None:
     for pid in descendants:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-    kill_carrying(getattr(process, "token", None))
+    kill_carrying(getattr(process, "token", None), getattr(process, "start_ticks", None))
     process.wait()
 
 
-def carrying(token: str, deadline: float) -> list[int]:
+def carrying(token: str, deadline: float, since: int | None = None) -> list[int]:
     """The processes of this host whose environment holds ``token``'s variable, read from
     /proc/PID/environ (at most ``_ENVIRON_BYTES`` each) until ``deadline`` (``time.monotonic``):
-    what ``start`` started, wherever it went since. One that cannot be read (gone, another
-    user's) is passed over; so is this process."""
+    what ``start`` started, wherever it went since. With ``since`` (``start_ticks`` of the
+    command), only those that started no earlier are read. One that cannot be read (gone,
+    another user's) is passed over; so is this process."""
+    found = _carriers(token, deadline, since, signalled=False)
+    return [pid for pid, _ in found]
+
+
+def _carriers(
+    token: str, deadline: float, since: int | None, signalled: bool
+) -> list[tuple[int, int | None]]:
+    """``carrying``'s processes, each with a pidfd opened before its environment was read
+    (``signalled``, where the kernel has pidfds; else None): the process that was read, or one
+    gone since, never a later holder of its pid."""
     needle = f"{TOKEN}{token}=".encode()
     try:
         names = os.listdir("/proc")
@@ -268,32 +296,66 @@ def carrying(token: str, deadline: float) -> list[int]:
             break
         if not name.isdigit() or int(name) == os.getpid():
             continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                environ = f.read(_ENVIRON_BYTES)
-        except OSError:
-            continue
-        if environ.startswith(needle) or b"\0" + needle in environ:
-            found.append(int(name))
+        started = start_ticks(int(name)) if since is not None else None
+        if since is not None and (started is None or started < since):
+            continue  # older than the command (never its), or gone: its environment is not read
+        fd = _pidfd(int(name)) if signalled else None
+        if _holds(name, needle):
+            found.append((int(name), fd))
+        elif fd is not None:
+            os.close(fd)
     return found
 
 
-def kill_carrying(token: str | None) -> list[int]:
-    """SIGKILL every process carrying ``token`` (``carrying``), and the group of each that leads
-    one, pass after pass until none is found (a killed process is a zombie with no environment
-    left) or ``_SWEEPS`` passes or ``_SWEEP_SECONDS`` are spent; the processes killed."""
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfds here (an old kernel), or gone already
+        return None
+
+
+def _holds(name: str, needle: bytes) -> bool:
+    try:
+        with open(f"/proc/{name}/environ", "rb") as f:
+            environ = f.read(_ENVIRON_BYTES)
+    except OSError:
+        return False
+    return environ.startswith(needle) or b"\0" + needle in environ
+
+
+def kill_carrying(token: str | None, since: int | None = None) -> list[int]:
+    """SIGKILL every process carrying ``token`` (``carrying``; with ``since``, those started no
+    earlier), and the group of each that leads one, pass after pass until none is found (a
+    killed process is a zombie with no environment left) or ``_SWEEPS`` passes or
+    ``_SWEEP_SECONDS`` are spent; the processes killed. Each is signalled through its pidfd where
+    the kernel has them (a pid reused meanwhile is not signalled)."""
     if token is None:
         return []
     deadline = time.monotonic() + _SWEEP_SECONDS
     killed: list[int] = []
     for _ in range(_SWEEPS):
-        found = carrying(token, deadline)
+        found = _carriers(token, deadline, since, signalled=True)
         if not found:
             break
-        for pid in found:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                if os.getpgid(pid) == pid:
-                    os.killpg(pid, signal.SIGKILL)
-                os.kill(pid, signal.SIGKILL)
-        killed += found
+        for pid, fd in found:
+            _kill(pid, fd)
+        killed += [pid for pid, _ in found]
     return killed
+
+
+def _kill(pid: int, fd: int | None) -> None:
+    """SIGKILL ``pid``'s group where it leads one, then ``pid``: by its pidfd ``fd`` (closed
+    here) when there is one, the group only while the pidfd says its leader still runs."""
+    try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if fd is not None:
+                signal.pidfd_send_signal(fd, 0)  # raises once it is gone: its pid may be another's
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            if fd is not None:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+    finally:
+        if fd is not None:
+            os.close(fd)
