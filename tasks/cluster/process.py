@@ -152,6 +152,12 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
+def ticks_at(epoch: float) -> int:
+    """``start_ticks``'s clock at ``epoch`` (seconds since the epoch, as ``identity`` keeps a
+    process's start), one tick early: psutil's start time is boot time plus the ticks, rounded."""
+    return max(0, int((epoch - psutil.boot_time()) * os.sysconf("SC_CLK_TCK")) - 1)
+
+
 def running(pid: int, holder: dict | None = None) -> bool:
     """Whether ``pid`` still runs (a zombie does not, and is reaped if it is our child); with
     ``holder`` (an ``identity``), only if it is still that process and not a reuse of its pid."""

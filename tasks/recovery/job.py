@@ -286,8 +286,10 @@ def cancel(job: str, holder: dict | None = None, timeout_seconds: float = 60.0, 
                 return f"job {job} runs on {holder.get('host')}: not cancelled from here, cancel it there"
             token = _launch_token(holder)
             ended = process.terminate(pid, min(30.0, timeout_seconds / 2), holder, hard, token)
-            if not ended:  # its script ended, a child that left its session (setsid -f) may not have
-                process.kill_carrying(token)
+            if not ended and isinstance((holder or {}).get("started"), (int, float)):
+                # Its script ended; a child that left its session (setsid -f) may not have. Only
+                # processes started since the script are read: never an older one stuck in I/O.
+                process.kill_carrying(token, process.ticks_at(holder["started"]))
             return f"job {job} {'stopped' if ended else 'had already ended'}"
         if not alive(job):
             return f"job {job} had already ended"
