@@ -16,6 +16,7 @@ to another process meanwhile is never signalled.
 import contextlib
 import os
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -344,14 +345,16 @@ def kill_carrying(token: str | None, since: int | None = None) -> list[int]:
         if not found:
             break
         for pid, fd in found:
-            _kill(pid, fd)
+            _kill(pid, fd, deadline)
         killed += [pid for pid, _ in found]
     return killed
 
 
-def _kill(pid: int, fd: int | None) -> None:
+def _kill(pid: int, fd: int | None, deadline: float) -> None:
     """SIGKILL ``pid``'s group where it leads one, then ``pid``: by its pidfd ``fd`` (closed
-    here) when there is one, the group only while the pidfd says its leader still runs."""
+    here) when there is one, the group only while the pidfd says its leader still runs, and then
+    waits for it to be gone (its pidfd readable) until ``deadline`` (``time.monotonic``): a
+    signal is delivered when the process is next scheduled, which on a busy host is later."""
     try:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             if fd is not None:
@@ -362,6 +365,8 @@ def _kill(pid: int, fd: int | None) -> None:
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
             else:
                 os.kill(pid, signal.SIGKILL)
+        if fd is not None:
+            select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
     finally:
         if fd is not None:
             os.close(fd)
