@@ -111,3 +111,16 @@ def test_a_manifest_ckptops_wrote_never_makes_a_dead_save_look_active(tmp_path):
     (directory / layout.MANIFEST).write_text("{}\n")
     done = completeness(directory, VerifyOptions(job="test", abandon_after_seconds=3600))
     assert done.state is State.INVALID and done.reason.startswith("metadata.json: missing, no change for")
+
+
+def test_a_fifo_at_megatrons_tracker_is_named_never_waited_on(tmp_path):
+    """Save health read the tracker with a plain open: a FIFO there hung status and the flow. One
+    reader for both now: the tracker is not an iteration, and the alarm says why."""
+    from tasks.checkpoint.saves import read_tracker
+
+    save_dir = tmp_path / "checkpoints"
+    save_dir.mkdir()
+    os.mkfifo(save_dir / TRACKER)
+    assert read_tracker(save_dir) is None
+    [alarm] = tracker_alarms(save_dir, [], VerifyOptions(job="fifo"))
+    assert alarm.iteration is None and "a FIFO, not a regular file" in alarm.why

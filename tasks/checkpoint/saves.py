@@ -29,9 +29,10 @@ from pathlib import Path
 
 from tasks.checkpoint import dialect, layout
 from tasks.checkpoint.state import State, VerifyOptions, completeness
-from tasks.errors import unreadable
+from tasks.errors import CkptopsError, unreadable
 from tasks.job.save_log import SaveLog, job_log, p99, read_save_log_file
-from tasks.storage.local import list_files, read_state
+from tasks.storage.bounded import read_bounded
+from tasks.storage.local import list_files
 
 # Without a configured threshold or three measured saves to take a p99 from.
 UNMEASURED_STALL_SECONDS = 1800.0
@@ -178,11 +179,32 @@ def stall_threshold(configured: float | None, factor: float, log: SaveLog | None
     )
 
 
+# Megatron-LM's tracker holds an iteration or "release"; anything longer is not one.
+_TRACKER_LIMIT = 4096
+
+
+def megatron_tracker(save_dir: Path) -> tuple[int | None, str | None]:
+    """The iteration Megatron-LM's tracker names (None: no tracker, or ``release``), or why it
+    cannot be read."""
+    path = Path(save_dir) / layout.MEGATRON_TRACKER
+    if not path.exists() and not path.is_symlink():
+        return None, None
+    try:
+        text = read_bounded(path, _TRACKER_LIMIT, "Megatron-LM's tracker").decode("ascii").strip()
+    except (CkptopsError, OSError, UnicodeDecodeError) as e:
+        return None, str(e).removeprefix(f"{path}: ") if isinstance(e, CkptopsError) else str(e)
+    if text == "release":
+        return None, None
+    if not text.isdigit():
+        return None, f"not an iteration ({text[:40]!r})"
+    return int(text), None
+
+
 def read_tracker(save_dir: Path) -> int | None:
-    """Megatron-LM's tracker: an iteration, or None (absent, ``release``, or not a number)."""
-    data = read_state(Path(save_dir) / layout.MEGATRON_TRACKER)
-    text = (data or b"").decode("ascii", "replace").strip()
-    return int(text) if text.isdigit() else None
+    """Megatron-LM's tracker: an iteration, or None (absent, ``release``, not a number, or not
+    readable as a small regular file: ``megatron_tracker`` says why, and the trackers' alarm
+    names it)."""
+    return megatron_tracker(save_dir)[0]
 
 
 def _missing_ranks(files: dict[str, os.stat_result], world_size: int | None) -> list[int]:

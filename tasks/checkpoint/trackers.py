@@ -13,13 +13,9 @@ from pathlib import Path
 
 from tasks.checkpoint import dialect, layout
 from tasks.checkpoint.catalog import CheckpointInfo
-from tasks.checkpoint.saves import SaveReport
+from tasks.checkpoint.saves import SaveReport, megatron_tracker
 from tasks.checkpoint.state import State, VerifyOptions
 from tasks.errors import CkptopsError
-from tasks.storage.bounded import read_bounded
-
-# Megatron-LM's tracker holds an iteration or "release"; anything longer is not one.
-_TRACKER_LIMIT = 4096
 
 
 @dataclass(frozen=True)
@@ -37,23 +33,6 @@ class TrackerAlarm:
             f"ALERT {self.tracker} {named}, {self.why}: a job started with --load would resume from it; "
             "ckptops resumes only from the promoted checkpoint"
         )
-
-
-def _megatron_tracker(save_dir: Path) -> tuple[int | None, str | None]:
-    """The iteration Megatron-LM's tracker names (None: no tracker, or ``release``), or why it
-    cannot be read."""
-    path = save_dir / layout.MEGATRON_TRACKER
-    if not path.exists() and not path.is_symlink():
-        return None, None
-    try:
-        text = read_bounded(path, _TRACKER_LIMIT, "Megatron-LM's tracker").decode("ascii").strip()
-    except (CkptopsError, OSError, UnicodeDecodeError) as e:
-        return None, str(e).removeprefix(f"{path}: ") if isinstance(e, CkptopsError) else str(e)
-    if text == "release":
-        return None, None
-    if not text.isdigit():
-        return None, f"not an iteration ({text[:40]!r})"
-    return int(text), None
 
 
 def _bridge_tracker(save_dir: Path) -> tuple[int | None, str | None]:
@@ -106,7 +85,7 @@ def tracker_alarms(
     by_iteration = {i.iteration: i for i in infos}
     found = []
     for reader, name, megatron in (
-        (_megatron_tracker, layout.MEGATRON_TRACKER, True),
+        (megatron_tracker, layout.MEGATRON_TRACKER, True),
         (_bridge_tracker, dialect.LATEST_TRAIN_STATE, False),
     ):
         iteration, unreadable = reader(save_dir)
